@@ -1,0 +1,34 @@
+"""Attention backends: pick flashinfer on CUDA when installed, else the torch CPU backend."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from pdserve.attention.merge import merge_attn_states
+
+log = logging.getLogger("pdserve.attention")
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "merge_attn_states", "select_backend", "write_kv"]
+
+
+def select_backend(device: torch.device | str = "cpu", prefer: str | None = None) -> AttentionBackend:
+    device = torch.device(device)
+    want = prefer or ("flashinfer" if device.type == "cuda" else "torch")
+    if want == "flashinfer":
+        try:
+            from pdserve.attention.flashinfer_backend import FlashInferAttentionBackend
+
+            backend: AttentionBackend = FlashInferAttentionBackend(device)
+        except ImportError as e:
+            log.warning("flashinfer requested but not importable (%s); using the torch backend", e)
+            from pdserve.attention.torch_backend import TorchAttentionBackend
+
+            backend = TorchAttentionBackend()
+    else:
+        from pdserve.attention.torch_backend import TorchAttentionBackend
+
+        backend = TorchAttentionBackend()
+    log.info("attention backend: %s on %s", backend.name, device)
+    return backend

@@ -1,0 +1,71 @@
+"""The attention-backend interface: paged attention that also returns each head's log-sum-exp.
+
+The LSE is what lets partial attentions over disjoint token subsets be merged exactly (merge.py), the primitive
+Decode Context Parallelism rests on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch description, built by the model runner.
+
+    Tokens of all sequences are flattened: query tokens of sequence i are rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
+    context_lens are counts of KV tokens *stored on this rank* for each sequence after this step's writes."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot per new token, -1 where this rank does not store it
+    cu_seqlens_q: list[int]  # [B+1]
+    query_start_pos: list[int]  # [B] absolute position of each sequence's first query token
+    context_lens: torch.Tensor  # [B] int64, local KV tokens per sequence
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    sliding_window: int | None = None
+    # Decode Context Parallelism: this rank stores tokens t with (t // interleave) % dcp_size == dcp_rank.
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    dcp_interleave: int = 1
+
+    def key_positions(self, num_local: int) -> torch.Tensor:
+        """Absolute positions of this rank's first num_local cached tokens (identity without DCP)."""
+        li = torch.arange(num_local)
+        if self.dcp_size == 1:
+            return li
+        i = self.dcp_interleave
+        return (li // i) * i * self.dcp_size + self.dcp_rank * i + li % i
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens_q) - 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], post-rope
+        kv_layer: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] (K already written)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (out [T, Hq, D], lse [T, Hq]) with natural-log LSE; a sequence with no local KV gives out 0, lse -inf."""
+        ...
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V rows in their slots; rows with slot -1 belong to another DCP rank."""
+    kvh, d = kv_layer.shape[-2], kv_layer.shape[-1]
+    k_flat = kv_layer[0].view(-1, kvh, d)
+    v_flat = kv_layer[1].view(-1, kvh, d)
+    if bool((slot_mapping >= 0).all()):
+        k_flat.index_copy_(0, slot_mapping, k)
+        v_flat.index_copy_(0, slot_mapping, v)
+        return
+    keep = (slot_mapping >= 0).nonzero().squeeze(1)
+    if keep.numel():
+        k_flat.index_copy_(0, slot_mapping[keep], k[keep])
+        v_flat.index_copy_(0, slot_mapping[keep], v[keep])

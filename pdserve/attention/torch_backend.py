@@ -1,0 +1,87 @@
+"""CPU attention over the paged cache with torch's fused flash kernel, which also returns the LSE."""
+from __future__ import annotations
+
+import torch
+
+from pdserve.attention.base import AttentionMetadata
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if meta.is_prefill:
+            return self._prefill(q, kv_layer, meta, scale)
+        return self._decode(q, kv_layer, meta, scale)
+
+    def _prefill(self, q, kv_layer, meta, scale):
+        hq, hkv, d = q.shape[1], kv_layer.shape[-2], q.shape[-1]
+        bs = kv_layer.shape[2]
+        outs, lses = [], []
+        for i in range(meta.num_seqs):
+            qi = q[meta.cu_seqlens_q[i] : meta.cu_seqlens_q[i + 1]]
+            n, ctx = qi.shape[0], int(meta.context_lens[i])
+            nblk = (ctx + bs - 1) // bs
+            table = meta.block_tables[i, :nblk]
+            k = kv_layer[0, table].reshape(-1, hkv, d)[:ctx]
+            v = kv_layer[1, table].reshape(-1, hkv, d)[:ctx]
+            if hq != hkv:  # prefill is compute-bound; expanding KV heads keeps the fused causal path
+                k = k.repeat_interleave(hq // hkv, dim=1)
+                v = v.repeat_interleave(hq // hkv, dim=1)
+            qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (qi, k, v))
+            start = meta.query_start_pos[i]
+            if ctx == 0:  # a DCP rank that holds none of this sequence's tokens yet
+                outs.append(torch.zeros_like(qi))
+                lses.append(torch.full((n, hq), float("-inf"), dtype=q.dtype))
+                continue
+            if start == 0 and n == ctx and meta.sliding_window is None and meta.dcp_size == 1:
+                o, lse = _flash(qb, kb, vb, 0.0, True, scale=scale)
+                outs.append(o[0].transpose(0, 1))
+                lses.append(lse[0].transpose(0, 1))
+                continue
+            qpos = torch.arange(start, start + n).unsqueeze(1)
+            kpos = meta.key_positions(ctx).unsqueeze(0)
+            allowed = kpos <= qpos
+            if meta.sliding_window is not None:
+                allowed &= kpos > qpos - meta.sliding_window
+            none = ~allowed.any(dim=1)
+            allowed[none, 0] = True  # keep the kernel finite; these rows are zeroed below
+            mask = torch.zeros(n, ctx, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+            o, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=mask.view(1, 1, n, ctx), scale=scale)
+            o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+            if bool(none.any()):
+                o = o.masked_fill(none.view(n, 1, 1), 0.0)
+                lse = lse.masked_fill(none.view(n, 1), float("-inf"))
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+    def _decode(self, q, kv_layer, meta, scale):
+        # One query per sequence: view its Hq heads as [Hkv, group] rows so GQA needs no KV copy per head.
+        b, hq, d = q.shape
+        hkv, bs = kv_layer.shape[-2], kv_layer.shape[2]
+        ctx = meta.context_lens
+        max_ctx = max(int(ctx.max()), 1)
+        nblk = (max_ctx + bs - 1) // bs
+        table = meta.block_tables[:, :nblk]
+        k = kv_layer[0, table].view(b, nblk * bs, hkv, d)[:, :max_ctx].transpose(1, 2)
+        v = kv_layer[1, table].view(b, nblk * bs, hkv, d)[:, :max_ctx].transpose(1, 2)
+        idx = torch.arange(max_ctx).unsqueeze(0)
+        allowed = idx < ctx.unsqueeze(1)
+        if meta.sliding_window is not None:
+            allowed &= idx > (ctx.unsqueeze(1) - 1 - meta.sliding_window)
+        empty = ctx == 0
+        if bool(empty.any()):
+            allowed[empty, 0] = True  # keep the kernel finite; these rows are zeroed below
+        mask = torch.zeros(b, max_ctx, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+        qg = q.view(b, hkv, hq // hkv, d)
+        o, lse = _flash(qg, k, v, 0.0, False, attn_mask=mask.view(b, 1, 1, max_ctx), scale=scale)
+        o, lse = o.reshape(b, hq, d), lse.reshape(b, hq)
+        if bool(empty.any()):
+            o = o.masked_fill(empty.view(b, 1, 1), 0.0)
+            lse = lse.masked_fill(empty.view(b, 1), float("-inf"))
+        return o, lse

@@ -1,0 +1,253 @@
+"""LLMEngine: tokenize -> schedule -> run the model on every rank -> sample -> stream outputs.
+
+Used directly for offline generation and benchmarks, and inside the prefill and decode services."""
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.executor import Executor
+from pdserve.engine.model_runner import build_step_input
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from pdserve.model.config import ModelConfig
+from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, validate_parallel_config
+from pdserve.sampling import Sampler, SamplingParams
+from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("pdserve.engine")
+
+
+class RequestError(ValueError):
+    """A request this engine refuses (maps to gRPC INVALID_ARGUMENT); the message says what to change."""
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF checkpoint directory; None = the default SmolLM2 model
+    max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
+    block_size: int = 16
+    num_kv_blocks: int = 2048  # per rank
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    prefill_chunk_size: int = 1024
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    dcp_kv_cache_interleave_size: int = 1
+    device: str = "cpu"
+    attention_backend: str | None = None  # "torch" | "flashinfer"; None picks by device
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len!r}")
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise ValueError("prefill_chunk_size must not exceed max_num_batched_tokens "
+                             f"({self.prefill_chunk_size} > {self.max_num_batched_tokens})")
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              decode_context_parallel_size=self.decode_context_parallel_size,
+                              dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size,
+                              block_size=self.block_size)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    text: str = ""  # text generated so far (before stop-string truncation)
+    emitted: int = 0  # characters of text already streamed
+    pending_ids: list[int] = field(default_factory=list)
+    pending_lps: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        if cfg.model is None:
+            from pdserve.default_model import ensure_default_model
+
+            cfg.model = str(ensure_default_model())
+        self.model_config = ModelConfig.from_path(cfg.model)
+        validate_parallel_config(ModelParallelInfo.from_hf_config(self.model_config.raw), cfg.parallel)
+        mc = self.model_config
+        self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({mc.max_position_embeddings})")
+        self.tokenizer = Tokenizer(cfg.model)
+        self.executor = Executor.create(cfg.model, cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
+                                        cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, cfg.block_size,
+                                        self.max_model_len, cfg.device, cfg.attention_backend)
+        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.decode_context_parallel_size,
+                                   cfg.dcp_kv_cache_interleave_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size)
+        self.sampler = Sampler()
+        self.eos_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrival = itertools.count()
+        self.num_prompt_tokens_computed = 0  # prefill work actually done (prefix hits excluded)
+        self.num_generated_tokens = 0
+
+    # --- requests ---
+    def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("prompt is empty: send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad!r} is out of range [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}: "
+                               f"shorten the prompt to at most {self.max_model_len - 1} tokens")
+        if not isinstance(params, SamplingParams):
+            raise RequestError("params must be a SamplingParams")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        seq = self._new_sequence(ids, params, request_id)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
+        self.validate_prompt(ids, params)
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._tracked:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params, next(self._arrival))
+        self._tracked[rid] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, ids))
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its KV blocks are free when this returns."""
+        tr = self._tracked.pop(request_id, None)
+        if tr is None:
+            return False
+        self.scheduler.finish(tr.seq, FinishReason.CANCELLED)
+        self.sampler.forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.awaiting_kv)
+
+    # --- the loop ---
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        inp = build_step_input(step, self.config.block_size, self.config.decode_context_parallel_size,
+                               self.config.dcp_kv_cache_interleave_size)
+        logits = self.executor.execute(inp)
+        for seq, n in zip(step.seqs, step.chunk_lens):
+            if step.is_prefill:
+                self.num_prompt_tokens_computed += n
+            seq.num_computed += n
+            self.blocks.register_computed(seq)
+        sampled = [step.seqs[i] for i in inp.sample_rows]
+        outputs: list[RequestOutput] = []
+        if sampled:
+            toks, lps = self.sampler.sample(logits, [s.params for s in sampled], [s.request_id for s in sampled])
+            for seq, tok, lp in zip(sampled, toks, lps):
+                outputs.append(self._append_token(seq, tok, lp))
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: int, lp: float) -> RequestOutput:
+        tr = self._tracked[seq.request_id]
+        seq.output_ids.append(tok)
+        seq.output_logprobs.append(lp)
+        self.num_generated_tokens += 1
+        tr.text += tr.detok.add(tok)
+        p = seq.params
+        reason: FinishReason | None = None
+        stop_at: int | None = None
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = FinishReason.STOP
+        else:
+            for s in p.stop:
+                i = tr.text.find(s)
+                if i >= 0 and (stop_at is None or i < stop_at):
+                    stop_at = i
+            if stop_at is not None:
+                reason = FinishReason.STOP
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        visible = tr.text if stop_at is None else tr.text[:stop_at]
+        # Hold back a tail that could still become a stop string, so no streamed text is ever taken back.
+        hold = 0 if reason is not None or not p.stop else max(len(s) for s in p.stop) - 1
+        upto = max(tr.emitted, len(visible) - hold)
+        delta = visible[tr.emitted:upto]
+        tr.emitted = upto
+        out = RequestOutput(seq.request_id, [tok], [lp], delta, reason is not None, reason,
+                            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
+                            cached_tokens=seq.num_cached_prefix)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.sampler.forget(seq.request_id)
+            del self._tracked[seq.request_id]
+        return out
+
+    # --- convenience for offline use, tests and benchmarks ---
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[dict]:
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        results = {r: {"request_id": r, "token_ids": [], "logprobs": [], "text": "", "finish_reason": None}
+                   for r in rids}
+        while any(results[r]["finish_reason"] is None for r in rids):
+            for out in self.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    continue
+                res["token_ids"] += out.new_token_ids
+                res["logprobs"] += out.new_logprobs
+                res["text"] += out.text_delta
+                if out.finished:
+                    res["finish_reason"] = out.finish_reason
+                    res["cached_tokens"] = out.cached_tokens
+        return [results[r] for r in rids]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

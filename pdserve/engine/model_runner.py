@@ -1,0 +1,107 @@
+"""Turns a scheduled step into model inputs, runs the model on this rank's slice, returns logits.
+
+StepInput is a plain picklable object: the driver builds it once for every DCP rank and broadcasts it, so every
+rank of a pod runs the same step on its own share of the KV."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.block_manager import dcp_local_count, dcp_slot
+from pdserve.engine.scheduler import ScheduledStep
+from pdserve.model.config import ModelConfig
+from pdserve.model.llama import CausalLM
+from pdserve.model.parallel_state import ParallelState
+from pdserve.model.weights import load_weights
+
+
+@dataclass
+class StepInput:
+    is_prefill: bool
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    cu_seqlens_q: list[int]
+    query_start_pos: list[int]
+    logits_indices: torch.Tensor  # rows whose next token is sampled this step
+    sample_rows: list[int]  # index into step.seqs for each logits row
+    # Per DCP rank: where new tokens go and what each rank holds.
+    slot_mappings: list[torch.Tensor]
+    context_lens: list[torch.Tensor]
+    block_tables: list[torch.Tensor]
+
+
+def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave: int) -> StepInput:
+    ids, pos, cu, starts, logit_rows, sample_rows = [], [], [0], [], [], []
+    slots: list[list[int]] = [[] for _ in range(dcp)]
+    ctx: list[list[int]] = [[] for _ in range(dcp)]
+    for i, (seq, n) in enumerate(zip(step.seqs, step.chunk_lens)):
+        start = seq.num_computed
+        all_ids = seq.all_ids
+        ids.extend(all_ids[start:start + n])
+        pos.extend(range(start, start + n))
+        starts.append(start)
+        cu.append(cu[-1] + n)
+        for p in range(start, start + n):
+            owner, li = dcp_slot(p, dcp, interleave)
+            for r in range(dcp):
+                slots[r].append(seq.block_tables[r][li // block_size] * block_size + li % block_size
+                                if r == owner else -1)
+        for r in range(dcp):
+            ctx[r].append(dcp_local_count(start + n, dcp, interleave, r))
+        if start + n == seq.num_tokens:  # this chunk reaches the end: its last row predicts the next token
+            logit_rows.append(cu[-1] - 1)
+            sample_rows.append(i)
+    tables = []
+    for r in range(dcp):
+        width = max(len(s.block_tables[r]) for s in step.seqs)
+        t = torch.zeros(len(step.seqs), max(width, 1), dtype=torch.int64)
+        for i, s in enumerate(step.seqs):
+            t[i, :len(s.block_tables[r])] = torch.tensor(s.block_tables[r], dtype=torch.int64)
+        tables.append(t)
+    return StepInput(
+        is_prefill=step.is_prefill,
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(pos, dtype=torch.int64),
+        cu_seqlens_q=cu,
+        query_start_pos=starts,
+        logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
+        sample_rows=sample_rows,
+        slot_mappings=[torch.tensor(s, dtype=torch.int64) for s in slots],
+        context_lens=[torch.tensor(c, dtype=torch.int64) for c in ctx],
+        block_tables=tables,
+    )
+
+
+class ModelRunner:
+    """One rank's model weights and KV cache."""
+
+    def __init__(self, model_path: str, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend,
+                 num_blocks: int, block_size: int, max_model_len: int, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.cfg, self.ps, self.block_size, self.device = cfg, ps, block_size, torch.device(device)
+        with torch.device(self.device):
+            self.model = CausalLM(cfg, ps, backend, max_positions=max_model_len).to(dtype)
+        load_weights(self.model, model_path)
+        # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, self.model.num_local_kv_heads,
+                                    cfg.head_dim, dtype=dtype, device=self.device)
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        r = self.ps.dcp_rank
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=step.is_prefill,
+            slot_mapping=step.slot_mappings[r].to(dev),
+            cu_seqlens_q=step.cu_seqlens_q,
+            query_start_pos=step.query_start_pos,
+            context_lens=step.context_lens[r],
+            block_tables=step.block_tables[r].to(dev),
+            sliding_window=self.cfg.sliding_window,
+            dcp_size=self.ps.dcp_size,
+            dcp_rank=r,
+            dcp_interleave=self.ps.dcp_interleave,
+        )
+        return self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_cache, meta,
+                          step.logits_indices.to(dev))

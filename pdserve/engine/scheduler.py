@@ -1,0 +1,139 @@
+"""Continuous batching: which sequences run this step, chunked prefill, admission by free KV, preemption.
+
+A step is either a prefill step (chunks of prompts, each capped at prefill_chunk_size, all within
+max_num_batched_tokens) or a decode step (one token for every running sequence). When both kinds of work wait the
+scheduler alternates, so a stream of prompts never stalls decoding and long prompts never stall short ones."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledStep:
+    is_prefill: bool
+    seqs: list[Sequence]
+    chunk_lens: list[int]  # new tokens computed per sequence this step
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_chunk_size: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_size = prefill_chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted: holding blocks (prefilling or decoding)
+        self.awaiting_kv: dict[str, Sequence] = {}
+        self._last_was_prefill = False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledStep | None:
+        decodable = [s for s in self.running if not s.prefilling]
+        want_prefill = any(s.prefilling for s in self.running) or bool(self.waiting)
+        if want_prefill and not (self._last_was_prefill and decodable):
+            step = self._schedule_prefill()
+            if step is not None:
+                self._last_was_prefill = True
+                return step
+        self._last_was_prefill = False
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledStep | None:
+        budget = self.max_num_batched_tokens
+        seqs, chunks = [], []
+        for seq in [s for s in self.running if s.prefilling]:
+            n = min(seq.num_tokens - seq.num_computed, self.prefill_chunk_size, budget)
+            if n <= 0 or not self.blocks.can_allocate(seq, seq.num_computed + n):
+                continue
+            self.blocks.allocate(seq, seq.num_computed + n)
+            seqs.append(seq)
+            chunks.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.blocks.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed, self.prefill_chunk_size, budget)
+            # Keep a block per running sequence in hand so admitting this one cannot starve their decoding.
+            if not self.blocks.can_allocate(seq, seq.num_computed + n, reserve=len(self.running) and 1):
+                self.blocks.free(seq)  # give back prefix-cache references; retried next step
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_computed + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            chunks.append(n)
+            budget -= n
+        return ScheduledStep(True, seqs, chunks) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledStep | None:
+        ready = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.arrival)
+        scheduled: list[Sequence] = []
+        for seq in ready:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted below while making room
+            while not self.blocks.can_allocate(seq, seq.num_tokens):
+                victim = self._youngest(exclude=seq)
+                if victim is None:
+                    break
+                self.preempt(victim)
+                if victim in scheduled:
+                    scheduled.remove(victim)
+            if not self.blocks.can_allocate(seq, seq.num_tokens):
+                self.preempt(seq)  # nothing left to evict: this one waits for memory itself
+                continue
+            self.blocks.allocate(seq, seq.num_tokens)
+            scheduled.append(seq)
+        return ScheduledStep(False, scheduled, [1] * len(scheduled)) if scheduled else None
+
+    def _youngest(self, exclude: Sequence) -> Sequence | None:
+        cands = [s for s in self.running if s is not exclude]
+        return max(cands, key=lambda s: s.arrival) if cands else None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's KV and queue it for recomputation at the head of the line (its tokens are kept)."""
+        self.blocks.free(seq)
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.awaiting_kv.pop(seq.request_id, None)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    # --- decode pods: KV arrives from a prefill pod instead of being computed here ---
+    def reserve_for_kv(self, seq: Sequence) -> bool:
+        """Allocate blocks for seq's prompt so a transfer can land in them; False when there is no room now."""
+        if not self.blocks.can_allocate(seq, seq.num_tokens):
+            return False
+        self.blocks.allocate(seq, seq.num_tokens)
+        seq.status = SeqStatus.WAITING_FOR_KV
+        self.awaiting_kv[seq.request_id] = seq
+        return True
+
+    def kv_landed(self, seq: Sequence, first_token: int, first_logprob: float) -> None:
+        """The prompt's KV is in place and prefill sampled the first token: seq decodes from the next step."""
+        del self.awaiting_kv[seq.request_id]
+        seq.num_computed = len(seq.prompt_ids)
+        seq.output_ids.append(first_token)
+        seq.output_logprobs.append(first_logprob)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)

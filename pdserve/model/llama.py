@@ -1,0 +1,136 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, tensor- and context-parallel.
+
+Tokens of a step are flattened ([T]) as in nano-vllm; each rank holds its TP slice of the weights (column-parallel
+QKV and gate/up, row-parallel o and down followed by an all-reduce) and, under DCP, 1/dcp of every sequence's KV."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.attention import AttentionBackend, AttentionMetadata, write_kv
+from pdserve.attention.merge import correction_weights
+from pdserve.model.config import ModelConfig
+from pdserve.model.parallel_state import ParallelState, kv_heads_for_rank, q_heads_for_rank
+from pdserve.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers so fp32 logits agree to ~1e-6.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.ps, self.backend = ps, backend
+        self.q_heads = q_heads_for_rank(cfg.num_heads, ps.tp_size, ps.tp_rank)
+        self.kv_heads = kv_heads_for_rank(cfg.num_kv_heads, ps.tp_size, ps.tp_rank)
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+        nq, nkv, d = len(self.q_heads), len(self.kv_heads), cfg.head_dim
+        self.q_size, self.kv_size = nq * d, nkv * d
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
+        self.o_weight = _param(cfg.hidden_size, self.q_size)
+        self.o_bias = _param(cfg.hidden_size) if cfg.o_bias else None
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, -1, self.head_dim)
+        k = k.view(t, -1, self.head_dim)
+        q, k = rope(positions, q, k)
+        write_kv(kv_layer, k, v.view(t, -1, self.head_dim), meta.slot_mapping)
+        out = self._attend(q, kv_layer, meta)
+        out = F.linear(out.reshape(t, self.q_size), self.o_weight)
+        out = self.ps.all_reduce(out)
+        return out if self.o_bias is None else out + self.o_bias
+
+    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        ps = self.ps
+        if ps.dcp_size == 1:
+            return self.backend.forward(q, kv_layer, meta, self.scale)[0]
+        # DCP: every rank of the group shares this KV head but holds 1/dcp of the tokens. Gather the group's
+        # queries, attend over the local tokens, then rescale each partial by exp(lse_local - lse_global) and
+        # reduce-scatter, so each rank ends with the exact output for its own heads.
+        q_all = ps.dcp_all_gather(q, dim=1)
+        out, lse = self.backend.forward(q_all, kv_layer, meta, self.scale)
+        all_lse = ps.dcp_all_gather(lse.unsqueeze(0), dim=0)
+        w = correction_weights(lse, all_lse)
+        return ps.dcp_reduce_scatter(out * w.unsqueeze(-1), dim=1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
+        super().__init__()
+        self.ps = ps
+        self.inter = cfg.intermediate_size // ps.tp_size
+        self.gate_up_weight = _param(2 * self.inter, cfg.hidden_size)
+        self.gate_up_bias = _param(2 * self.inter) if cfg.mlp_bias else None
+        self.down_weight = _param(cfg.hidden_size, self.inter)
+        self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        out = self.ps.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        return out if self.down_bias is None else out + self.down_bias
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, ps, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, ps)
+
+    def forward(self, x, positions, rope, kv_layer, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_layer, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Decoder stack + LM head. forward() returns logits only for the rows in logits_indices."""
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.cfg, self.ps = cfg, ps
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ps, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg, max_positions)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return len(self.layers[0].self_attn.kv_heads)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, kv_cache[i], meta)
+        x = self.norm(x[logits_indices])
+        return F.linear(x, self.lm_head).float()

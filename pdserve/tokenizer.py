@@ -1,0 +1,80 @@
+"""Tokenizer from tokenizer.json (HF `tokenizers`) with the checkpoint's chat template and incremental detokenizing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise FileNotFoundError(f"{tj}: not found; the model directory needs tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(tj))
+        conf: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").is_file():
+            conf = json.loads((path / "tokenizer_config.json").read_text())
+        template = conf.get("chat_template")
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        self.chat_template: str | None = template
+        self.bos_token = _token_str(conf.get("bos_token"))
+        self.eos_token = _token_str(conf.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos = bool(conf.get("add_bos_token", False))
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token:
+            bos = self._tok.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list; holds back an incomplete UTF-8 tail so no delta is ever rewritten."""
+
+    def __init__(self, tok: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tok = tok
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        full = self.tok.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = full[len(self.text):]
+        self.text = full
+        return delta
+
+
+def _token_str(v: Any) -> str | None:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v
+
+
+def _raise(msg: str) -> None:
+    raise jinja2.TemplateError(msg)

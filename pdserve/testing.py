@@ -1,0 +1,49 @@
+"""Tiny random-initialised HF checkpoints for fast tests of odd shapes (written with transformers itself)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def write_tiny_checkpoint(path: str | Path, family: str = "llama", *, num_heads: int = 8, num_kv_heads: int = 2,
+                          head_dim: int = 16, hidden_size: int = 64, intermediate_size: int = 128,
+                          num_layers: int = 2, vocab_size: int = 256, seed: int = 0,
+                          tokenizer_from: str | Path | None = None, **extra: Any) -> Path:
+    """A random model of the given family; the tokenizer is copied from tokenizer_from (e.g. the default model),
+    clipped ids are fine because tests feed token ids directly."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    arch = FAMILIES[family]
+    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  head_dim=head_dim, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  **extra)
+    cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).to(torch.float32)
+    with torch.no_grad():  # HF's init is small; widen it so logits are not all ties
+        for p in model.parameters():
+            if p.dim() >= 1:
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0).add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer_from is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            src = Path(tokenizer_from) / f
+            if src.is_file():
+                shutil.copy(src, path / f)
+    return path

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -69,15 +70,30 @@ def _build_rank(spec: RankSpec, rank: int) -> ModelRunner:
                        device=device)
 
 
+@dataclass(frozen=True)
+class RankCall:
+    """Run fn(runner, *args) on every rank (e.g. pull this rank's share of a KV transfer); results come back."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
+
+
 def _worker_main(spec: RankSpec, rank: int) -> None:
     runner = _build_rank(spec, rank)
     box: list = [None]
     while True:
         dist.broadcast_object_list(box, src=0)
-        step = box[0]
-        if step is None:
+        msg = box[0]
+        if msg is None:
             break
-        runner.execute(step)
+        if isinstance(msg, RankCall):
+            try:
+                result: Any = msg.fn(runner, *msg.args)
+            except Exception as e:  # reported to the driver, never kills the rank
+                result = e
+            dist.gather_object(result, None, dst=0)
+        else:
+            runner.execute(msg)
     dist.destroy_process_group()
 
 
@@ -113,6 +129,19 @@ class Executor:
         if self.spec.tp_size > 1:
             dist.broadcast_object_list([step], src=0)
         return self.runner.execute(step)
+
+    def call_all_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """fn(runner, *args) on every rank, rank 0 included; returns results in rank order (exceptions as values)."""
+        try:
+            mine: Any = fn(self.runner, *args)
+        except Exception as e:
+            mine = e
+        if self.spec.tp_size == 1:
+            return [mine]
+        dist.broadcast_object_list([RankCall(fn, args)], src=0)
+        out: list[Any] = [None] * self.spec.tp_size
+        dist.gather_object(mine, out, dst=0)
+        return out
 
     def workers_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)

@@ -30,6 +30,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admitted: holding blocks (prefilling or decoding)
         self.awaiting_kv: dict[str, Sequence] = {}
         self._last_was_prefill = False
+        self.num_preemptions = 0  # for metrics and tests
 
     @property
     def has_work(self) -> bool:
@@ -107,15 +108,17 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True) -> None:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.awaiting_kv.pop(seq.request_id, None)
-        self.blocks.free(seq)
+        if free_blocks:
+            self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 

@@ -1,0 +1,71 @@
+"""Attention with LSE: partial attentions over disjoint key subsets merge to full attention; paged decode equals
+paged prefill; a rank with no keys contributes nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.attention.base import AttentionMetadata, write_kv
+from pdserve.attention.merge import merge_attn_states
+from pdserve.attention.torch_backend import TorchAttentionBackend
+
+
+def _reference(q, k, v, scale):
+    s = torch.einsum("hd,nhd->hn", q, k) * scale
+    return torch.einsum("hn,nhd->hd", s.softmax(-1), v), torch.logsumexp(s, -1)
+
+
+def _attend_subset(q, k, v, idx, scale):
+    """Decode attention of q over the keys in idx, through the paged backend (block size 4)."""
+    hkv, d, bs = k.shape[1], k.shape[2], 4
+    n = len(idx)
+    nblk = max(1, (n + bs - 1) // bs)
+    kv = torch.zeros(2, nblk, bs, hkv, d)
+    if n:
+        write_kv(kv, k[idx], v[idx], torch.arange(n))
+    meta = AttentionMetadata(False, torch.arange(0), [0, 1], [n], torch.tensor([n]), torch.arange(nblk).unsqueeze(0))
+    out, lse = TorchAttentionBackend().forward(q.unsqueeze(0), kv, meta, scale)
+    return out[0], lse[0]
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_merge_of_disjoint_subsets_equals_full_attention(parts, seed):
+    g = torch.Generator().manual_seed(seed)
+    n, hq, hkv, d = 37, 8, 2, 16
+    q = torch.randn(hq, d, generator=g)
+    k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    owner = torch.randint(0, parts, (n,), generator=g)  # arbitrary, non-contiguous subsets
+    owner[:parts] = torch.arange(parts)  # every part non-empty
+    results = [_attend_subset(q, k, v, (owner == p).nonzero().squeeze(1), 0.25) for p in range(parts)]
+    out, lse = merge_attn_states(torch.stack([o for o, _ in results]), torch.stack([s for _, s in results]))
+    k_full, v_full = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    ref_out, ref_lse = _reference(q, k_full, v_full, 0.25)
+    assert (out - ref_out).abs().max() <= 1e-5
+    assert (lse - ref_lse).abs().max() <= 1e-5
+
+
+def test_empty_partial_contributes_nothing():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(4, 8, generator=g), torch.randn(5, 4, 8, generator=g), torch.randn(5, 4, 8, generator=g)
+    full = _attend_subset(q, k, v, torch.arange(5), 0.3)
+    empty = _attend_subset(q, k, v, torch.arange(0), 0.3)
+    assert torch.isinf(empty[1]).all() and (empty[0] == 0).all()
+    out, lse = merge_attn_states(torch.stack([full[0], empty[0]]), torch.stack([full[1], empty[1]]))
+    assert torch.allclose(out, full[0]) and torch.allclose(lse, full[1])
+
+
+def test_paged_decode_matches_prefill_last_row():
+    g = torch.Generator().manual_seed(4)
+    n, hq, hkv, d, bs = 13, 4, 2, 8, 4
+    q, k, v = torch.randn(n, hq, d, generator=g), torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    kv = torch.zeros(2, 6, bs, hkv, d)
+    table = torch.tensor([[5, 2, 0, 3]])  # scattered blocks
+    slots = torch.cat([table[0, i // bs:i // bs + 1] * bs + i % bs for i in range(n)])
+    write_kv(kv, k, v, slots)
+    be = TorchAttentionBackend()
+    pre = AttentionMetadata(True, slots, [0, n], [0], torch.tensor([n]), table)
+    out_p, lse_p = be.forward(q, kv, pre, 0.35)
+    dec = AttentionMetadata(False, slots[-1:], [0, 1], [n - 1], torch.tensor([n]), table)
+    out_d, lse_d = be.forward(q[-1:], kv, dec, 0.35)
+    assert torch.allclose(out_p[-1], out_d[0], atol=1e-6) and torch.allclose(lse_p[-1], lse_d[0], atol=1e-6)

@@ -27,12 +27,13 @@ class TorchAttentionBackend:
             n, ctx = qi.shape[0], int(meta.context_lens[i])
             nblk = (ctx + bs - 1) // bs
             table = meta.block_tables[i, :nblk]
-            k = kv_layer[0, table].reshape(-1, hkv, d)[:ctx]
-            v = kv_layer[1, table].reshape(-1, hkv, d)[:ctx]
+            # kv_layer[0][table], not kv_layer[0, table]: the mixed int/tensor index is ~400x slower on a big cache
+            k = kv_layer[0][table].reshape(-1, hkv, d)[:ctx]
+            v = kv_layer[1][table].reshape(-1, hkv, d)[:ctx]
             if hq != hkv:  # prefill is compute-bound; expanding KV heads keeps the fused causal path
                 k = k.repeat_interleave(hq // hkv, dim=1)
                 v = v.repeat_interleave(hq // hkv, dim=1)
-            qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (qi, k, v))
+            qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qi, k, v))
             start = meta.query_start_pos[i]
             if ctx == 0:  # a DCP rank that holds none of this sequence's tokens yet
                 outs.append(torch.zeros_like(qi))
@@ -68,8 +69,9 @@ class TorchAttentionBackend:
         max_ctx = max(int(ctx.max()), 1)
         nblk = (max_ctx + bs - 1) // bs
         table = meta.block_tables[:, :nblk]
-        k = kv_layer[0, table].view(b, nblk * bs, hkv, d)[:, :max_ctx].transpose(1, 2)
-        v = kv_layer[1, table].view(b, nblk * bs, hkv, d)[:, :max_ctx].transpose(1, 2)
+        # Contiguous [B, Hkv, L, D]: the CPU flash kernel is ~10x slower on strided K/V.
+        k = kv_layer[0][table].view(b, nblk * bs, hkv, d)[:, :max_ctx].transpose(1, 2).contiguous()
+        v = kv_layer[1][table].view(b, nblk * bs, hkv, d)[:, :max_ctx].transpose(1, 2).contiguous()
         idx = torch.arange(max_ctx).unsqueeze(0)
         allowed = idx < ctx.unsqueeze(1)
         if meta.sliding_window is not None:

@@ -1,0 +1,51 @@
+"""What every benchmark shares: timing, the table printer and the JSON writer used by `pdserve bench`."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def timed(fn: Callable[[], Any], repeat: int = 1) -> float:
+    """Best wall time of `repeat` runs (best-of filters the noise of a shared machine)."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine()}
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(no rows)"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = " | ".join(c.ljust(w) for c, w in zip(cols, widths))
+    sep = "-+-".join("-" * w for w in widths)
+    body = "\n".join(" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells)
+    return f"{line}\n{sep}\n{body}"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def write_result(result: dict[str, Any], out: str | Path | None) -> None:
+    if "ratios" not in result:
+        raise ValueError("a benchmark result must carry a top-level 'ratios' object")
+    result.setdefault("machine", machine())
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2, default=str))

@@ -1,0 +1,78 @@
+"""Engine vs HF transformers on SmolLM2, side by side in one run: prefill tokens/s, decode tokens/s at batch 1 and 8."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from bench.common import timed
+from pdserve.default_model import ensure_default_model
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.sampling import SamplingParams
+
+
+def _prompt_ids(tok, n: int, salt: int) -> list[int]:
+    ids = tok.encode(" ".join(f"word{(i * 7 + salt) % 97}" for i in range(n)))
+    return ids[:n]
+
+
+def _engine_decode(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s: time from every request having its first token to the last token."""
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for p in prompts:
+        eng.add_request(p, sp)
+    started = set()
+    while len(started) < len(prompts):
+        for o in eng.step():
+            started.add(o.request_id)
+    t0 = time.perf_counter()
+    produced = 0
+    while eng.has_unfinished():
+        produced += sum(len(o.new_token_ids) for o in eng.step())
+    return produced / (time.perf_counter() - t0)
+
+
+def _hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        t1 = timed(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw))
+        tn = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw))
+    return len(prompts) * (new_tokens - 1) / (tn - t1)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    path = ensure_default_model()
+    prefill_len = 256 if quick else 1024
+    new_tokens = 16 if quick else 64
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    eng = LLMEngine(EngineConfig(model=str(path), enable_prefix_caching=False, prefill_chunk_size=2048,
+                                 max_num_batched_tokens=4096))
+    try:
+        tok = eng.tokenizer
+        prompt = _prompt_ids(tok, prefill_len, 0)
+        one = SamplingParams(temperature=0, max_tokens=1)
+        eng.generate([prompt], one)  # warm-up
+        e_pre = prefill_len / timed(lambda: eng.generate([prompt], one), repeat=2)
+        with torch.no_grad():
+            h_pre = prefill_len / timed(lambda: hf(torch.tensor([prompt])), repeat=2)
+        rows = [{"metric": f"prefill tok/s ({prefill_len} tokens)", "pdserve": e_pre, "transformers": h_pre,
+                 "ratio": e_pre / h_pre}]
+        ratios = {"prefill_vs_transformers": e_pre / h_pre}
+        raw: dict[str, Any] = {"prefill_tokens": prefill_len, "new_tokens": new_tokens,
+                               "prefill_tok_s": {"pdserve": e_pre, "transformers": h_pre}}
+        for bs in (1, 8):
+            prompts = [_prompt_ids(tok, 32, salt) for salt in range(bs)]
+            e_dec = _engine_decode(eng, prompts, new_tokens)
+            h_dec = _hf_decode(hf, prompts, new_tokens)
+            rows.append({"metric": f"decode tok/s (batch {bs})", "pdserve": e_dec, "transformers": h_dec,
+                         "ratio": e_dec / h_dec})
+            ratios[f"decode_bs{bs}_vs_transformers"] = e_dec / h_dec
+            raw[f"decode_bs{bs}_tok_s"] = {"pdserve": e_dec, "transformers": h_dec}
+    finally:
+        eng.shutdown()
+    return {"benchmark": "engine", "quick": quick, "table": rows, "ratios": ratios, **raw}

@@ -1,0 +1,31 @@
+"""`pdserve bench NAME [--quick] --out FILE.json`: run one benchmark, print its table, write its JSON."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+BENCHMARKS = ("engine", "decode", "kv_transfer", "prefill", "router", "soak")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="run a benchmark (table to stdout, JSON to --out)")
+    p.add_argument("name", choices=BENCHMARKS)
+    p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    p.add_argument("--out", help="write the JSON result here")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from bench.common import format_table, write_result
+
+    try:
+        module = importlib.import_module(f"bench.{args.name}")
+    except ModuleNotFoundError as e:
+        print(f"benchmark {args.name!r} is not available yet ({e})")
+        return 2
+    result = module.run(quick=args.quick)
+    print(format_table(result.get("table", [])))
+    print("ratios:", json.dumps(result["ratios"], indent=None))
+    write_result(result, args.out)
+    return 0

@@ -1,0 +1,94 @@
+"""DecodeConfig: everything a decode pod is started with, validated when it is built.
+
+The parallel part is checked by pdserve.parallel_config (the module the router uses too), so a pod refuses exactly
+the configs the router refuses, with the same message."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+
+from pdserve.engine.llm_engine import EngineConfig
+from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, validate_parallel_config
+
+
+class DecodeConfigError(ValueError):
+    """A setting that is not a parallel-config rule (those raise ParallelConfigError) is out of range."""
+
+
+@dataclass
+class DecodeConfig:
+    model: str | None = None  # HF checkpoint directory; None = the default SmolLM2 model
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    dcp_kv_cache_interleave_size: int = 1
+    block_size: int = 16
+    num_kv_blocks: int = 2048  # per rank
+    max_num_seqs: int = 256  # running + KV-awaiting sequences
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 4096  # only used to recompute preempted sequences
+    device: str = "cpu"
+    attention_backend: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50061
+    metrics_port: int = 0  # Prometheus HTTP endpoint; 0: no endpoint
+    reservation_ttl_s: float = 30.0  # AllocateKV reservations without a Decode call are freed after this
+    admission_timeout_s: float = 60.0  # a Decode without reservation waits this long for free blocks
+    drain_timeout_s: float = 120.0  # SIGTERM: how long in-flight streams may take before the pod stops anyway
+    allow_file_kv: bool = False  # accept kv_handle.kv_transfer_address "file://..." (tests, offline use)
+    pod_id: str = "decode-0"
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise DecodeConfigError(msg)
+
+        for name in ("tensor_parallel_size", "decode_context_parallel_size", "dcp_kv_cache_interleave_size",
+                     "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(f"{name} must be an integer, got {v!r}")
+        for name in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                bad(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            bad(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        for name in ("port", "metrics_port"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 65536:
+                bad(f"{name} must be in [0, 65535], got {v!r}")
+        for name in ("reservation_ttl_s", "admission_timeout_s", "drain_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                bad(f"{name} must be a positive number of seconds, got {v!r}")
+        if self.model is None:
+            from pdserve.default_model import ensure_default_model
+
+            self.model = str(ensure_default_model())
+        self.model = os.fspath(self.model)
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            bad(f"model {self.model!r} is not a checkpoint directory (no config.json)")
+        # Sizes <= 0 are reported by the parallel rules themselves, in vLLM's words.
+        validate_parallel_config(ModelParallelInfo.from_model_path(self.model), self.parallel)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              decode_context_parallel_size=self.decode_context_parallel_size,
+                              dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size,
+                              block_size=self.block_size)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, max_model_len=self.max_model_len, block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            prefill_chunk_size=min(1024, self.max_num_batched_tokens),
+            enable_prefix_caching=False,  # KV arrives from prefill pods; only preempted sequences are recomputed
+            tensor_parallel_size=self.tensor_parallel_size,
+            decode_context_parallel_size=self.decode_context_parallel_size,
+            dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size,
+            device=self.device, attention_backend=self.attention_backend)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,298 @@
+"""DecodePod: one decode pod's state machine, single-threaded and synchronous (the server runs it on its engine
+thread; tests drive it step by step).
+
+Life of a request on a decode pod:
+  reserve(id, n)                      AllocateKV: blocks for n prompt tokens on every DCP rank, kept until a TTL
+  submit(id, prompt, params, first, source)
+                                      Decode: take over the reservation (or reserve now, or queue until blocks free
+                                      up), have every rank write its share of the prompt KV (KVSource), then the
+                                      request decodes from the next step; returns the first token's output
+  step()                              one decode step of every running sequence (continuous batching), after
+                                      admitting queued requests; finished sequences free their blocks
+  cancel(id)                          frees its blocks / reservation / queue slot at once
+
+When blocks run out mid-decode the engine's scheduler preempts the youngest sequence, which re-queues and is
+recomputed from its tokens on this pod (nothing is lost); queued new requests wait behind it."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from decode_svc.config import DecodeConfig
+from decode_svc.kv_source import KVDeliveryError, KVSource, deliver
+from pdserve.engine.block_manager import dcp_local_count
+from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
+from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.sampling import SamplingParams
+
+
+class RequestExists(Exception):
+    """The request id is already reserved, queued or decoding here (gRPC ALREADY_EXISTS)."""
+
+
+@dataclass
+class Failure:
+    """A queued request that could not start (reported instead of a RequestOutput)."""
+
+    request_id: str
+    code: str  # grpc.StatusCode name
+    message: str
+    finished: bool = True
+
+
+@dataclass
+class Reservation:
+    seq: Sequence  # placeholder holding the blocks; its prompt ids are not known yet
+    num_tokens: int
+    expires_at: float  # pod clock
+    expires_at_unix_ms: int
+
+
+@dataclass
+class _Queued:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    first_token: int
+    first_logprob: float
+    source: KVSource
+    deadline: float
+
+
+class DecodePod:
+    def __init__(self, config: DecodeConfig, engine: LLMEngine | None = None, clock=time.monotonic) -> None:
+        self.config = config
+        self.engine = engine or LLMEngine(config.engine_config())
+        self.clock = clock
+        self.tp = config.tensor_parallel_size
+        self.dcp = config.decode_context_parallel_size
+        self.interleave = config.dcp_kv_cache_interleave_size
+        self.block_size = config.block_size
+        self.reservations: dict[str, Reservation] = {}
+        self.queue: deque[_Queued] = deque()
+        self.kv_bytes_received = 0
+        self.kv_seconds: dict[str, float] = {}  # request id -> seconds its KV delivery took
+
+    # --- layout and accounting ---
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def tp_tables(self, dcp_tables: list[list[int]]) -> list[list[int]]:
+        """Block table of every TP rank (ranks of one DCP group position share the allocator of that DCP rank)."""
+        return [list(dcp_tables[r % self.dcp]) for r in range(self.tp)]
+
+    def local_tokens(self, num_tokens: int, tp_rank: int) -> int:
+        return dcp_local_count(num_tokens, self.dcp, self.interleave, tp_rank % self.dcp)
+
+    def free_blocks_per_rank(self) -> list[int]:
+        free = self.engine.blocks.free_per_rank()
+        return [free[r % self.dcp] for r in range(self.tp)]
+
+    def used_blocks_per_rank(self) -> list[int]:
+        total = self.engine.blocks.num_blocks
+        return [total - f for f in self.free_blocks_per_rank()]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.engine.blocks.num_blocks
+
+    def block_tables_of(self, request_id: str) -> list[list[int]] | None:
+        """Current block table per TP rank of a reserved or tracked request (None if unknown)."""
+        res = self.reservations.get(request_id)
+        if res is not None:
+            return self.tp_tables(res.seq.block_tables)
+        tr = self.engine._tracked.get(request_id)
+        if tr is None or not tr.seq.block_tables:
+            return None
+        return self.tp_tables(tr.seq.block_tables)
+
+    def knows(self, request_id: str) -> bool:
+        return (request_id in self.reservations or request_id in self.engine._tracked
+                or any(q.request_id == request_id for q in self.queue))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued for blocks (new or preempted) or waiting for their KV to land."""
+        s = self.engine.scheduler
+        return len(self.queue) + len(s.waiting) + len(s.awaiting_kv)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.engine.num_generated_tokens
+
+    def has_work(self) -> bool:
+        s = self.engine.scheduler
+        return bool(self.queue or s.running or s.waiting)
+
+    def idle(self) -> bool:
+        """Nothing reserved, queued or decoding."""
+        return not (self.reservations or self.engine.has_unfinished() or self.queue)
+
+    # --- AllocateKV ---
+    def reserve(self, request_id: str, num_tokens: int, extra_tokens: int = 0,
+                ttl_s: float | None = None) -> list[list[int]] | None:
+        """Reserve blocks for num_tokens prompt tokens (+ extra_tokens); block table per DCP rank, or None when the
+        pod has no room now."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens < self.max_model_len:
+            raise RequestError(f"num_tokens must be in [1, {self.max_model_len - 1}] (max_model_len "
+                               f"{self.max_model_len}), got {num_tokens!r}")
+        if extra_tokens < 0:
+            raise RequestError(f"num_reserved_output_tokens must be >= 0, got {extra_tokens}")
+        if self.knows(request_id):
+            raise RequestExists(f"request {request_id!r} already has a reservation or is decoding on this pod")
+        if self._num_admitted() >= self.config.max_num_seqs:
+            return None
+        eng = self.engine
+        seq = Sequence(request_id, [0] * num_tokens, SamplingParams(), next(eng._arrival))
+        want = min(num_tokens + extra_tokens, self.max_model_len)
+        if not eng.blocks.can_allocate(seq, want):
+            return None
+        eng.blocks.allocate(seq, want)
+        seq.status = SeqStatus.WAITING_FOR_KV
+        ttl = ttl_s if ttl_s and ttl_s > 0 else self.config.reservation_ttl_s
+        self.reservations[request_id] = Reservation(seq, num_tokens, self.clock() + ttl,
+                                                    int((time.time() + ttl) * 1000))
+        return [list(t) for t in seq.block_tables]
+
+    def _num_admitted(self) -> int:
+        s = self.engine.scheduler
+        return len(s.running) + len(s.awaiting_kv) + len(self.reservations)
+
+    def expire_reservations(self) -> list[str]:
+        now = self.clock()
+        gone = [rid for rid, r in self.reservations.items() if r.expires_at <= now]
+        for rid in gone:
+            self._release_reservation(rid)
+        return gone
+
+    def _release_reservation(self, request_id: str) -> Reservation | None:
+        res = self.reservations.pop(request_id, None)
+        if res is not None:
+            self.engine.blocks.free(res.seq)
+        return res
+
+    # --- Decode ---
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, first_token: int,
+               first_logprob: float, source: KVSource, wait_s: float | None = None) -> RequestOutput | None:
+        """Start decoding request_id. Returns the first token's output once its KV landed (finished already when
+        that token ends the request), or None when the request was queued for blocks (it then starts in a later
+        step(), or ends with a RESOURCE_EXHAUSTED Failure after wait_s). Raises RequestError (bad request),
+        RequestExists, KVDeliveryError (nothing is kept then)."""
+        eng = self.engine
+        prompt_ids = list(prompt_ids)
+        eng.validate_prompt(prompt_ids, params)
+        vocab = eng.model_config.vocab_size
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab:
+            raise RequestError(f"first_token_id {first_token!r} is out of range [0, {vocab})")
+        if source.num_tokens != len(prompt_ids):
+            raise RequestError(f"the KV handle covers {source.num_tokens} tokens but the prompt has "
+                               f"{len(prompt_ids)}")
+        res = self.reservations.get(request_id)
+        if res is not None:
+            if res.num_tokens != len(prompt_ids):
+                raise RequestError(f"request {request_id!r} reserved KV for {res.num_tokens} tokens but the prompt "
+                                   f"has {len(prompt_ids)}")
+            del self.reservations[request_id]
+            seq = eng._new_sequence(prompt_ids, params, request_id)
+            seq.arrival = res.seq.arrival
+            seq.block_tables, res.seq.block_tables = res.seq.block_tables, []
+            seq.status = SeqStatus.WAITING_FOR_KV
+            eng.scheduler.awaiting_kv[request_id] = seq
+            return self._deliver_and_land(seq, first_token, first_logprob, source)
+        if self.knows(request_id):
+            raise RequestExists(f"request {request_id!r} is already decoding on this pod")
+        q = _Queued(request_id, prompt_ids, params, first_token, first_logprob, source,
+                    self.clock() + (self.config.admission_timeout_s if wait_s is None else wait_s))
+        # FIFO: nobody overtakes queued or preempted requests.
+        if not self.queue and not eng.scheduler.waiting:
+            out = self._try_admit(q)
+            if out is not None:
+                return out
+        self.queue.append(q)
+        return None
+
+    def _try_admit(self, q: _Queued) -> RequestOutput | None:
+        eng = self.engine
+        if self._num_admitted() >= self.config.max_num_seqs:
+            return None
+        seq = eng._new_sequence(q.prompt_ids, q.params, q.request_id)
+        # Keep a block per rank in hand for the running sequences, as the scheduler does for new prompts.
+        headroom = 1 if eng.scheduler.running else 0
+        if not eng.blocks.can_allocate(seq, seq.num_tokens, reserve=headroom) or not eng.scheduler.reserve_for_kv(seq):
+            del eng._tracked[q.request_id]
+            return None
+        return self._deliver_and_land(seq, q.first_token, q.first_logprob, q.source)
+
+    def _deliver_and_land(self, seq: Sequence, first_token: int, first_logprob: float,
+                          source: KVSource) -> RequestOutput:
+        eng = self.engine
+        try:
+            nbytes, secs = deliver(eng.executor, source, seq.block_tables)
+        except KVDeliveryError:
+            eng.abort(seq.request_id)
+            raise
+        self.kv_bytes_received += sum(nbytes)
+        self.kv_seconds[seq.request_id] = secs
+        # LLMEngine's decode-pod hooks: the scheduler starts the sequence; _append_token does stop checks and
+        # detokenization for the first token exactly as for every later one.
+        eng.scheduler.kv_landed(seq, first_token, first_logprob)
+        seq.output_ids.pop()
+        seq.output_logprobs.pop()
+        out = eng._append_token(seq, first_token, first_logprob)
+        eng.num_generated_tokens -= 1  # prefill sampled it, not this pod
+        return out
+
+    # --- the loop ---
+    def step(self) -> list[RequestOutput | Failure]:
+        """Admit queued requests that fit, then one engine step (every running sequence gets a token)."""
+        events: list[RequestOutput | Failure] = self._admit_queued()
+        events.extend(self.engine.step())
+        return events
+
+    def _admit_queued(self) -> list[RequestOutput | Failure]:
+        events: list[RequestOutput | Failure] = []
+        now = self.clock()
+        while self.queue:
+            q = self.queue[0]
+            if q.deadline <= now:
+                self.queue.popleft()
+                events.append(Failure(q.request_id, "RESOURCE_EXHAUSTED",
+                                      "no free KV blocks on this decode pod within the admission timeout"))
+                continue
+            if self.engine.scheduler.waiting:
+                break  # preempted sequences get their blocks back first
+            try:
+                out = self._try_admit(q)
+            except KVDeliveryError as e:
+                self.queue.popleft()
+                events.append(Failure(q.request_id, e.grpc_code, str(e)))
+                continue
+            except RequestError as e:
+                self.queue.popleft()
+                events.append(Failure(q.request_id, "INVALID_ARGUMENT", str(e)))
+                continue
+            if out is None:
+                break
+            self.queue.popleft()
+            events.append(out)
+        return events
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a reservation, a queued request or a decoding one; its blocks are free when this returns."""
+        if self._release_reservation(request_id) is not None:
+            return True
+        for q in self.queue:
+            if q.request_id == request_id:
+                self.queue.remove(q)
+                return True
+        self.kv_seconds.pop(request_id, None)
+        return self.engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

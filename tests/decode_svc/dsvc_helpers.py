@@ -1,0 +1,82 @@
+"""Helpers for the decode service tests (ground truth from transformers, a stand-in prefill engine)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+PROMPTS = [
+    [1, 17, 45, 99, 3, 250, 8, 61, 77, 120, 5, 33, 200],  # 13 tokens
+    [1] + [(7 * i + 11) % 250 + 3 for i in range(36)],  # 37 tokens: several blocks and interleave spans
+]
+
+
+_HF_CACHE: dict = {}
+
+
+def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' generate, one prompt at a time, no EOS stop (the ground truth); cached per session."""
+    from transformers import AutoModelForCausalLM
+
+    key = (str(model_path), tuple(map(tuple, prompts)), max_new_tokens)
+    if key not in _HF_CACHE:
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        outs = []
+        for p in prompts:
+            g = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+            outs.append(g[0, len(p):].tolist())
+        _HF_CACHE[key] = outs
+    return _HF_CACHE[key]
+
+
+class PrefillStandIn:
+    """A TP 1 engine computing prompt KV + first token, handed to decode pods through a KVSource."""
+
+    def __init__(self, model_path: Path) -> None:
+        from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+
+        self.engine = LLMEngine(EngineConfig(model=str(model_path), num_kv_blocks=256, block_size=16,
+                                             enable_prefix_caching=False))
+        self._cache: dict = {}
+
+    def prefill(self, prompt: list[int]):
+        from decode_svc.kv_source import prompt_kv_from_engine
+
+        key = tuple(prompt)
+        if key not in self._cache:
+            self._cache[key] = prompt_kv_from_engine(self.engine, prompt)
+        return self._cache[key]
+
+
+
+def greedy(max_tokens: int):
+    from pdserve.sampling import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def drain_pod(pod, results: dict[str, list[int]], finished: dict[str, str], max_steps: int = 5000) -> None:
+    """Step the pod until nothing is queued or running; tokens of every output go to results[request_id]."""
+    for _ in range(max_steps):
+        if not pod.has_work():
+            return
+        record(pod.step(), results, finished)
+    raise AssertionError("pod did not finish")
+
+
+def record(events, results: dict[str, list[int]], finished: dict[str, str]) -> None:
+    from decode_svc.pod import Failure
+
+    for ev in events:
+        if isinstance(ev, Failure):
+            finished[ev.request_id] = f"failed:{ev.code}"
+            continue
+        results.setdefault(ev.request_id, []).extend(ev.new_token_ids)
+        if ev.finished:
+            finished[ev.request_id] = ev.finish_reason.value

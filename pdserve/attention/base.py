@@ -4,7 +4,7 @@ The LSE is what lets partial attentions over disjoint token subsets be merged ex
 Decode Context Parallelism rests on."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -28,6 +28,8 @@ class AttentionMetadata:
     dcp_size: int = 1
     dcp_rank: int = 0
     dcp_interleave: int = 1
+    # Tensors derived from the fields above, built once per step by the backend and reused by every layer.
+    derived: dict = field(default_factory=dict, repr=False)
 
     def key_positions(self, num_local: int) -> torch.Tensor:
         """Absolute positions of this rank's first num_local cached tokens (identity without DCP)."""

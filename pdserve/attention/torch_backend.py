@@ -65,25 +65,36 @@ class TorchAttentionBackend:
         # One query per sequence: view its Hq heads as [Hkv, group] rows so GQA needs no KV copy per head.
         b, hq, d = q.shape
         hkv, bs = kv_layer.shape[-2], kv_layer.shape[2]
-        ctx = meta.context_lens
-        max_ctx = max(int(ctx.max()), 1)
-        nblk = (max_ctx + bs - 1) // bs
-        table = meta.block_tables[:, :nblk]
+        slots, mask, empty = meta.derived.get("decode") or self._decode_plan(meta, bs, q.dtype)
+        max_ctx = mask.shape[-1]
         # Contiguous [B, Hkv, L, D]: the CPU flash kernel is ~10x slower on strided K/V.
-        k = kv_layer[0][table].view(b, nblk * bs, hkv, d)[:, :max_ctx].transpose(1, 2).contiguous()
-        v = kv_layer[1][table].view(b, nblk * bs, hkv, d)[:, :max_ctx].transpose(1, 2).contiguous()
-        idx = torch.arange(max_ctx).unsqueeze(0)
-        allowed = idx < ctx.unsqueeze(1)
-        if meta.sliding_window is not None:
-            allowed &= idx > (ctx.unsqueeze(1) - 1 - meta.sliding_window)
-        empty = ctx == 0
-        if bool(empty.any()):
-            allowed[empty, 0] = True  # keep the kernel finite; these rows are zeroed below
-        mask = torch.zeros(b, max_ctx, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+        k = kv_layer[0].view(-1, hkv, d).index_select(0, slots).view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
+        v = kv_layer[1].view(-1, hkv, d).index_select(0, slots).view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
         qg = q.view(b, hkv, hq // hkv, d)
-        o, lse = _flash(qg, k, v, 0.0, False, attn_mask=mask.view(b, 1, 1, max_ctx), scale=scale)
+        o, lse = _flash(qg, k, v, 0.0, False, attn_mask=mask, scale=scale)
         o, lse = o.reshape(b, hq, d), lse.reshape(b, hq)
-        if bool(empty.any()):
+        if empty is not None:
             o = o.masked_fill(empty.view(b, 1, 1), 0.0)
             lse = lse.masked_fill(empty.view(b, 1), float("-inf"))
         return o, lse
+
+    @staticmethod
+    def _decode_plan(meta: AttentionMetadata, bs: int, dtype: torch.dtype):
+        """Flat cache slots of every sequence's keys, the padding/window mask, and which rows have no keys."""
+        ctx = meta.context_lens
+        b = ctx.shape[0]
+        max_ctx = max(int(ctx.max()), 1)
+        idx = torch.arange(max_ctx)
+        table = meta.block_tables[:, : (max_ctx + bs - 1) // bs]
+        slots = (table.gather(1, (idx // bs).unsqueeze(0).expand(b, -1)) * bs + idx % bs).reshape(-1)
+        allowed = idx.unsqueeze(0) < ctx.unsqueeze(1)
+        if meta.sliding_window is not None:
+            allowed &= idx.unsqueeze(0) > (ctx.unsqueeze(1) - 1 - meta.sliding_window)
+        empty = ctx == 0
+        if bool(empty.any()):
+            allowed[empty, 0] = True  # keep the kernel finite; these rows are zeroed after
+        else:
+            empty = None
+        mask = torch.zeros(b, max_ctx, dtype=dtype).masked_fill_(~allowed, float("-inf")).view(b, 1, 1, max_ctx)
+        meta.derived["decode"] = (slots, mask, empty)
+        return slots, mask, empty

@@ -4,6 +4,8 @@ Tokens of a step are flattened ([T]) as in nano-vllm; each rank holds its TP sli
 QKV and gate/up, row-parallel o and down followed by an all-reduce) and, under DCP, 1/dcp of every sequence's KV."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,7 +14,7 @@ from pdserve.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.attention.merge import correction_weights
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState, kv_heads_for_rank, q_heads_for_rank
-from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +52,7 @@ class Attention(nn.Module):
         self.o_bias = _param(cfg.hidden_size) if cfg.o_bias else None
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_layer: torch.Tensor,
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -58,7 +60,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, -1, self.head_dim)
         k = k.view(t, -1, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(cos_sin, q, k)
         write_kv(kv_layer, k, v.view(t, -1, self.head_dim), meta.slot_mapping)
         out = self._attend(q, kv_layer, meta)
         out = F.linear(out.reshape(t, self.q_size), self.o_weight)
@@ -103,8 +105,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, ps)
 
-    def forward(self, x, positions, rope, kv_layer, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_layer, meta)
+    def forward(self, x, cos_sin, kv_layer, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_layer, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -127,10 +129,14 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor, on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """on_layer_done(i), when given, runs right after layer i wrote its KV (prefill pods publish it)."""
         x = F.embedding(input_ids, self.embed_tokens)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_cache[i], meta)
+            x = layer(x, cos_sin, kv_cache[i], meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
         x = self.norm(x[logits_indices])
         return F.linear(x, self.lm_head).float()

@@ -8,13 +8,14 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.executor import Executor
 from pdserve.engine.model_runner import build_step_input
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import ScheduledStep, Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.model.config import ModelConfig
 from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, validate_parallel_config
@@ -114,6 +115,10 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._arrival = itertools.count()
         self.num_prompt_tokens_computed = 0  # prefill work actually done (prefix hits excluded)
+        # Prefill pods: finished requests added with hold_kv=True keep their blocks here until release().
+        self.held: dict[str, Sequence] = {}
+        # Optional before_execute(step) -> value carried to every rank as StepInput.extra (see ModelRunner.layer_hook).
+        self.before_execute: Callable[[ScheduledStep], Any] | None = None
         self.num_generated_tokens = 0
 
     # --- requests ---
@@ -131,17 +136,20 @@ class LLMEngine:
             raise RequestError("params must be a SamplingParams")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, hold_kv: bool = False) -> str:
+        """hold_kv (prefill pods): when the request finishes its blocks stay allocated (in self.held) until
+        release(request_id), so a KV transfer can read them."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         seq = self._new_sequence(ids, params, request_id)
+        seq.hold_kv = hold_kv
         self.scheduler.add(seq)
         return seq.request_id
 
     def _new_sequence(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
         self.validate_prompt(ids, params)
         rid = request_id or uuid.uuid4().hex
-        if rid in self._tracked:
+        if rid in self._tracked or rid in self.held:
             raise RequestError(f"request id {rid!r} is already in use")
         seq = Sequence(rid, ids, params, next(self._arrival))
         self._tracked[rid] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, ids))
@@ -151,9 +159,17 @@ class LLMEngine:
         """Cancel a request; its KV blocks are free when this returns."""
         tr = self._tracked.pop(request_id, None)
         if tr is None:
-            return False
+            return self.release(request_id)
         self.scheduler.finish(tr.seq, FinishReason.CANCELLED)
         self.sampler.forget(request_id)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks of a finished hold_kv request; False when none are held under this id."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.blocks.free(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -174,6 +190,8 @@ class LLMEngine:
             return []
         inp = build_step_input(step, self.config.block_size, self.config.decode_context_parallel_size,
                                self.config.dcp_kv_cache_interleave_size)
+        if self.before_execute is not None:
+            inp.extra = self.before_execute(step)
         logits = self.executor.execute(inp)
         for seq, n in zip(step.seqs, step.chunk_lens):
             if step.is_prefill:
@@ -218,7 +236,9 @@ class LLMEngine:
                             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
                             cached_tokens=seq.num_cached_prefix)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)
+            if seq.hold_kv:
+                self.held[seq.request_id] = seq
             self.sampler.forget(seq.request_id)
             del self._tracked[seq.request_id]
         return out

@@ -5,6 +5,8 @@ rank of a pod runs the same step on its own share of the KV."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +32,7 @@ class StepInput:
     slot_mappings: list[torch.Tensor]
     context_lens: list[torch.Tensor]
     block_tables: list[torch.Tensor]
+    extra: Any = None  # LLMEngine.before_execute's value for this step, seen by every rank's layer_hook
 
 
 def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave: int) -> StepInput:
@@ -87,6 +90,9 @@ class ModelRunner:
         # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once.
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, self.model.num_local_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)
+        # layer_hook(step, layer_idx) runs after each layer's KV write (set per rank, e.g. to publish KV layer by
+        # layer); None costs nothing.
+        self.layer_hook: Callable[[StepInput, int], None] | None = None
 
     def execute(self, step: StepInput) -> torch.Tensor:
         r = self.ps.dcp_rank
@@ -103,5 +109,6 @@ class ModelRunner:
             dcp_rank=r,
             dcp_interleave=self.ps.dcp_interleave,
         )
+        hook = None if self.layer_hook is None else partial(self.layer_hook, step)
         return self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_cache, meta,
-                          step.logits_indices.to(dev))
+                          step.logits_indices.to(dev), hook)

@@ -36,6 +36,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_text_len: int | None = None  # where to cut the text when a stop string matched
     num_preemptions: int = 0
+    hold_kv: bool = False  # prefill pods: keep the blocks when finished, until LLMEngine.release()
 
     @property
     def all_ids(self) -> list[int]:

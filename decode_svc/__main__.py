@@ -1,0 +1,89 @@
+"""python -m decode_svc --model PATH --tensor-parallel-size N --decode-context-parallel-size M
+   --dcp-kv-cache-interleave-size I --port P
+
+Starts the decode pod (all TP ranks, spawned from this process) and serves DecodeWorker + grpc.health.v1 until
+SIGTERM, then drains. An invalid parallel config is refused before anything starts, with the rule's message."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from decode_svc.config import DecodeConfig, DecodeConfigError
+from pdserve.parallel_config import ParallelConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DecodeConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(prog="python -m decode_svc", description="pdserve decode pod (DecodeWorker gRPC)")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    p.add_argument("--dcp-kv-cache-interleave-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=d["block_size"].default)
+    p.add_argument("--num-kv-blocks", type=int, default=d["num_kv_blocks"].default, help="KV blocks per rank")
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--host", default=d["host"].default)
+    p.add_argument("--port", type=int, default=d["port"].default, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: no metrics endpoint)")
+    p.add_argument("--reservation-ttl-s", type=float, default=d["reservation_ttl_s"].default)
+    p.add_argument("--admission-timeout-s", type=float, default=d["admission_timeout_s"].default)
+    p.add_argument("--drain-timeout-s", type=float, default=d["drain_timeout_s"].default)
+    p.add_argument("--allow-file-kv", action="store_true",
+                   help="accept file:// KV handles (tests / offline use; reads local files named by requests)")
+    p.add_argument("--pod-id", default=d["pod_id"].default)
+    p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(
+        model=a.model, tensor_parallel_size=a.tensor_parallel_size,
+        decode_context_parallel_size=a.decode_context_parallel_size,
+        dcp_kv_cache_interleave_size=a.dcp_kv_cache_interleave_size, block_size=a.block_size,
+        num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, device=a.device,
+        host=a.host, port=a.port, metrics_port=a.metrics_port, reservation_ttl_s=a.reservation_ttl_s,
+        admission_timeout_s=a.admission_timeout_s, drain_timeout_s=a.drain_timeout_s, allow_file_kv=a.allow_file_kv,
+        pod_id=a.pod_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(a)
+    except ParallelConfigError as e:
+        print(f"error: invalid parallel config: {e.message}", file=sys.stderr)
+        if e.fix is not None:
+            print(f"suggested fix: {e.fix.text}", file=sys.stderr)
+        return 2
+    except (DecodeConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from decode_svc.server import serve
+
+    def ready(server) -> None:
+        metrics = f", metrics on {cfg.host}:{server.metrics_port}" if server.metrics_port else ""
+        print(f"decode_svc ready: DecodeWorker on {cfg.host}:{server.port}{metrics} "
+              f"(tp={cfg.tensor_parallel_size} dcp={cfg.decode_context_parallel_size} "
+              f"interleave={cfg.dcp_kv_cache_interleave_size})", flush=True)
+
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    if uvloop is not None:
+        uvloop.run(serve(cfg, ready))
+    else:
+        asyncio.run(serve(cfg, ready))
+    print("decode_svc stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

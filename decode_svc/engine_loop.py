@@ -1,0 +1,177 @@
+"""The engine thread: owns the DecodePod (and so the pod's rank group), steps it, fans outputs out to subscribers.
+
+Every pod operation runs on this one thread (torch.distributed calls from rank 0 must not interleave), so the
+asyncio server talks to it only through ``call(fn)`` (a concurrent.futures.Future) and per-request sinks, which are
+called on the engine thread with each RequestOutput / Failure as soon as it is sampled."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from decode_svc.config import DecodeConfig
+from decode_svc.pod import DecodePod, Failure
+from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.sequence import FinishReason
+
+log = logging.getLogger("decode_svc.engine")
+
+Sink = Callable[[RequestOutput | Failure], None]
+
+
+@dataclass
+class PodStats:
+    """A snapshot for metrics and health, replaced (never mutated) by the engine thread."""
+
+    running: int = 0
+    waiting: int = 0
+    reserved: int = 0
+    blocks_used: list[int] = field(default_factory=list)  # per TP rank
+    blocks_free: list[int] = field(default_factory=list)
+    generated_tokens: int = 0
+    kv_bytes_received: int = 0
+    steps: int = 0
+
+
+class EngineLoop:
+    def __init__(self, config: DecodeConfig, pod_factory: Callable[[DecodeConfig], DecodePod] = DecodePod) -> None:
+        self.config = config
+        self._pod_factory = pod_factory
+        self.pod: DecodePod | None = None
+        self._cmds: queue.SimpleQueue[tuple[Callable[[DecodePod], Any], Future]] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._ready = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+        self.stats = PodStats()
+        self._steps = 0
+
+    # --- lifecycle ---
+    def start(self, timeout_s: float = 600.0) -> None:
+        """Build the pod (spawns the TP ranks) on the engine thread; raises what building raised."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"decode pod did not start within {timeout_s:.0f}s")
+        if self._error is not None:
+            raise self._error
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self._stop = True
+        self._cmds.put((lambda pod: None, Future()))
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    # --- calls from other threads ---
+    def call(self, fn: Callable[[DecodePod], Any]) -> Future:
+        fut: Future = Future()
+        if not self.alive:
+            fut.set_exception(RuntimeError("the decode engine is not running"))
+            return fut
+        self._cmds.put((fn, fut))
+        return fut
+
+    def subscribe(self, request_id: str, sink: Sink) -> Callable[[DecodePod], None]:
+        """A command (for call or for use inside another command) that routes request_id's events to sink."""
+        def _sub(pod: DecodePod) -> None:
+            self._sinks[request_id] = sink
+        return _sub
+
+    def emit(self, ev: RequestOutput | Failure) -> None:
+        """Engine thread: hand an event to its subscriber (dropping the subscription when it is final)."""
+        sink = self._sinks.get(ev.request_id)
+        if sink is None:
+            return
+        if ev.finished:
+            del self._sinks[ev.request_id]
+        try:
+            sink(ev)
+        except Exception:  # a broken subscriber must not stop the pod
+            log.exception("sink of %s failed", ev.request_id)
+
+    def cancel(self, pod: DecodePod, request_id: str) -> bool:
+        """Engine thread: cancel and end the request's stream with FINISH_REASON_CANCELLED."""
+        found = pod.cancel(request_id)
+        self.emit(RequestOutput(request_id, [], [], "", True, FinishReason.CANCELLED))
+        self._sinks.pop(request_id, None)
+        return found
+
+    # --- the thread ---
+    def _run(self) -> None:
+        try:
+            self.pod = self._pod_factory(self.config)
+        except BaseException as e:  # reported by start()
+            self._error = e
+            self._ready.set()
+            return
+        self._refresh_stats()
+        self._ready.set()
+        pod = self.pod
+        last_stats = 0.0
+        try:
+            while True:
+                self._run_commands(block=not pod.has_work())
+                if self._stop:
+                    break
+                if pod.expire_reservations():
+                    pass
+                if pod.has_work():
+                    events = pod.step()
+                    self._steps += 1
+                    for ev in events:
+                        self.emit(ev)
+                now = time.monotonic()
+                if now - last_stats > 0.05 or not pod.has_work():
+                    self._refresh_stats()
+                    last_stats = now
+        except BaseException as e:
+            log.exception("decode engine failed")
+            self._error = e
+            for rid in list(self._sinks):
+                self.emit(Failure(rid, "INTERNAL", f"decode engine failed: {e}"))
+        finally:
+            self._fail_pending_commands()
+            try:
+                pod.shutdown()
+            except Exception:
+                log.exception("pod shutdown failed")
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._cmds.get(timeout=0.05) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.pod))
+                except BaseException as e:
+                    fut.set_exception(e)
+            try:
+                item = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                _, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the decode engine stopped"))
+
+    def _refresh_stats(self) -> None:
+        pod = self.pod
+        self.stats = PodStats(running=pod.num_running, waiting=pod.num_waiting, reserved=len(pod.reservations),
+                              blocks_used=pod.used_blocks_per_rank(), blocks_free=pod.free_blocks_per_rank(),
+                              generated_tokens=pod.num_generated_tokens, kv_bytes_received=pod.kv_bytes_received,
+                              steps=self._steps)

@@ -1,0 +1,335 @@
+"""The DecodeWorker gRPC service (proto/pdserve_api/v1/decode.proto) on grpc.aio, with grpc.health.v1, Prometheus
+metrics and a graceful drain on SIGTERM.
+
+AllocateKV reserves blocks on every rank and returns the per-rank block tables; Decode delivers the prompt KV into
+them (KVSource on every rank), then streams each token as soon as it is sampled; CancelDecode (or closing the stream)
+frees the blocks at once. All pod work happens on the EngineLoop thread."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from decode_svc.config import DecodeConfig
+from decode_svc.engine_loop import EngineLoop
+from decode_svc.kv_source import FileKVSource, KVDeliveryError, KVSource
+from decode_svc.metrics import DecodeCollector, start_metrics_server
+from decode_svc.pod import DecodePod, Failure, RequestExists
+from pdserve.engine.llm_engine import RequestError, RequestOutput
+from pdserve.engine.sequence import FinishReason
+from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+log = logging.getLogger("decode_svc")
+
+SERVICE_NAME = "pdserve.v1.DecodeWorker"
+_FINISH = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+# Builds the KVSource for a DecodeRequest whose handle is not a file:// one (the kv_transfer puller, once wired).
+KVSourceFactory = Callable[[decode_pb2.DecodeRequest], KVSource]
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def sampling_params_from_proto(p: common_pb2.SamplingParams, max_model_len: int) -> SamplingParams:
+    """Decode applies EOS, stop_token_ids and max_tokens; stop strings belong to whoever detokenizes (the router).
+    Parameters this pod does not implement are refused rather than ignored (common.proto's rule)."""
+    if p.top_logprobs > 0:
+        raise SamplingParamsError("top_logprobs is not supported by this decode pod")
+    if p.min_tokens > 1:
+        raise SamplingParamsError("min_tokens > 1 is not supported by this decode pod")
+    if p.HasField("repetition_penalty") and p.repetition_penalty != 1.0:
+        raise SamplingParamsError("repetition_penalty is not supported by this decode pod")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if p.HasField(name) and getattr(p, name) != 0.0:
+            raise SamplingParamsError(f"{name} is not supported by this decode pod")
+    return SamplingParams(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_k=p.top_k,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else max_model_len,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+    )
+
+
+class DecodeServer:
+    def __init__(self, config: DecodeConfig, kv_source_factory: KVSourceFactory | None = None,
+                 pod_factory: Callable[[DecodeConfig], DecodePod] = DecodePod) -> None:
+        self.config = config
+        self.kv_source_factory = kv_source_factory
+        self.engine = EngineLoop(config, pod_factory)
+        self.draining = False
+        self.active_streams = 0
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._metrics_http: Any = None
+        self._layout: common_pb2.KVLayout | None = None
+        self.max_model_len = 0
+        self._stopped = asyncio.Event()
+
+    # --- lifecycle ---
+    async def start(self) -> None:
+        await asyncio.to_thread(self.engine.start)
+        self._layout = await self.call(self._layout_of)
+        self.max_model_len = await self.call(lambda pod: pod.max_model_len)
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(self), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if not self.port:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        await self._server.start()
+        if self.config.metrics_port:
+            collector = DecodeCollector(lambda: self.engine.stats, self.config.pod_id, lambda: self.draining)
+            _, self._metrics_http = start_metrics_server(self.config.metrics_port, self.config.host, collector)
+            self.metrics_port = self._metrics_http.server_port
+        for svc in ("", SERVICE_NAME):
+            await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self) -> None:
+        """Stop taking new work (UNAVAILABLE, health NOT_SERVING) and wait for in-flight streams and reservations
+        (a reservation is a Decode call on its way) to finish, at most drain_timeout_s."""
+        if self.draining:
+            return
+        self.draining = True
+        for svc in ("", SERVICE_NAME):
+            await self._health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while time.monotonic() < deadline:
+            idle = self.active_streams == 0 and (not self.engine.alive or await self.call(lambda pod: pod.idle()))
+            if idle:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            log.warning("drain timed out with %d streams in flight", self.active_streams)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        await asyncio.to_thread(self.engine.stop)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # --- helpers ---
+    async def call(self, fn: Callable[[DecodePod], Any]) -> Any:
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    def _layout_of(self, pod: DecodePod) -> common_pb2.KVLayout:
+        mc = pod.engine.model_config
+        cache = pod.engine.executor.kv_cache
+        return common_pb2.KVLayout(
+            num_layers=mc.num_layers, block_size=pod.block_size, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, dtype=str(cache.dtype).removeprefix("torch."), tp_size=pod.tp,
+            dcp_size=pod.dcp, dcp_kv_cache_interleave_size=pod.interleave, pipeline_parallel_size=1,
+            num_blocks=pod.num_blocks, num_kv_heads_per_rank=cache.shape[4], use_mla=False,
+            element_size=cache.element_size())
+
+    def make_source(self, req: decode_pb2.DecodeRequest) -> KVSource:
+        addr = req.kv_handle.kv_transfer_address
+        if addr.startswith("file://"):
+            if not self.config.allow_file_kv:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               "file:// KV handles are disabled on this decode pod (start it with --allow-file-kv)")
+            return FileKVSource(addr[len("file://"):], len(req.prompt_token_ids))
+        if self.kv_source_factory is not None:
+            return self.kv_source_factory(req)
+        raise _Refused(grpc.StatusCode.UNIMPLEMENTED,
+                       f"this decode pod has no KV transport for {addr or 'an empty kv_transfer_address'!r} "
+                       "(only file:// handles with --allow-file-kv until kv_transfer is wired in)")
+
+
+class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, server: DecodeServer) -> None:
+        self.s = server
+
+    async def AllocateKV(self, request: decode_pb2.AllocateKVRequest, context: grpc.aio.ServicerContext):
+        s = self.s
+        rid = request.request_id
+        if s.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode pod is draining")
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        mismatch = _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None
+        if mismatch:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, mismatch)
+
+        def reserve(pod: DecodePod):
+            tables = pod.reserve(rid, request.num_tokens, request.num_reserved_output_tokens, request.ttl_s or None)
+            if tables is None:
+                return None
+            return pod.tp_tables(tables), pod.reservations[rid].expires_at_unix_ms
+
+        try:
+            got = await s.call(reserve)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestExists as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        if got is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"not enough free KV blocks for {request.num_tokens} tokens on this decode pod")
+        tables, expires = got
+        cfg = s.config
+        from pdserve.engine.block_manager import dcp_local_count
+
+        return decode_pb2.AllocateKVResponse(
+            layout=s._layout,
+            block_tables=[common_pb2.BlockTable(
+                block_ids=t, num_tokens=dcp_local_count(request.num_tokens, cfg.decode_context_parallel_size,
+                                                        cfg.dcp_kv_cache_interleave_size,
+                                                        r % cfg.decode_context_parallel_size))
+                for r, t in enumerate(tables)],
+            agent_name="", transfer_modes=[], expires_at_unix_ms=expires)
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        s = self.s
+        rid = request.request_id
+        t_start = time.monotonic()
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        try:
+            params = sampling_params_from_proto(request.sampling_params, s.max_model_len)
+            source = s.make_source(request)
+        except (SamplingParamsError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except _Refused as e:
+            await context.abort(e.code, e.message)
+        except KVDeliveryError as e:
+            await context.abort(getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.ABORTED), str(e))
+
+        aloop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        engine = s.engine
+
+        def sink(ev: RequestOutput | Failure) -> None:
+            aloop.call_soon_threadsafe(q.put_nowait, ev)
+
+        draining = s.draining
+
+        def start(pod: DecodePod) -> bool:
+            reserved = rid in pod.reservations
+            if draining and not reserved:
+                raise _Refused(grpc.StatusCode.UNAVAILABLE, "decode pod is draining")
+            if pod.knows(rid) and not reserved:
+                raise RequestExists(f"request {rid!r} is already decoding on this pod")
+            engine.subscribe(rid, sink)(pod)
+            try:
+                out = pod.submit(rid, list(request.prompt_token_ids), params, request.first_token_id,
+                                 request.first_token_logprob, source)
+            except BaseException:
+                engine._sinks.pop(rid, None)
+                raise
+            if out is not None:
+                engine.emit(out)
+            return out is not None
+
+        s.active_streams += 1
+        done = started = False
+        try:
+            try:
+                await s.call(start)
+                started = True
+            except _Refused as e:
+                await context.abort(e.code, e.message)
+            except RequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RequestExists as e:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            except KVDeliveryError as e:
+                await context.abort(getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.ABORTED), str(e))
+            t_landed: float | None = None
+            seen_first = False
+            while not done:
+                evs = [await q.get()]
+                while not q.empty():
+                    evs.append(q.get_nowait())
+                chunk = decode_pb2.TokenChunk()
+                for ev in evs:
+                    if isinstance(ev, Failure):
+                        done = True
+                        if not seen_first:  # nothing streamed yet: a gRPC status, as decode.proto says
+                            await context.abort(getattr(grpc.StatusCode, ev.code, grpc.StatusCode.INTERNAL),
+                                                ev.message)
+                        chunk.finish_reason = common_pb2.FINISH_REASON_ERROR
+                        chunk.error_message = ev.message
+                        break
+                    if ev.new_token_ids:
+                        if not seen_first:
+                            # The first output is prefill's first token (KV landed): not repeated in the stream.
+                            seen_first = True
+                            t_landed = time.monotonic()
+                        else:
+                            chunk.token_ids.extend(ev.new_token_ids)
+                            if params.logprobs:
+                                chunk.logprobs.extend(ev.new_logprobs)
+                        chunk.num_output_tokens = ev.completion_tokens
+                    if ev.finished:
+                        done = True
+                        chunk.finish_reason = _FINISH[ev.finish_reason]
+                        break
+                if done:
+                    now = time.monotonic()
+                    chunk.kv_transfer_s = (t_landed or now) - t_start
+                    chunk.decode_s = now - (t_landed or now)
+                if chunk.token_ids or done:
+                    yield chunk
+        finally:
+            s.active_streams -= 1
+            if started and not done:  # the client went away (or we failed): free the blocks now
+                engine.call(lambda pod: engine.cancel(pod, rid))
+
+    async def CancelDecode(self, request: decode_pb2.CancelDecodeRequest, context: grpc.aio.ServicerContext):
+        engine = self.s.engine
+        found = await self.s.call(lambda pod: engine.cancel(pod, request.request_id))
+        return decode_pb2.CancelDecodeResponse(found=found)
+
+
+def _layout_mismatch(prefill: common_pb2.KVLayout, mine: common_pb2.KVLayout) -> str | None:
+    for name in ("num_layers", "num_kv_heads", "head_dim"):
+        a, b = getattr(prefill, name), getattr(mine, name)
+        if a and a != b:
+            return f"prefill layout has {name}={a} but this decode pod has {b}: different models"
+    if prefill.dtype and prefill.dtype != mine.dtype:
+        return f"prefill KV dtype {prefill.dtype} differs from this decode pod's {mine.dtype}"
+    return None
+
+
+async def serve(config: DecodeConfig, ready: Callable[[DecodeServer], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain and stop."""
+    server = DecodeServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+
+    async def _shutdown(signame: str) -> None:
+        log.info("%s: draining", signame)
+        await server.drain()
+        await server.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda n=sig.name: asyncio.ensure_future(_shutdown(n)))
+    if ready is not None:
+        ready(server)
+    await server.wait_stopped()

@@ -1,0 +1,102 @@
+"""Between the pdserve.v1 protos and the engine / kv_transfer objects a prefill pod works with."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kv_transfer.layout import KVLayout
+from kv_transfer.transport import Endpoint, KVHandoff
+from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve_api.v1 import common_pb2 as pb
+
+TRANSFER_MODE_OF = {"nixl": pb.TRANSFER_MODE_NIXL_PULL, "tcp": pb.TRANSFER_MODE_GRPC}
+TRANSPORT_OF_MODE = {pb.TRANSFER_MODE_NIXL_PULL: "nixl", pb.TRANSFER_MODE_GRPC: "tcp"}
+
+
+@dataclass(frozen=True)
+class ClientParams:
+    """What the prefill pod needs from the client's sampling params besides sampling the first token."""
+
+    max_tokens: int | None  # None: until EOS / context full
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+
+
+def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, ClientParams]:
+    """Engine params for sampling the first token (max_tokens=1) and the client-level stop rules.
+
+    Stop strings are applied by whoever detokenizes (the router), so they are not used here. Parameters that
+    change the first token and that the engine does not implement are refused (INVALID_ARGUMENT), never ignored."""
+    unsupported = []
+    if sp.top_logprobs:
+        unsupported.append("top_logprobs")
+    if sp.min_tokens:
+        unsupported.append("min_tokens")  # would mask EOS at the first position
+    if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0:
+        unsupported.append("repetition_penalty")  # HF semantics also penalise prompt tokens
+    if unsupported:
+        raise SamplingParamsError(f"this prefill pod does not implement {', '.join(unsupported)}: leave "
+                                  f"{'it' if len(unsupported) == 1 else 'them'} unset")
+    # presence/frequency penalties count generated tokens only: none exist before the first one, so no effect here.
+    if sp.HasField("max_tokens") and sp.max_tokens < 1:
+        raise SamplingParamsError(f"max_tokens must be >= 1, got {sp.max_tokens}")
+    params = SamplingParams(
+        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+        top_k=sp.top_k,
+        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        seed=sp.seed if sp.HasField("seed") else None,
+        max_tokens=1,
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=True,  # the pod decides "finished" itself (below); the engine only samples one token
+        logprobs=True,
+    )
+    client = ClientParams(sp.max_tokens if sp.HasField("max_tokens") else None, frozenset(sp.stop_token_ids),
+                          sp.ignore_eos)
+    return params, client
+
+
+def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(num_layers=layout.num_layers, block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
+                       head_dim=layout.head_dim, dtype=layout.dtype, tp_size=layout.tp_size,
+                       dcp_size=layout.dcp_size, dcp_kv_cache_interleave_size=layout.interleave,
+                       pipeline_parallel_size=1, num_blocks=layout.num_blocks,
+                       num_kv_heads_per_rank=layout.kv_heads_per_rank, use_mla=False,
+                       element_size=layout.itemsize)
+
+
+def layout_from_proto(p: pb.KVLayout) -> KVLayout:
+    return KVLayout(num_layers=p.num_layers, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim, dtype=p.dtype,
+                    block_size=p.block_size, tp_size=p.tp_size or 1, dcp_size=p.dcp_size or 1,
+                    interleave=p.dcp_kv_cache_interleave_size or 1, num_blocks=p.num_blocks)
+
+
+def endpoints_address(endpoints: list[Endpoint]) -> str:
+    """The per-rank kv_transfer endpoints as one address string: "host:port", or "h:p0,h:p1,..." by rank."""
+    eps = [str(e) for e in endpoints]
+    return eps[0] if len(set(eps)) == 1 else ",".join(eps)
+
+
+def handoff_to_kv_handle(h: KVHandoff, pod_id: str, ttl_s: float) -> pb.KVHandle:
+    """The proto form of a kv_transfer hand-off.
+
+    kv_transfer serves one control endpoint per prefill rank process; the proto has one kv_transfer_address, so it
+    holds the endpoints of ranks 0..tp-1 joined by commas (a single address when they coincide or tp == 1)."""
+    return pb.KVHandle(
+        lease_id=h.lease_id, prefill_pod_id=pod_id, kv_transfer_address=endpoints_address(h.endpoints), agent_name="",
+        num_layers=h.layout.num_layers, num_tokens=h.num_tokens,
+        expires_at_unix_ms=int((time.time() + ttl_s) * 1000), ttl_s=ttl_s,
+        transfer_mode=TRANSFER_MODE_OF.get(h.transport, pb.TRANSFER_MODE_GRPC),
+        layout=layout_to_proto(h.layout),
+        block_tables=[pb.BlockTable(block_ids=t, num_tokens=h.num_tokens) for t in h.block_tables])
+
+
+def kv_handle_to_handoff(kh: pb.KVHandle, request_id: str) -> KVHandoff:
+    """Inverse of handoff_to_kv_handle (what a decode pod needs to pull)."""
+    layout = layout_from_proto(kh.layout)
+    eps = [Endpoint.parse(a) for a in kh.kv_transfer_address.split(",") if a]
+    if len(eps) == 1:
+        eps = eps * layout.tp_size
+    if len(eps) != layout.tp_size:
+        raise ValueError(f"kv_transfer_address names {len(eps)} endpoints for a tp_size {layout.tp_size} pod")
+    return KVHandoff(kh.lease_id, request_id, kh.num_tokens, layout, [list(t.block_ids) for t in kh.block_tables],
+                     eps, TRANSPORT_OF_MODE.get(kh.transfer_mode, "tcp"))

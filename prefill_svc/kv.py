@@ -1,0 +1,189 @@
+"""KV hand-off of a prefill pod: one kv_transfer publisher per TP rank process, fed layer by layer.
+
+Every rank of the pod (rank 0 in the engine's process, ranks 1..N-1 in the executor's spawned processes) owns its KV
+region, so every rank runs its own publisher over it (started through ``Executor.call_all_ranks``). The engine's
+``before_execute`` hook lists, for each step, the requests whose *last* prompt chunk runs in that step
+(``LeaseStart``); the list travels with the step to every rank (``StepInput.extra``), and each rank's
+``ModelRunner.layer_hook`` publishes those leases after layer 0 and marks layer i+1 ready right after layer i wrote its
+KV. Earlier chunks wrote all their layers in earlier steps, so "layers [0, n) ready" is exact for the whole prompt.
+
+A publisher frees a lease (decode done, TTL, abort) by calling ``on_free`` on one of its threads; the rank records it,
+and the engine thread collects the records (rank 0 directly, other ranks by polling through ``call_all_ranks``). The
+engine's blocks go back only when every rank's publisher has let go of the lease.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kv_transfer.layout import KVLayout
+from kv_transfer.transport import Endpoint, KVHandoff
+
+log = logging.getLogger("prefill_svc.kv")
+
+
+@dataclass(frozen=True)
+class LeaseStart:
+    """A request whose prompt KV becomes complete in this step: publish it on every rank."""
+
+    lease_id: str
+    request_id: str
+    block_table: tuple[int, ...]  # the same on every TP rank (prefill pods have no DCP)
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class RankKVSpec:
+    transport: str  # "auto" | "nixl" | "tcp"
+    layout: dict[str, Any]  # KVLayout.to_dict() of the pod
+    host: str
+    lease_timeout_s: float
+
+
+def make_publisher(transport: str, layout: KVLayout, tp_rank: int, region: torch.Tensor, host: str,
+                   lease_timeout_s: float, on_free: Callable[[str, str, str], None]):
+    """A kv_transfer publisher for one rank's region (NIXL when usable and asked for / "auto", else TCP)."""
+    from kv_transfer.factory import make_publisher as factory_make
+
+    return factory_make(layout, {tp_rank: region}, backend=transport, on_free=on_free, host=host,
+                        lease_timeout_s=lease_timeout_s)
+
+
+class RankKV:
+    """One rank's publisher, its layer hook, and the record of leases it freed (drained by the engine thread)."""
+
+    def __init__(self, runner: Any, spec: RankKVSpec) -> None:
+        self.tp_rank = runner.ps.tp_rank
+        self.layout = KVLayout.from_dict(spec.layout)
+        self.cuda = runner.kv_cache.is_cuda
+        self._lock = threading.Lock()
+        self._freed: list[tuple[str, str]] = []  # (lease id, reason)
+        self._errors: list[tuple[str, int, str]] = []  # (lease id, layer, what failed)
+        self.wake: Callable[[], None] | None = None  # rank 0: nudges the engine loop when a lease is freed
+        self.publisher = make_publisher(spec.transport, self.layout, self.tp_rank, runner.kv_cache, spec.host,
+                                        spec.lease_timeout_s, self._on_free)
+        runner.layer_hook = self.on_layer_done
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.publisher.endpoint)
+
+    def _on_free(self, lease_id: str, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._freed.append((lease_id, reason))
+        if self.wake is not None:
+            self.wake()
+
+    def on_layer_done(self, step: Any, layer: int) -> None:
+        starts: list[LeaseStart] | None = step.extra
+        if not starts:
+            return
+        if self.cuda:  # the layer's KV writes must have landed before a reader is let in
+            torch.cuda.current_stream().synchronize()
+        for ls in starts:
+            try:
+                if layer == 0:
+                    self.publisher.publish(ls.request_id, {self.tp_rank: list(ls.block_table)}, ls.num_tokens,
+                                           lease_id=ls.lease_id, layers_ready=1)
+                else:
+                    self.publisher.set_layers_ready(ls.lease_id, layer + 1)
+            except Exception as e:  # never break the forward pass; the engine thread fails the request
+                with self._lock:
+                    self._errors.append((ls.lease_id, layer, repr(e)))
+
+    def take(self) -> tuple[list[tuple[str, str]], list[tuple[str, int, str]]]:
+        with self._lock:
+            freed, errors = self._freed, self._errors
+            self._freed, self._errors = [], []
+        return freed, errors
+
+    def abort(self, lease_ids: list[str], reason: str) -> None:
+        for lid in lease_ids:
+            try:
+                self.publisher.abort(lid, reason)
+            except Exception:
+                log.exception("rank %d: aborting kv lease %s failed", self.tp_rank, lid)
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+# --- functions run on every rank through Executor.call_all_ranks (module level: they are pickled) ---
+def rank_start(runner: Any, spec: RankKVSpec) -> tuple[str, str]:
+    kv = RankKV(runner, spec)
+    runner.prefill_kv = kv
+    return kv.endpoint, kv.publisher.name
+
+
+def rank_take(runner: Any) -> tuple[list[tuple[str, str]], list[tuple[str, int, str]]]:
+    return runner.prefill_kv.take()
+
+
+def rank_abort(runner: Any, lease_ids: list[str], reason: str) -> None:
+    runner.prefill_kv.abort(lease_ids, reason)
+
+
+def rank_close(runner: Any) -> None:
+    kv = getattr(runner, "prefill_kv", None)
+    if kv is not None:
+        runner.layer_hook = None
+        kv.close()
+        runner.prefill_kv = None
+
+
+class KVHost:
+    """Engine-thread side of the pod's publishers (all calls from the engine thread)."""
+
+    def __init__(self, engine: Any, layout: KVLayout, transport: str, host: str, lease_timeout_s: float,
+                 wake: Callable[[], None]) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.tp_size = layout.tp_size
+        results = engine.executor.call_all_ranks(rank_start, RankKVSpec(transport, layout.to_dict(), host,
+                                                                        lease_timeout_s))
+        errs = [r for r in results if isinstance(r, Exception)]
+        if errs:
+            self._close_started(results)
+            raise RuntimeError(f"starting the KV publishers failed: {errs[0]!r}") from errs[0]
+        self.endpoints = [Endpoint.parse(ep) for ep, _ in results]
+        self.transport = "nixl" if all(name == "nixl" for _, name in results) else "tcp"
+        self.rank0: RankKV = engine.executor.runner.prefill_kv
+        self.rank0.wake = wake
+
+    def _close_started(self, results: list[Any]) -> None:
+        self.engine.executor.call_all_ranks(rank_close)
+
+    def handoff(self, ls: LeaseStart) -> KVHandoff:
+        return KVHandoff(ls.lease_id, ls.request_id, ls.num_tokens, self.layout,
+                         [list(ls.block_table)] * self.tp_size, list(self.endpoints), self.transport)
+
+    def take(self, poll_others: bool) -> tuple[list[tuple[int, str, str]], list[tuple[int, str, int, str]]]:
+        """(rank, lease id, reason) of leases freed since the last call, and (rank, lease id, layer, what) of
+        publish errors.
+
+        Rank 0 is read directly; other ranks only when poll_others (a collective over the pod)."""
+        if poll_others and self.tp_size > 1:
+            per_rank = self.engine.executor.call_all_ranks(rank_take)
+        else:
+            per_rank = [self.rank0.take()]
+        freed, errors = [], []
+        for rank, res in enumerate(per_rank):
+            if isinstance(res, Exception):
+                log.error("rank %d: collecting freed kv leases failed: %r", rank, res)
+                continue
+            f, e = res
+            freed += [(rank, lid, reason) for lid, reason in f]
+            errors += [(rank, lid, layer, what) for lid, layer, what in e]
+        return freed, errors
+
+    def abort(self, lease_ids: list[str], reason: str = "aborted") -> None:
+        if lease_ids:
+            self.engine.executor.call_all_ranks(rank_abort, list(lease_ids), reason)
+
+    def close(self) -> None:
+        self.engine.executor.call_all_ranks(rank_close)

@@ -1,0 +1,494 @@
+"""The prefill engine loop: an LLMEngine on its own thread, fed prompts from asyncio, holding KV under leases.
+
+Each prompt becomes an engine request with max_tokens=1 and hold_kv=True: the engine batches concurrent prompts and
+splits long ones into chunks (EngineConfig.prefill_chunk_size; every prefilling request gets at most one chunk per
+step, so short prompts run beside long ones), reuses cached prefix blocks, and samples the first token. When that token
+is out, the request's blocks stay allocated under a KV lease (published layer by layer while the last chunk computed,
+see prefill_svc/kv.py) until every rank's publisher has let go of it: decode done, ReleaseKV, CancelPrefill or TTL.
+
+All engine access happens on the engine thread; the asyncio side talks to it through a command queue and gets results
+back as futures. Nothing here knows gRPC (server.py maps the exceptions below to status codes)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kv_transfer.layout import KVLayout
+from kv_transfer.lease import new_lease_id
+from kv_transfer.transport import KVHandoff
+from pdserve.engine.llm_engine import LLMEngine, RequestError
+from pdserve.engine.scheduler import ScheduledStep
+from pdserve.sampling import SamplingParams
+from prefill_svc.config import PrefillConfig
+from prefill_svc.convert import ClientParams
+from prefill_svc.kv import KVHost, LeaseStart
+
+log = logging.getLogger("prefill_svc.worker")
+
+
+# --- errors (server.py maps each to a gRPC status code) ---
+class PrefillError(Exception):
+    code = "INTERNAL"
+
+
+class InvalidRequest(PrefillError):
+    code = "INVALID_ARGUMENT"
+
+
+class AlreadyExists(PrefillError):
+    code = "ALREADY_EXISTS"
+
+
+class Exhausted(PrefillError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Cancelled(PrefillError):
+    code = "CANCELLED"
+
+
+class Draining(PrefillError):
+    code = "UNAVAILABLE"
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    first_token_id: int
+    first_token_logprob: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool  # the request ended with its first token: no KV is kept
+    finish_reason: str | None  # "stop" | "length" when finished
+    lease_id: str | None
+    handoff: KVHandoff | None  # None when finished, or when the pod runs without a KV transport
+    block_table: list[int]
+    queue_s: float
+    compute_s: float
+    ttl_s: float
+
+
+@dataclass
+class _Job:
+    request_id: str
+    lease_id: str
+    prompt_len: int
+    client: ClientParams
+    ttl_s: float
+    future: Future  # concurrent.futures: set from the engine thread, awaited through asyncio.wrap_future
+    arrival: float = field(default_factory=time.monotonic)
+    started: float | None = None  # first step that computed any of its tokens
+    lease_start: LeaseStart | None = None
+
+
+@dataclass
+class _Lease:
+    lease_id: str
+    request_id: str
+    num_blocks: int
+    expires_at: float  # only enforced here when the pod has no KV transport (publishers run their own TTL)
+    pending_ranks: set[int]  # ranks whose publisher still holds the lease
+    released: bool = False  # ReleaseKV / CancelPrefill / finished-at-first-token asked for it to go
+
+
+@dataclass(frozen=True)
+class Stats:
+    queued_prompt_tokens: int = 0  # prompt tokens admitted but not yet computed
+    num_running: int = 0
+    num_waiting: int = 0
+    num_inflight: int = 0  # Prefill calls not answered yet
+    num_leases: int = 0
+    kv_held_blocks: int = 0  # blocks held for transfer (after the first token)
+    free_blocks: int = 0
+    total_blocks: int = 0
+    prompt_tokens_computed: int = 0  # cumulative; prefix-cache hits excluded
+    prefix_hit_tokens: int = 0  # cumulative
+    prefix_query_tokens: int = 0  # cumulative
+    requests_finished: int = 0
+    num_steps: int = 0  # engine steps run (a chunked prompt takes one per chunk)
+    leases_freed: dict = field(default_factory=dict)  # reason -> count
+
+
+class PrefillWorker:
+    def __init__(self, config: PrefillConfig, pod_id: str = "prefill-local") -> None:
+        self.config = config
+        self.pod_id = pod_id
+        self.engine: LLMEngine | None = None
+        self.kv: KVHost | None = None
+        self.layout: KVLayout | None = None
+        self._cmds: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._jobs: dict[str, _Job] = {}  # request id -> job, until its first token
+        self._leases: dict[str, _Lease] = {}  # lease id -> lease
+        self._lease_of_request: dict[str, str] = {}
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._stopping = False
+        self.draining = False
+        self.stats = Stats()
+        self._requests_finished = 0
+        self._num_steps = 0
+        self._leases_freed: dict[str, int] = {}
+        self._last_poll = 0.0
+        self._settled: list[tuple[Future, Any, BaseException | None]] = []
+        self._step_publishes = False  # the step being run publishes leases
+        # lease id -> (ranks whose publish failed, what): errors seen before the request's first token is handled
+        self._publish_errors: dict[str, tuple[set[int], str]] = {}
+        self.on_event: Callable[[str, str], None] | None = None  # (kind, request id), engine thread; tests
+
+    # --- life cycle ---
+    def start(self, timeout_s: float = 600.0) -> None:
+        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"prefill engine did not start within {timeout_s}s")
+        if self._start_error is not None:
+            raise self._start_error
+
+    def stop(self) -> None:
+        """Stop the loop: requests still queued fail with UNAVAILABLE, leases are dropped, ranks shut down."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._cmds.put(None)
+        self._thread.join(timeout=120)
+        self._thread = None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held: no prefill in flight, no KV under a lease."""
+        return not self._jobs and not self._leases
+
+    # --- asyncio-facing API (any thread) ---
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, client: ClientParams,
+                      lease_id: str | None = None, ttl_s: float | None = None) -> PrefillResult:
+        fut: Future = Future()
+        self._call(lambda: self._submit(fut, request_id, prompt_ids, params, client, lease_id, ttl_s))
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the caller went away: drop the request and whatever it holds
+            self._call(lambda: self._cancel(request_id, "caller cancelled"))
+            raise
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self._ask(lambda: self._cancel(request_id, "CancelPrefill"))
+
+    async def release(self, lease_id: str) -> bool:
+        return await self._ask(lambda: self._release(lease_id, "aborted"))
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            raise Draining("the prefill engine is not running")
+        self._cmds.put(fn)
+
+    async def _ask(self, fn: Callable[[], Any]) -> Any:
+        fut: Future = Future()
+
+        def run() -> None:  # answered after the loop updated its stats, like prefills
+            try:
+                self._settle(fut, fn())
+            except Exception as e:
+                self._settle(fut, exc=e)
+
+        self._call(run)
+        return await asyncio.wrap_future(fut)
+
+    # --- engine thread ---
+    def _run(self) -> None:
+        try:
+            self.engine = LLMEngine(self.config.engine_config())
+            mc = self.engine.model_config
+            self.layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                   dtype=str(self.engine.executor.kv_cache.dtype), block_size=self.config.block_size,
+                                   tp_size=self.config.tensor_parallel_size, num_blocks=self.config.num_kv_blocks)
+            if self.config.kv_transport != "none":
+                self.kv = KVHost(self.engine, self.layout, self.config.kv_transport,
+                                 self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,
+                                 wake=lambda: self._cmds.put(_noop))
+            self.engine.before_execute = self._before_execute
+        except BaseException as e:
+            self._start_error = e
+            if self.engine is not None:
+                self.engine.shutdown()
+            self._ready.set()
+            return
+        self._update_stats()
+        self._ready.set()
+        try:
+            self._loop()
+        finally:
+            self._shutdown_engine()
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            busy = eng.has_unfinished()
+            try:
+                cmd = self._cmds.get(timeout=0 if busy else 0.05)
+            except queue.Empty:
+                cmd = _noop
+            while cmd is not None:
+                try:
+                    cmd()
+                except Exception:
+                    log.exception("prefill command failed")
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+            if cmd is None or self._stopping:
+                return
+            self._collect_freed()
+            self._expire_leases()
+            if eng.has_unfinished():
+                self._step_publishes = False
+                try:
+                    outputs = eng.step()
+                    self._num_steps += 1
+                except Exception as e:
+                    log.exception("prefill step failed; failing the requests in flight")
+                    self._fail_all(e)
+                    continue
+                if self._step_publishes:  # learn every rank's publish errors before answering
+                    self._collect_freed(force_poll=True)
+                for out in outputs:
+                    self._on_output(out)
+            self._update_stats()
+            self._flush_settled()
+
+    def _settle(self, fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+        """Answer a Prefill once the stats reflect it (so a caller reading stats after the answer sees them)."""
+        self._settled.append((fut, result, exc))
+
+    def _flush_settled(self) -> None:
+        settled, self._settled = self._settled, []
+        for fut, result, exc in settled:
+            if fut.done():
+                continue
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def _submit(self, fut: Future, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                client: ClientParams, lease_id: str | None, ttl_s: float | None) -> None:
+        if fut.done():
+            return
+        try:
+            if self.draining or self._stopping:
+                raise Draining("this prefill pod is draining and takes no new requests; retry on another pod")
+            eng = self.engine
+            if not request_id:
+                raise InvalidRequest("request_id must not be empty")
+            if request_id in self._jobs or request_id in self._lease_of_request:
+                raise AlreadyExists(f"request_id {request_id!r} is already in flight on this pod")
+            if lease_id and lease_id in self._leases:
+                raise AlreadyExists(f"lease_id {lease_id!r} is already in use on this pod")
+            if len(self._leases) + len(self._jobs) >= self.config.max_leases:
+                raise Exhausted(f"this pod holds its maximum of {self.config.max_leases} KV leases; retry elsewhere")
+            try:
+                eng.validate_prompt(prompt_ids, params)
+            except RequestError as e:
+                raise InvalidRequest(str(e)) from e
+            need = -(-len(prompt_ids) // self.config.block_size)
+            if need > self.config.num_kv_blocks:
+                raise Exhausted(f"prompt needs {need} KV blocks but this pod has {self.config.num_kv_blocks} per rank")
+            job = _Job(request_id, lease_id or new_lease_id(), len(prompt_ids), client,
+                       ttl_s if ttl_s and ttl_s > 0 else self.config.lease_ttl_s, fut)
+            try:
+                eng.add_request(prompt_ids, params, request_id, hold_kv=True)
+            except RequestError as e:
+                raise InvalidRequest(str(e)) from e
+            self._jobs[request_id] = job
+            self._emit("queued", request_id)
+        except PrefillError as e:
+            self._settle(fut, exc=e)
+
+    def _before_execute(self, step: ScheduledStep) -> list[LeaseStart] | None:
+        """Runs between schedule and execute: note start times, list the leases whose KV completes this step."""
+        now = time.monotonic()
+        starts = []
+        for seq, n in zip(step.seqs, step.chunk_lens):
+            job = self._jobs.get(seq.request_id)
+            if job is None:
+                continue
+            if job.started is None:
+                job.started = now
+            if seq.num_computed + n == seq.num_tokens:
+                job.lease_start = LeaseStart(job.lease_id, job.request_id, tuple(seq.block_tables[0]),
+                                             len(seq.prompt_ids))
+                starts.append(job.lease_start)
+        if starts and self.kv is not None:
+            self._step_publishes = True
+            return starts
+        return None
+
+    def _on_output(self, out: Any) -> None:
+        eng = self.engine
+        job = self._jobs.pop(out.request_id, None)
+        if job is None:
+            return
+        tok, lp = out.new_token_ids[0], out.new_logprobs[0]
+        c = job.client
+        reason = None
+        if tok in c.stop_token_ids or (tok in eng.eos_ids and not c.ignore_eos):
+            reason = "stop"
+        elif c.max_tokens == 1 or job.prompt_len + 1 >= eng.max_model_len:
+            reason = "length"
+        seq = eng.held.get(out.request_id)
+        table = list(seq.block_tables[0]) if seq is not None and seq.block_tables else []
+        now = time.monotonic()
+        started = job.started if job.started is not None else now
+        ls = job.lease_start
+        error = self._publish_errors.pop(job.lease_id, None)
+        failed = error[0] if error else set()
+        pending = set(range(self.kv.tp_size)) - failed if (self.kv is not None and ls is not None) else set()
+        lease = _Lease(job.lease_id, job.request_id, len(table), now + job.ttl_s, pending)
+        self._leases[job.lease_id] = lease
+        self._lease_of_request[job.request_id] = job.lease_id
+        handoff = None
+        if error is not None:
+            what = error[1]
+            self._release(job.lease_id, "aborted")
+            self._settle(job.future, exc=PrefillError(f"handing the KV to kv_transfer failed: {what}"))
+            self._emit("failed", job.request_id)
+            return
+        if reason is not None:
+            self._release(job.lease_id, "aborted")  # nothing to transfer: the request is complete
+        elif self.kv is not None and ls is not None:
+            handoff = self.kv.handoff(ls)
+        self._requests_finished += 1
+        res = PrefillResult(job.request_id, tok, lp, job.prompt_len, out.cached_tokens, reason is not None, reason,
+                            None if reason else job.lease_id, handoff, table, started - job.arrival, now - started,
+                            job.ttl_s)
+        self._settle(job.future, res)
+        self._emit("first_token", job.request_id)
+
+    def _cancel(self, request_id: str, why: str) -> bool:
+        job = self._jobs.pop(request_id, None)
+        if job is not None:
+            self.engine.abort(request_id)  # not yet at its first token: no lease was published
+            self._settle(job.future, exc=Cancelled(f"prefill of {request_id!r} cancelled ({why})"))
+            self._emit("cancelled", request_id)
+            return True
+        lid = self._lease_of_request.get(request_id)
+        return lid is not None and self._release(lid, "aborted")
+
+    def _release(self, lease_id: str, reason: str) -> bool:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.released:
+            return False
+        lease.released = True
+        if lease.pending_ranks:
+            self.kv.abort([lease_id], reason)  # publishers free it once no read is in flight (on_free)
+        else:
+            self._drop_lease(lease, reason)
+        return True
+
+    def _drop_lease(self, lease: _Lease, reason: str) -> None:
+        self._leases.pop(lease.lease_id, None)
+        self._lease_of_request.pop(lease.request_id, None)
+        self.engine.release(lease.request_id)
+        self._leases_freed[reason] = self._leases_freed.get(reason, 0) + 1
+        self._emit("freed", lease.request_id)
+
+    def _collect_freed(self, force_poll: bool = False) -> None:
+        if self.kv is None or not (self._leases or force_poll):
+            return
+        now = time.monotonic()
+        others = any(r > 0 for ls in self._leases.values() for r in ls.pending_ranks)
+        poll = force_poll or (others and now - self._last_poll > 0.05)
+        if poll:
+            self._last_poll = now
+        freed, errors = self.kv.take(poll_others=poll)
+        for rank, lid, layer, what in errors:
+            log.error("kv lease %s: rank %d failed at layer %d: %s", lid, rank, layer, what)
+            lease = self._leases.get(lid)
+            if lease is None:  # failed while its last chunk ran: _on_output fails the request
+                ranks, first = self._publish_errors.setdefault(lid, (set(), f"rank {rank} layer {layer}: {what}"))
+                if layer == 0:
+                    ranks.add(rank)
+            else:
+                if layer == 0:
+                    lease.pending_ranks.discard(rank)
+                self._release(lid, "aborted")
+        for rank, lid, reason in freed:
+            lease = self._leases.get(lid)
+            if lease is None:
+                continue
+            lease.pending_ranks.discard(rank)
+            if not lease.pending_ranks:
+                self._drop_lease(lease, reason)
+            elif not lease.released:  # one rank let go (expired / decode gave up): the others must too
+                self._release(lid, reason)
+
+    def _expire_leases(self) -> None:
+        if self.kv is not None:
+            return  # publishers run the TTL (renewed by decode contact)
+        now = time.monotonic()
+        for lease in [ls for ls in self._leases.values() if ls.expires_at <= now]:
+            log.warning("kv lease %s (request %s) expired unreleased; freeing its blocks", lease.lease_id,
+                        lease.request_id)
+            self._drop_lease(lease, "expired")
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid in list(self._jobs):
+            job = self._jobs.pop(rid)
+            self.engine.abort(rid)
+            self._settle(job.future, exc=PrefillError(f"prefill failed: {err!r}"))
+
+    def _update_stats(self) -> None:
+        eng = self.engine
+        sch = eng.scheduler
+        queued = sum(s.num_tokens - s.num_computed for s in list(sch.waiting) + sch.running if s.prefilling)
+        held = {b for s in eng.held.values() for t in s.block_tables for b in t}
+        bm = eng.blocks
+        self.stats = Stats(queued_prompt_tokens=queued, num_running=len(sch.running), num_waiting=len(sch.waiting),
+                           num_inflight=len(self._jobs), num_leases=len(self._leases), kv_held_blocks=len(held),
+                           free_blocks=bm.num_free(0), total_blocks=bm.num_blocks,
+                           prompt_tokens_computed=eng.num_prompt_tokens_computed, prefix_hit_tokens=bm.prefix_hits,
+                           prefix_query_tokens=bm.prefix_queries, requests_finished=self._requests_finished,
+                           num_steps=self._num_steps, leases_freed=dict(self._leases_freed))
+
+    def _emit(self, kind: str, request_id: str) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, request_id)
+
+    def _shutdown_engine(self) -> None:
+        while True:  # answer whatever was queued behind the stop (new prefills get UNAVAILABLE)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is not None:
+                try:
+                    cmd()
+                except Exception:
+                    log.exception("prefill command failed")
+        for rid, job in list(self._jobs.items()):
+            self._settle(job.future, exc=Draining("prefill pod shutting down"))
+        self._jobs.clear()
+        if self.kv is not None:
+            try:
+                self.kv.close()
+            except Exception:
+                log.exception("closing the kv publishers failed")
+        for lease in list(self._leases.values()):
+            self._drop_lease(lease, "shutdown")
+        self._update_stats()
+        self._flush_settled()
+        self.engine.shutdown()
+
+
+def _noop() -> None:
+    pass

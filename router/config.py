@@ -1,0 +1,110 @@
+"""RouterConfig: every knob of the router in one dataclass, validated when it is built.
+
+A bad value raises ``ValueError`` naming the field, the value and what would be accepted, so ``python -m router``
+fails at startup instead of misbehaving under load.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    # --- network ---
+    host: str = "127.0.0.1"
+    port: int = 50051  # Router + Registry + grpc.health.v1 on one port; 0 picks a free one
+    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = not served (metrics still exposed via registry)
+
+    # --- model (the router tokenizes and detokenizes) ---
+    model: str | None = None  # model directory with tokenizer.json; None = the default SmolLM2 checkpoint
+    served_model_name: str | None = None  # name clients / workers use; None = the model directory's name
+
+    # --- registry ---
+    cluster_token: str = ""  # shared secret workers present; "" = no check
+    heartbeat_interval_s: float = 1.0  # told to workers at registration
+    missed_heartbeats_unhealthy: int = 3  # a pod silent this many intervals gets no new traffic
+    eviction_timeout_s: float = 10.0  # ... and is dropped from the registry after this long
+
+    # --- placement ---
+    prefix_block_size: int = 16  # tokens per block of the router's prefix-affinity index
+    prefix_index_capacity: int = 200_000  # block hashes remembered (LRU)
+    affinity_max_imbalance_tokens: int = 4096  # affinity loses when its pod has this many more queued tokens
+    reserve_output_tokens: int = 16  # decode KV reserved per request beyond the prompt (AllocateKV)
+
+    # --- admission queue ---
+    max_queue_len: int = 256  # requests waiting for decode KV; beyond it: RESOURCE_EXHAUSTED
+    max_queue_wait_s: float = 30.0  # a request waiting longer: RESOURCE_EXHAUSTED
+    max_inflight_requests: int = 4096  # dispatched and unfinished; beyond it requests queue
+
+    # --- per-call limits towards pods ---
+    pod_rpc_timeout_s: float = 60.0  # AllocateKV / Prefill / cancel calls, when the client set no deadline
+    cleanup_timeout_s: float = 5.0  # CancelPrefill / CancelDecode / ReleaseKV during cleanup
+    lease_ttl_s: float = 0.0  # asked of prefill for KV leases; 0 = the pod's default
+
+    # --- lifecycle ---
+    drain_grace_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
+
+    def __post_init__(self) -> None:
+        def bad(name: str, want: str) -> None:
+            raise ValueError(f"RouterConfig.{name} {want}, got {getattr(self, name)!r}")
+
+        for name in ("port", "metrics_port"):
+            v = getattr(self, name)
+            if not _is_int(v) or not 0 <= v <= 65535:
+                bad(name, "must be a port number in [0, 65535] (0 = pick a free one / off)")
+        if not isinstance(self.host, str) or not self.host:
+            bad("host", "must be a non-empty host name or address")
+        for name in ("heartbeat_interval_s", "eviction_timeout_s", "max_queue_wait_s", "pod_rpc_timeout_s",
+                     "cleanup_timeout_s", "drain_grace_s"):
+            v = getattr(self, name)
+            if not _is_num(v) or v <= 0:
+                bad(name, "must be a positive number of seconds")
+        if not _is_num(self.lease_ttl_s) or self.lease_ttl_s < 0:
+            bad("lease_ttl_s", "must be >= 0 seconds (0 = the prefill pod's default)")
+        for name in ("missed_heartbeats_unhealthy", "prefix_block_size", "prefix_index_capacity",
+                     "max_inflight_requests"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                bad(name, "must be a positive integer")
+        for name in ("affinity_max_imbalance_tokens", "reserve_output_tokens", "max_queue_len"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                bad(name, "must be an integer >= 0")
+        if self.eviction_timeout_s <= self.heartbeat_interval_s * self.missed_heartbeats_unhealthy:
+            bad("eviction_timeout_s",
+                f"must exceed heartbeat_interval_s * missed_heartbeats_unhealthy "
+                f"({self.heartbeat_interval_s} * {self.missed_heartbeats_unhealthy}) so a pod is marked unhealthy "
+                "before it is dropped")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            bad("model", "must be a model directory path or None (the default model)")
+        if self.model is not None and not (Path(self.model) / "tokenizer.json").is_file():
+            bad("model", "must be a model directory containing tokenizer.json")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name):
+            bad("served_model_name", "must be a non-empty string or None")
+        if not isinstance(self.cluster_token, str):
+            bad("cluster_token", "must be a string")
+
+    @property
+    def unhealthy_after_s(self) -> float:
+        return self.heartbeat_interval_s * self.missed_heartbeats_unhealthy
+
+    def model_name_for(self, model_path: str | os.PathLike[str]) -> str:
+        """The name the cluster serves: served_model_name, else the model directory's base name."""
+        return self.served_model_name or Path(model_path).name
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -1,0 +1,304 @@
+"""RouterCore: the state one router process shares between its RPCs (tokenizer, registry, admission queue, prefix
+index, metrics, channels to pods, in-flight requests) plus request validation (prompt -> token ids, sampling
+parameters) and the background clean-up of pods (CancelPrefill / CancelDecode / ReleaseKV)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import grpc
+
+from pdserve.tokenizer import Tokenizer
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
+from router.admission import Admission, Admitted
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.placement import PrefixIndex, block_hashes, pick_prefill
+from router.registry import Registry
+
+if TYPE_CHECKING:
+    from router.journey import Flight
+
+log = logging.getLogger("router")
+
+_TEXT_TO_THREAD = 4096  # tokenize prompts longer than this (characters) off the event loop
+
+
+class Rejected(Exception):
+    """A request refused before its first token: becomes its gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Prepared:
+    """A validated request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: common_pb2.SamplingParams  # forwarded to the pods as the client sent it
+    max_tokens: int | None
+    want_logprobs: bool
+    kv_tokens: int  # tokens of decode KV to book: prompt + reserved output room
+    block_hashes: list[int] = field(default_factory=list)
+
+
+def _resolve_model_path(config: RouterConfig) -> str:
+    if config.model is not None:
+        return config.model
+    from pdserve.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+class RouterCore:
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.model_path = _resolve_model_path(config)
+        self.tokenizer = Tokenizer(self.model_path)
+        self.model_name = config.model_name_for(self.model_path)
+        p = Path(self.model_path)
+        aliases = {self.model_path, str(p.resolve()), p.name}
+        self.registry = Registry(config, self.model_name, aliases, clock=clock)
+        self.admission = Admission(self.registry, config)
+        self.prefix = PrefixIndex(config.prefix_block_size, config.prefix_index_capacity)
+        self.metrics = RouterMetrics()
+        self.flights: dict[str, "Flight"] = {}
+        self.draining = False
+        self.eos_token_ids = self._eos_ids()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.registry.on_evict(self._pod_lost)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        try:
+            eos = json.loads((Path(self.model_path) / "config.json").read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(e for e in eos if isinstance(e, int))
+        return ids
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Pods
+    # ------------------------------------------------------------------------------------------------------------
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                             ("grpc.max_send_message_length", 64 << 20)])
+            self._channels[address] = ch
+        return ch
+
+    def prefill_stub(self, pod_id: str) -> prefill_pb2_grpc.PrefillWorkerStub:
+        e = self.registry.pods.get(pod_id)
+        if e is None:
+            raise KeyError(pod_id)
+        return prefill_pb2_grpc.PrefillWorkerStub(self.channel(e.address))
+
+    def decode_stub(self, pod_id: str) -> decode_pb2_grpc.DecodeWorkerStub:
+        e = self.registry.pods.get(pod_id)
+        if e is None:
+            raise KeyError(pod_id)
+        return decode_pb2_grpc.DecodeWorkerStub(self.channel(e.address))
+
+    def _pod_lost(self, pod_id: str) -> None:
+        self.prefix.forget_pod(pod_id)
+        for f in list(self.flights.values()):
+            f.pod_lost(pod_id)
+
+    def pick_prefill(self, prep: Prepared, exclude: set[str]) -> str | None:
+        aff, _ = self.prefix.lookup(prep.block_hashes)
+        pod = pick_prefill(self.registry.prefill_views(), len(prep.prompt_ids), aff, exclude,
+                           self.config.affinity_max_imbalance_tokens)
+        if pod is not None:
+            self.prefix.record(prep.block_hashes, pod)
+        return pod
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Background clean-up (must survive the cancellation of the request that needs it)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _quiet(self, rpc: str, pod_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        try:
+            return await call()
+        except (grpc.aio.AioRpcError, KeyError, asyncio.TimeoutError) as e:
+            self.metrics.cleanup_failures.labels(rpc).inc()
+            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+            log.info("%s on pod %r failed (%s); the pod frees it on its own timeout", rpc, pod_id, detail)
+            return None
+
+    async def cancel_prefill(self, pod_id: str, request_id: str) -> None:
+        t = self.config.cleanup_timeout_s
+        await self._quiet("CancelPrefill", pod_id, lambda: self.prefill_stub(pod_id).CancelPrefill(
+            prefill_pb2.CancelPrefillRequest(request_id=request_id), timeout=t))
+
+    async def release_kv(self, pod_id: str, lease_id: str) -> None:
+        t = self.config.cleanup_timeout_s
+        await self._quiet("ReleaseKV", pod_id, lambda: self.prefill_stub(pod_id).ReleaseKV(
+            prefill_pb2.ReleaseKVRequest(lease_id=lease_id), timeout=t))
+
+    async def cancel_decode(self, pod_id: str, request_id: str, admitted: Admitted | None = None) -> None:
+        t = self.config.cleanup_timeout_s
+        try:
+            await self._quiet("CancelDecode", pod_id, lambda: self.decode_stub(pod_id).CancelDecode(
+                decode_pb2.CancelDecodeRequest(request_id=request_id), timeout=t))
+        finally:
+            if admitted is not None:  # the booking goes back once the pod has freed the blocks
+                self.admission.release(admitted)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.cleanup_timeout_s + 1)
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Request validation
+    # ------------------------------------------------------------------------------------------------------------
+
+    async def prepare(self, req: router_pb2.GenerateRequest) -> Prepared:
+        """Validate a GenerateRequest; raises Rejected (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ALREADY_EXISTS)."""
+        if self.draining:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "router is shutting down: send the request to another router")
+        if req.model and req.model not in self.registry.model_aliases:
+            raise Rejected(grpc.StatusCode.NOT_FOUND,
+                           f"model {req.model!r} is not served here; this cluster serves {self.model_name!r} "
+                           "(or leave model empty)")
+        rid = req.request_id or uuid.uuid4().hex
+        if rid in self.flights:
+            raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
+                           f"request_id {rid!r} is already in flight: use a unique id per request (or leave it "
+                           "empty and the router assigns one)")
+        prompt_ids = await self._prompt_ids(req)
+        vocab = self.registry.vocab_size() or self.tokenizer.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt token id {bad} is out of range for the model's vocabulary [0, {vocab})")
+        max_len = self.registry.max_model_len()
+        if max_len and len(prompt_ids) >= max_len:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten it to at "
+                           f"most {max_len - 1} tokens")
+        sp = req.sampling_params
+        _check_sampling(sp)
+        max_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
+        if max_len and max_tokens is not None and len(prompt_ids) + max_tokens > max_len:
+            max_tokens_eff = max_len - len(prompt_ids)  # decode stops at the context length (LENGTH)
+        else:
+            max_tokens_eff = max_tokens
+        reserve = self.config.reserve_output_tokens
+        if max_tokens_eff is not None:
+            reserve = min(reserve, max(0, max_tokens_eff - 1))
+        kv_tokens = len(prompt_ids) + reserve
+        if max_len:
+            kv_tokens = min(kv_tokens, max_len)
+        return Prepared(
+            request_id=rid, prompt_ids=prompt_ids, params=sp, max_tokens=max_tokens,
+            want_logprobs=sp.logprobs or sp.top_logprobs > 0, kv_tokens=kv_tokens,
+            block_hashes=block_hashes(prompt_ids, self.config.prefix_block_size),
+        )
+
+    async def _prompt_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
+        kind = req.WhichOneof("prompt")
+        if kind is None:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one prompt: text, token_ids or chat")
+        if kind == "token_ids":
+            ids = list(req.token_ids.ids)
+        elif kind == "text":
+            if not req.text:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
+            ids = await self._encode(req.text, True)
+        else:
+            msgs = req.chat.messages
+            if not msgs:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "chat prompt has no messages")
+            for i, m in enumerate(msgs):
+                if m.role not in ("system", "user", "assistant", "tool"):
+                    raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"chat message {i} has role {m.role!r}; use system, user, assistant or tool")
+            add_gen = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
+            try:
+                text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs],
+                                                          add_generation_prompt=add_gen)
+            except Exception as e:  # jinja2 errors, a model without a template
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat template: {e}")
+            ids = await self._encode(text, False)  # the template writes the special tokens itself
+        if not ids:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: send at least one token")
+        return ids
+
+    async def _encode(self, text: str, add_special: bool) -> list[int]:
+        if len(text) > _TEXT_TO_THREAD:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special)
+        return self.tokenizer.encode(text, add_special)
+
+
+def _check_sampling(sp: common_pb2.SamplingParams) -> None:
+    """Range checks of the sampling parameters (the pods reject what they do not implement)."""
+
+    def bad(msg: str) -> None:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {msg}")
+
+    def finite(name: str) -> float | None:
+        if not sp.HasField(name):
+            return None
+        v = getattr(sp, name)
+        if not math.isfinite(v):
+            bad(f"{name} must be a finite number, got {v}")
+        return v
+
+    t = finite("temperature")
+    if t is not None and t < 0:
+        bad(f"temperature must be >= 0 (0 = greedy), got {t}")
+    if sp.top_k < -1:
+        bad(f"top_k must be >= 1, or 0 / -1 to disable, got {sp.top_k}")
+    p = finite("top_p")
+    if p is not None and not 0 < p <= 1:
+        bad(f"top_p must be in (0, 1], got {p}")
+    if sp.HasField("seed") and sp.seed < 0:
+        bad(f"seed must be >= 0, got {sp.seed}")
+    if sp.HasField("max_tokens") and sp.max_tokens < 1:
+        bad(f"max_tokens must be >= 1 (or unset), got {sp.max_tokens}")
+    if any(not s for s in sp.stop):
+        bad("stop strings must be non-empty")
+    if any(t < 0 for t in sp.stop_token_ids):
+        bad("stop_token_ids must be >= 0")
+    if sp.top_logprobs < 0:
+        bad(f"top_logprobs must be >= 0, got {sp.top_logprobs}")
+    if sp.min_tokens < 0:
+        bad(f"min_tokens must be >= 0, got {sp.min_tokens}")
+    if sp.HasField("max_tokens") and sp.min_tokens > sp.max_tokens:
+        bad(f"min_tokens ({sp.min_tokens}) must not exceed max_tokens ({sp.max_tokens})")
+    rp = finite("repetition_penalty")
+    if rp is not None and rp <= 0:
+        bad(f"repetition_penalty must be > 0 (1 = off), got {rp}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = finite(name)
+        if v is not None and not -2 <= v <= 2:
+            bad(f"{name} must be in [-2, 2], got {v}")

@@ -1,0 +1,451 @@
+"""A request's whole journey through the cluster, top to bottom: ``generate``.
+
+    validate -> book decode KV (queue if no pod has room) -> place prefill -> AllocateKV on decode
+    -> Prefill (retried once on another prefill pod if it fails before the KV handoff)
+    -> first token to the client -> Decode stream -> detokenize / stop strings -> tokens to the client
+
+Failure and cancellation rules:
+- Before the first token, a failure is the call's gRPC status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE,
+  DEADLINE_EXCEEDED, ...). After it, the stream ends with a final message (FINISH_REASON_ERROR plus
+  error_message) and then status UNAVAILABLE; tokens already sent are never repeated.
+- Cancel RPC: the stream ends with a final FINISH_REASON_CANCELLED message. Client disconnect or deadline: the call
+  just ends. Either way every pod the request touched is told (CancelPrefill, ReleaseKV, CancelDecode) from a
+  background task that outlives the call, so all KV is freed.
+- The client's deadline goes to every pod call as its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import grpc
+
+from pdserve_api.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2
+from router.admission import AdmissionError, Admitted
+from router.core import Prepared, Rejected, RouterCore
+from router.detok import OutputAssembler
+
+log = logging.getLogger("router.journey")
+
+# Prefill failures that another prefill pod will not fix: passed to the client as they are.
+_PREFILL_FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE,
+                  grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED}
+_FINISH = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH}
+
+
+class Cancelled(Exception):
+    """The Cancel RPC ended this request."""
+
+
+class PodLost(Exception):
+    """The registry dropped a pod this request was waiting on."""
+
+
+class Flight:
+    """One in-flight request: what to cancel and what to clean up. Owned by its journey; Cancel and pod eviction
+    reach it through RouterCore.flights."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.cancelled = False
+        self.lost: set[str] = set()
+        self._pending: Any = None  # the grpc call or queue future being awaited
+        self._pending_pod: str | None = None
+        # clean-up state
+        self.admitted: Admitted | None = None  # decode KV booked by admission
+        self.decode_pod: str | None = None  # holds a reservation or a decoding request
+        self.decode_done = False  # the decode pod has finished the request on its own
+        self.prefill_pod: str | None = None  # a Prefill call is in flight there
+        self.lease: tuple[str, str] | None = None  # (prefill pod, lease id) until decode has the KV
+        self.kv_consumed = False
+        self.allocate_s = 0.0  # duration of the AllocateKV call that succeeded
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._pending is not None:
+            self._pending.cancel()
+
+    def pod_lost(self, pod_id: str) -> None:
+        if pod_id in (self.decode_pod, self.prefill_pod, self._pending_pod):
+            self.lost.add(pod_id)
+            if self._pending is not None and self._pending_pod == pod_id:
+                self._pending.cancel()
+
+    def set_pending(self, fut: Any, pod_id: str | None = None) -> None:
+        self._pending, self._pending_pod = fut, pod_id
+        if self.cancelled and fut is not None:
+            fut.cancel()
+
+    async def call(self, pod_id: str, call: Any) -> Any:
+        """Await a pod call (or a stream read) so that Cancel and pod eviction can interrupt it."""
+        self.set_pending(call, pod_id)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if self.cancelled:
+                raise Cancelled() from None
+            if pod_id in self.lost:
+                raise PodLost(f"pod {pod_id!r} was dropped from the registry (missed heartbeats)") from None
+            raise
+        finally:
+            self._pending = self._pending_pod = None
+
+    async def read(self, pod_id: str, stream: Any) -> Any:
+        """Read one message of a server stream, interruptible like ``call``."""
+        self.set_pending(stream, pod_id)
+        try:
+            return await stream.read()
+        except asyncio.CancelledError:
+            if self.cancelled:
+                raise Cancelled() from None
+            if pod_id in self.lost:
+                raise PodLost(f"pod {pod_id!r} was dropped from the registry (missed heartbeats)") from None
+            raise
+        finally:
+            self._pending = self._pending_pod = None
+
+
+async def generate(core: RouterCore, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                   ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    arrival = time.monotonic()
+    m = core.metrics
+
+    # 1. Validate: prompt -> token ids, sampling parameters, model, request id.
+    try:
+        prep = await core.prepare(request)
+    except Rejected as e:
+        m.requests.labels(e.code.name).inc()
+        _set_status(context, e.code, e.message)
+        return
+    rid = prep.request_id
+    flight = Flight(rid)
+    core.flights[rid] = flight
+    m.inflight.inc()
+
+    deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
+
+    def timeout() -> float:
+        left = core.config.pod_rpc_timeout_s if deadline is None else deadline - time.monotonic()
+        return max(0.001, min(left, core.config.pod_rpc_timeout_s))
+
+    out = OutputAssembler(core.tokenizer, stop=list(prep.params.stop), stop_token_ids=prep.params.stop_token_ids,
+                          eos_token_ids=core.eos_token_ids, ignore_eos=prep.params.ignore_eos,
+                          min_tokens=prep.params.min_tokens,
+                          skip_special_tokens=(prep.params.skip_special_tokens
+                                               if prep.params.HasField("skip_special_tokens") else True))
+    timing = common_pb2.Timing()
+    routing = router_pb2.RoutingInfo()
+    usage = common_pb2.Usage(prompt_tokens=len(prep.prompt_ids))
+    sent = 0  # tokens streamed to the client
+    t_first = t_last = 0.0
+    pod_time = 0.0  # AllocateKV + Prefill on the path to the first token
+    outcome = "error"
+
+    def message(piece_ids: list[int], text: str, logprobs: list[float] = (), top: list[Any] = ()
+                ) -> router_pb2.GenerateResponse:
+        nonlocal sent, t_first, t_last
+        msg = router_pb2.GenerateResponse(request_id=rid, token_ids=piece_ids, text=text)
+        if prep.want_logprobs:
+            msg.logprobs.extend(logprobs[:len(piece_ids)])
+            if prep.params.top_logprobs > 0:
+                msg.top_logprobs.extend(top[:len(piece_ids)])
+        if sent == 0 and request.return_prompt_token_ids:
+            msg.prompt_token_ids.extend(prep.prompt_ids)
+        if piece_ids:
+            now = time.monotonic()
+            if sent == 0:
+                t_first = now
+                timing.ttft_s = now - arrival
+                m.ttft.observe(timing.ttft_s)
+                m.overhead.observe(max(0.0, timing.ttft_s - timing.queue_s - pod_time))
+            t_last = now
+            sent += len(piece_ids)
+            m.tokens.inc(len(piece_ids))
+        return msg
+
+    def finish(msg: router_pb2.GenerateResponse, reason: int, stop_reason: str = "", error: str = ""
+               ) -> router_pb2.GenerateResponse:
+        nonlocal outcome
+        msg.finish_reason = reason
+        msg.stop_reason = stop_reason
+        msg.error_message = error
+        timing.e2e_s = time.monotonic() - arrival
+        if sent > 1:
+            timing.mean_tpot_s = (t_last - t_first) / (sent - 1)
+        usage.completion_tokens = sent
+        msg.usage.CopyFrom(usage)
+        msg.timing.CopyFrom(timing)
+        msg.routing.CopyFrom(routing)
+        m.e2e.observe(timing.e2e_s)
+        outcome = common_pb2.FinishReason.Name(reason)
+        context.set_trailing_metadata((
+            ("pdserve-router-ttft-s", f"{timing.ttft_s:.9f}"),
+            ("pdserve-pod-time-s", f"{pod_time:.9f}"),
+            ("pdserve-queue-s", f"{timing.queue_s:.9f}"),
+        ))
+        return msg
+
+    try:
+        # 2. Book decode KV for the prompt on the decode pod with the most room (wait in the queue if none has).
+        # 3. Place prefill (least queued tokens, prefix affinity), then reserve the blocks: AllocateKV.
+        # (one helper, because a decode pod refusing AllocateKV sends the request back to step 2.)
+        alloc, prefill_pod = await _book_decode(core, flight, prep, timeout, deadline)
+        timing.queue_s = flight.admitted.queue_s if flight.admitted else 0.0
+        m.queue.observe(timing.queue_s)
+        pod_time += flight.allocate_s
+        routing.decode_pod_id = flight.decode_pod or ""
+
+        # 4. Prefill, with the decode target; retried once on another prefill pod if it fails before handoff.
+        t = time.monotonic()
+        pre, prefill_pod = await _prefill(core, flight, prep, alloc, prefill_pod, timeout, deadline)
+        timing.prefill_s = time.monotonic() - t
+        pod_time += timing.prefill_s
+        routing.prefill_pod_id = prefill_pod
+        routing.transfer_mode = pre.kv_handle.transfer_mode if pre.HasField("kv_handle") else 0
+        usage.cached_prompt_tokens = pre.num_cached_tokens
+        if pre.HasField("kv_handle") and pre.kv_handle.lease_id:
+            flight.lease = (prefill_pod, pre.kv_handle.lease_id)
+
+        # 5. The first token goes to the client now (it came from prefill).
+        piece = out.add([pre.first_token_id], final=pre.finished)
+        msg = message(piece.token_ids, piece.text, [pre.first_token_logprob], [pre.first_token_top_logprobs])
+        done = _ended(out, piece, sent, prep.max_tokens, pre.finish_reason if pre.finished else 0)
+        if done is None and pre.finished:  # prefill says it is over even if it gave no known reason
+            done = (pre.finish_reason or common_pb2.FINISH_REASON_LENGTH, "")
+        if done is not None:
+            yield finish(msg, *done)
+            return
+        yield msg
+
+        # 6. Decode: the decode pod pulls the KV under the lease and streams the tokens after the first one.
+        t = time.monotonic()
+        ended_normally = False
+        stream = core.decode_stub(flight.decode_pod).Decode(decode_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=prep.prompt_ids, first_token_id=pre.first_token_id,
+            first_token_logprob=pre.first_token_logprob, sampling_params=prep.params, kv_handle=pre.kv_handle,
+            num_cached_tokens=pre.num_cached_tokens), timeout=None if deadline is None else timeout())
+        try:
+            while True:
+                chunk = await flight.read(flight.decode_pod, stream)
+                if chunk is grpc.aio.EOF:
+                    raise _DecodeFailed("the decode stream ended without a final chunk")
+                flight.kv_consumed = True  # decode streams only once it holds every layer
+                ids = _new_tokens(chunk, sent, rid)
+                if prep.max_tokens is not None:
+                    ids = ids[:max(0, prep.max_tokens - sent)]
+                final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                if final:
+                    timing.kv_transfer_s = chunk.kv_transfer_s
+                    if chunk.finish_reason in _FINISH:
+                        flight.decode_done = ended_normally = True
+                piece = out.add(ids, final=final)
+                msg = message(piece.token_ids, piece.text, list(chunk.logprobs), list(chunk.top_logprobs))
+                if final and chunk.finish_reason not in _FINISH and not out.finished:
+                    if chunk.finish_reason == common_pb2.FINISH_REASON_CANCELLED and flight.cancelled:
+                        raise Cancelled()
+                    what = chunk.error_message or common_pb2.FinishReason.Name(chunk.finish_reason)
+                    if msg.token_ids:
+                        yield msg
+                    raise _DecodeFailed(f"decode pod {flight.decode_pod!r} ended the request: {what}")
+                done = _ended(out, piece, sent, prep.max_tokens, chunk.finish_reason)
+                if done is not None:
+                    timing.decode_s = time.monotonic() - t
+                    yield finish(msg, *done)  # a router-side stop leaves the decode pod to the clean-up
+                    return
+                if msg.token_ids or msg.text:
+                    yield msg
+        finally:
+            if ended_normally:
+                core.spawn(_drain(stream, core.config.cleanup_timeout_s))  # collect the status off the hot path
+            else:
+                stream.cancel()
+
+    except Rejected as e:  # before the first token: the call's status
+        outcome = e.code.name
+        _set_status(context, e.code, e.message)
+    except Cancelled:
+        yield finish(router_pb2.GenerateResponse(request_id=rid), common_pb2.FINISH_REASON_CANCELLED)
+    except (_DecodeFailed, PodLost, grpc.aio.AioRpcError, KeyError) as e:
+        text = f"decode pod {flight.decode_pod!r} is gone" if isinstance(e, KeyError) else _describe(e)
+        if sent == 0:  # cannot happen after step 5, kept for safety
+            outcome = "UNAVAILABLE"
+            _set_status(context, grpc.StatusCode.UNAVAILABLE, text)
+        else:
+            log.warning("request %s: decode failed after %d tokens: %s", rid, sent, text)
+            timing.decode_s = time.monotonic() - t
+            yield finish(router_pb2.GenerateResponse(request_id=rid), common_pb2.FINISH_REASON_ERROR, error=text)
+            outcome = "UNAVAILABLE"
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(f"decode failed after {sent} tokens were sent: {text}")
+    finally:
+        # 7. Whatever happened: give the pods back every block this request still holds.
+        m.requests.labels(outcome).inc()
+        m.inflight.dec()
+        core.flights.pop(rid, None)
+        _clean_up(core, flight)
+
+
+class _DecodeFailed(Exception):
+    pass
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return str(e)
+
+
+def _set_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    context.set_code(code)
+    context.set_details(message)
+
+
+async def _drain(stream: Any, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(stream.code(), timeout)
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        stream.cancel()
+
+
+def _new_tokens(chunk: decode_pb2.TokenChunk, sent: int, rid: str) -> list[int]:
+    """The chunk's tokens minus any the client already has (num_output_tokens counts the first token too)."""
+    ids = list(chunk.token_ids)
+    if chunk.num_output_tokens:
+        overlap = sent + len(ids) - chunk.num_output_tokens
+        if overlap > 0:
+            log.warning("request %s: decode repeated %d token(s); dropped", rid, overlap)
+            ids = ids[overlap:]
+    return ids
+
+
+def _ended(out: OutputAssembler, piece: Any, sent: int, max_tokens: int | None, pod_reason: int
+           ) -> tuple[int, str] | None:
+    """(finish reason, stop string) when the output is complete, else None."""
+    if piece.stop is not None:
+        return common_pb2.FINISH_REASON_STOP, piece.stop
+    if piece.stopped_on_token:
+        return common_pb2.FINISH_REASON_STOP, ""
+    if pod_reason in _FINISH:
+        return pod_reason, ""
+    if max_tokens is not None and sent >= max_tokens:
+        return common_pb2.FINISH_REASON_LENGTH, ""
+    return None
+
+
+async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout: Any, deadline: float | None
+                       ) -> tuple[Any, str]:
+    """Admission (decode pod with room, or wait) -> prefill pod -> AllocateKV. A decode pod that is full gets
+    re-queued behind its next report; one that errors is skipped for this request (at most 3 pods)."""
+    if not core.registry.prefill_views():
+        raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                       "no READY prefill pod: start prefill pods (python -m prefill_svc ... --router ...) or wait "
+                       "until they register")
+    exclude: set[str] = set()
+    failures: list[str] = []
+    for _ in range(3):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            admitted = await core.admission.admit(prep.kv_tokens, left, frozenset(exclude),
+                                                  on_wait=lambda f: flight.set_pending(f))
+        except AdmissionError as e:
+            raise Rejected(e.code, e.message + (f" (earlier: {'; '.join(failures)})" if failures else ""))
+        except asyncio.CancelledError:
+            if flight.cancelled:
+                raise Cancelled() from None
+            raise
+        finally:
+            flight.set_pending(None)
+        flight.admitted = admitted
+        pod = admitted.pod_id
+        prefill_pod = core.pick_prefill(prep, set())
+        if prefill_pod is None:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
+        flight.decode_pod = pod
+        try:
+            t = time.monotonic()
+            alloc = await flight.call(pod, core.decode_stub(pod).AllocateKV(decode_pb2.AllocateKVRequest(
+                request_id=prep.request_id, num_tokens=len(prep.prompt_ids),
+                num_reserved_output_tokens=prep.kv_tokens - len(prep.prompt_ids),
+                prefill_layout=core.registry.pods[prefill_pod].layout), timeout=timeout()))
+            flight.allocate_s = time.monotonic() - t
+            return alloc, prefill_pod
+        except (grpc.aio.AioRpcError, KeyError, PodLost) as e:
+            code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+            detail = _describe(e)
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise Rejected(code, f"decode pod {pod!r} refused the request: {detail}")
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
+                raise Rejected(code, f"deadline passed while decode pod {pod!r} reserved KV")
+            if code == grpc.StatusCode.ALREADY_EXISTS:
+                raise Rejected(code, f"decode pod {pod!r}: {detail}")
+            failures.append(f"{pod}: {detail}")
+            # Gone from this request: the clean-up of a possible half-made reservation returns the booking.
+            flight.decode_pod, flight.admitted = None, None
+            core.spawn(core.cancel_decode(pod, prep.request_id, admitted))
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                core.registry.mark_decode_full(pod)
+            else:
+                exclude.add(pod)
+    raise Rejected(grpc.StatusCode.UNAVAILABLE, f"no decode pod could reserve KV: {'; '.join(failures)}")
+
+
+async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: decode_pb2.AllocateKVResponse,
+                   pod: str, timeout: Any, deadline: float | None) -> tuple[prefill_pb2.PrefillResponse, str]:
+    """Prefill on ``pod``; if it fails before the KV handoff, once more on another prefill pod."""
+    assert flight.decode_pod is not None
+    target = prefill_pb2.DecodeTarget(decode_pod_id=flight.decode_pod, layout=alloc.layout,
+                                      block_tables=alloc.block_tables, agent_name=alloc.agent_name,
+                                      transfer_modes=alloc.transfer_modes)
+    req = prefill_pb2.PrefillRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_ids,
+                                     sampling_params=prep.params, decode_target=target,
+                                     lease_ttl_s=core.config.lease_ttl_s)
+    tried: list[str] = []
+    failures: list[str] = []
+    n = len(prep.prompt_ids)
+    while True:
+        flight.prefill_pod = pod
+        core.registry.start_prefill(pod, n)
+        try:
+            resp = await flight.call(pod, core.prefill_stub(pod).Prefill(req, timeout=timeout()))
+            flight.prefill_pod = None
+            return resp, pod
+        except (grpc.aio.AioRpcError, KeyError, PodLost) as e:
+            code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+            detail = _describe(e)
+            if code in _PREFILL_FINAL:
+                flight.prefill_pod = None
+                raise Rejected(code, f"prefill pod {pod!r} refused the request: {detail}")
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
+                raise Rejected(code, f"deadline passed during prefill on pod {pod!r}")
+            # The pod may still be working on it (timeouts): tell it to stop and drop any lease.
+            core.spawn(core.cancel_prefill(pod, prep.request_id))
+            flight.prefill_pod = None
+            tried.append(pod)
+            failures.append(f"{pod}: {detail}")
+            log.warning("request %s: prefill on %r failed (%s)", prep.request_id, pod, detail)
+        finally:
+            core.registry.end_prefill(pod, n)
+        nxt = core.pick_prefill(prep, set(tried)) if len(tried) < 2 else None
+        if nxt is None:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                           f"prefill failed ({'; '.join(failures)})" + ("" if len(tried) >= 2 else
+                                                                       "; no other READY prefill pod to retry on"))
+        core.metrics.prefill_retries.inc()
+        pod = nxt
+
+
+def _clean_up(core: RouterCore, flight: Flight) -> None:
+    """Free everything the request still holds on pods; runs in the background (the call may be cancelled)."""
+    rid = flight.request_id
+    if flight.prefill_pod is not None:
+        core.spawn(core.cancel_prefill(flight.prefill_pod, rid))
+    if flight.lease is not None and not flight.kv_consumed:
+        core.spawn(core.release_kv(*flight.lease))
+    if flight.decode_pod is not None and not flight.decode_done:
+        core.spawn(core.cancel_decode(flight.decode_pod, rid, flight.admitted))
+    elif flight.admitted is not None:
+        core.admission.release(flight.admitted)
+    flight.admitted = None

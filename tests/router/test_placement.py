@@ -1,0 +1,149 @@
+"""Placement policies (pure): decode fit across ranks under DCP, decode choice, prefill load + prefix affinity."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.parallel_config import dcp_local_count
+from router.placement import (
+    DecodeView,
+    PrefillView,
+    PrefixIndex,
+    block_hashes,
+    blocks_needed,
+    fits,
+    never_fits,
+    pick_decode,
+    pick_prefill,
+)
+
+
+def dv(pod, free, total=None, tp=None, dcp=1, inter=1, bs=16, running=0, max_seqs=0, inflight=0, max_len=0):
+    tp = tp or len(free)
+    total = total if total is not None else tuple(100 for _ in free)
+    return DecodeView(pod, tp, dcp, inter, bs, tuple(free), tuple(total), running, max_seqs, inflight, max_len)
+
+
+def test_blocks_needed_without_dcp_is_ceil_on_every_rank():
+    assert blocks_needed(0, 2, 1, 1, 16) == [0, 0]
+    assert blocks_needed(1, 2, 1, 1, 16) == [1, 1]
+    assert blocks_needed(16, 1, 1, 1, 16) == [1]
+    assert blocks_needed(17, 4, 1, 1, 16) == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 100, 1000])
+@pytest.mark.parametrize("tp,dcp,inter,bs", [(2, 2, 1, 16), (4, 2, 1, 16), (4, 4, 4, 16), (8, 2, 8, 16),
+                                             (2, 2, 16, 16), (4, 4, 1, 4)])
+def test_blocks_needed_matches_the_dcp_token_placement(n, tp, dcp, inter, bs):
+    need = blocks_needed(n, tp, dcp, inter, bs)
+    for r in range(tp):
+        local = dcp_local_count(n, dcp, inter, r % dcp)
+        assert need[r] == -(-local // bs)
+    # DCP groups are consecutive TP ranks; ranks with the same dcp rank need the same blocks.
+    assert all(need[r] == need[r % dcp] for r in range(tp))
+    # The group as a whole holds every token once.
+    assert sum(dcp_local_count(n, dcp, inter, d) for d in range(dcp)) == n
+
+
+def test_dcp_halves_the_per_rank_need():
+    assert blocks_needed(64, 2, 1, 1, 16) == [4, 4]
+    assert blocks_needed(64, 2, 2, 1, 16) == [2, 2]
+
+
+def test_fits_checks_every_rank():
+    v = dv("d", free=(2, 1), dcp=2, tp=2)
+    assert fits(v, 32)  # 16 tokens per rank -> 1 block each
+    assert fits(v, 33)  # rank 0 holds 17 tokens (2 blocks, ok), rank 1 holds 16 (1 block)
+    assert fits(v, 34) is False  # rank 1 now holds 17: 2 blocks > 1 free
+    assert fits(dv("d", free=(10,), max_len=100), 101) is False
+    # Unknown KV (no stats yet): let AllocateKV decide.
+    assert fits(DecodeView("d", 2, 1, 1, 16, (), ()), 10_000)
+
+
+def test_never_fits_uses_total_capacity():
+    v = dv("d", free=(0, 0), total=(4, 4), dcp=2, tp=2)
+    assert not never_fits(v, 128)  # 64 per rank = 4 blocks: fits an empty pod
+    assert never_fits(v, 129)
+    assert never_fits(dv("d", free=(10,), max_len=50), 51)
+
+
+def test_pick_decode_prefers_most_free_kv_after_placement():
+    a = dv("a", free=(50, 50))
+    b = dv("b", free=(80, 30))  # tightest rank is what counts
+    c = dv("c", free=(60, 60))
+    assert pick_decode([a, b, c], 16) == "c"
+
+
+def test_pick_decode_skips_pods_that_do_not_fit_and_excluded():
+    a = dv("a", free=(0,))
+    b = dv("b", free=(5,))
+    assert pick_decode([a, b], 16) == "b"
+    assert pick_decode([a, b], 16, exclude={"b"}) is None
+    assert pick_decode([a], 16) is None
+    assert pick_decode([], 16) is None
+
+
+def test_pick_decode_running_sequences_break_near_ties():
+    a = dv("a", free=(50,), running=30, max_seqs=32)
+    b = dv("b", free=(49,), running=0, max_seqs=32)
+    assert pick_decode([a, b], 16) == "b"
+    # Equal everything: fewer router in-flight requests, then the pod id.
+    x = dv("x", free=(50,), inflight=3)
+    y = dv("y", free=(50,), inflight=1)
+    assert pick_decode([x, y], 16) == "y"
+    assert pick_decode([dv("q", free=(50,)), dv("p", free=(50,))], 16) == "p"
+
+
+def test_pick_decode_spreads_as_bookings_accumulate():
+    """Simulates the registry's bookkeeping: each placement books blocks, so consecutive requests alternate."""
+    free = {"a": 100, "b": 100}
+    chosen = []
+    for _ in range(20):
+        pod = pick_decode([dv(p, free=(f,)) for p, f in free.items()], 64)
+        free[pod] -= 4
+        chosen.append(pod)
+    assert chosen.count("a") == chosen.count("b") == 10
+
+
+def test_pick_prefill_least_queued_tokens():
+    views = [PrefillView("a", 500), PrefillView("b", 100), PrefillView("c", 300)]
+    assert pick_prefill(views, 10) == "b"
+    assert pick_prefill(views, 10, exclude={"b"}) == "c"
+    assert pick_prefill([PrefillView("a", 0, inflight=2), PrefillView("b", 0, inflight=1)], 10) == "b"
+    assert pick_prefill([], 10) is None
+    # A prompt too long for a pod's context is not sent there.
+    assert pick_prefill([PrefillView("a", 0, max_model_len=8), PrefillView("b", 900)], 10) == "b"
+
+
+def test_pick_prefill_affinity_unless_overloaded():
+    views = [PrefillView("a", 1000), PrefillView("b", 0)]
+    assert pick_prefill(views, 10, affinity_pod="a", max_imbalance=2000) == "a"
+    assert pick_prefill(views, 10, affinity_pod="a", max_imbalance=999) == "b"  # overloaded: least loaded wins
+    assert pick_prefill(views, 10, affinity_pod="gone", max_imbalance=2000) == "b"
+    assert pick_prefill(views, 10, affinity_pod="a", exclude={"a"}, max_imbalance=2000) == "b"
+
+
+def test_block_hashes_cover_full_blocks_and_chain():
+    ids = list(range(40))
+    h = block_hashes(ids, 16)
+    assert len(h) == 2
+    assert block_hashes(ids[:32], 16) == h
+    # Same second block after a different first block: different hash (chained).
+    other = [999] + ids[1:]
+    assert block_hashes(other, 16)[1] != h[1]
+    assert block_hashes(ids[:15], 16) == []
+
+
+def test_prefix_index_longest_prefix_and_lru():
+    idx = PrefixIndex(block_size=4, capacity=5)
+    p1 = list(range(12))
+    idx.record(block_hashes(p1, 4), "a")
+    assert idx.lookup(block_hashes(p1, 4)) == ("a", 3)
+    # Shares the first two blocks only.
+    p2 = p1[:8] + [77, 78, 79, 80]
+    assert idx.lookup(block_hashes(p2, 4)) == ("a", 2)
+    idx.record(block_hashes(p2, 4), "b")
+    assert idx.lookup(block_hashes(p2, 4)) == ("b", 3)
+    assert idx.lookup(block_hashes([5, 5, 5, 5], 4)) == (None, 0)
+    assert len(idx) <= 5
+    idx.forget_pod("b")
+    assert idx.lookup(block_hashes(p2, 4))[0] is None or idx.lookup(block_hashes(p2, 4))[0] == "a"

@@ -1,0 +1,165 @@
+"""Registry over real gRPC (in-process router on loopback): registration with config validation, heartbeats,
+health and eviction, ClusterStatus."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
+from router_helpers import FakeClock, register_request, run, running_router, stubs
+
+PREFILL, DECODE = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE
+
+
+def test_valid_pods_register_and_show_in_cluster_status():
+    async def body():
+        async with running_router() as (server, ch):
+            router, registry = stubs(ch)
+            r = await registry.RegisterWorker(register_request("p0", PREFILL, tp=1))
+            assert r.accepted and r.heartbeat_interval_s == 1.0 and r.router_id
+            r = await registry.RegisterWorker(register_request("d0", DECODE, tp=4, dcp=2, num_blocks=64))
+            assert r.accepted, r.message
+            st = await router.ClusterStatus(router_pb2.ClusterStatusRequest())
+            assert [p.pod_id for p in st.pods] == ["p0", "d0"]
+            d0 = st.pods[1]
+            assert d0.parallel.tensor_parallel_size == 4 and d0.parallel.decode_context_parallel_size == 2
+            assert [(k.rank, k.free_blocks, k.total_blocks) for k in d0.kv] == [(r, 64, 64) for r in range(4)]
+            assert d0.state == common_pb2.POD_STATE_READY
+            assert d0.kv_layout.dcp_size == 2
+            assert list(st.ready_models) == ["SmolLM2-135M-Instruct"]
+            only = await router.ClusterStatus(router_pb2.ClusterStatusRequest(role=DECODE))
+            assert [p.pod_id for p in only.pods] == ["d0"]
+            none = await router.ClusterStatus(router_pb2.ClusterStatusRequest(model="other"))
+            assert not none.pods
+    run(body())
+
+
+@pytest.mark.parametrize("req_kw,needle", [
+    # vLLM's rule, with its message and the fix (8 KV heads, TP 8, DCP 2 -> TP 16).
+    (dict(role=DECODE, tp=8, dcp=2, heads=32, kv_heads=8),
+     "Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (8) to be greater than the model's "
+     "total number of KV heads (8)"),
+    (dict(role=DECODE, tp=3, heads=8, kv_heads=2), "Total number of attention heads (8) must be divisible by"),
+    (dict(role=DECODE, tp=4, dcp=3), "tp_size=4 must be divisible by dcp_size=3"),
+    (dict(role=PREFILL, tp=4, dcp=2), "decode context parallelism is for decode pods only"),
+    (dict(role=DECODE, model="another-model"), "is not served by this router"),
+    (dict(role=common_pb2.ROLE_UNSPECIFIED), "role must be"),
+])
+def test_invalid_pods_are_refused_with_the_rule_and_fix(req_kw, needle):
+    async def body():
+        async with running_router() as (server, ch):
+            router, registry = stubs(ch)
+            r = await registry.RegisterWorker(register_request("bad", **req_kw))
+            assert not r.accepted
+            assert needle in r.message, r.message
+            st = await router.ClusterStatus(router_pb2.ClusterStatusRequest())
+            assert not st.pods
+    run(body())
+
+
+def test_refusal_carries_the_fix():
+    async def body():
+        async with running_router() as (server, ch):
+            _, registry = stubs(ch)
+            r = await registry.RegisterWorker(register_request("bad", DECODE, tp=8, dcp=2, heads=32, kv_heads=8))
+            assert "Fix:" in r.message and "--tensor-parallel-size 16" in r.message, r.message
+    run(body())
+
+
+def test_shape_mismatch_with_registered_pods_is_refused():
+    async def body():
+        async with running_router() as (server, ch):
+            _, registry = stubs(ch)
+            assert (await registry.RegisterWorker(register_request("p0", PREFILL))).accepted
+            r = await registry.RegisterWorker(register_request("d0", DECODE, tp=2, kv_heads=4))
+            assert not r.accepted and "num_kv_heads" in r.message
+    run(body())
+
+
+def test_cluster_token_is_checked():
+    async def body():
+        async with running_router(cluster_token="s3cret") as (server, ch):
+            _, registry = stubs(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await registry.RegisterWorker(register_request("p0", PREFILL))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            ok = register_request("p0", PREFILL)
+            ok.cluster_token = "s3cret"
+            assert (await registry.RegisterWorker(ok)).accepted
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await registry.Heartbeat(registry_pb2.HeartbeatRequest(pod_id="p0"))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    run(body())
+
+
+def test_heartbeats_update_load_and_kv_then_silence_marks_unhealthy_then_evicts():
+    clock = FakeClock()
+
+    async def body():
+        async with running_router(clock=clock, heartbeat_interval_s=1.0, eviction_timeout_s=10.0) as (server, ch):
+            router, registry = stubs(ch)
+            reg = server.core.registry
+            assert (await registry.RegisterWorker(register_request("d0", DECODE, tp=2, num_blocks=50))).accepted
+            hb = registry_pb2.HeartbeatRequest(
+                pod_id="d0", load=common_pb2.LoadStats(num_running_seqs=3),
+                kv=[common_pb2.RankKVStats(rank=r, free_blocks=40 - r, total_blocks=50) for r in range(2)])
+            clock.t += 0.9
+            r = await registry.Heartbeat(hb)
+            assert r.known
+            st = (await router.ClusterStatus(router_pb2.ClusterStatusRequest())).pods[0]
+            assert st.load.num_running_seqs == 3 and [k.free_blocks for k in st.kv] == [40, 39]
+            # 3 missed intervals: unhealthy, no traffic.
+            clock.t += 3.5
+            reg.tick()
+            assert reg.pods["d0"].state == common_pb2.POD_STATE_UNHEALTHY
+            assert reg.decode_views() == []
+            # A heartbeat brings it back.
+            assert (await registry.Heartbeat(hb)).known
+            assert reg.pods["d0"].state == common_pb2.POD_STATE_READY
+            # Silent past the eviction timeout: dropped; its next heartbeat is told to re-register.
+            clock.t += 10.5
+            assert reg.tick() == ["d0"]
+            assert not (await router.ClusterStatus(router_pb2.ClusterStatusRequest())).pods
+            assert not (await registry.Heartbeat(hb)).known
+    run(body())
+
+
+def test_draining_pod_gets_no_traffic_and_deregister():
+    async def body():
+        async with running_router() as (server, ch):
+            _, registry = stubs(ch)
+            reg = server.core.registry
+            await registry.RegisterWorker(register_request("d0", DECODE))
+            await registry.Heartbeat(registry_pb2.HeartbeatRequest(pod_id="d0", state=common_pb2.POD_STATE_DRAINING))
+            assert reg.pods["d0"].state == common_pb2.POD_STATE_DRAINING and not reg.decode_views()
+            assert (await registry.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(pod_id="d0"))).found
+            assert not (await registry.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(pod_id="d0"))).found
+    run(body())
+
+
+def test_reregistration_replaces_the_entry():
+    async def body():
+        async with running_router() as (server, ch):
+            _, registry = stubs(ch)
+            await registry.RegisterWorker(register_request("d0", DECODE, num_blocks=10))
+            await registry.RegisterWorker(register_request("d0", DECODE, num_blocks=20))
+            e = server.core.registry.pods["d0"]
+            assert e.kv_total == [20]
+            assert len(server.core.registry.pods) == 1
+    run(body())
+
+
+def test_watchdog_runs_on_its_own():
+    """With a real clock and a short interval the server's watchdog marks a silent pod unhealthy by itself."""
+    import asyncio
+
+    async def body():
+        async with running_router(heartbeat_interval_s=0.1, missed_heartbeats_unhealthy=2,
+                                  eviction_timeout_s=0.6) as (server, ch):
+            _, registry = stubs(ch)
+            await registry.RegisterWorker(register_request("d0", DECODE))
+            await asyncio.sleep(0.35)
+            assert server.core.registry.pods["d0"].state == common_pb2.POD_STATE_UNHEALTHY
+            await asyncio.sleep(0.6)
+            assert "d0" not in server.core.registry.pods
+    run(body())

@@ -324,6 +324,7 @@ class PrefillWorker:
                 continue
             if job.started is None:
                 job.started = now
+            self._emit("scheduled", seq.request_id)
             if seq.num_computed + n == seq.num_tokens:
                 job.lease_start = LeaseStart(job.lease_id, job.request_id, tuple(seq.block_tables[0]),
                                              len(seq.prompt_ids))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import contextmanager
 
 import pytest
@@ -112,12 +113,42 @@ def test_release_and_cancel_free_the_lease(tiny_model):
             assert not await w.release("no-such-lease")
             r2 = await w.prefill("b", random_prompt(40, 2), params, client)
             assert await w.cancel("b")  # after its first token: drops the lease
-            # cancel while queued / computing: the Prefill call fails with CANCELLED
+            # cancel between two chunks of a prompt: its Prefill call fails with CANCELLED
+            gate, chunks = threading.Event(), []
+
+            scheduled = []
+
+            def on_event(kind, rid):  # engine thread: hold the loop before c's third chunk until cancel is queued
+                if kind == "scheduled":
+                    scheduled.append(rid)
+                if kind == "scheduled" and rid == "c":
+                    chunks.append(rid)
+                    if len(chunks) == 3:
+                        gate.wait(10)
+
+            w.on_event = on_event
             long = asyncio.ensure_future(w.prefill("c", random_prompt(900, 3), params, client))
-            await asyncio.sleep(0.05)
-            assert await w.cancel("c")
+            while len(chunks) < 3:
+                await asyncio.sleep(0.001)
+            cancelled = asyncio.ensure_future(w.cancel("c"))
+            await asyncio.sleep(0.05)  # the cancel command is queued behind the running step
+            gate.set()
+            assert await cancelled
             with pytest.raises(Cancelled):
                 await long
+            assert len(chunks) == 3  # it never got to a fourth chunk
+            # cancel while queued (behind a blocked loop): never computed at all
+            gate2 = threading.Event()
+            w._call(lambda: gate2.wait(10))
+            queued = asyncio.ensure_future(w.prefill("d", random_prompt(100, 4), params, client))
+            await asyncio.sleep(0.01)
+            cancelled = asyncio.ensure_future(w.cancel("d"))
+            await asyncio.sleep(0.01)
+            gate2.set()
+            assert await cancelled
+            with pytest.raises(Cancelled):
+                await queued
+            assert "d" not in scheduled
             assert not await w.cancel("zzz")
             for _ in range(200):
                 if w.stats.num_leases == 0 and w.stats.free_blocks == 64:

@@ -1,0 +1,297 @@
+"""The prefill pod's gRPC server: PrefillWorker (Prefill, CancelPrefill, ReleaseKV), grpc.health.v1, Prometheus
+metrics, registration with the router, and a graceful drain on SIGTERM.
+
+The KV itself is served by kv_transfer's publishers (one control endpoint per TP rank, see prefill_svc/kv.py); the
+KVHandle of a Prefill answer names them (kv_transfer_address, comma-separated when TP > 1)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pdserve.sampling import SamplingParamsError
+from pdserve_api.v1 import common_pb2 as pb
+from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2
+from prefill_svc.config import PrefillConfig
+from prefill_svc.convert import endpoints_address, handoff_to_kv_handle, layout_from_proto, layout_to_proto, sampling_from_proto
+from prefill_svc.metrics import PrefillMetrics
+from prefill_svc.registration import Registrar
+from prefill_svc.worker import PrefillError, PrefillResult, PrefillWorker
+
+log = logging.getLogger("prefill_svc.server")
+
+SERVICE_NAME = "pdserve.v1.PrefillWorker"
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_MODES = {"nixl": [pb.TRANSFER_MODE_NIXL_PULL, pb.TRANSFER_MODE_GRPC], "tcp": [pb.TRANSFER_MODE_GRPC]}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pdserve")
+    except Exception:
+        return "unknown"
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, server: "PrefillServer") -> None:
+        self.s = server
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        s = self.s
+        metrics = s.metrics
+        code = "OK"
+        try:
+            if s.worker.draining:
+                code = "UNAVAILABLE"
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "this prefill pod is draining and takes no new requests; retry on another pod")
+            try:
+                params, client = sampling_from_proto(request.sampling_params)
+            except SamplingParamsError as e:
+                code = "INVALID_ARGUMENT"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {e}")
+            mode, problem = s.choose_mode(request)
+            if problem:
+                code = "INVALID_ARGUMENT"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            try:
+                res = await s.worker.prefill(request.request_id, list(request.prompt_token_ids), params, client,
+                                             lease_id=request.lease_id or None, ttl_s=request.lease_ttl_s or None)
+            except PrefillError as e:
+                code = e.code
+                await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+            metrics.queue_seconds.observe(res.queue_s)
+            metrics.compute_seconds.observe(res.compute_s)
+            return s.response(res, mode)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            metrics.requests.labels(code=code).inc()
+
+    async def CancelPrefill(self, request, context):
+        return prefill_pb2.CancelPrefillResponse(found=await self.s.worker.cancel(request.request_id))
+
+    async def ReleaseKV(self, request, context):
+        return prefill_pb2.ReleaseKVResponse(released=await self.s.worker.release(request.lease_id))
+
+
+class PrefillServer:
+    """start() -> serving; drain() refuses new work, waits for held work, then stops everything."""
+
+    def __init__(self, config: PrefillConfig) -> None:
+        self.config = config
+        self.pod_id = config.resolved_pod_id()
+        self.worker = PrefillWorker(config, self.pod_id)
+        self.metrics = PrefillMetrics(stats_fn=lambda: self.worker.stats)
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.registrar: Registrar | None = None
+        self.port: int | None = None
+        self._stopped = asyncio.Event()
+        self._drain_task: asyncio.Task | None = None
+        self._metrics_task: asyncio.Task | None = None
+        self.model_name = config.served_model_name
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.public_host}:{self.port}"
+
+    # --- life cycle ---
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.start)  # loads weights, spawns ranks
+        eng = self.worker.engine
+        if self.model_name is None:
+            self.model_name = Path(eng.config.model).name
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if not self.port:
+            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await self.server.start()
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.metrics_port)
+        self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.router_address:
+            self.registrar = Registrar(self.config.router_address, self.config.cluster_token,
+                                       self.config.heartbeat_interval_s, self.register_request,
+                                       self.heartbeat_request, self._on_desired_state)
+            self.registrar.start()
+        log.info("prefill pod %s serving %s on %s (tp=%d, kv %s%s, metrics %s)", self.pod_id, self.model_name,
+                 self.address, self.config.tensor_parallel_size, self.worker.kv.transport if self.worker.kv else "none",
+                 f" at {','.join(map(str, self.worker.kv.endpoints))}" if self.worker.kv else "",
+                 self.metrics.http_port if self.metrics.http_port is not None else "not served")
+
+    def begin_drain(self) -> asyncio.Task:
+        """Refuse new prefills (UNAVAILABLE, health NOT_SERVING, DRAINING to the router), finish what is held, stop."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        return self._drain_task
+
+    async def _drain(self) -> None:
+        log.info("draining: no new prefills; waiting for %d in flight and %d KV leases",
+                 self.worker.stats.num_inflight, self.worker.stats.num_leases)
+        self.worker.begin_drain()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.registrar is not None:
+            self.registrar.poke()
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while not self.worker.idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.worker.idle:
+            log.warning("drain timeout (%.0fs): dropping %d prefills and %d KV leases still held",
+                        self.config.drain_timeout_s, len(self.worker._jobs), len(self.worker._leases))
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        if self.registrar is not None:
+            await self.registrar.close(self.pod_id)
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+        self.metrics.close()
+        self._stopped.set()
+        log.info("prefill pod %s stopped", self.pod_id)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            self.metrics.update(self.worker.stats)
+            self.metrics.draining.set(1 if self.worker.draining else 0)
+            await asyncio.sleep(0.25)
+
+    def _on_desired_state(self, state: int) -> None:
+        if state == pb.POD_STATE_DRAINING and not self.worker.draining:
+            log.info("router asks this pod to drain")
+            self.worker.begin_drain()
+            asyncio.get_running_loop().create_task(self.health.set(SERVICE_NAME,
+                                                                   health_pb2.HealthCheckResponse.NOT_SERVING))
+
+    # --- requests ---
+    def supported_modes(self) -> list[int]:
+        kv = self.worker.kv
+        return list(_MODES[kv.transport]) if kv is not None else []
+
+    def choose_mode(self, request: prefill_pb2.PrefillRequest) -> tuple[int, str | None]:
+        ours = self.supported_modes()
+        lay = request.decode_target.layout
+        if lay.num_layers:
+            try:
+                theirs = layout_from_proto(lay)
+            except ValueError as e:
+                return 0, f"decode_target.layout is invalid: {e}"
+            if not theirs.same_model(self.worker.layout):
+                mine = self.worker.layout
+                return 0, (f"decode_target.layout (layers {theirs.num_layers}, kv heads {theirs.num_kv_heads}, "
+                           f"head_dim {theirs.head_dim}, {theirs.dtype}) does not match this pod's model (layers "
+                           f"{mine.num_layers}, kv heads {mine.num_kv_heads}, head_dim {mine.head_dim}, {mine.dtype})")
+        if request.transfer_mode != pb.TRANSFER_MODE_UNSPECIFIED:
+            if request.transfer_mode not in ours:
+                return 0, (f"transfer_mode {pb.TransferMode.Name(request.transfer_mode)} is not supported by this pod "
+                           f"(supports: {', '.join(pb.TransferMode.Name(m) for m in ours) or 'none'})")
+            return request.transfer_mode, None
+        for m in request.decode_target.transfer_modes:
+            if m in ours:
+                return m, None
+        return (ours[0] if ours else pb.TRANSFER_MODE_UNSPECIFIED), None
+
+    def response(self, res: PrefillResult, mode: int) -> prefill_pb2.PrefillResponse:
+        resp = prefill_pb2.PrefillResponse(
+            first_token_id=res.first_token_id, first_token_logprob=res.first_token_logprob,
+            num_prompt_tokens=res.num_prompt_tokens, num_cached_tokens=res.num_cached_tokens, finished=res.finished,
+            finish_reason=_FINISH.get(res.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+            queue_s=res.queue_s, compute_s=res.compute_s)
+        if res.finished:
+            return resp
+        if res.handoff is not None:
+            kh = handoff_to_kv_handle(res.handoff, self.pod_id, res.ttl_s)
+            kh.transfer_mode = mode
+        else:  # no KV transport: the lease only holds the blocks (ReleaseKV / TTL)
+            kh = pb.KVHandle(lease_id=res.lease_id, prefill_pod_id=self.pod_id,
+                             num_layers=self.worker.layout.num_layers, num_tokens=res.num_prompt_tokens,
+                             expires_at_unix_ms=int((time.time() + res.ttl_s) * 1000), ttl_s=res.ttl_s,
+                             layout=layout_to_proto(self.worker.layout),
+                             block_tables=[pb.BlockTable(block_ids=res.block_table, num_tokens=res.num_prompt_tokens)]
+                             * self.config.tensor_parallel_size)
+        resp.kv_handle.CopyFrom(kh)
+        return resp
+
+    # --- registry messages ---
+    def _kv_stats(self) -> list[pb.RankKVStats]:
+        st = self.worker.stats
+        return [pb.RankKVStats(rank=r, free_blocks=st.free_blocks, total_blocks=st.total_blocks)
+                for r in range(self.config.tensor_parallel_size)]
+
+    def register_request(self) -> registry_pb2.RegisterWorkerRequest | None:
+        if self.worker.draining:
+            return None
+        eng, cfg = self.worker.engine, self.config
+        mc = eng.model_config
+        kv = self.worker.kv
+        return registry_pb2.RegisterWorkerRequest(
+            pod_id=self.pod_id, role=pb.ROLE_PREFILL, address=self.address,
+            kv_transfer_address=endpoints_address(kv.endpoints) if kv else "",
+            model=self.model_name,
+            model_shape=pb.ModelShape(architecture=mc.architecture, num_layers=mc.num_layers,
+                                      hidden_size=mc.hidden_size, num_attention_heads=mc.num_heads,
+                                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
+                                      max_model_len=eng.max_model_len, sliding_window=mc.sliding_window or 0,
+                                      dtype=self.worker.layout.dtype),
+            parallel=pb.ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=1,
+                                       decode_context_parallel_size=1, dcp_kv_cache_interleave_size=1,
+                                       data_parallel_size=1),
+            kv_layout=layout_to_proto(self.worker.layout),
+            capacity=pb.WorkerCapacity(max_num_seqs=cfg.max_num_seqs,
+                                       max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                       max_model_len=eng.max_model_len, max_concurrent_transfers=cfg.max_leases,
+                                       transfer_modes=self.supported_modes()),
+            cluster_token=cfg.cluster_token, version=_version(), state=pb.POD_STATE_READY, kv=self._kv_stats())
+
+    def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:
+        st = self.worker.stats
+        return registry_pb2.HeartbeatRequest(
+            pod_id=self.pod_id, cluster_token=self.config.cluster_token,
+            state=pb.POD_STATE_DRAINING if self.worker.draining else pb.POD_STATE_READY,
+            load=pb.LoadStats(queued_prompt_tokens=st.queued_prompt_tokens, num_running_seqs=st.num_running,
+                              num_waiting_seqs=st.num_waiting, num_active_leases=st.num_leases,
+                              prompt_tokens_per_s=self.metrics.last_tokens_per_s),
+            kv=self._kv_stats())
+
+
+async def serve(config: PrefillConfig, on_ready=None) -> None:
+    """Run a prefill pod until SIGTERM / SIGINT (graceful drain) finishes it."""
+    server = PrefillServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.begin_drain)
+    if on_ready is not None:
+        on_ready(server)
+    await server.wait_stopped()
+
+
+def run(config: PrefillConfig, on_ready=None) -> None:
+    """Blocking entry point; uses uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config, on_ready))
+    else:
+        uvloop.run(serve(config, on_ready))

@@ -85,7 +85,10 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
         self.ps = ps
-        self.inter = cfg.intermediate_size // ps.tp_size
+        # intermediate_size need not divide by TP (SmolLM2: 1536 at TP 9): the first `rem` ranks take one more column.
+        base, rem = divmod(cfg.intermediate_size, ps.tp_size)
+        self.inter = base + (1 if ps.tp_rank < rem else 0)
+        self.inter_start = ps.tp_rank * base + min(ps.tp_rank, rem)
         self.gate_up_weight = _param(2 * self.inter, cfg.hidden_size)
         self.gate_up_bias = _param(2 * self.inter) if cfg.mlp_bias else None
         self.down_weight = _param(cfg.hidden_size, self.inter)

@@ -44,7 +44,7 @@ def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, ...], 
         out[p + "self_attn.o_proj.weight"] = (attn.o_weight, (h, cfg.num_heads * d), lambda t, r=q_rows: t[:, r])
         if attn.o_bias is not None:
             out[p + "self_attn.o_proj.bias"] = (attn.o_bias, (h,), whole)
-        inter, r0 = mlp.inter, ps.tp_rank * mlp.inter
+        inter, r0 = mlp.inter, mlp.inter_start
         sl = slice(r0, r0 + inter)
         out[p + "mlp.gate_proj.weight"] = (mlp.gate_up_weight[:inter], (cfg.intermediate_size, h), lambda t: t[sl])
         out[p + "mlp.up_proj.weight"] = (mlp.gate_up_weight[inter:], (cfg.intermediate_size, h), lambda t: t[sl])

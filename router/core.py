@@ -125,11 +125,14 @@ class RouterCore:
             f.pod_lost(pod_id)
 
     def pick_prefill(self, prep: Prepared, exclude: set[str]) -> str | None:
+        """Choose a prefill pod and book the prompt's tokens on it at once (so a burst of requests sees each
+        other's choices); the caller gives them back with ``registry.end_prefill`` when its Prefill call ends."""
         aff, _ = self.prefix.lookup(prep.block_hashes)
         pod = pick_prefill(self.registry.prefill_views(), len(prep.prompt_ids), aff, exclude,
                            self.config.affinity_max_imbalance_tokens)
         if pod is not None:
             self.prefix.record(prep.block_hashes, pod)
+            self.registry.start_prefill(pod, len(prep.prompt_ids))
         return pod
 
     # ------------------------------------------------------------------------------------------------------------

@@ -360,10 +360,10 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
             flight.set_pending(None)
         flight.admitted = admitted
         pod = admitted.pod_id
-        prefill_pod = core.pick_prefill(prep, set())
+        flight.decode_pod = pod
+        prefill_pod = core.pick_prefill(prep, set())  # books the prompt on it; _prefill gives it back
         if prefill_pod is None:
             raise Rejected(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
-        flight.decode_pod = pod
         try:
             t = time.monotonic()
             alloc = await flight.call(pod, core.decode_stub(pod).AllocateKV(decode_pb2.AllocateKVRequest(
@@ -372,7 +372,10 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
                 prefill_layout=core.registry.pods[prefill_pod].layout), timeout=timeout()))
             flight.allocate_s = time.monotonic() - t
             return alloc, prefill_pod
-        except (grpc.aio.AioRpcError, KeyError, PodLost) as e:
+        except BaseException as e:
+            core.registry.end_prefill(prefill_pod, len(prep.prompt_ids))
+            if not isinstance(e, (grpc.aio.AioRpcError, KeyError, PodLost)):
+                raise
             code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
             detail = _describe(e)
             if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -389,6 +392,8 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
                 core.registry.mark_decode_full(pod)
             else:
                 exclude.add(pod)
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    core.registry.suspect(pod)
     raise Rejected(grpc.StatusCode.UNAVAILABLE, f"no decode pod could reserve KV: {'; '.join(failures)}")
 
 
@@ -405,9 +410,8 @@ async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: deco
     tried: list[str] = []
     failures: list[str] = []
     n = len(prep.prompt_ids)
-    while True:
+    while True:  # ``pod`` has the prompt booked (pick_prefill)
         flight.prefill_pod = pod
-        core.registry.start_prefill(pod, n)
         try:
             resp = await flight.call(pod, core.prefill_stub(pod).Prefill(req, timeout=timeout()))
             flight.prefill_pod = None
@@ -422,6 +426,8 @@ async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: deco
                 raise Rejected(code, f"deadline passed during prefill on pod {pod!r}")
             # The pod may still be working on it (timeouts): tell it to stop and drop any lease.
             core.spawn(core.cancel_prefill(pod, prep.request_id))
+            if code == grpc.StatusCode.UNAVAILABLE:
+                core.registry.suspect(pod)
             flight.prefill_pod = None
             tried.append(pod)
             failures.append(f"{pod}: {detail}")

@@ -257,6 +257,14 @@ class Registry:
                 e.state = UNHEALTHY  # in-flight requests carry on; they fail on their own if it is dead
         return dropped
 
+    def suspect(self, pod_id: str) -> None:
+        """A call to the pod failed at the transport level (UNAVAILABLE): no new traffic until its next heartbeat
+        proves it alive (a dead pod then goes on to be evicted; a live one is READY again within an interval)."""
+        e = self.pods.get(pod_id)
+        if e is not None and e.state == READY:
+            log.warning("pod %r unreachable: unhealthy until its next heartbeat", pod_id)
+            e.state = UNHEALTHY
+
     # --- views for placement ---
     def ready(self, role: int) -> list[PodEntry]:
         return [e for e in self.pods.values() if e.role == role and e.state == READY]

@@ -1,0 +1,286 @@
+"""NIXL (UCX) data path: decode ranks READ their share of the plan straight out of prefill memory.
+
+  * prefill registers each hosted region once (DRAM on CPU, VRAM when the region is on CUDA);
+  * handshake over the control channel: prefill's agent metadata and its serialized descriptor list
+    (one descriptor per hosted region, in rank order) travel as bytes in the ``hello`` answer;
+  * per layer group, decode asks for a read pin over the control channel (the lease check), then
+    posts one NIXL READ whose descriptors are exactly its plan segments; the READ carries a
+    notification ``pdkv|unpin|<lease>|<pin>`` that prefill receives once the data has been read;
+  * the last READ from an endpoint carries ``pdkv|done|<lease>|<rank>|<world>|<pin>`` instead;
+    prefill's housekeeping thread polls notifications and completes the lease. (A decode rank that
+    reads nothing from some prefill endpoint tells it "done" over the control channel.)
+
+A publisher without NIXL (or a peer that did not offer it) is read over TCP instead, per endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv_transfer.control import pack_blobs, unpack_blobs
+from kv_transfer.fallback_transport import TcpPuller
+from kv_transfer.layout import KVLayout
+from kv_transfer.plan import RankPlan
+from kv_transfer.publisher import Publisher
+from kv_transfer.puller import Session, _Source
+from kv_transfer.transport import BadTransferRequest, KVHandoff, KVTransferError, TransferUnavailable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NixlPublisher", "NixlPuller", "import_nixl"]
+
+_NOTIF_PREFIX = "pdkv"
+
+
+def import_nixl() -> Any:
+    """The nixl module (``nixl_cu12`` wheels, or a source build's ``nixl._api``). Raises ImportError."""
+    try:
+        import nixl_cu12 as nixl
+    except ImportError:
+        from nixl import _api as nixl  # type: ignore[no-redef]
+    return nixl
+
+
+def _new_agent(prefix: str, backends: Sequence[str]) -> Any:
+    nixl = import_nixl()
+    name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    # Why no NIXL progress thread: the Python API runs it with no delay, and each one then burns about
+    # half a core even when idle (measured here); on CPU boxes and next to a GPU worker that is waste.
+    # We drive progress ourselves instead: decode by polling its transfer, prefill by polling
+    # notifications often while a read may be in flight (NixlPublisher._tick_interval).
+    return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
+
+
+def _mem_of(t: torch.Tensor) -> tuple[str, int]:
+    return ("VRAM", t.device.index or 0) if t.is_cuda else ("DRAM", 0)
+
+
+class NixlPublisher(Publisher):
+    name = "nixl"
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        regions: Mapping[int, torch.Tensor],
+        *,
+        nixl_backends: Sequence[str] = ("UCX",),
+        tick_s: float = 0.02,  # idle notification poll period (done/unpin latency: frees only)
+        busy_tick_s: float = 0.0005,  # while a READ may be in flight: the target must progress for it
+        busy_linger_s: float = 0.5,  # keep polling fast this long after a handshake or pin
+        **kwargs: Any,
+    ) -> None:
+        self._busy_tick_s = busy_tick_s
+        self._busy_linger_s = busy_linger_s
+        self._busy_until = 0.0
+        # The agent must exist before the control server answers its first hello.
+        self._agent = _new_agent("pdkv-prefill", nixl_backends)
+        ordered = [regions[r] for r in sorted(regions)]
+        self._reg_descs = [self._agent.register_memory(t) for t in ordered]  # once, for the process lifetime
+        xfer = self._agent.get_xfer_descs(ordered)
+        self._nixl_hello = (
+            {"agent": self._agent.name, "mem": _mem_of(ordered[0])[0]},
+            [self._agent.get_agent_metadata(), self._agent.get_serialized_descs(xfer)],
+        )
+        super().__init__(layout, regions, tick_s=tick_s, **kwargs)
+
+    def _hello_extra(self) -> tuple[dict[str, Any], bytes]:
+        info, blobs = self._nixl_hello
+        lengths, blob = pack_blobs(*blobs)
+        return {"nixl": {**info, "blobs": lengths}}, blob
+
+    def _on_activity(self, op: str) -> None:
+        self._busy_until = time.monotonic() + self._busy_linger_s
+        self._wake.set()
+
+    def _tick_interval(self) -> float:
+        if time.monotonic() < self._busy_until or self.leases.has_pins():
+            return self._busy_tick_s
+        return self._tick_s
+
+    def _tick(self) -> None:
+        # get_new_notifs also progresses the UCX worker, which serves the decode side's READs.
+        for _agent, msgs in self._agent.get_new_notifs().items():
+            for m in msgs:
+                self._on_notif(bytes(m).decode(errors="replace"))
+        super()._tick()
+
+    def _on_notif(self, text: str) -> None:
+        parts = text.split("|")
+        try:
+            if parts[0] != _NOTIF_PREFIX:
+                raise ValueError
+            if parts[1] == "unpin":
+                self.leases.unpin(parts[2], int(parts[3]))
+            elif parts[1] == "done":  # pdkv|done|lease|rank|world|pin: last READ of that rank landed
+                self.leases.complete(parts[2], int(parts[3]), int(parts[4]))
+            else:
+                raise ValueError
+        except (ValueError, IndexError, KVTransferError) as e:
+            log.warning("kv publisher: ignoring NIXL notification %r (%r)", text[:200], e)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        super().close()
+        for d in self._reg_descs:
+            try:
+                self._agent.deregister_memory(d)
+            except Exception:
+                log.debug("nixl deregister failed", exc_info=True)
+        self._reg_descs = []
+
+
+@dataclass
+class _NixlPeer:
+    agent: str
+    mem: str
+    regions: dict[int, tuple[int, int, int]]  # prefill rank -> (address, length, device id)
+
+
+class NixlPuller(TcpPuller):
+    """Reads NIXL-capable endpoints with NIXL READs, others over TCP. Use from one thread (plus ``renew``)."""
+
+    name = "nixl"
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        rank: int,
+        region: torch.Tensor,
+        *,
+        nixl_backends: Sequence[str] = ("UCX",),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(layout, rank, region, **kwargs)
+        self._agent = _new_agent(f"pdkv-decode{rank}", nixl_backends)
+        self._reg = self._agent.register_memory(region)  # once; every read lands inside it
+        self._mem, self._dev = _mem_of(region)
+        self._base = region.data_ptr()
+        self._done_by_read: set = set()  # (lease id, endpoint) whose last READ carried "done"
+
+    # ---- handshake ----------------------------------------------------------------------------
+    def _on_hello(self, session: Session) -> None:
+        info = session.hello.get("nixl")
+        if info is None:
+            log.info("kv puller: %s offers no NIXL; reading it over TCP", session.endpoint)
+            return
+        meta, descs = unpack_blobs(info["blobs"], session.blob)
+        try:
+            remote = self._agent.add_remote_agent(meta)
+            dl = self._agent.deserialize_descs(descs)
+            ranks = session.hello["ranks"]
+            regions = {r: tuple(int(x) for x in dl[i]) for i, r in enumerate(ranks)}
+        except KVTransferError:
+            raise
+        except Exception as e:
+            raise TransferUnavailable(f"NIXL handshake with {session.endpoint} failed: {e!r}") from e
+        name = remote.decode() if isinstance(remote, bytes) else str(remote)
+        if name != info["agent"]:
+            raise BadTransferRequest(f"NIXL agent name mismatch: {name} vs {info['agent']}")
+        try:  # why: UCX connects lazily; without this the first READ pays the connection setup
+            self._agent.make_connection(name)
+        except Exception as e:
+            raise TransferUnavailable(f"NIXL connection to {session.endpoint} failed: {e!r}") from e
+        session.peer = _NixlPeer(name, info["mem"], regions)
+
+    def _forget_peer(self, session: Session) -> None:
+        if session.peer is not None:
+            self._agent.remove_remote_agent(session.peer.agent)
+
+    # ---- data ---------------------------------------------------------------------------------
+    def _read(self, src: _Source, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float) -> int:
+        peer: _NixlPeer | None = src.session.peer
+        if peer is None:
+            return super()._read(src, handoff, rp, layers, deadline)
+        base = src.base
+        if len(base) == 0:
+            return 0
+        # Lease check + pin: prefill keeps these blocks until our READ's notification (or the TTL).
+        reply, _ = src.session.client.call(self._msg("pin", handoff, layers_needed=layers.stop))
+        t_pin = time.monotonic()
+        read_deadline = min(deadline, t_pin + 0.8 * float(reply["ttl_s"]))
+        local, remote = self._descs(base, peer, rp, layers)
+        last = layers.stop == self.layout.num_layers
+        # The last READ from an endpoint carries "done": NIXL delivers it once the data was read, and a
+        # READ only reports DONE here after its notification went out (a standalone send_notif gives no
+        # such guarantee without a progress thread, so it could sit unsent and the lease would expire).
+        kind = "done" if last else "unpin"
+        tail = f"{self.rank}|{self.layout.tp_size}|{reply['pin']}" if last else f"{reply['pin']}"
+        notif = f"{_NOTIF_PREFIX}|{kind}|{handoff.lease_id}|{tail}".encode()
+        handle = None
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, self._mem),
+                self._agent.get_xfer_descs(remote, peer.mem),
+                peer.agent,
+                notif,
+            )
+            state = self._agent.transfer(handle)
+            spins = 0
+            while state == "PROC":  # polling is what progresses our side (no progress thread)
+                if time.monotonic() > read_deadline:
+                    raise TransferUnavailable(f"lease {handoff.lease_id}: NIXL READ from {peer.agent} timed out")
+                spins += 1
+                time.sleep(0 if spins < 200 else min(1e-4 * (spins - 199), 1e-3))
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferUnavailable(f"lease {handoff.lease_id}: NIXL READ from {peer.agent} failed ({state})")
+        except KVTransferError:
+            raise
+        except Exception as e:  # nixlRemoteDisconnectError & co: the peer is gone
+            raise TransferUnavailable(f"lease {handoff.lease_id}: NIXL READ from {peer.agent}: {e!r}") from e
+        finally:
+            if handle is not None:
+                try:
+                    handle.release()  # cancels a READ still in flight (timeout path)
+                except Exception:
+                    log.warning("NIXL: could not release a transfer handle", exc_info=True)
+        if last:
+            self._done_by_read.add((handoff.lease_id, src.session.endpoint))
+        return int(base.nbytes.sum()) * 2 * len(layers)
+
+    def _descs(self, base, peer: _NixlPeer, rp: RankPlan, layers: range) -> tuple[np.ndarray, np.ndarray]:
+        """Nx3 (address, length, device) arrays for every (layer, k/v) plane of the group."""
+        planes = np.array([2 * layer + kv for layer in layers for kv in (0, 1)], dtype=np.int64)
+        n = len(base)
+        src_addr = np.empty(n, np.int64)
+        src_dev = np.empty(n, np.int64)
+        for r in np.unique(base.src_rank).tolist():
+            if r not in peer.regions:
+                raise BadTransferRequest(f"{peer.agent} does not serve prefill rank {r}")
+            addr, length, dev = peer.regions[r]
+            if length < rp.src_plane_nbytes * 2 * self.layout.num_layers:
+                raise BadTransferRequest(f"prefill rank {r} region is smaller than its layout says")
+            m = base.src_rank == r
+            src_addr[m] = addr + base.src_offset[m]
+            src_dev[m] = dev
+        rem = (src_addr[None, :] + planes[:, None] * rp.src_plane_nbytes).reshape(-1)
+        loc = (self._base + base.dst_offset[None, :] + planes[:, None] * rp.dst_plane_nbytes).reshape(-1)
+        lens = np.tile(base.nbytes, len(planes))
+        local = np.stack([loc, lens, np.full_like(lens, self._dev)], axis=1).astype(np.uint64)
+        remote = np.stack([rem, lens, np.tile(src_dev, len(planes))], axis=1).astype(np.uint64)
+        return local, remote
+
+    def _report_done(self, session: Session | None, handoff: KVHandoff) -> None:
+        if session is not None and (handoff.lease_id, session.endpoint) in self._done_by_read:
+            self._done_by_read.discard((handoff.lease_id, session.endpoint))
+            return  # the last READ's notification already said "done"
+        super()._report_done(session, handoff)  # endpoints we read nothing from: over the control channel
+
+    def close(self) -> None:
+        super().close()
+        if self._reg is not None:
+            try:
+                self._agent.deregister_memory(self._reg)
+            except Exception:
+                log.debug("nixl deregister failed", exc_info=True)
+            self._reg = None

@@ -1,0 +1,270 @@
+"""Decode side, transport-independent part: handshakes, the layer-streaming loop, completion.
+
+One puller per decode tp rank. ``pull`` plans this rank's share of the re-shard, then repeatedly
+long-polls each prefill endpoint it reads from for layer progress and reads every newly finished
+layer (group) straight away, so the transfer overlaps prefill compute. It returns only once the last
+layer has landed, then reports done to every prefill endpoint of the request (a prefill rank frees
+its blocks once every decode rank did). On failure it tells prefill it gave up (best effort) and
+raises; the caller frees its own blocks.
+
+Subclasses provide ``_read`` (move one layer group from one endpoint) and may hook the handshake.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv_transfer.control import ControlClient
+from kv_transfer.layout import KVLayout
+from kv_transfer.plan import RankPlan, Segments, plan_reshard
+from kv_transfer.region import RegionBytes, check_region
+from kv_transfer.transport import (
+    PROTOCOL_VERSION,
+    BadTransferRequest,
+    Endpoint,
+    KVHandoff,
+    KVPuller,
+    KVTransferError,
+    LeaseExpired,
+    PullResult,
+    TransferUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """A handshaken connection to one prefill endpoint (cached across requests)."""
+
+    endpoint: Endpoint
+    client: ControlClient
+    hello: dict[str, Any]
+    blob: bytes
+    peer: Any = None  # transport-specific, e.g. the NIXL remote agent
+
+
+@dataclass
+class _Source:
+    """What this rank reads from one endpoint for the current request."""
+
+    session: Session
+    base: Segments  # (layer 0, K) plane segments served by this endpoint, in destination order
+    wire: bytes  # base as the TCP read request's payload
+
+
+class BasePuller(KVPuller):
+    name = "base"
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        rank: int,
+        region: torch.Tensor,
+        *,
+        handshake_timeout_s: float = 5.0,
+        io_timeout_s: float = 10.0,
+        wait_poll_s: float = 1.0,
+        layers_per_read: int = 1,
+        transfer_timeout_s: float = 300.0,
+    ) -> None:
+        if layout.num_blocks <= 0:
+            raise ValueError("puller layout needs num_blocks")
+        layout.kv_heads_of_rank(rank)  # rank in range
+        check_region(layout, region, f"decode rank {rank}")
+        self.layout = layout
+        self.rank = rank
+        self.region = region
+        self.region_bytes = RegionBytes(region)
+        self.handshake_timeout_s = handshake_timeout_s
+        self.io_timeout_s = io_timeout_s
+        self.wait_poll_s = wait_poll_s
+        self.layers_per_read = max(1, layers_per_read)
+        self.transfer_timeout_s = transfer_timeout_s
+        self._sessions: dict[Endpoint, Session] = {}
+        self._sessions_lock = threading.Lock()
+
+    # ---- KVPuller -----------------------------------------------------------------------------
+    def pull(
+        self,
+        handoff: KVHandoff,
+        block_table: Sequence[int],
+        *,
+        on_layers_landed: Callable[[int], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> PullResult:
+        t0 = time.monotonic()
+        deadline = t0 + (self.transfer_timeout_s if timeout_s is None else timeout_s)
+        rp = self._plan(handoff, block_table)
+        eps = list(dict.fromkeys(handoff.endpoints))  # unique, in rank order
+        try:
+            sources = self._sources(handoff, rp, eps)
+            # Wait on the endpoints we read from; a rank with nothing to read still waits for the last layer.
+            waits = [s.session for s in sources.values()] or [self._session(ep) for ep in eps]
+            landed, times, nbytes = 0, [], 0
+            num_layers = self.layout.num_layers
+            while landed < num_layers:
+                ready = min(self._wait(s, handoff, landed, deadline) for s in waits)
+                for a in range(landed, ready, self.layers_per_read):
+                    group = range(a, min(a + self.layers_per_read, ready))
+                    for src in sources.values():
+                        nbytes += self._read(src, handoff, rp, group, deadline)
+                    now = time.monotonic()
+                    times += [now] * len(group)
+                    if on_layers_landed is not None:
+                        on_layers_landed(group.stop)
+                landed = ready
+        except KVTransferError as e:
+            log.warning("kv pull of lease %s by decode rank %d failed: %r", handoff.lease_id, self.rank, e)
+            if not isinstance(e, LeaseExpired):
+                self._abort_live(handoff, eps, f"{type(e).__name__}: {e}")
+            raise
+        for ep in eps:
+            self._report_done(self._sessions.get(ep), handoff)
+        return PullResult(handoff.lease_id, nbytes, time.monotonic() - t0, times, self.name)
+
+    def renew(self, handoff: KVHandoff) -> None:
+        for ep in dict.fromkeys(handoff.endpoints):
+            self._session(ep).client.call({"op": "renew", "lease": handoff.lease_id})
+
+    def abort(self, handoff: KVHandoff, reason: str = "aborted") -> None:
+        msg = {
+            "op": "done", "ok": False, "reason": reason, "lease": handoff.lease_id,
+            "dst_rank": self.rank, "dst_world": self.layout.tp_size,
+        }
+        for ep in dict.fromkeys(handoff.endpoints):
+            if ep is None:
+                continue
+            try:  # a fresh short-lived connection: the cached one may be what broke
+                c = ControlClient(ep, io_timeout_s=1.0)
+                c.connect(timeout_s=0.5)
+                c.call(msg)
+                c.close()
+            except KVTransferError:
+                pass  # prefill gone or lease already freed: its timeout covers the rest
+
+    def _abort_live(self, handoff: KVHandoff, eps: list[Endpoint], reason: str) -> None:
+        """After a failed pull: tell the prefill endpoints we still have a working connection to."""
+        for ep in eps:
+            s = self._sessions.get(ep)
+            if s is None or not s.client.connected:
+                continue  # unreachable: its lease timeout frees its blocks
+            try:
+                s.client.call(self._msg("done", handoff, ok=False, reason=reason[:500]), timeout_s=1.0)
+            except KVTransferError:
+                pass
+
+    def close(self) -> None:
+        with self._sessions_lock:
+            eps = list(self._sessions)
+        for ep in eps:
+            self._drop_session(ep)
+
+    # ---- for subclasses -----------------------------------------------------------------------
+    def _read(self, src: _Source, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float) -> int:
+        """Move layers ``layers`` of ``src.base`` into the region; returns bytes written."""
+        raise NotImplementedError
+
+    def _on_hello(self, session: Session) -> None:
+        """Transport-specific handshake step (e.g. load the peer's NIXL metadata)."""
+
+    def _forget_peer(self, session: Session) -> None:
+        """Undo _on_hello when a session is dropped."""
+
+    def _report_done(self, session: Session | None, handoff: KVHandoff) -> None:
+        if session is None:
+            return
+        try:
+            session.client.call(self._msg("done", handoff, ok=True))
+        except KVTransferError as e:  # the KV is in place; prefill's lease timeout frees its side
+            log.warning("kv lease %s: could not report done to %s: %r", handoff.lease_id, session.endpoint, e)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _msg(self, op: str, handoff: KVHandoff, **kw: Any) -> dict[str, Any]:
+        return {"op": op, "lease": handoff.lease_id, "dst_rank": self.rank, "dst_world": self.layout.tp_size, **kw}
+
+    def _plan(self, handoff: KVHandoff, block_table: Sequence[int]) -> RankPlan:
+        if not handoff.complete:
+            raise BadTransferRequest("handoff misses some prefill ranks' endpoints (merge the partial handoffs)")
+        try:
+            plan = plan_reshard(
+                handoff.layout, handoff.block_tables, self.layout, {self.rank: block_table},
+                handoff.num_tokens, dst_ranks=[self.rank],
+            )
+        except ValueError as e:
+            raise BadTransferRequest(str(e)) from e
+        return plan.ranks[self.rank]
+
+    def _sources(self, handoff: KVHandoff, rp: RankPlan, eps: list[Endpoint]) -> dict[Endpoint, _Source]:
+        out = {}
+        for ep in eps:
+            session = self._session(ep)  # handshake every endpoint: all of them get our "done"
+            ranks = [r for r, e in enumerate(handoff.endpoints) if e == ep]
+            m = np.isin(rp.base.src_rank, ranks)
+            if not m.any():
+                continue
+            base = Segments(rp.base.src_rank[m], rp.base.src_offset[m], rp.base.dst_offset[m], rp.base.nbytes[m])
+            wire = np.stack([base.src_rank.astype(np.int64), base.src_offset, base.nbytes]).tobytes()
+            out[ep] = _Source(session, base, wire)
+        return out
+
+    def _session(self, ep: Endpoint) -> Session:
+        with self._sessions_lock:
+            s = self._sessions.get(ep)
+            if s is not None and s.client.connected:
+                return s
+        if s is not None:
+            self._drop_session(ep)
+        deadline = time.monotonic() + self.handshake_timeout_s
+        client = ControlClient(ep, io_timeout_s=self.io_timeout_s)
+        client.connect(self.handshake_timeout_s)
+        hello, blob = client.call(
+            {"op": "hello", "version": PROTOCOL_VERSION, "transport": self.name},
+            timeout_s=max(deadline - time.monotonic(), 0.05),
+            handshake=True,
+        )
+        if hello.get("version") != PROTOCOL_VERSION:
+            client.close()
+            raise BadTransferRequest(f"{ep} speaks kv protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}")
+        s = Session(ep, client, hello, bytes(blob))
+        try:
+            self._on_hello(s)
+        except Exception:
+            client.close()
+            raise
+        with self._sessions_lock:
+            self._sessions[ep] = s
+        return s
+
+    def _drop_session(self, ep: Endpoint) -> None:
+        with self._sessions_lock:
+            s = self._sessions.pop(ep, None)
+        if s is not None:
+            s.client.close()
+            try:
+                self._forget_peer(s)
+            except Exception:
+                log.debug("forgetting peer %s failed", ep, exc_info=True)
+
+    def _wait(self, session: Session, handoff: KVHandoff, after: int, deadline: float) -> int:
+        """Long-poll until more than ``after`` layers are ready at this endpoint."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferUnavailable(
+                    f"lease {handoff.lease_id}: prefill at {session.endpoint} stuck at {after} layers"
+                )
+            wait_s = min(self.wait_poll_s, left)
+            reply, _ = session.client.call(
+                self._msg("wait", handoff, after=after, wait_s=wait_s), timeout_s=wait_s + self.io_timeout_s
+            )
+            if reply["ready"] > after:
+                return int(reply["ready"])

@@ -1,0 +1,110 @@
+"""A prefill-side test process: hosts publishers, driven by commands over a multiprocessing Pipe.
+
+Runs in its own (spawned) process so every transfer in the tests crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from typing import Any
+
+from kv_reference import empty_region, full_kv, write_rank
+
+from kv_transfer.factory import make_publisher
+from kv_transfer.layout import KVLayout
+
+
+def _serve(conn: Any) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    pubs: dict[str, Any] = {}
+    freed: dict[str, list[tuple[str, str]]] = {}
+    ready_times: dict[str, list[float]] = {}
+    while True:
+        cmd, a = conn.recv()
+        try:
+            if cmd == "start":  # a publisher for some prefill ranks of a layout, with the request's KV written
+                key, layout = a["key"], KVLayout.from_dict(a["layout"])
+                full = full_kv(layout, a["num_tokens"], a["seed"])
+                regions = {}
+                for r in a["ranks"]:
+                    regions[r] = empty_region(layout, 100 + r)
+                    write_rank(layout, r, full, a["tables"][r], regions[r])
+                freed[key] = []
+                pubs[key] = make_publisher(
+                    layout, regions, backend=a["backend"],
+                    on_free=lambda lid, rid, why, k=key: freed[k].append((lid, why)),
+                    lease_timeout_s=a.get("lease_timeout_s", 30.0), pin_ttl_s=a.get("pin_ttl_s", 10.0),
+                )
+                conn.send(("ok", pubs[key].name))
+            elif cmd == "publish":
+                pub = pubs[a["key"]]
+                lid = pub.publish(
+                    a["request_id"], {r: a["tables"][r] for r in pub.regions}, a["num_tokens"],
+                    lease_id=a["lease_id"], layers_ready=a.get("layers_ready", 0),
+                )
+                conn.send(("ok", pub.handoff(lid).to_json()))
+            elif cmd == "stream":  # layers become ready one by one, ``delay`` apart
+                pub, lid, delay = pubs[a["key"]], a["lease_id"], a["delay"]
+                ready_times[lid] = []
+
+                def run(pub=pub, lid=lid, delay=delay) -> None:
+                    for n in range(1, pub.layout.num_layers + 1):
+                        time.sleep(delay)
+                        ready_times[lid].append(time.monotonic())
+                        pub.set_layers_ready(lid, n)
+
+                threading.Thread(target=run, daemon=True).start()
+                conn.send(("ok", None))
+            elif cmd == "ready_times":
+                conn.send(("ok", list(ready_times.get(a["lease_id"], []))))
+            elif cmd == "freed":
+                conn.send(("ok", {k: list(v) for k, v in freed.items()}))
+            elif cmd == "counts":
+                conn.send(("ok", {k: dict(p.leases.freed_counts) for k, p in pubs.items()}))
+            elif cmd == "pid":
+                conn.send(("ok", os.getpid()))
+            elif cmd == "exit":
+                for p in pubs.values():
+                    p.close()
+                conn.send(("ok", None))
+                return
+            else:
+                conn.send(("err", f"unknown command {cmd}"))
+        except Exception as e:  # report, keep serving
+            conn.send(("err", repr(e)))
+
+
+class PrefillWorker:
+    """Handle on a spawned prefill process."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+
+    def call(self, cmd: str, timeout: float = 30.0, **args: Any) -> Any:
+        self._conn.send((cmd, args))
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"prefill worker did not answer {cmd} in {timeout}s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"prefill worker {cmd}: {value}")
+        return value
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=10)
+            except Exception:
+                pass
+        self.kill()

@@ -1,0 +1,369 @@
+"""End-to-end KV transfer between real processes, over NIXL (UCX) and over the TCP fallback.
+
+Prefill runs in spawned worker processes (prefill TP 2 = one process per rank); decode ranks run as
+pullers in this process (one thread, region and NIXL agent each).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_reference import empty_region, full_kv, random_tables, write_rank
+from kv_worker import PrefillWorker
+
+from kv_transfer.control import ControlClient
+from kv_transfer.factory import make_puller, nixl_available
+from kv_transfer.layout import KVLayout
+from kv_transfer.lease import new_lease_id
+from kv_transfer.plan import plan_reshard
+from kv_transfer.transport import (
+    Endpoint,
+    HandshakeTimeout,
+    KVHandoff,
+    LeaseExpired,
+    TransferUnavailable,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+BACKENDS = ["nixl", "tcp"]
+NUM_LAYERS, HEAD_DIM, BLOCK, NUM_BLOCKS, NUM_TOKENS = 4, 8, 16, 24, 70
+SRC_CONFIGS = [(2, 1), (2, 2), (1, 1), (1, 2)]  # (kv heads, prefill tp)
+DST_CONFIGS = {2: [(1, 1), (4, 2)], 1: [(1, 1), (2, 2), (4, 2)]}  # kv heads -> decode (tp, dcp)
+# (TP 2, DCP 2) with 2 kv heads is not a valid layout: a DCP group would hold two different heads.
+
+
+def _layout(kvh: int, tp: int, dcp: int = 1, block: int = BLOCK) -> KVLayout:
+    return KVLayout(NUM_LAYERS, kvh, HEAD_DIM, "float32", block, tp_size=tp, dcp_size=dcp, num_blocks=NUM_BLOCKS)
+
+
+def _seed(kvh: int, src_tp: int) -> int:
+    return 10 * kvh + src_tp
+
+
+if not nixl_available()[0]:  # the task machine has NIXL; say so loudly if a box does not
+    BACKENDS = [pytest.param("nixl", marks=pytest.mark.skip(reason=f"NIXL unusable: {nixl_available()[1]}")), "tcp"]
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workers():
+    ws = [PrefillWorker(), PrefillWorker()]  # rank 0 of every config / rank 1 of the TP 2 configs
+    yield ws
+    for w in ws:
+        w.close()
+
+
+class PrefillSide:
+    """Publishers of one (backend, kv heads, prefill tp) config spread over the worker processes."""
+
+    def __init__(self, workers, backend: str, kvh: int, src_tp: int, **opts) -> None:
+        self.workers, self.backend, self.kvh = workers, backend, kvh
+        self.layout = _layout(kvh, src_tp)
+        self.seed = _seed(kvh, src_tp)
+        self.tables = random_tables(self.layout, NUM_TOKENS, random.Random(self.seed))
+        self.key = f"{backend}-kvh{kvh}-tp{src_tp}-{opts.get('tag', '')}"
+        for r in range(src_tp):
+            name = workers[r].call(
+                "start", key=self.key, layout=self.layout.to_dict(), ranks=[r], tables=self.tables,
+                num_tokens=NUM_TOKENS, seed=self.seed, backend=backend,
+                **{k: v for k, v in opts.items() if k != "tag"},
+            )
+            assert name == backend
+
+    def publish(self, layers_ready: int = NUM_LAYERS) -> KVHandoff:
+        lease = new_lease_id()  # one id for the request across all prefill ranks
+        parts = [
+            KVHandoff.from_json(
+                self.workers[r].call(
+                    "publish", key=self.key, request_id=f"req-{lease[:6]}", tables=self.tables,
+                    num_tokens=NUM_TOKENS, lease_id=lease, layers_ready=layers_ready,
+                )
+            )
+            for r in range(self.layout.tp_size)
+        ]
+        return KVHandoff.merge(parts)
+
+    def freed(self) -> list[tuple[str, str]]:
+        out = []
+        for r in range(self.layout.tp_size):
+            out += self.workers[r].call("freed")[self.key]
+        return out
+
+    def full(self) -> torch.Tensor:
+        return full_kv(self.layout, NUM_TOKENS, self.seed)
+
+
+class DecodeSide:
+    """All ranks of one decode pod: regions, block tables and one puller per rank."""
+
+    def __init__(self, backend: str, kvh: int, tp: int, dcp: int, **puller_opts) -> None:
+        self.layout = _layout(kvh, tp, dcp, block=32 if dcp == 2 else BLOCK)  # mixed block sizes too
+        self.tables = random_tables(self.layout, NUM_TOKENS, random.Random(7 * tp + dcp))
+        self.regions = [empty_region(self.layout, 500 + r) for r in range(tp)]
+        opts = {"handshake_timeout_s": 5.0, "io_timeout_s": 5.0, **puller_opts}
+        self.pullers = [make_puller(self.layout, r, self.regions[r], backend=backend, **opts) for r in range(tp)]
+
+    def pull_all(self, handoff: KVHandoff) -> list:
+        results: list = [None] * len(self.pullers)
+
+        def run(r: int) -> None:
+            try:
+                results[r] = self.pullers[r].pull(handoff, self.tables[r], timeout_s=30)
+            except BaseException as e:  # surfaced below
+                results[r] = e
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(len(self.pullers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for r, res in enumerate(results):
+            if isinstance(res, BaseException):
+                raise res
+        return results
+
+    def close(self) -> None:
+        for p in self.pullers:
+            p.close()
+
+
+@pytest.fixture(scope="module")
+def sides(workers):
+    prefill: dict = {}
+    decode: dict = {}
+
+    def get_prefill(backend, kvh, src_tp):
+        k = (backend, kvh, src_tp)
+        if k not in prefill:
+            prefill[k] = PrefillSide(workers, backend, kvh, src_tp)
+        return prefill[k]
+
+    def get_decode(backend, kvh, tp, dcp):
+        k = (backend, kvh, tp, dcp)
+        if k not in decode:
+            decode[k] = DecodeSide(backend, kvh, tp, dcp)
+        return decode[k]
+
+    yield get_prefill, get_decode
+    for d in decode.values():
+        d.close()
+
+
+def _wait_for(pred, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---- byte-exact re-shard between processes ------------------------------------------------------
+CASES = [
+    (backend, kvh, src_tp, tp, dcp)
+    for backend in BACKENDS
+    for kvh, src_tp in SRC_CONFIGS
+    for tp, dcp in DST_CONFIGS[kvh]
+]
+
+
+@pytest.mark.parametrize("backend,kvh,src_tp,tp,dcp", CASES, ids=lambda v: str(getattr(v, "values", [v])[0]))
+def test_reshard_byte_identical(sides, backend, kvh, src_tp, tp, dcp):
+    get_prefill, get_decode = sides
+    pre = get_prefill(backend, kvh, src_tp)
+    dec = get_decode(backend, kvh, tp, dcp)
+    handoff = pre.publish()
+    full = pre.full()
+    want = []
+    for r in range(tp):
+        w = dec.regions[r].clone()
+        write_rank(dec.layout, r, full, dec.tables[r], w)
+        want.append(w)
+    results = dec.pull_all(handoff)
+    for r in range(tp):
+        assert torch.equal(dec.regions[r], want[r]), f"decode rank {r} differs"
+        assert results[r].transport == backend
+    # every decode rank reported done -> each prefill rank freed the lease ("done"), nothing else
+    freed = _wait_for(
+        lambda: [x for x in pre.freed() if x[0] == handoff.lease_id] if len(
+            [x for x in pre.freed() if x[0] == handoff.lease_id]) == src_tp else None,
+        5.0, "prefill to free the lease",
+    )
+    assert {why for _, why in freed} == {"done"}
+
+
+# ---- streaming ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streaming_layers_pulled_as_they_finish(workers, backend):
+    pre = PrefillSide(workers, backend, 2, 2, tag="stream")
+    dec = DecodeSide(backend, 2, 4, 2)
+    try:
+        delay = 0.4
+        handoff = pre.publish(layers_ready=0)
+        landed: dict[int, list[float]] = {r: [] for r in range(4)}
+        done_at: dict[int, float] = {}
+        results: dict = {}
+
+        def run(r):
+            def on_landed(n, r=r):
+                landed[r].append((n, time.monotonic()))
+            try:
+                results[r] = dec.pullers[r].pull(handoff, dec.tables[r], on_layers_landed=on_landed, timeout_s=30)
+            except BaseException as e:
+                results[r] = e
+            done_at[r] = time.monotonic()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
+        for t in threads:
+            t.start()
+        for w in workers:  # both prefill ranks produce layers on their own clocks
+            w.call("stream", key=pre.key, lease_id=handoff.lease_id, delay=delay)
+        for t in threads:
+            t.join(30)
+        ready_by_src = [w.call("ready_times", lease_id=handoff.lease_id) for w in workers]
+        plan = plan_reshard(pre.layout, pre.tables, dec.layout, dec.tables, NUM_TOKENS)
+        full = pre.full()
+        for r in range(4):
+            # a decode rank waits only for the prefill ranks it reads from
+            ready = [max(ts) for ts in zip(*(ready_by_src[s] for s in plan.ranks[r].src_ranks()))]
+            assert not isinstance(results[r], BaseException), results[r]
+            want = empty_region(dec.layout, 500 + r)
+            write_rank(dec.layout, r, full, dec.tables[r], want)
+            assert torch.equal(dec.regions[r], want)
+            got = dict(landed[r])
+            assert sorted(got) == list(range(1, NUM_LAYERS + 1)), landed[r]  # one layer at a time
+            for n in range(1, NUM_LAYERS + 1):
+                assert got[n] >= ready[n - 1], f"rank {r} layer {n} landed before prefill finished it"
+            # Overlap with prefill: the first layer is in place long before the last one exists (a
+            # non-streaming transfer could only start after ready[-1]). Loose on purpose: shared 2-core box.
+            assert got[1] < ready[-2], f"rank {r}: layer 1 landed {got[1] - ready[0]:.3f}s after it was ready"
+            lat = [got[n] - ready[n - 1] for n in range(1, NUM_LAYERS + 1)]
+            print(f"{backend} rank {r}: per-layer ready->landed latency (ms): {[round(x * 1e3, 1) for x in lat]}")
+            assert done_at[r] >= ready[-1], "decode finished before the last layer existed"
+    finally:
+        dec.close()
+
+
+# ---- faults ---------------------------------------------------------------------------------------
+def test_prefill_killed_mid_transfer_raises_unavailable():
+    w = PrefillWorker()
+    try:
+        pres = {b: PrefillSide([w], b, 2, 1, tag="kill") for b in BACKENDS if not hasattr(b, "values")}
+        decs = {b: DecodeSide(b, 2, 1, 1, io_timeout_s=3.0) for b in pres}
+        outcome: dict = {}
+        landed_one = {b: threading.Event() for b in pres}
+        handoffs = {b: pres[b].publish(layers_ready=0) for b in pres}
+
+        def run(b):
+            t0 = time.monotonic()
+            try:
+                decs[b].pullers[0].pull(
+                    handoffs[b], decs[b].tables[0], timeout_s=30,
+                    on_layers_landed=lambda n, b=b: landed_one[b].set(),
+                )
+                outcome[b] = ("returned", None)
+            except BaseException as e:
+                outcome[b] = (e, time.monotonic())
+            del t0
+
+        threads = {b: threading.Thread(target=run, args=(b,)) for b in pres}
+        for t in threads.values():
+            t.start()
+        for b in pres:
+            w.call("stream", key=pres[b].key, lease_id=handoffs[b].lease_id, delay=0.4)
+        for b in pres:
+            assert landed_one[b].wait(10), f"{b}: no layer landed before the kill"
+        killed_at = time.monotonic()
+        w.kill()
+        for t in threads.values():
+            t.join(15)
+        for b in pres:
+            exc, at = outcome[b]
+            assert isinstance(exc, TransferUnavailable), f"{b}: {exc!r}"
+            assert at - killed_at < 5.0, f"{b}: took {at - killed_at:.1f}s to notice"
+        for d in decs.values():
+            d.close()
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unpulled_lease_expires_and_late_reads_are_refused(workers, backend):
+    pre = PrefillSide(workers, backend, 1, 1, tag="expire", lease_timeout_s=0.5)
+    dec = DecodeSide(backend, 1, 2, 2)
+    try:
+        handoff = pre.publish()
+        dec.pullers[0].renew(handoff)  # handshake now, so what follows is a plain late read
+        time.sleep(0.3)
+        dec.pullers[0].renew(handoff)  # renewal keeps it (0.3 + 0.3 s > 0.5 s timeout)
+        time.sleep(0.3)
+        assert pre.freed() == [], "renewed lease must not expire"
+        freed = _wait_for(pre.freed, 3.0, "lease to expire")
+        assert freed == [(handoff.lease_id, "expired")]
+        assert workers[0].call("counts")[pre.key]["expired"] == 1
+        before = [t.clone() for t in dec.regions]
+        for r in range(2):
+            with pytest.raises(LeaseExpired):
+                dec.pullers[r].pull(handoff, dec.tables[r], timeout_s=5)
+            assert torch.equal(dec.regions[r], before[r]), "a refused read wrote into the destination"
+        # The read ops themselves refuse too (not only the progress poll in front of them).
+        c = ControlClient(handoff.endpoints[0])
+        c.connect(2.0)
+        base = {"lease": handoff.lease_id, "dst_rank": 0, "dst_world": 2}
+        with pytest.raises(LeaseExpired):
+            c.call({"op": "pin", **base, "layers_needed": 1})
+        with pytest.raises(LeaseExpired):
+            c.stream({"op": "read", **base, "layers": [0, 1]}, b"", lambda *a: pytest.fail("data sent"))
+        with pytest.raises(LeaseExpired):  # a made-up lease id is refused the same way
+            c.call({"op": "pin", **base, "lease": new_lease_id(), "layers_needed": 1})
+        c.close()
+    finally:
+        dec.close()
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_handshake_timeouts_are_bounded(backend):
+    dec = DecodeSide(backend, 2, 1, 1, handshake_timeout_s=1.0)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+    try:
+        for ep in (Endpoint("127.0.0.1", _free_port()), Endpoint("127.0.0.1", silent.getsockname()[1])):
+            handoff = KVHandoff(new_lease_id(), "r", NUM_TOKENS, _layout(2, 1), [list(range(5))], [ep], backend)
+            t0 = time.monotonic()
+            with pytest.raises(HandshakeTimeout):
+                dec.pullers[0].pull(handoff, dec.tables[0], timeout_s=30)
+            assert time.monotonic() - t0 < 1.0 + 1.5, "handshake bound not respected"
+    finally:
+        silent.close()
+        dec.close()
+
+
+def test_tcp_puller_reads_a_nixl_publisher(workers):
+    """Interop: every publisher also serves the TCP path (e.g. a decode pod without NIXL)."""
+    if not nixl_available()[0]:
+        pytest.skip("needs NIXL")
+    pre = PrefillSide(workers, "nixl", 2, 1, tag="interop")
+    dec = DecodeSide("tcp", 2, 1, 1)
+    try:
+        handoff = pre.publish()
+        res = dec.pull_all(handoff)
+        want = empty_region(dec.layout, 500)
+        write_rank(dec.layout, 0, pre.full(), dec.tables[0], want)
+        assert torch.equal(dec.regions[0], want) and res[0].transport == "tcp"
+    finally:
+        dec.close()

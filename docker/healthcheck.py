@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""gRPC health probe for a pdserve container (Docker HEALTHCHECK, Kubernetes exec probes when TLS is on).
+
+    pdserve-healthcheck [--port P] [--host H] [--service NAME] [--timeout S]
+
+Asks grpc.health.v1.Health/Check on host:port (default 127.0.0.1 and the port the entrypoint recorded in
+$PDSERVE_RUN_DIR/health.json, else $PDSERVE_HEALTH_PORT, else 50051). The empty service name (the default) is the
+server's overall health. With PDSERVE_TLS_CERT_FILE set (the service serves TLS) the probe uses TLS, trusting
+PDSERVE_TLS_CA_FILE (else the certificate itself) and checking the name PDSERVE_TLS_SERVER_NAME (default localhost).
+Exit status 0: SERVING; 1: anything else (the reason on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+
+def recorded_port() -> int:
+    state = Path(os.environ.get("PDSERVE_RUN_DIR") or "/tmp/pdserve") / "health.json"
+    try:
+        return int(json.loads(state.read_text(encoding="utf-8"))["port"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return int(os.environ.get("PDSERVE_HEALTH_PORT") or 50051)
+
+
+def channel(target: str):
+    import grpc
+
+    cert = os.environ.get("PDSERVE_TLS_CERT_FILE")
+    if not cert:
+        return grpc.insecure_channel(target)
+    ca = os.environ.get("PDSERVE_TLS_CA_FILE") or cert
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes())
+    name = os.environ.get("PDSERVE_TLS_SERVER_NAME") or "localhost"
+    return grpc.secure_channel(target, creds, options=[("grpc.ssl_target_name_override", name)])
+
+
+def probe(host: str, port: int, service: str = "", timeout: float = 3.0) -> tuple[bool, str]:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = f"{host}:{port}"
+    try:
+        with channel(target) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=timeout)
+    except grpc.RpcError as e:
+        return False, f"{target}: {e.code().name}: {e.details()}"
+    except OSError as e:
+        return False, f"{target}: {e}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    return resp.status == health_pb2.HealthCheckResponse.SERVING, f"{target} service={service!r}: {status}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve-healthcheck", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--service", default=os.environ.get("PDSERVE_HEALTH_SERVICE", ""))
+    p.add_argument("--timeout", type=float, default=3.0)
+    args = p.parse_args(argv)
+    ok, why = probe(args.host, args.port if args.port is not None else recorded_port(), args.service, args.timeout)
+    print(why, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""docker/: the Dockerfile's shape (multi-stage, CPU by default, CUDA by build argument with flashinfer and NCCL,
+non-root, models baked at build time, gRPC HEALTHCHECK) and the compose cluster as Compose resolves it (router +
+prefill + decode with DCP=2 inside one container, ports on 127.0.0.1, config by environment and a mounted YAML)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+import pytest
+import yaml
+from deploy_helpers import REPO, checks, entrypoint
+
+from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, check_parallel_config
+
+DOCKERFILE = (REPO / "docker" / "Dockerfile").read_text()
+
+
+def _instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE)
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_stages_and_flavors():
+    ins = _instructions()
+    froms = [rest for op, rest in ins if op == "FROM"]
+    stages = {m.group(1) for f in froms if (m := re.search(r" AS (\S+)$", f, re.I))}
+    assert {"base-cpu", "base-cuda", "base", "builder", "models", "runtime"} <= stages
+    assert ("ARG", "FLAVOR=cpu") in ins  # CPU by default
+    assert "base-${FLAVOR} AS base" in froms
+    cuda = DOCKERFILE.split("AS base-cuda", 1)[1].split("FROM", 1)[0]
+    assert 'PDSERVE_EXTRAS="[gpu]"' in cuda and "cu128" in cuda
+    gpu_extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert any(d.startswith("flashinfer") for d in gpu_extra)
+    assert "nvidia-nccl-cu12" in DOCKERFILE and "flashinfer-python" in DOCKERFILE  # checked in the build
+
+
+def test_dockerfile_runtime_is_non_root_with_grpc_healthcheck_and_baked_models():
+    ins = _instructions()
+    runtime = ins[max(i for i, (op, rest) in enumerate(ins) if op == "FROM"):]
+    users = [rest for op, rest in runtime if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    health = [rest for op, rest in runtime if op == "HEALTHCHECK"]
+    assert health and "pdserve-healthcheck" in health[0]
+    assert ("ENTRYPOINT", '["pdserve-entrypoint"]') in runtime
+    assert any(op == "COPY" and "--from=models" in rest for op, rest in runtime)
+    assert "build_models.py" in DOCKERFILE and "HF_HUB_OFFLINE=1" in DOCKERFILE
+    # Scripts copied into the image keep their executable bit from git (no BuildKit-only COPY --chmod).
+    for name in ("entrypoint.py", "healthcheck.py"):
+        assert (REPO / "docker" / name).stat().st_mode & 0o111, name
+    assert "--chmod" not in DOCKERFILE
+
+
+def test_tiny_dcp_model_fits_the_compose_layout():
+    spec = importlib.util.spec_from_file_location("build_models", REPO / "docker" / "build_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    shape = mod.TINY_SHAPE
+    model = ModelParallelInfo(shape["num_heads"], shape["num_kv_heads"])
+    assert check_parallel_config(model, ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)).valid
+    # ... and SmolLM2 cannot do DCP=2 at all, which is why compose serves the tiny model.
+    smol = ModelParallelInfo(9, 3)
+    assert not any(check_parallel_config(smol, ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=2))
+                   .valid for tp in range(1, 33))
+
+
+@pytest.fixture(scope="module")
+def compose(tools) -> dict:
+    r = checks.compose_config(tools, fmt="json")
+    assert r.ok, r.output
+    return json.loads(r.output)
+
+
+def test_compose_services_ports_and_config(compose):
+    services = compose["services"]
+    assert set(services) == {"router", "prefill", "decode"}
+    for name, svc in services.items():
+        assert svc["command"] == [name]
+        for port in svc.get("ports", []):
+            assert port["host_ip"] == "127.0.0.1", (name, port)
+        mounts = [v for v in svc["volumes"] if v["target"] == svc["environment"]["PDSERVE_CONFIG"]]
+        assert mounts and mounts[0]["read_only"] and mounts[0]["type"] == "bind"
+        assert svc["healthcheck"]["test"] == ["CMD", "pdserve-healthcheck"]
+        assert svc["user"] == "10001:10001" and "ALL" in svc["cap_drop"]
+    assert {p["target"] for p in services["router"]["ports"]} == {50051}
+    for worker in ("prefill", "decode"):
+        assert services[worker]["depends_on"]["router"]["condition"] == "service_healthy"
+
+
+def _settings(compose: dict, role: str) -> dict:
+    svc = compose["services"][role]
+    cfg = yaml.safe_load((REPO / "docker" / "config" / "pdserve.yaml").read_text())
+    return entrypoint.resolve(role, cfg, {k: str(v) for k, v in svc["environment"].items() if v is not None})
+
+
+def test_compose_decode_runs_dcp2_in_one_container(compose):
+    d = _settings(compose, "decode")
+    assert (d["tensor_parallel_size"], d["decode_context_parallel_size"]) == (2, 2)
+    assert d["router"] == "router:50051" and d["port"] == 50053
+    assert compose["services"]["decode"]["shm_size"]  # the ranks share memory through /dev/shm
+    p = _settings(compose, "prefill")
+    assert p["tensor_parallel_size"] == 1 and "decode_context_parallel_size" not in p
+    assert d["model"] == p["model"] == _settings(compose, "router")["model"] == "/opt/pdserve/models/tiny-mqa-dcp"
+
+
+def test_compose_environment_overrides_the_yaml(tools, monkeypatch):
+    monkeypatch.setenv("PDSERVE_DECODE_TP", "4")
+    r = checks._run(tools, "compose", [tools.compose, "-f", REPO / "docker" / "compose.yaml", "config",
+                                       "--format", "json"])
+    # checks' tool env drops nothing named PDSERVE_DECODE_*: the override reaches the decode container.
+    assert r.ok, r.output
+    svc = json.loads(r.output)["services"]["decode"]
+    assert svc["environment"]["PDSERVE_ARG_TENSOR_PARALLEL_SIZE"] == "4"

@@ -1,0 +1,154 @@
+"""What the chart renders: router Deployment + Service, prefill Deployment, decode pods as StatefulSet or
+LeaderWorkerSet, GPU resources and node selectors, gRPC probes, PDBs, optional HPA and ServiceMonitor, TLS and the
+cluster token, and a config the image's entrypoint turns into flags the services accept."""
+from __future__ import annotations
+
+import base64
+
+import pytest
+import yaml
+from deploy_helpers import REPO, checks, docs_of, entrypoint, find
+
+EX = REPO / "deploy" / "helm" / "examples"
+LWS_API = "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet"
+
+
+def _rendered(render, values=(), sets=(), api_versions=()):
+    r = render(values, sets, api_versions)
+    assert r.ok, r.output
+    return docs_of(r.output)
+
+
+def _container(workload: dict) -> dict:
+    spec = workload["spec"]
+    pod = spec["leaderWorkerTemplate"]["workerTemplate"] if workload["kind"] == "LeaderWorkerSet" else spec["template"]
+    (c,) = pod["spec"]["containers"]
+    return c
+
+
+def _pod_spec(workload: dict) -> dict:
+    spec = workload["spec"]
+    pod = spec["leaderWorkerTemplate"]["workerTemplate"] if workload["kind"] == "LeaderWorkerSet" else spec["template"]
+    return pod["spec"]
+
+
+def test_default_render(render):
+    docs = _rendered(render)
+    (router,) = find(docs, "Deployment", "router")
+    (prefill,) = find(docs, "Deployment", "prefill")
+    (decode,) = find(docs, "StatefulSet", "decode")  # no LWS API announced: StatefulSet
+    assert not find(docs, "LeaderWorkerSet") and not find(docs, "HorizontalPodAutoscaler")
+    assert not find(docs, "ServiceMonitor")
+    services = {s["metadata"]["name"]: s for s in find(docs, "Service")}
+    assert services["pdserve-router"]["spec"]["type"] == "ClusterIP"
+    assert services["pdserve-decode"]["spec"]["clusterIP"] == "None"
+    assert decode["spec"]["serviceName"] == "pdserve-decode"
+    assert {p["metadata"]["name"] for p in find(docs, "PodDisruptionBudget")} == \
+        {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+    for w, port in ((router, 50051), (prefill, 50052), (decode, 50053)):
+        c = _container(w)
+        assert c["args"] == [w["metadata"]["labels"]["app.kubernetes.io/component"]]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"] == {"port": port}
+        assert "nvidia.com/gpu" not in yaml.safe_dump(c["resources"])
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert _pod_spec(w)["securityContext"]["runAsNonRoot"] is True
+    # The cluster token: a chart-managed Secret, mounted as a file the entrypoint reads.
+    (secret,) = find(docs, "Secret")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 40
+    env = {e["name"]: e.get("value") for e in _container(router)["env"]}
+    assert env["PDSERVE_CLUSTER_TOKEN_FILE"] == "/etc/pdserve/token/token"
+    assert "PDSERVE_TLS_CERT_FILE" not in env
+
+
+def test_decode_workload_follows_the_lws_api(render):
+    docs = _rendered(render, api_versions=[LWS_API])
+    (lws,) = find(docs, "LeaderWorkerSet", "decode")
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 1
+    assert not find(docs, "StatefulSet")
+    forced = _rendered(render, sets=["decode.workload=StatefulSet"], api_versions=[LWS_API])
+    assert find(forced, "StatefulSet", "decode") and not find(forced, "LeaderWorkerSet")
+
+
+def test_gpu_one_node(render):
+    docs = _rendered(render, [EX / "gpu-1node.yaml"], api_versions=checks.EXAMPLE_API_VERSIONS["gpu-1node"])
+    (prefill,) = find(docs, "Deployment", "prefill")
+    (decode,) = find(docs, "StatefulSet", "decode")
+    assert prefill["spec"]["replicas"] == 2
+    assert _container(prefill)["resources"]["limits"]["nvidia.com/gpu"] == 2  # TP
+    assert _container(decode)["resources"]["limits"]["nvidia.com/gpu"] == 4  # TP (DCP reuses the TP ranks)
+    assert _container(decode)["resources"]["requests"]["nvidia.com/gpu"] == 4
+    assert _pod_spec(decode)["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "nvidia.com/gpu" not in yaml.safe_dump(_container(find(docs, "Deployment", "router")[0])["resources"])
+    (sm,) = find(docs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    dshm = next(v for v in _pod_spec(decode)["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+
+
+def test_multi_node(render):
+    docs = _rendered(render, [EX / "multi-node.yaml"], api_versions=checks.EXAMPLE_API_VERSIONS["multi-node"])
+    (router,) = find(docs, "Deployment", "router")
+    (prefill,) = find(docs, "Deployment", "prefill")
+    (lws,) = find(docs, "LeaderWorkerSet", "decode")
+    assert "replicas" not in router["spec"] and "replicas" not in prefill["spec"]  # left to the HPAs
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in find(docs, "HorizontalPodAutoscaler")} == \
+        {"pdserve-router", "pdserve-prefill"}
+    assert lws["spec"]["replicas"] == 4
+    c = _container(lws)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert _pod_spec(lws)["nodeSelector"] == {"node.kubernetes.io/pool": "decode"}
+    # TLS: secret mounted, env for the services, exec probes (kubelet's gRPC probe cannot speak TLS).
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["PDSERVE_TLS_CERT_FILE"] == "/etc/pdserve/tls/tls.crt"
+    assert env["PDSERVE_TLS_SERVER_NAME"] == "pdserve.internal"
+    assert c["readinessProbe"]["exec"]["command"] == ["pdserve-healthcheck", "--port", "50053"]
+    tls = next(v for v in _pod_spec(lws)["volumes"] if v["name"] == "tls")
+    assert tls["secret"]["secretName"] == "pdserve-tls"
+    # The token comes from the existing Secret: the chart makes none.
+    assert not find(docs, "Secret")
+    tok = next(v for v in _pod_spec(lws)["volumes"] if v["name"] == "cluster-token")
+    assert tok["secret"]["secretName"] == "pdserve-cluster-token"
+    pdbs = {p["metadata"]["name"]: p["spec"] for p in find(docs, "PodDisruptionBudget")}
+    assert pdbs["pdserve-router"].get("minAvailable") == 1 and "maxUnavailable" not in pdbs["pdserve-router"]
+
+
+@pytest.mark.parametrize("example", ["default", "cpu-dev", "gpu-1node", "multi-node"])
+def test_configmap_becomes_service_flags(render, example):
+    values = [] if example == "default" else [EX / f"{example}.yaml"]
+    docs = _rendered(render, values, api_versions=checks.EXAMPLE_API_VERSIONS.get(example, ()))
+    (cm,) = find(docs, "ConfigMap")
+    cfg = yaml.safe_load(cm["data"]["pdserve.yaml"])
+    chart_values = yaml.safe_load((REPO / "deploy" / "helm" / "pdserve" / "values.yaml").read_text())
+    if values:
+        ex = yaml.safe_load(values[0].read_text())
+        for k in ("decode", "prefill", "model"):
+            chart_values[k].update(ex.get(k, {}))
+    d = entrypoint.resolve("decode", cfg, {"PDSERVE_ARG_ADVERTISE_HOST": "10.0.0.7"})
+    assert d["tensor_parallel_size"] == chart_values["decode"]["tensorParallelSize"]
+    assert d["decode_context_parallel_size"] == chart_values["decode"]["decodeContextParallelSize"]
+    assert d["router"] == "pdserve-router:50051"
+    assert d["model"] == chart_values["model"]["path"]
+    p = entrypoint.resolve("prefill", cfg, {})
+    assert p["tensor_parallel_size"] == chart_values["prefill"]["tensorParallelSize"]
+    assert "decode_context_parallel_size" not in p
+    for role in ("router", "prefill", "decode"):
+        s = entrypoint.resolve(role, cfg, {})
+        flags = entrypoint.service_flags(role)
+        assert flags is not None
+        argv = entrypoint.to_flags(entrypoint.fit_to_service(role, s, flags))
+        mod = __import__(entrypoint.ROLES[role] + ".__main__", fromlist=["x"])
+        parser = next(getattr(mod, n) for n in ("build_parser", "_parser") if hasattr(mod, n))()
+        parser.parse_args(argv)  # SystemExit on an unknown flag
+
+
+def test_tls_without_secret_name_is_refused(render):
+    r = render(sets=["tls.enabled=true"])
+    assert not r.ok and "tls.secretName" in r.output
+
+
+def test_grpc_probes_with_tls_are_refused(render):
+    r = render(sets=["tls.enabled=true", "tls.secretName=x", "probes.mode=grpc"])
+    assert not r.ok and "probes.mode grpc" in r.output

@@ -51,3 +51,43 @@ def greedy():
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def hf_greedy(model_path: Path, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy generate (no EOS stop): the tokens after the prompt."""
+    model = _hf_model(str(model_path))
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+class Proc:
+    """A service subprocess whose stdout/stderr go to a file; ready when `ready()` says so."""
+
+    def __init__(self, cmd: list[str], log_path: Path, ready, timeout: float = 240.0) -> None:
+        import os
+        import subprocess
+        import time
+
+        repo = Path(__file__).resolve().parents[2]
+        self.log = open(log_path, "w+")
+        self.proc = subprocess.Popen(cmd, cwd=repo, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        while not ready(self):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"{cmd[:3]} did not start:\n{self.output()}")
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

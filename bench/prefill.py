@@ -1,0 +1,95 @@
+"""Prefill pod vs HF transformers on SmolLM2, same run: prompt tokens/s at 128, 2,048 and 8,192 tokens.
+
+pdserve side: the prefill pod's engine loop (prefill_svc.worker.PrefillWorker) end to end: admit the prompt, compute
+it (chunked as configured), sample the first token, hold the KV under a lease published layer by layer to a kv_transfer
+TCP publisher; timed from submission to the answer, then the lease is released. transformers side: one forward pass of
+the prompt building its KV cache, logits of the last position only (``logits_to_keep=1``, as generate() does).
+Best of N runs each, alternating sides, so a shared machine's noise hits both alike.
+
+SmolLM2's context is 8,192 positions and a prompt must leave room for the first token, so the "8192" row runs
+8,191 tokens on both sides. Quick mode runs 128 and 2,048 only (the 8k row alone takes minutes on a small CPU)."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import torch
+
+from bench.common import timed
+from pdserve.default_model import ensure_default_model
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _pod_prefill_s(worker, ids: list[int], rid: str) -> float:
+    from pdserve_api.v1 import common_pb2 as pb
+    from prefill_svc.convert import sampling_from_proto
+
+    params, client = sampling_from_proto(pb.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+
+    async def go() -> float:
+        t0 = time.perf_counter()
+        res = await worker.prefill(rid, ids, params, client)
+        dt = time.perf_counter() - t0
+        await worker.release(res.lease_id)
+        return dt
+
+    return asyncio.run(go())
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from prefill_svc.config import PrefillConfig
+    from prefill_svc.worker import PrefillWorker
+
+    path = ensure_default_model()
+    lengths = [128, 2048] if quick else [128, 2048, 8191]
+    repeats = {128: 3, 2048: 1 if quick else 2, 8191: 1}
+    chunk = 2048
+    cfg = PrefillConfig(model=str(path), kv_transport="tcp", enable_prefix_caching=False, prefill_chunk_size=chunk,
+                        max_num_batched_tokens=8192, num_kv_blocks=8192 // 16 + 16)
+    worker = PrefillWorker(cfg)
+    worker.start()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    rows, ratios = [], {}
+    raw: dict[str, Any] = {"chunk_size": chunk, "threads": torch.get_num_threads(), "tok_s": {}}
+    counter = iter(range(10**6))
+    try:
+        _pod_prefill_s(worker, _prompt(64, 0, vocab), "warmup")
+        with torch.inference_mode():
+            hf(torch.tensor([_prompt(64, 0, vocab)]), logits_to_keep=1)
+        for n in lengths:
+            ids = _prompt(n, n, vocab)
+            pod_best = hf_best = float("inf")
+            for _ in range(repeats[n]):
+                pod_best = min(pod_best, _pod_prefill_s(worker, ids, f"r{next(counter)}"))
+                with torch.inference_mode():
+                    hf_best = min(hf_best, timed(lambda: hf(torch.tensor([ids]), logits_to_keep=1)))
+            pod_tps, hf_tps = n / pod_best, n / hf_best
+            label = 8192 if n == 8191 else n
+            rows.append({"prompt tokens": n, "pdserve prefill tok/s": pod_tps, "transformers tok/s": hf_tps,
+                         "ratio": pod_tps / hf_tps, "chunks": -(-n // chunk)})
+            ratios[f"prefill_{label}_vs_transformers"] = pod_tps / hf_tps
+            raw["tok_s"][str(n)] = {"pdserve": pod_tps, "transformers": hf_tps, "pdserve_s": pod_best,
+                                    "transformers_s": hf_best}
+    finally:
+        worker.stop()
+    return {"benchmark": "prefill", "quick": quick, "model": path.name, "table": rows, "ratios": ratios, **raw}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    from bench.common import format_table
+
+    result = run(quick="--quick" in sys.argv)
+    print(format_table(result["table"]))
+    print(json.dumps(result["ratios"]))

@@ -1,0 +1,75 @@
+"""Pieces shared by the sync and asyncio clients."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import grpc
+
+from pdserve.client.types import Message, Prompt, build_generate_request, sampling_params
+from pdserve_api.v1 import common_pb2, router_pb2
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # The SDK does its own retries (with backoff, on UNAVAILABLE only, never after tokens): no hidden ones.
+    ("grpc.enable_retries", 0),
+]
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _Default()  # "use the client's default" for timeout=
+
+
+def make_request(*, prompt: Prompt | None, messages: Iterable[Message] | None, add_generation_prompt: bool | None,
+                 model: str | None, default_model: str, request_id: str | None, return_prompt_token_ids: bool,
+                 sampling: dict[str, Any]) -> router_pb2.GenerateRequest:
+    return build_generate_request(
+        prompt=prompt, messages=list(messages) if messages is not None else None,
+        add_generation_prompt=add_generation_prompt, model=model if model is not None else default_model,
+        request_id=request_id, return_prompt_token_ids=return_prompt_token_ids,
+        params=sampling_params(**sampling))
+
+
+def role_value(role: str | int | None) -> int:
+    if role is None or role == "":
+        return common_pb2.ROLE_UNSPECIFIED
+    if isinstance(role, int):
+        return role
+    name = role.upper()
+    if not name.startswith("ROLE_"):
+        name = "ROLE_" + name
+    return common_pb2.Role.Value(name)
+
+
+def validate_request(*, model_path: str | None = None, num_attention_heads: int | None = None,
+                     num_kv_heads: int | None = None, tensor_parallel_size: int = 1,
+                     decode_context_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                     dcp_kv_cache_interleave_size: int = 1, block_size: int = 0, role: str | int | None = None,
+                     **shape: Any) -> router_pb2.ValidateConfigRequest:
+    req = router_pb2.ValidateConfigRequest(
+        parallel=common_pb2.ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                           decode_context_parallel_size=decode_context_parallel_size,
+                                           pipeline_parallel_size=pipeline_parallel_size,
+                                           dcp_kv_cache_interleave_size=dcp_kv_cache_interleave_size),
+        block_size=block_size, role=role_value(role))
+    if model_path is not None:
+        req.model_path = str(model_path)
+    else:
+        if num_attention_heads is None:
+            raise TypeError("give model_path or num_attention_heads")
+        req.shape.CopyFrom(common_pb2.ModelShape(num_attention_heads=num_attention_heads,
+                                                 num_kv_heads=num_kv_heads or num_attention_heads, **shape))
+    return req
+
+
+def is_cancel_error(e: BaseException) -> bool:
+    return isinstance(e, grpc.RpcError) and hasattr(e, "code") and e.code() == grpc.StatusCode.CANCELLED
+
+
+def as_list(v: Sequence[Any] | None) -> list[Any]:
+    return list(v) if v is not None else []

@@ -1,0 +1,358 @@
+"""The blocking client.
+
+    from pdserve.client import Client
+
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("The capital of France is", max_tokens=8, temperature=0).text)
+        for chunk in c.chat_stream([{"role": "user", "content": "Hi!"}], max_tokens=32):
+            print(chunk.text, end="", flush=True)
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterable, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.client._common import (
+    DEFAULT,
+    DEFAULT_ADDRESS,
+    DEFAULT_CHANNEL_OPTIONS,
+    make_request,
+    role_value,
+    validate_request,
+)
+from pdserve.client.errors import (
+    DeadlineExceededError,
+    GenerationFailedError,
+    PdserveError,
+    UnavailableError,
+    from_rpc_error,
+)
+from pdserve.client.retry import Deadline, RetryPolicy, RetryState
+from pdserve.client.types import Completion, CompletionBuilder, GenerateChunk, Message, Prompt, chunk_from_proto
+from pdserve_api.v1 import router_pb2, router_pb2_grpc
+
+
+class GenerateStream:
+    """Iterator of :class:`GenerateChunk` for one Generate call.
+
+    Errors surface while iterating, as the SDK's typed exceptions. ``cancel()`` (from any thread) ends the call;
+    the router then frees the request's KV and iteration stops with ``finish_reason == "cancelled"``.
+    ``completion`` is the whole :class:`Completion` once the stream is done."""
+
+    def __init__(self, stub: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest, timeout: float | None,
+                 retry: RetryPolicy, metadata: Sequence[tuple[str, str]] | None) -> None:
+        self._stub = stub
+        self._request = request
+        self._deadline = Deadline(timeout)
+        self._retry = RetryState(retry, self._deadline)
+        self._metadata = tuple(metadata or ())
+        self._call: Any = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._done = False
+        self._failed: PdserveError | None = None
+        self._got_message = False
+        self._builder = CompletionBuilder(request.request_id)
+        self._t0 = time.monotonic()
+        self._t_first: float | None = None
+        self._t_end: float | None = None
+        self._completion: Completion | None = None
+
+    # --- public API -------------------------------------------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        return self._builder.request_id
+
+    @property
+    def text(self) -> str:
+        """The text received so far."""
+        return self._builder.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._builder.token_ids)
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def client_ttft_s(self) -> float | None:
+        """Seconds from the call to the first token, measured here (None before it arrives)."""
+        return None if self._t_first is None else self._t_first - self._t0
+
+    @property
+    def completion(self) -> Completion:
+        """The whole result; valid once the stream is done (iterated to the end, or cancelled)."""
+        if not self._done:
+            raise RuntimeError("the stream is not finished; iterate it to the end (or call until_done())")
+        if self._completion is None:
+            self._completion = self._build()
+        return self._completion
+
+    def until_done(self) -> Completion:
+        """Consume the rest of the stream and return the whole Completion."""
+        for _ in self:
+            pass
+        return self.completion
+
+    def text_chunks(self) -> Iterator[str]:
+        """The text deltas only (empty deltas skipped)."""
+        for chunk in self:
+            if chunk.text:
+                yield chunk.text
+
+    def cancel(self) -> None:
+        """Stop the generation. Safe to call from another thread, more than once, or after the end."""
+        with self._lock:
+            if self._done or self._cancelled:
+                return
+            self._cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def __enter__(self) -> "GenerateStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._done:
+            self.cancel()
+
+    def __iter__(self) -> "GenerateStream":
+        return self
+
+    def __next__(self) -> GenerateChunk:
+        if self._failed is not None:
+            err, self._failed = self._failed, None
+            self._finish()
+            raise err
+        while True:
+            if self._done:
+                raise StopIteration
+            if self._cancelled:
+                self._finish()
+                raise StopIteration
+            call = self._ensure_call()
+            try:
+                msg = next(call)
+            except StopIteration:
+                self._finish()
+                if self._builder.last is None and not self._cancelled:
+                    raise GenerationFailedError("the Generate stream ended without a final message",
+                                                request_id=self.request_id, partial=self._build()) from None
+                raise
+            except grpc.RpcError as e:
+                if self._cancelled:
+                    self._finish()
+                    raise StopIteration from None
+                err = from_rpc_error(e, self.request_id)
+                if self._got_message:
+                    self._finish()
+                    if isinstance(err, UnavailableError):
+                        raise GenerationFailedError(err.message, request_id=self.request_id,
+                                                    partial=self._build("error")) from None
+                    raise err from None
+                try:
+                    delay = self._retry.next_delay(err)
+                except PdserveError as final:
+                    self._finish()
+                    raise final from None
+                with self._lock:
+                    self._call = None
+                if self._sleep(delay):
+                    continue
+                self._finish()
+                raise StopIteration from None
+            return self._on_message(msg)
+
+    # --- internals -------------------------------------------------------------------------------------------
+    def _ensure_call(self) -> Any:
+        with self._lock:
+            if self._call is None:
+                left = self._deadline.remaining()
+                if left is not None and left <= 0:
+                    self._done = True
+                    raise DeadlineExceededError(f"deadline of {self._deadline.timeout:g}s exceeded",
+                                                request_id=self.request_id)
+                self._call = self._stub.Generate(self._request, timeout=left, metadata=self._metadata or None)
+            return self._call
+
+    def _sleep(self, delay: float) -> bool:
+        """Backoff sleep, cut short by cancel(); False if cancelled meanwhile."""
+        end = time.monotonic() + delay
+        while not self._cancelled:
+            left = end - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(left, 0.05))
+        return False
+
+    def _on_message(self, msg: router_pb2.GenerateResponse) -> GenerateChunk:
+        now = time.monotonic()
+        self._got_message = True
+        if self._t_first is None and len(msg.token_ids):
+            self._t_first = now
+        final = msg.finish_reason != 0
+        chunk = chunk_from_proto(msg, self.client_ttft_s, (now - self._t0) if final else None)
+        self._builder.add(chunk)
+        if final:
+            if chunk.finish_reason == "error":
+                self._failed = GenerationFailedError(
+                    chunk.error_message or "the request failed after tokens were streamed",
+                    request_id=self.request_id, partial=self._build("error"))
+            else:
+                self._finish()
+        return chunk
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            self._t_end = time.monotonic()
+            call, self._call = self._call, None
+        if call is not None and self._builder.last is None:
+            call.cancel()  # never leave a half-read call behind
+
+    def _build(self, finish_reason: str | None = None) -> Completion:
+        if finish_reason is None and self._builder.last is None and self._cancelled:
+            finish_reason = "cancelled"
+        end = self._t_end if self._t_end is not None else time.monotonic()
+        return self._builder.build(finish_reason, self.client_ttft_s, end - self._t0)
+
+
+class Client:
+    """Blocking client of a pdserve router (gRPC).
+
+    ``timeout`` is the default deadline of every call in seconds (None: none); each call can override it.
+    ``retry`` applies to UNAVAILABLE errors only, and to Generate only before its first message. ``model`` is the
+    default model name ("" lets the router pick the cluster's only model)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 retry: RetryPolicy | None = None, model: str = "",
+                 metadata: Sequence[tuple[str, str]] | None = None,
+                 channel_options: Sequence[tuple[str, Any]] | None = None,
+                 channel: grpc.Channel | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.model = model
+        self.metadata = tuple(metadata or ())
+        self._own_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(address, options=list(DEFAULT_CHANNEL_OPTIONS)
+                                                          + list(channel_options or ()))
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._own_channel:
+            self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _timeout(self, timeout: Any) -> float | None:
+        return self.timeout if timeout is DEFAULT else timeout
+
+    # --- generation --------------------------------------------------------------------------------------------
+    def generate_stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
+                        top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                        stop: str | Sequence[str] | None = None, model: str | None = None,
+                        request_id: str | None = None, timeout: Any = DEFAULT,
+                        return_prompt_token_ids: bool = False, **sampling: Any) -> GenerateStream:
+        """Stream a completion of ``prompt`` (text, or token ids used verbatim)."""
+        req = make_request(prompt=prompt, messages=None, add_generation_prompt=None, model=model,
+                           default_model=self.model, request_id=request_id,
+                           return_prompt_token_ids=return_prompt_token_ids,
+                           sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                         seed=seed, stop=stop, **sampling))
+        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata)
+
+    def generate(self, prompt: Prompt, **kw: Any) -> Completion:
+        """The whole completion of ``prompt`` (same arguments as :meth:`generate_stream`)."""
+        return self.generate_stream(prompt, **kw).until_done()
+
+    def chat_stream(self, messages: Iterable[Message], *, add_generation_prompt: bool | None = None,
+                    max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                    top_k: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
+                    model: str | None = None, request_id: str | None = None, timeout: Any = DEFAULT,
+                    return_prompt_token_ids: bool = False, **sampling: Any) -> GenerateStream:
+        """Stream the assistant's reply to ``messages`` (dicts with role/content), rendered by the router with the
+        model's chat template."""
+        req = make_request(prompt=None, messages=messages, add_generation_prompt=add_generation_prompt, model=model,
+                           default_model=self.model, request_id=request_id,
+                           return_prompt_token_ids=return_prompt_token_ids,
+                           sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                         seed=seed, stop=stop, **sampling))
+        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata)
+
+    def chat(self, messages: Iterable[Message], **kw: Any) -> Completion:
+        """The assistant's whole reply (same arguments as :meth:`chat_stream`)."""
+        return self.chat_stream(messages, **kw).until_done()
+
+    # --- other RPCs --------------------------------------------------------------------------------------------
+    def _unary(self, method: Any, request: Any, timeout: Any) -> Any:
+        deadline = Deadline(self._timeout(timeout))
+        state = RetryState(self.retry, deadline)
+        while True:
+            left = deadline.remaining()
+            if left is not None and left <= 0:
+                raise DeadlineExceededError(f"deadline of {deadline.timeout:g}s exceeded")
+            try:
+                return method(request, timeout=left, metadata=self.metadata or None)
+            except grpc.RpcError as e:
+                err = from_rpc_error(e, getattr(request, "request_id", None) or None)
+                try:
+                    delay = state.next_delay(err)
+                except PdserveError as final:
+                    raise final from None
+                time.sleep(delay)
+
+    def cancel(self, request_id: str, *, timeout: Any = DEFAULT) -> bool:
+        """Cancel an in-flight request by id (from any client). True if it was in flight."""
+        return self._unary(self._stub.Cancel, router_pb2.CancelRequest(request_id=request_id), timeout).found
+
+    def cluster_status(self, *, role: str | int | None = None, model: str = "",
+                       timeout: Any = DEFAULT) -> router_pb2.ClusterStatusResponse:
+        """Every registered pod (state, load, KV blocks per rank) and the router's queue."""
+        return self._unary(self._stub.ClusterStatus,
+                           router_pb2.ClusterStatusRequest(role=role_value(role), model=model), timeout)
+
+    def validate_config(self, *, timeout: Any = DEFAULT, **kw: Any) -> router_pb2.ValidateConfigResponse:
+        """Check a model + parallel config on the router (``model_path=`` or ``num_attention_heads=`` /
+        ``num_kv_heads=``, plus ``tensor_parallel_size=``, ``decode_context_parallel_size=``, ...)."""
+        return self._unary(self._stub.ValidateConfig, validate_request(**kw), timeout)
+
+    def health(self, *, service: str = "", timeout: float = 2.0) -> bool:
+        """True if the router answers grpc.health.v1 SERVING."""
+        try:
+            r = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_ready(self, timeout: float = 60.0, *, model: str | None = None, poll_s: float = 0.2) -> list[str]:
+        """Block until the router serves at least one model (or ``model``); return the ready models."""
+        end = time.monotonic() + timeout
+        last = "router not reachable"
+        while True:
+            try:
+                st = self._stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=max(0.1, min(2.0, timeout)))
+                ready = list(st.ready_models)
+                if ready and (model is None or model in ready):
+                    return ready
+                last = f"ready models: {ready or 'none'}"
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            if time.monotonic() >= end:
+                raise DeadlineExceededError(f"cluster at {self.address} not ready after {timeout:g}s ({last})")
+            time.sleep(poll_s)

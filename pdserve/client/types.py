@@ -1,0 +1,245 @@
+"""Response types of the SDK (plain dataclasses) and the request builder shared by the sync and async clients."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+from pdserve_api.v1 import common_pb2, router_pb2
+
+# What a prompt may be: text, or token ids used verbatim.
+Prompt = Union[str, Sequence[int]]
+# A chat message: {"role": ..., "content": ...}, or a (role, content) pair.
+Message = Union[Mapping[str, str], Sequence[str]]
+
+_FINISH_NAMES = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+def finish_reason_name(value: int) -> str | None:
+    """``"stop"``, ``"length"``, ``"cancelled"``, ``"error"``, or None (not finished)."""
+    return _FINISH_NAMES.get(value, common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower())
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def from_proto(cls, u: common_pb2.Usage) -> "Usage":
+        return cls(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Latency breakdown in seconds. The server fields are measured by the router; ``client_ttft_s`` and
+    ``client_e2e_s`` by this SDK (request sent -> first token / final message received, retries included)."""
+
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    decode_s: float = 0.0
+    mean_tpot_s: float = 0.0
+    client_ttft_s: float | None = None
+    client_e2e_s: float | None = None
+
+    @classmethod
+    def from_proto(cls, t: common_pb2.Timing, client_ttft_s: float | None = None,
+                   client_e2e_s: float | None = None) -> "Timing":
+        return cls(t.ttft_s, t.e2e_s, t.queue_s, t.prefill_s, t.kv_transfer_s, t.decode_s, t.mean_tpot_s,
+                   client_ttft_s, client_e2e_s)
+
+
+@dataclass(frozen=True)
+class Routing:
+    prefill_pod_id: str = ""
+    decode_pod_id: str = ""
+    transfer_mode: str = ""
+
+    @classmethod
+    def from_proto(cls, r: router_pb2.RoutingInfo) -> "Routing":
+        mode = common_pb2.TransferMode.Name(r.transfer_mode).removeprefix("TRANSFER_MODE_").lower()
+        return cls(r.prefill_pod_id, r.decode_pod_id, "" if mode == "unspecified" else mode)
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One streamed message: the tokens (and their text) produced since the previous one. The last chunk of a
+    stream has ``finish_reason`` set and carries ``usage``, ``timing`` and ``routing``."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str = ""
+    usage: Usage | None = None
+    timing: Timing | None = None
+    routing: Routing | None = None
+    prompt_token_ids: list[int] | None = None
+    error_message: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A whole generation: the text, its tokens, why it ended, token counts and timing."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str = ""
+    usage: Usage = field(default_factory=Usage)
+    timing: Timing = field(default_factory=Timing)
+    routing: Routing = field(default_factory=Routing)
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_token_ids: list[int] | None = None
+    error_message: str = ""
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token as measured by the router."""
+        return self.timing.ttft_s
+
+
+class CompletionBuilder:
+    """Accumulates chunks into a Completion (used by the streams and by the whole-text calls)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.want_logprobs = False
+        self.prompt_token_ids: list[int] | None = None
+        self.last: GenerateChunk | None = None
+
+    def add(self, c: GenerateChunk) -> None:
+        self.request_id = c.request_id or self.request_id
+        self.text_parts.append(c.text)
+        self.token_ids.extend(c.token_ids)
+        if c.logprobs:
+            self.want_logprobs = True
+            self.logprobs.extend(c.logprobs)
+        self.top_logprobs.extend(c.top_logprobs)
+        if c.prompt_token_ids is not None:
+            self.prompt_token_ids = c.prompt_token_ids
+        if c.finished:
+            self.last = c
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def build(self, finish_reason: str | None = None, client_ttft_s: float | None = None,
+              client_e2e_s: float | None = None) -> Completion:
+        last = self.last
+        usage = last.usage if last is not None and last.usage is not None else Usage(
+            completion_tokens=len(self.token_ids))
+        timing = last.timing if last is not None and last.timing is not None else Timing()
+        timing = Timing(**{**timing.__dict__, "client_ttft_s": client_ttft_s, "client_e2e_s": client_e2e_s})
+        return Completion(
+            request_id=self.request_id, text=self.text, token_ids=list(self.token_ids),
+            finish_reason=finish_reason if finish_reason is not None else (last.finish_reason if last else None),
+            stop_reason=last.stop_reason if last else "", usage=usage, timing=timing,
+            routing=last.routing if last is not None and last.routing is not None else Routing(),
+            logprobs=list(self.logprobs) if self.want_logprobs else None,
+            top_logprobs=list(self.top_logprobs) if self.top_logprobs else None,
+            prompt_token_ids=self.prompt_token_ids, error_message=last.error_message if last else "")
+
+
+def chunk_from_proto(m: router_pb2.GenerateResponse, client_ttft_s: float | None = None,
+                     client_e2e_s: float | None = None) -> GenerateChunk:
+    final = m.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    return GenerateChunk(
+        request_id=m.request_id, token_ids=list(m.token_ids), text=m.text, logprobs=list(m.logprobs),
+        top_logprobs=[dict(zip(t.token_ids, t.logprobs)) for t in m.top_logprobs],
+        finish_reason=finish_reason_name(m.finish_reason), stop_reason=m.stop_reason,
+        usage=Usage.from_proto(m.usage) if final else None,
+        timing=Timing.from_proto(m.timing, client_ttft_s, client_e2e_s) if final else None,
+        routing=Routing.from_proto(m.routing) if final else None,
+        prompt_token_ids=list(m.prompt_token_ids) if len(m.prompt_token_ids) else None,
+        error_message=m.error_message)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requests
+# ----------------------------------------------------------------------------------------------------------------
+
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs",
+                    "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "skip_special_tokens")
+
+
+def sampling_params(**kw: Any) -> common_pb2.SamplingParams:
+    """SamplingParams from keyword arguments; None means "unset" (the server's default)."""
+    unknown = set(kw) - set(_SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}; "
+                        f"known: {', '.join(_SAMPLING_FIELDS)}")
+    sp = common_pb2.SamplingParams()
+    for name, value in kw.items():
+        if value is None:
+            continue
+        if name == "stop":
+            sp.stop.extend([value] if isinstance(value, str) else list(value))
+        elif name == "stop_token_ids":
+            sp.stop_token_ids.extend(int(v) for v in value)
+        else:
+            setattr(sp, name, value)
+    return sp
+
+
+def new_request_id() -> str:
+    return "sdk-" + uuid.uuid4().hex
+
+
+def _message_dict(m: Message) -> tuple[str, str]:
+    if isinstance(m, Mapping):
+        return str(m["role"]), str(m.get("content") or "")
+    role, content = m
+    return str(role), str(content)
+
+
+def build_generate_request(*, prompt: Prompt | None = None, messages: Iterable[Message] | None = None,
+                           add_generation_prompt: bool | None = None, model: str = "", request_id: str | None = None,
+                           return_prompt_token_ids: bool = False, params: common_pb2.SamplingParams | None = None
+                           ) -> router_pb2.GenerateRequest:
+    req = router_pb2.GenerateRequest(request_id=request_id or new_request_id(), model=model or "",
+                                     return_prompt_token_ids=return_prompt_token_ids)
+    if (prompt is None) == (messages is None):
+        raise TypeError("give exactly one of prompt or messages")
+    if messages is not None:
+        chat = router_pb2.ChatPrompt(messages=[router_pb2.ChatMessage(role=r, content=c)
+                                               for r, c in map(_message_dict, messages)])
+        if add_generation_prompt is not None:
+            chat.add_generation_prompt = add_generation_prompt
+        req.chat.CopyFrom(chat)
+    elif isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.SetInParent()
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    if params is not None:
+        req.sampling_params.CopyFrom(params)
+    return req

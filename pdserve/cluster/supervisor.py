@@ -1,0 +1,480 @@
+"""LocalCluster: run a router, prefill pods and decode pods as local processes on loopback, and stop them all.
+
+Every service runs in its own session / process group (so the TP-rank processes it spawns share the group and a
+signal to the group reaches all of them); stop() sends SIGTERM to each group, waits, then SIGKILLs what is left.
+If the supervisor itself dies without stopping them (even by SIGKILL), two things make sure nothing survives it:
+- each service's direct process gets PR_SET_PDEATHSIG (SIGKILL when the supervisor goes away), and
+- a small watchdog process (pdserve.cluster.reaper) holds a pipe from the supervisor; at EOF it kills every group.
+
+    cluster = LocalCluster(Topology(model="/path/ckpt").resolve())
+    with cluster:                       # start() ... stop()
+        print(cluster.endpoints.router)
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pdserve.cluster.topology import PodSpec, Topology
+
+log = logging.getLogger("pdserve.cluster")
+
+PR_SET_PDEATHSIG = 1
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be started (a service exited, or did not become healthy in time)."""
+
+
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM / SIGHUP arrived (raised by the handlers of install_signal_handlers)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class Service:
+    name: str  # "router", "openai-http", "prefill-0", "decode-0", ...
+    kind: str  # "router" | "http" | "prefill" | "decode"
+    argv: list[str]
+    address: str  # host:port it serves (gRPC, or HTTP for "http")
+    log_path: Path
+    spec: PodSpec | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+@dataclass
+class Endpoints:
+    router: str  # gRPC host:port
+    http: str | None  # "http://host:port" of the OpenAI-compatible API, or None
+    pods: list[dict] = field(default_factory=list)
+    log_dir: str = ""
+    model: str = ""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _libc_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        return None
+
+
+_PRCTL = _libc_prctl()
+
+
+def _child_preexec(parent_pid: int) -> Callable[[], None]:
+    prctl = _PRCTL
+
+    def setup() -> None:  # runs in the forked child, before exec
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the supervisor died between fork and prctl
+            os._exit(1)
+
+    return setup
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _supports_flag(module: str, flag: str) -> bool:
+    """Whether ``python -m module`` declares ``flag`` (looked up in its __main__.py source, so that nothing heavy is
+    imported into the supervisor before it forks)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(f"{module}.__main__")
+        text = Path(spec.origin).read_text() if spec is not None and spec.origin else ""
+    except (ImportError, OSError, ValueError):
+        return True
+    return f'"{flag}"' in text or f"'{flag}'" in text
+
+
+def _router_http_field() -> str | None:
+    """The RouterConfig field that makes the router serve the OpenAI HTTP API itself, if it has one."""
+    try:
+        from router.config import RouterConfig
+    except Exception:  # noqa: BLE001
+        return None
+    names = {f.name for f in dataclasses.fields(RouterConfig)}
+    for candidate in ("http_port", "openai_http_port", "openai_port"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+class LocalCluster:
+    """Start / supervise / stop one local cluster. Not thread-safe; call from the main thread (PDEATHSIG is tied to
+    the thread that spawned the child)."""
+
+    def __init__(self, topology: Topology, *, log_dir: str | os.PathLike[str] | None = None,
+                 python: str = sys.executable, env: dict[str, str] | None = None,
+                 echo: Callable[[str], None] | None = None) -> None:
+        self.topology = topology
+        self.python = python
+        self.env = dict(os.environ if env is None else env)
+        self.env["PYTHONUNBUFFERED"] = "1"
+        self.echo = echo or (lambda s: None)
+        if log_dir is None:
+            from pdserve.default_model import cache_dir
+
+            log_dir = cache_dir() / "logs" / time.strftime(f"up-%Y%m%d-%H%M%S-{os.getpid()}")
+        self.log_dir = Path(log_dir)
+        self.services: list[Service] = []
+        self.endpoints: Endpoints | None = None
+        self._reaper: subprocess.Popen | None = None
+        self._force = threading.Event()
+        self._stopped = False
+        self._signalled: int | None = None
+        self._raised = False
+        self._critical = 0  # > 0 while a child is being spawned: a signal then waits until it is registered
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Commands
+    # ------------------------------------------------------------------------------------------------------------
+    def _plan(self) -> list[Service]:
+        t = self.topology
+        h = t.host
+        router_addr = f"{h}:{t.router_port}"
+        py = [self.python, "-m"]
+        model = [] if t.model is None else ["--model", str(t.model)]
+        services: list[Service] = []
+
+        router = [*py, "router", "--host", h, "--port", str(t.router_port), *model]
+        http_field = _router_http_field() if t.http_port is not None else None
+        if http_field is not None:
+            router += ["--" + http_field.replace("_", "-"), str(t.http_port)]
+        router += list(t.router_args)
+        services.append(Service("router", "router", router, router_addr, self.log_dir / "router.log"))
+        if t.http_port is not None and http_field is None:
+            services.append(Service("openai-http", "http",
+                                    [*py, "router.openai_http", "--router", router_addr, "--host", h,
+                                     "--port", str(t.http_port)],
+                                    f"{h}:{t.http_port}", self.log_dir / "openai-http.log"))
+
+        common = ["--block-size", str(t.block_size)]
+        if t.max_model_len is not None:
+            common += ["--max-model-len", str(t.max_model_len)]
+        decode_router_flag = "--router" if _supports_flag("decode_svc", "--router") else None
+        for p in t.prefill:
+            argv = [*py, "prefill_svc", *model, "--tensor-parallel-size", str(p.tensor_parallel_size),
+                    "--host", h, "--port", str(p.port), "--router", router_addr, "--pod-id", p.name, *common]
+            argv += self._pod_common(p)
+            services.append(Service(p.name, "prefill", argv, f"{h}:{p.port}", self.log_dir / f"{p.name}.log", p))
+        for p in t.decode:
+            argv = [*py, "decode_svc", *model, "--tensor-parallel-size", str(p.tensor_parallel_size),
+                    "--decode-context-parallel-size", str(p.decode_context_parallel_size),
+                    "--dcp-kv-cache-interleave-size", str(p.dcp_kv_cache_interleave_size),
+                    "--host", h, "--port", str(p.port), "--pod-id", p.name, *common]
+            if decode_router_flag:
+                argv += [decode_router_flag, router_addr]
+            argv += self._pod_common(p)
+            services.append(Service(p.name, "decode", argv, f"{h}:{p.port}", self.log_dir / f"{p.name}.log", p))
+        return services
+
+    @staticmethod
+    def _pod_common(p: PodSpec) -> list[str]:
+        out: list[str] = []
+        if p.num_kv_blocks is not None:
+            out += ["--num-kv-blocks", str(p.num_kv_blocks)]
+        if p.max_num_seqs is not None:
+            out += ["--max-num-seqs", str(p.max_num_seqs)]
+        return out + list(p.extra_args)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Start
+    # ------------------------------------------------------------------------------------------------------------
+    def start(self, timeout: float = 600.0) -> Endpoints:
+        """Start every service, wait until all are healthy and every pod is READY in the router; return the
+        endpoints. On failure everything started is stopped and ClusterError raised (with the failing log's tail).
+        """
+        t0 = time.monotonic()
+        self.topology.assign_ports()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.services = self._plan()
+        try:
+            self._start_reaper()
+            # Everything is spawned before this process opens any gRPC channel (no threads exist at fork time).
+            for s in self.services:
+                self._spawn(s)
+            self._wait_healthy(t0 + timeout)
+            self._wait_registered(t0 + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        t = self.topology
+        self.endpoints = Endpoints(
+            router=f"{t.host}:{t.router_port}",
+            http=None if t.http_port is None else f"http://{t.host}:{t.http_port}",
+            pods=[{"name": s.name, "role": s.kind, "address": s.address, "pid": s.pid,
+                   "tensor_parallel_size": s.spec.tensor_parallel_size,
+                   "decode_context_parallel_size": s.spec.decode_context_parallel_size}
+                  for s in self.services if s.spec is not None],
+            log_dir=str(self.log_dir), model=str(t.model_path()))
+        return self.endpoints
+
+    def _start_reaper(self) -> None:
+        self._reaper = subprocess.Popen([self.python, "-m", "pdserve.cluster.reaper"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, stderr=open(self.log_dir / "reaper.log", "ab"),
+                                        start_new_session=True, env=self.env, text=True, bufsize=1)
+
+    def _tell_reaper(self, line: str) -> None:
+        if self._reaper is not None and self._reaper.stdin is not None:
+            try:
+                self._reaper.stdin.write(line + "\n")
+                self._reaper.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+
+    def _spawn(self, s: Service) -> None:
+        self.echo(f"starting {s.name}: {' '.join(s.argv[1:])}")
+        logf = open(s.log_path, "ab")
+        self._critical += 1  # a Ctrl-C now must not leave a started child unrecorded
+        try:
+            s.proc = subprocess.Popen(s.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                      start_new_session=True, env=self.env,
+                                      preexec_fn=_child_preexec(os.getpid())
+                                      if threading.current_thread() is threading.main_thread() else None)
+            self._tell_reaper(str(s.proc.pid))  # its own session: pgid == pid
+        finally:
+            logf.close()
+            self._critical -= 1
+        self._raise_pending()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Signals
+    # ------------------------------------------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM/SIGHUP: the first raises Interrupted in the main thread (deferred while a child is being
+        spawned); the next ones make the running stop() SIGKILL at once."""
+
+        def handler(signum: int, frame: object) -> None:
+            if self._signalled is not None:
+                self.force()
+                return
+            self._signalled = signum
+            self._raise_pending()
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, handler)
+
+    def _raise_pending(self) -> None:
+        if self._signalled is not None and self._critical == 0 and not self._raised and not self._stopped:
+            self._raised = True
+            raise Interrupted(self._signalled)
+
+    def _check_alive(self) -> None:
+        for s in self.services:
+            rc = s.exited()
+            if rc is not None:
+                raise ClusterError(f"{s.name} exited with status {rc} while the cluster was starting; "
+                                   f"last lines of {s.log_path}:\n{s.log_tail()}")
+
+    def _wait_healthy(self, deadline: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        pending = {s.name: s for s in self.services}
+        channels = {}
+        try:
+            while pending:
+                self._check_alive()
+                for name, s in list(pending.items()):
+                    if s.kind == "http":
+                        if _http_ok(f"http://{s.address}/health"):
+                            del pending[name]
+                            self.echo(f"{name} is up on http://{s.address}")
+                        continue
+                    ch = channels.get(name) or channels.setdefault(name, grpc.insecure_channel(s.address))
+                    try:
+                        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                 timeout=1.0)
+                        if r.status == health_pb2.HealthCheckResponse.SERVING:
+                            del pending[name]
+                            self.echo(f"{name} is serving on {s.address}")
+                    except grpc.RpcError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    raise ClusterError(
+                        "timed out waiting for " + ", ".join(pending) + " to serve; last lines of their logs:\n"
+                        + "\n".join(f"--- {s.log_path}\n{s.log_tail(15)}" for s in pending.values()))
+                if pending:
+                    time.sleep(0.25)
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def _wait_registered(self, deadline: float) -> None:
+        """Every pod registered in the router and READY, and the model served."""
+        import grpc
+
+        from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+        want = {s.name for s in self.services if s.spec is not None}
+        ch = grpc.insecure_channel(self.services[0].address)
+        try:
+            stub = router_pb2_grpc.RouterStub(ch)
+            last = "no answer from the router"
+            while True:
+                self._check_alive()
+                try:
+                    st = stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=2.0)
+                    ready = {p.pod_id for p in st.pods if p.state == common_pb2.POD_STATE_READY}
+                    if want <= ready and st.ready_models:
+                        return
+                    states = {p.pod_id: common_pb2.PodState.Name(p.state) for p in st.pods}
+                    last = f"pods {states or 'none registered'}, ready models {list(st.ready_models)}"
+                except grpc.RpcError as e:
+                    last = f"{e.code().name}: {e.details()}"
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"timed out waiting for every pod to be READY in the router ({last})")
+                time.sleep(0.25)
+        finally:
+            ch.close()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Run / stop
+    # ------------------------------------------------------------------------------------------------------------
+    def dead_services(self) -> list[Service]:
+        return [s for s in self.services if s.exited() is not None]
+
+    def force(self) -> None:
+        """Make a running stop() skip the remaining grace and SIGKILL at once (a second Ctrl-C)."""
+        self._force.set()
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM every group (HTTP front and pods first, then the router), wait up to ``grace`` seconds for each
+        phase, SIGKILL what is left, reap. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        started = [s for s in self.services if s.proc is not None]
+        fronts = [s for s in started if s.kind in ("http", "prefill", "decode")]
+        routers = [s for s in started if s.kind == "router"]
+        for phase in (fronts, routers):
+            self._terminate(phase, grace)
+        for s in started:
+            try:
+                s.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILLed above
+                pass
+        if self._reaper is not None:
+            self._tell_reaper("done")
+            try:
+                self._reaper.stdin.close()
+            except OSError:
+                pass
+            try:
+                self._reaper.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                self._reaper.kill()
+            self._reaper = None
+
+    def _terminate(self, services: list[Service], grace: float) -> None:
+        groups = [s.proc.pid for s in services]
+        for s in services:
+            if _group_alive(s.proc.pid):
+                self.echo(f"stopping {s.name} (pid {s.proc.pid})")
+            try:
+                os.killpg(s.proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        end = time.monotonic() + grace
+        while time.monotonic() < end and not self._force.is_set():
+            for s in services:
+                s.proc.poll()  # reap leaders so their group can disappear
+            if not any(_group_alive(g) for g in groups):
+                return
+            time.sleep(0.05)
+        for s in services:
+            if _group_alive(s.proc.pid):
+                self.echo(f"killing {s.name} (did not stop in {grace:g}s)")
+                try:
+                    os.killpg(s.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for s in services:
+            try:
+                s.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def describe(self) -> str:
+        """The endpoints as printed by ``pdserve up``."""
+        e = self.endpoints
+        if e is None:
+            return "cluster not started"
+        lines = [f"  router     grpc  {e.router}"]
+        if e.http:
+            lines.append(f"  openai     http  {e.http}/v1")
+        for s in self.services:
+            if s.spec is not None:
+                lines.append(f"  {s.name:<10} grpc  {s.address:<21} {s.spec.describe():<22} pid {s.pid}")
+        lines.append(f"  logs       {e.log_dir}")
+        return "\n".join(lines)
+
+    def write_ready_file(self, path: str | os.PathLike[str]) -> None:
+        assert self.endpoints is not None
+        data = self.endpoints.to_json()
+        data["supervisor_pid"] = os.getpid()
+        data["pids"] = [s.pid for s in self.services if s.pid is not None]
+        data["services"] = [{"name": s.name, "kind": s.kind, "address": s.address, "pid": s.pid,
+                             "log": str(s.log_path)} for s in self.services]
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+
+
+def _http_ok(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return r.status == 200
+    except Exception:  # noqa: BLE001 - not up yet
+        return False

@@ -1,0 +1,388 @@
+"""The shape of a local cluster: a router plus prefill and decode pods, from ``pdserve up`` flags or a YAML file.
+
+YAML (every key optional; flags given on the command line override the file):
+
+    model: /path/to/checkpoint      # default: the bundled SmolLM2-135M-Instruct
+    host: 127.0.0.1
+    block_size: 16
+    max_model_len: 2048
+    router: {port: 50051, http_port: 8000}   # http_port: -1 or null = no OpenAI HTTP endpoint, 0 = any free port
+    prefill:
+      - {tp: 1, port: 0}                    # port 0 = any free port
+    decode:
+      - {tp: 2, dcp: 2, interleave: 1}      # tp/dcp "auto" = the smallest TP with DCP > 1 the model allows
+    # a role may also be a count plus shared settings:  prefill: {count: 2, tp: 1}
+
+The whole topology is checked once, with pdserve.parallel_config (the rules the pods themselves apply), before any
+process starts: DCP on a prefill pod, a TP/DCP pair the model does not allow, clashing ports are refused with the
+rule's message and the suggested fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, check_parallel_config
+
+AUTO = "auto"
+DEFAULT_ROUTER_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
+MAX_AUTO_TP = 16  # "auto" never picks more TP ranks than this
+
+
+class TopologyError(ValueError):
+    """The topology cannot run; the message names the pod, the rule, and the fix."""
+
+
+@dataclass
+class PodSpec:
+    role: str  # "prefill" | "decode"
+    tensor_parallel_size: int | str = 1  # or "auto" (decode)
+    decode_context_parallel_size: int | str = 1  # or "auto" (decode)
+    dcp_kv_cache_interleave_size: int = 1
+    port: int = 0  # 0: any free port
+    num_kv_blocks: int | None = None  # per rank; None: the pod's default
+    max_num_seqs: int | None = None
+    extra_args: list[str] = field(default_factory=list)  # passed verbatim to the pod's command line
+    name: str = ""  # "prefill-0", "decode-1", ... (assigned by Topology)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=int(self.tensor_parallel_size),
+                              decode_context_parallel_size=int(self.decode_context_parallel_size),
+                              dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size)
+
+    def describe(self) -> str:
+        s = f"tp={self.tensor_parallel_size}"
+        if self.role == "decode":
+            s += f" dcp={self.decode_context_parallel_size}"
+            if self.dcp_kv_cache_interleave_size != 1:
+                s += f" interleave={self.dcp_kv_cache_interleave_size}"
+        return s
+
+
+def default_prefill() -> PodSpec:
+    return PodSpec(role="prefill")
+
+
+def default_decode() -> PodSpec:
+    return PodSpec(role="decode", tensor_parallel_size=AUTO, decode_context_parallel_size=AUTO)
+
+
+@dataclass
+class Topology:
+    model: str | None = None  # checkpoint directory; None: the default model
+    host: str = "127.0.0.1"
+    router_port: int = DEFAULT_ROUTER_PORT  # 0: any free port
+    http_port: int | None = DEFAULT_HTTP_PORT  # None: no OpenAI HTTP endpoint; 0: any free port
+    block_size: int = 16
+    max_model_len: int | None = None
+    prefill: list[PodSpec] = field(default_factory=lambda: [default_prefill()])
+    decode: list[PodSpec] = field(default_factory=lambda: [default_decode()])
+    router_args: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # set by resolve()
+
+    @property
+    def pods(self) -> list[PodSpec]:
+        return [*self.prefill, *self.decode]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loading
+    # ------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> "Topology":
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as e:
+            raise TopologyError(f"cannot read topology file {path}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise TopologyError(f"{path}: not valid YAML: {e}") from None
+        try:
+            return cls.from_dict(data or {})
+        except TopologyError as e:
+            raise TopologyError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Topology":
+        if not isinstance(data, Mapping):
+            raise TopologyError(f"the topology must be a mapping, got {type(data).__name__}")
+        known = {"model", "host", "block_size", "max_model_len", "router", "prefill", "decode"}
+        _no_unknown(data, known, "topology")
+        topo = cls()
+        if data.get("model") is not None:
+            topo.model = str(data["model"])
+        if "host" in data:
+            topo.host = _str(data["host"], "host")
+        if "block_size" in data:
+            topo.block_size = _int(data["block_size"], "block_size", lo=1)
+        if data.get("max_model_len") is not None:
+            topo.max_model_len = _int(data["max_model_len"], "max_model_len", lo=2)
+        router = data.get("router") or {}
+        if not isinstance(router, Mapping):
+            raise TopologyError("router: expected a mapping like {port: 50051, http_port: 8000}")
+        _no_unknown(router, {"port", "http_port", "args"}, "router")
+        if "port" in router:
+            topo.router_port = _port(router["port"], "router.port")
+        if "http_port" in router:
+            hp = router["http_port"]
+            topo.http_port = None if hp is None or hp == -1 or hp is False else _port(hp, "router.http_port")
+        if "args" in router:
+            topo.router_args = _args(router["args"], "router.args")
+        for role in ("prefill", "decode"):
+            if role in data:
+                setattr(topo, role, _pods(role, data[role]))
+        return topo
+
+    def with_overrides(self, **kw: Any) -> "Topology":
+        """A copy with the given (non-None) top-level fields and per-role pod settings replaced:
+        ``prefill_pods``/``decode_pods`` (counts), ``prefill_tp``, ``decode_tp``, ``decode_dcp``,
+        ``dcp_interleave``, ``num_kv_blocks``."""
+        t = dataclasses.replace(self, prefill=[dataclasses.replace(p) for p in self.prefill],
+                                decode=[dataclasses.replace(p) for p in self.decode], warnings=[])
+        for name in ("model", "host", "router_port", "block_size", "max_model_len"):
+            if kw.get(name) is not None:
+                setattr(t, name, kw[name])
+        if "http_port" in kw and kw["http_port"] is not None:
+            t.http_port = None if kw["http_port"] < 0 else kw["http_port"]
+        for role in ("prefill", "decode"):
+            n = kw.get(f"{role}_pods")
+            pods = getattr(t, role)
+            if n is not None:
+                if n < 1:
+                    raise TopologyError(f"--{role}-pods must be >= 1, got {n}")
+                template = pods[0] if pods else (default_prefill() if role == "prefill" else default_decode())
+                pods = [pods[i] if i < len(pods) else dataclasses.replace(template, port=0, name="")
+                        for i in range(n)]
+            setattr(t, role, pods)
+        for p in t.prefill:
+            if kw.get("prefill_tp") is not None:
+                p.tensor_parallel_size = kw["prefill_tp"]
+        for p in t.decode:
+            if kw.get("decode_tp") is not None:
+                p.tensor_parallel_size = kw["decode_tp"]
+            if kw.get("decode_dcp") is not None:
+                p.decode_context_parallel_size = kw["decode_dcp"]
+            if kw.get("dcp_interleave") is not None:
+                p.dcp_kv_cache_interleave_size = kw["dcp_interleave"]
+        if kw.get("num_kv_blocks") is not None:
+            for p in t.pods:
+                p.num_kv_blocks = kw["num_kv_blocks"]
+        return t
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Validation
+    # ------------------------------------------------------------------------------------------------------------
+    def model_path(self) -> Path:
+        if self.model is not None:
+            return Path(self.model)
+        from pdserve.default_model import ensure_default_model
+
+        return ensure_default_model()
+
+    def resolve(self, model: ModelParallelInfo | None = None) -> "Topology":
+        """Check everything once and fill in "auto" sizes and pod names; returns self. Raises TopologyError."""
+        if not self.prefill:
+            raise TopologyError("the cluster needs at least one prefill pod")
+        if not self.decode:
+            raise TopologyError("the cluster needs at least one decode pod")
+        if self.model is not None:
+            mp = Path(self.model)
+            if not (mp / "config.json").is_file():
+                raise TopologyError(f"--model {self.model}: not a checkpoint directory (no config.json)")
+            if not (mp / "tokenizer.json").is_file():
+                raise TopologyError(f"--model {self.model}: the router needs tokenizer.json next to config.json")
+        if model is None:
+            try:
+                model = ModelParallelInfo.from_model_path(self.model_path())
+            except (OSError, ValueError) as e:
+                raise TopologyError(f"cannot read the model's config: {e}") from None
+        self.warnings = []
+        for role in ("prefill", "decode"):
+            for i, p in enumerate(getattr(self, role)):
+                p.role = role
+                p.name = p.name or f"{role}-{i}"
+                self._resolve_pod(p, model)
+        self._check_ports()
+        return self
+
+    def _resolve_pod(self, p: PodSpec, model: ModelParallelInfo) -> None:
+        tp, dcp = p.tensor_parallel_size, p.decode_context_parallel_size
+        if p.role == "prefill":
+            if tp == AUTO:
+                tp = p.tensor_parallel_size = 1
+            if dcp == AUTO:
+                dcp = p.decode_context_parallel_size = 1
+            if dcp != 1:
+                raise TopologyError(f"{p.name}: decode context parallelism is decode-only; "
+                                    f"a prefill pod needs dcp=1 (got {dcp}). Suggested fix: remove dcp from the "
+                                    "prefill pods")
+        if tp == AUTO or dcp == AUTO:
+            tp, dcp = self._auto_dcp(p, model, tp, dcp)
+            p.tensor_parallel_size, p.decode_context_parallel_size = tp, dcp
+        for name, v in (("tp", tp), ("dcp", dcp), ("interleave", p.dcp_kv_cache_interleave_size)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TopologyError(f"{p.name}: {name} must be a positive integer or 'auto', got {v!r}")
+        cfg = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                             dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size, block_size=self.block_size)
+        verdict = check_parallel_config(model, cfg)
+        if not verdict.valid:
+            fix = f" Suggested fix for {p.name}: {verdict.fix.text}" if verdict.fix is not None else ""
+            raise TopologyError(f"{p.name} ({p.describe()}): {verdict.message}{fix}")
+
+    def _auto_dcp(self, p: PodSpec, model: ModelParallelInfo, tp: int | str, dcp: int | str) -> tuple[int, int]:
+        """The smallest TP (then the smallest DCP > 1) that the model allows, honouring whichever is fixed."""
+        tps = [tp] if tp != AUTO else [t for t in range(1, MAX_AUTO_TP + 1)]
+        dcps = [dcp] if dcp != AUTO else list(range(2, MAX_AUTO_TP + 1))
+        for t in tps:
+            for d in dcps:
+                if not isinstance(t, int) or not isinstance(d, int) or d > t:
+                    continue
+                cfg = ParallelConfig(tensor_parallel_size=t, decode_context_parallel_size=d,
+                                     dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
+                                     block_size=self.block_size)
+                if check_parallel_config(model, cfg).valid:
+                    return t, d
+        # No DCP > 1 layout exists for this model (e.g. MHA): run without DCP and say so.
+        t = 1 if tp == AUTO else tp
+        if dcp != AUTO:
+            raise TopologyError(f"{p.name}: no tensor-parallel size up to {MAX_AUTO_TP} allows dcp={dcp} for this "
+                                f"model ({model.kind}, {model.num_attention_heads} heads, {model.num_kv_heads} KV "
+                                "heads); choose another dcp or tp")
+        self.warnings.append(f"{p.name}: this model ({model.kind}, {model.num_attention_heads} heads, "
+                             f"{model.num_kv_heads} KV heads) allows no DCP > 1"
+                             + (f" at tp={tp}" if tp != AUTO else "") + f"; running {p.name} with tp={t} dcp=1")
+        return int(t), 1
+
+    def _check_ports(self) -> None:
+        seen: dict[int, str] = {}
+        named = [("router", self.router_port)]
+        if self.http_port is not None:
+            named.append(("router http", self.http_port))
+        named += [(p.name, p.port) for p in self.pods]
+        for who, port in named:
+            if port == 0:
+                continue
+            if port in seen:
+                raise TopologyError(f"port {port} is given to both {seen[port]} and {who}")
+            seen[port] = who
+
+    def assign_ports(self) -> None:
+        """Replace every port 0 by a free port of this host (so the endpoints are known before anything starts)."""
+        taken: set[int] = {p for p in [self.router_port, self.http_port or 0, *[q.port for q in self.pods]] if p}
+        if self.router_port == 0:
+            self.router_port = free_port(self.host, taken)
+            taken.add(self.router_port)
+        if self.http_port == 0:
+            self.http_port = free_port(self.host, taken)
+            taken.add(self.http_port)
+        for p in self.pods:
+            if p.port == 0:
+                p.port = free_port(self.host, taken)
+                taken.add(p.port)
+
+
+def free_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
+    for _ in range(100):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if not avoid or port not in avoid:
+            return port
+    raise OSError("no free port found")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# YAML helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+_POD_KEYS = {
+    "tp": "tensor_parallel_size", "tensor_parallel_size": "tensor_parallel_size",
+    "dcp": "decode_context_parallel_size", "decode_context_parallel_size": "decode_context_parallel_size",
+    "interleave": "dcp_kv_cache_interleave_size", "dcp_kv_cache_interleave_size": "dcp_kv_cache_interleave_size",
+    "port": "port", "num_kv_blocks": "num_kv_blocks", "max_num_seqs": "max_num_seqs", "args": "extra_args",
+    "name": "name",
+}
+
+
+def _pods(role: str, value: Any) -> list[PodSpec]:
+    if isinstance(value, Mapping):  # {count: N, tp: ..., ...}
+        spec = dict(value)
+        count = _int(spec.pop("count", 1), f"{role}.count", lo=1)
+        if "port" in spec and spec["port"] and count > 1:
+            raise TopologyError(f"{role}: a fixed port cannot be shared by {count} pods; list the pods instead")
+        return [_pod(role, i, spec) for i in range(count)]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [_pod(role, i, {}) for i in range(_int(value, role, lo=1))]
+    if not isinstance(value, list) or not value:
+        raise TopologyError(f"{role}: expected a non-empty list of pods, a count, or {{count: N, ...}}")
+    return [_pod(role, i, v) for i, v in enumerate(value)]
+
+
+def _pod(role: str, i: int, spec: Any) -> PodSpec:
+    where = f"{role}[{i}]"
+    if spec is None:
+        spec = {}
+    if not isinstance(spec, Mapping):
+        raise TopologyError(f"{where}: expected a mapping like {{tp: 2, dcp: 2}}, got {spec!r}")
+    _no_unknown(spec, set(_POD_KEYS), where)
+    pod = default_prefill() if role == "prefill" else default_decode()
+    for key, value in spec.items():
+        attr = _POD_KEYS[key]
+        if attr in ("tensor_parallel_size", "decode_context_parallel_size"):
+            value = AUTO if value == AUTO else _int(value, f"{where}.{key}", lo=1)
+        elif attr == "dcp_kv_cache_interleave_size":
+            value = _int(value, f"{where}.{key}", lo=1)
+        elif attr == "port":
+            value = _port(value, f"{where}.port")
+        elif attr in ("num_kv_blocks", "max_num_seqs"):
+            value = None if value is None else _int(value, f"{where}.{key}", lo=1)
+        elif attr == "extra_args":
+            value = _args(value, f"{where}.args")
+        elif attr == "name":
+            value = _str(value, f"{where}.name")
+        setattr(pod, attr, value)
+    return pod
+
+
+def _no_unknown(d: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        raise TopologyError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                            f"known: {', '.join(sorted(known))}")
+
+
+def _int(v: Any, what: str, lo: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TopologyError(f"{what} must be an integer, got {v!r}")
+    if lo is not None and v < lo:
+        raise TopologyError(f"{what} must be >= {lo}, got {v}")
+    return v
+
+
+def _port(v: Any, what: str) -> int:
+    v = _int(v, what)
+    if not 0 <= v <= 65535:
+        raise TopologyError(f"{what} must be a port number in [0, 65535] (0 = any free port), got {v}")
+    return v
+
+
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise TopologyError(f"{what} must be a non-empty string, got {v!r}")
+    return v
+
+
+def _args(v: Any, what: str) -> list[str]:
+    if isinstance(v, str):
+        import shlex
+
+        return shlex.split(v)
+    if not isinstance(v, list) or not all(isinstance(a, (str, int, float)) for a in v):
+        raise TopologyError(f"{what} must be a list of command-line arguments")
+    return [str(a) for a in v]

@@ -1,0 +1,81 @@
+"""`pdserve status`: the pods of a running cluster, their state, load and free KV blocks per rank.
+
+    pdserve status
+    pdserve status --json
+    pdserve status --watch 2
+
+Exit status: 0 the router answered; 1 it did not (its error on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from pdserve.commands.generate import add_connection_arguments
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("status", help="show the pods of a running cluster", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_connection_arguments(p)
+    p.add_argument("--role", choices=["prefill", "decode"], default=None, help="only pods of this role")
+    p.add_argument("--model", default="", help="only pods serving this model")
+    p.add_argument("--json", action="store_true", help="print the ClusterStatus response as JSON")
+    p.add_argument("--watch", type=float, default=None, metavar="S", help="refresh every S seconds until Ctrl-C")
+    p.set_defaults(func=run_status)
+    return p
+
+
+def _short(enum_name: str, prefix: str) -> str:
+    return enum_name.removeprefix(prefix).lower()
+
+
+def format_status(st: Any) -> str:
+    from pdserve_api.v1 import common_pb2
+
+    rows = [("POD", "ROLE", "STATE", "ADDRESS", "MODEL", "TP", "DCP", "KV FREE/TOTAL (per rank)", "RUN", "WAIT",
+             "INFLIGHT", "HB AGE")]
+    for p in st.pods:
+        kv = " ".join(f"{r.free_blocks}/{r.total_blocks}" for r in p.kv) or "-"
+        rows.append((p.pod_id, _short(common_pb2.Role.Name(p.role), "ROLE_"),
+                     _short(common_pb2.PodState.Name(p.state), "POD_STATE_"), p.address, p.model,
+                     str(p.parallel.tensor_parallel_size or 1), str(p.parallel.decode_context_parallel_size or 1),
+                     kv, str(p.load.num_running_seqs), str(p.load.num_waiting_seqs), str(p.num_inflight_requests),
+                     f"{p.last_heartbeat_age_s:.1f}s"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if not st.pods:
+        lines.append("(no pods registered)")
+    lines.append(f"ready models: {', '.join(st.ready_models) or 'none'}; router queue: {st.router_queue_depth}; "
+                 f"in flight: {st.num_inflight_requests}")
+    return "\n".join(lines)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from pdserve.client import Client, NO_RETRY, PdserveError
+
+    with Client(args.router, timeout=args.timeout or 10.0, retry=NO_RETRY) as client:
+        while True:
+            try:
+                st = client.cluster_status(role=args.role, model=args.model)
+            except PdserveError as e:
+                print(f"pdserve status: error: router {args.router}: {e.status_name}: {e.message}", file=sys.stderr)
+                return 1
+            if args.json:
+                print(json.dumps(MessageToDict(st, preserving_proto_field_name=True), indent=1))
+            else:
+                if args.watch:
+                    print("\x1b[2J\x1b[H", end="")
+                print(f"router {args.router}")
+                print(format_status(st), flush=True)
+            if not args.watch:
+                return 0
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                return 0

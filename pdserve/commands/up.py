@@ -1,0 +1,138 @@
+"""`pdserve up`: start the embedded local cluster (router, a prefill pod and a decode pod with DCP) on loopback.
+
+    pdserve up                                  # default model, 1 prefill pod, 1 decode pod with DCP
+    pdserve up --model ./ckpt --decode-tp 2 --decode-dcp 2
+    pdserve up --config cluster.yaml --http-port 8080
+
+Waits until every process is healthy and every pod is READY in the router, prints the endpoints, then supervises.
+Ctrl-C (or SIGTERM) stops everything: HTTP front and pods first, then the router; whatever does not stop within
+--stop-timeout is killed (a second Ctrl-C kills at once). No process is ever left behind, even if `pdserve up` itself
+is killed: every service dies with it.
+
+Exit status: 0 after a clean stop; 1 if the cluster could not start or a service died; 2 on a bad topology.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from pdserve.cluster.topology import AUTO, Topology, TopologyError
+
+
+def _size(v: str) -> int | str:
+    if v == AUTO:
+        return AUTO
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {v!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {v!r}")
+    return n
+
+
+def add_topology_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE.yaml", help="topology file (flags below override it)")
+    p.add_argument("--model", metavar="PATH", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", help="address every service listens on (default 127.0.0.1)")
+    p.add_argument("--port", dest="router_port", type=int, metavar="N",
+                   help="router gRPC port (default 50051; 0: any free port)")
+    p.add_argument("--http-port", type=int, metavar="N",
+                   help="OpenAI-compatible HTTP port (default 8000; 0: any free port; -1: none)")
+    p.add_argument("--prefill-pods", type=int, metavar="N", help="number of prefill pods (default 1)")
+    p.add_argument("--prefill-tp", type=int, metavar="N", help="tensor-parallel size of each prefill pod")
+    p.add_argument("--decode-pods", type=int, metavar="N", help="number of decode pods (default 1)")
+    p.add_argument("--decode-tp", type=_size, metavar="N|auto",
+                   help="tensor-parallel size of each decode pod (default auto: the smallest that allows DCP)")
+    p.add_argument("--decode-dcp", type=_size, metavar="N|auto",
+                   help="decode context-parallel size (default auto: the smallest > 1 the model allows)")
+    p.add_argument("--dcp-interleave", type=int, metavar="N", help="DCP KV interleave size in tokens (default 1)")
+    p.add_argument("--block-size", type=int, metavar="N", help="KV block size in tokens (default 16)")
+    p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV blocks per rank on every pod")
+    p.add_argument("--max-model-len", type=int, metavar="N", help="context length served")
+
+
+def topology_from_args(args: argparse.Namespace) -> Topology:
+    topo = Topology.from_yaml(args.config) if args.config else Topology()
+    return topo.with_overrides(
+        model=args.model, host=args.host, router_port=args.router_port, http_port=args.http_port,
+        prefill_pods=args.prefill_pods, prefill_tp=args.prefill_tp, decode_pods=args.decode_pods,
+        decode_tp=args.decode_tp, decode_dcp=args.decode_dcp, dcp_interleave=args.dcp_interleave,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("up", help="start a local cluster (router + prefill + decode with DCP)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_topology_arguments(p)
+    p.add_argument("--log-dir", metavar="DIR", help="service logs (default ~/.cache/pdserve/logs/up-<time>-<pid>)")
+    p.add_argument("--ready-file", metavar="PATH", help="write the endpoints and pids as JSON here once ready")
+    p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
+                   help="give up if the cluster is not ready after this long (default 900)")
+    p.add_argument("--stop-timeout", type=float, default=15.0, metavar="S",
+                   help="on Ctrl-C, seconds each service gets to stop before it is killed (default 15)")
+    p.add_argument("--dry-run", action="store_true", help="print the checked topology and the commands, start nothing")
+    p.add_argument("--quiet", "-q", action="store_true", help="print only the endpoints")
+    p.set_defaults(func=run_up)
+    return p
+
+
+def _err(msg: str) -> None:
+    print(f"pdserve up: error: {msg}", file=sys.stderr, flush=True)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from pdserve.cluster.supervisor import ClusterError, Interrupted, LocalCluster
+
+    try:
+        topo = topology_from_args(args).resolve()
+    except TopologyError as e:
+        _err(str(e))
+        return 2
+    for w in topo.warnings:
+        print(f"pdserve up: warning: {w}", file=sys.stderr, flush=True)
+
+    def echo(line: str) -> None:
+        if not args.quiet:
+            print(f"pdserve up: {line}", flush=True)
+
+    cluster = LocalCluster(topo, log_dir=args.log_dir, echo=echo)
+    if args.dry_run:
+        topo.assign_ports()
+        plan = cluster._plan()
+        print(json.dumps({"model": str(topo.model_path()), "router": f"{topo.host}:{topo.router_port}",
+                          "http_port": topo.http_port,
+                          "pods": [{"name": p.name, "role": p.role, "port": p.port, "tp": p.tensor_parallel_size,
+                                    "dcp": p.decode_context_parallel_size,
+                                    "interleave": p.dcp_kv_cache_interleave_size} for p in topo.pods],
+                          "commands": {s.name: s.argv for s in plan}}, indent=1))
+        return 0
+
+    cluster.install_signal_handlers()
+    t0 = time.monotonic()
+    try:
+        try:
+            cluster.start(timeout=args.startup_timeout)
+        except ClusterError as e:
+            _err(str(e))
+            return 1
+        if args.ready_file:
+            cluster.write_ready_file(args.ready_file)
+        print(f"pdserve up: cluster ready in {time.monotonic() - t0:.1f}s, serving "
+              f"{cluster.endpoints.model}\n{cluster.describe()}\nPress Ctrl-C to stop.", flush=True)
+        while True:
+            dead = cluster.dead_services()
+            if dead:
+                for s in dead:
+                    _err(f"{s.name} exited with status {s.exited()}; last lines of {s.log_path}:\n{s.log_tail()}")
+                return 1
+            time.sleep(0.5)
+    except Interrupted as e:
+        print(f"pdserve up: {e}: stopping the cluster", flush=True)
+        return 0
+    finally:
+        cluster.stop(grace=args.stop_timeout)
+        print("pdserve up: all processes stopped", flush=True)

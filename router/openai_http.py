@@ -1,0 +1,614 @@
+"""OpenAI-compatible HTTP API in front of the router: /v1/completions, /v1/chat/completions (both with SSE
+streaming), /v1/models, and /health.
+
+Every request goes through the router's own gRPC Generate path (the pdserve AsyncClient over a channel to the
+router), so HTTP and gRPC outputs are the same for the same request. Errors have OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, with the HTTP status that matches the router's gRPC status.
+
+The router mounts it with ``await start_openai_http(router, host, port)``; it also runs on its own:
+
+    python -m router.openai_http --router 127.0.0.1:50051 --port 8000
+
+Supported request fields: model, prompt (text, token ids, or a list of either) / messages (text content or text
+parts), max_tokens / max_completion_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty,
+stream, stream_options.include_usage, n=1, user (ignored), plus vLLM's extras top_k, min_tokens,
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens. Any other OpenAI field with a non-default value
+(logprobs, echo, best_of > 1, n > 1, tools, logit_bias, a non-text response_format, ...) is refused with a 400 rather
+than silently ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from aiohttp import web
+
+from pdserve.client import AsyncClient, PdserveError
+from pdserve.client.aio import AsyncGenerateStream
+from pdserve.client.types import GenerateChunk
+
+log = logging.getLogger("router.openai_http")
+
+# gRPC status -> (HTTP status, OpenAI error type, OpenAI error code)
+_HTTP_OF_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.CANCELLED: (499, "invalid_request_error", "request_cancelled"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error", None),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+
+
+class ApiError(Exception):
+    """An error to return in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+    @classmethod
+    def from_sdk(cls, e: PdserveError) -> "ApiError":
+        status, type_, code = _HTTP_OF_STATUS.get(e.code, (500, "server_error", None))
+        param = "model" if e.code == grpc.StatusCode.NOT_FOUND else None
+        return cls(status, e.message, type_, param, code)
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Request parsing
+# ----------------------------------------------------------------------------------------------------------------
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+           "stream", "stream_options", "n", "user", "logit_bias", "logprobs",
+           # vLLM extensions
+           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+           "min_p", "request_id"}
+_COMPLETION_ONLY = {"prompt", "echo", "best_of", "suffix"}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+              "function_call", "parallel_tool_calls", "response_format", "add_generation_prompt", "metadata",
+              "store", "service_tier", "modalities", "reasoning_effort"}
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class Parsed:
+    model: str
+    stream: bool
+    include_usage: bool
+    sampling: dict[str, Any]
+    request_id: str | None
+
+
+def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: int | None) -> Parsed:
+    unknown = [k for k in body if k not in allowed]
+    if unknown:
+        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    model = body.get("model", "")
+    if model is None:
+        model = ""
+    if not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad("only n=1 is supported", "n")
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported", "logit_bias")
+    min_p = body.get("min_p")
+    if min_p not in (None, 0, 0.0):
+        raise bad("min_p is not supported", "min_p")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream")
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("'stream_options' must be an object", "stream_options")
+        if not stream:
+            raise bad("stream_options is only allowed when stream is true", "stream_options")
+        include_usage = bool(so.get("include_usage", False))
+
+    s: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = body.get(name)
+        if v is not None:
+            if not _is_num(v):
+                raise bad(f"'{name}' must be a number", name)
+            s[name] = float(v)
+    for name in ("seed", "top_k", "min_tokens"):
+        v = body.get(name)
+        if v is not None:
+            if not _is_int(v):
+                raise bad(f"'{name}' must be an integer", name)
+            s[name] = v
+    mt = body.get("max_tokens", default_max_tokens)
+    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        mt = body["max_completion_tokens"]
+    if mt is not None:
+        if not _is_int(mt):
+            raise bad("'max_tokens' must be an integer", "max_tokens")
+        s["max_tokens"] = mt
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise bad("'stop' must be a string or a list of strings", "stop")
+        if stop:
+            s["stop"] = stop
+    sti = body.get("stop_token_ids")
+    if sti is not None:
+        if not isinstance(sti, list) or not all(_is_int(x) for x in sti):
+            raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+        s["stop_token_ids"] = sti
+    for name in ("ignore_eos", "skip_special_tokens"):
+        v = body.get(name)
+        if v is not None:
+            if not isinstance(v, bool):
+                raise bad(f"'{name}' must be a boolean", name)
+            s[name] = v
+    rid = body.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise bad("'request_id' must be a non-empty string", "request_id")
+    return Parsed(model=model, stream=stream, include_usage=include_usage, sampling=s, request_id=rid)
+
+
+def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]]]:
+    p = _parse_common(body, _COMMON | _COMPLETION_ONLY, default_max_tokens=16)
+    if body.get("echo"):
+        raise bad("echo is not supported", "echo")
+    if body.get("best_of") not in (None, 1):
+        raise bad("only best_of=1 is supported", "best_of")
+    if body.get("suffix"):
+        raise bad("suffix is not supported", "suffix")
+    if body.get("logprobs") is not None:
+        raise bad("logprobs are not supported by this endpoint", "logprobs")
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(x, list) and x and all(_is_int(t) for t in x) for x in prompt):
+        prompts = [list(x) for x in prompt]
+    else:
+        raise bad("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
+                  "prompt")
+    return p, prompts
+
+
+def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, str]], bool | None]:
+    p = _parse_common(body, _COMMON | _CHAT_ONLY, default_max_tokens=None)
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise bad("logprobs are not supported by this endpoint", "logprobs")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad(f"{name} are not supported", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise bad(f"{name} is not supported", name)
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("only response_format {\"type\": \"text\"} is supported", "response_format")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
+        role = "system" if m["role"] == "developer" else m["role"]
+        if role not in ("system", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, assistant, tool",
+                      f"messages[{i}].role")
+        content = m.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content[{j}]: only text content parts are supported",
+                              f"messages[{i}].content")
+                parts.append(part["text"])
+            text = "".join(parts)
+        else:
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        out.append({"role": role, "content": text})
+    agp = body.get("add_generation_prompt")
+    if agp is not None and not isinstance(agp, bool):
+        raise bad("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+    return p, out, agp
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The server
+# ----------------------------------------------------------------------------------------------------------------
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def _usage(u: Any) -> dict[str, int]:
+    d = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+         "total_tokens": u.prompt_tokens + u.completion_tokens}
+    if getattr(u, "cached_prompt_tokens", 0):
+        d["prompt_tokens_details"] = {"cached_tokens": u.cached_prompt_tokens}
+    return d
+
+
+class OpenAIHttpServer:
+    """The aiohttp application and its listening site. ``await start()`` -> port; ``await stop()``."""
+
+    def __init__(self, client: AsyncClient, host: str = "127.0.0.1", port: int = 8000, *,
+                 api_key: str | None = None, own_client: bool = False) -> None:
+        self.client = client
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        self._own_client = own_client
+        self.created = int(time.time())
+        self.app = web.Application(middlewares=[self._errors_middleware])
+        self.app.add_routes([
+            web.get("/health", self.health),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model}", self.model),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+        ])
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> int:
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels the gRPC call, so the
+        # router frees the request's KV.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        if self.port == 0:
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        log.info("OpenAI-compatible HTTP API on %s/v1", self.url)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._own_client:
+            await self.client.close()
+
+    # --- plumbing ----------------------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        try:
+            if self.api_key is not None and request.path.startswith("/v1/"):
+                if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+                    raise ApiError(401, "Incorrect API key provided.", "authentication_error", None,
+                                   "invalid_api_key")
+            return await handler(request)
+        except ApiError as e:
+            return e.response()
+        except PdserveError as e:
+            return ApiError.from_sdk(e).response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            msg = {404: f"Unknown route {request.method} {request.path}",
+                   405: f"Method {request.method} is not allowed on {request.path}"}.get(e.status, e.reason)
+            return ApiError(e.status, msg, "invalid_request_error", None,
+                            "unknown_url" if e.status == 404 else None).response()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure leaves in OpenAI's shape
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()
+
+    @staticmethod
+    async def _json(request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise bad("We could not parse the JSON body of your request. Send a JSON object.") from None
+        if not isinstance(body, dict):
+            raise bad("The request body must be a JSON object.")
+        return body
+
+    async def _model_names(self) -> list[str]:
+        st = await self.client.cluster_status(timeout=10.0)
+        names = list(st.ready_models)
+        for p in st.pods:
+            if p.model and p.model not in names:
+                names.append(p.model)
+        return names
+
+    async def _response_model(self, requested: str) -> str:
+        if requested:
+            return requested
+        try:
+            names = await self._model_names()
+        except PdserveError:
+            return ""
+        return names[0] if names else ""
+
+    # --- endpoints ---------------------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        names = await self._model_names()
+        return web.json_response({"object": "list", "data": [
+            {"id": n, "object": "model", "created": self.created, "owned_by": "pdserve"} for n in names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in await self._model_names():
+            raise ApiError(404, f"The model '{name}' does not exist", "invalid_request_error", "model",
+                           "model_not_found")
+        return web.json_response({"id": name, "object": "model", "created": self.created, "owned_by": "pdserve"})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        p, prompts = parse_completion(await self._json(request))
+        base = p.request_id or uuid.uuid4().hex
+        rids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
+        streams = [self.client.generate_stream(pr, model=p.model, request_id=rid, **p.sampling)
+                   for pr, rid in zip(prompts, rids)]
+        cid = f"cmpl-{base}"
+        model = await self._response_model(p.model)
+
+        def choice(i: int, text: str, finish: str | None) -> dict[str, Any]:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+
+        if not p.stream:
+            comps = await self._gather(streams)
+            usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            for c in comps:
+                for k, v in _usage(c.usage).items():
+                    if isinstance(v, int):
+                        usage[k] += v
+            return web.json_response({
+                "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": [choice(i, c.text, _FINISH.get(c.finish_reason or "", c.finish_reason))
+                            for i, c in enumerate(comps)],
+                "usage": usage})
+
+        def frame(i: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
+            if not chunk.text and not chunk.finished:
+                return []
+            return [{"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                     "choices": [choice(i, chunk.text, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason)
+                                        if chunk.finished else None)]}]
+
+        def usage_frame(total: dict[str, int]) -> dict[str, Any]:
+            return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                    "choices": [], "usage": total}
+
+        return await self._stream(request, streams, frame, [], usage_frame if p.include_usage else None)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        p, messages, agp = parse_chat(await self._json(request))
+        rid = p.request_id or uuid.uuid4().hex
+        stream = self.client.chat_stream(messages, add_generation_prompt=agp, model=p.model, request_id=rid,
+                                         **p.sampling)
+        cid = f"chatcmpl-{rid}"
+        model = await self._response_model(p.model)
+
+        if not p.stream:
+            (c,) = await self._gather([stream])
+            return web.json_response({
+                "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": None, "finish_reason": _FINISH.get(c.finish_reason or "", c.finish_reason)}],
+                "usage": _usage(c.usage)})
+
+        def chunk_obj(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+            return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        def frame(i: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
+            out = []
+            if chunk.text:
+                out.append(chunk_obj({"content": chunk.text}, None))
+            if chunk.finished:
+                out.append(chunk_obj({}, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason)))
+            return out
+
+        def usage_frame(total: dict[str, int]) -> dict[str, Any]:
+            return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                    "choices": [], "usage": total}
+
+        head = [chunk_obj({"role": "assistant", "content": ""}, None)]
+        return await self._stream(request, [stream], frame, head, usage_frame if p.include_usage else None)
+
+    # --- generation helpers ------------------------------------------------------------------------------------
+    async def _gather(self, streams: list[AsyncGenerateStream]) -> list[Any]:
+        tasks = [asyncio.ensure_future(s.until_done()) for s in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for s, t in zip(streams, tasks):
+                t.cancel()
+                s.cancel()
+            raise
+
+    async def _stream(self, request: web.Request, streams: list[AsyncGenerateStream],
+                      frame: Callable[[int, GenerateChunk], list[dict[str, Any]]], head: list[dict[str, Any]],
+                      usage_frame: Callable[[dict[str, int]], dict[str, Any]] | None) -> web.StreamResponse:
+        """SSE: the first chunk of every stream is awaited before the headers go out, so an error before the first
+        token is still an ordinary HTTP error; a failure after it is sent as an ``error`` event."""
+        try:
+            firsts = await asyncio.gather(*(s.__anext__() for s in streams))
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            await resp.prepare(request)
+            for obj in head:
+                await resp.write(_sse(obj))
+            total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            async for i, chunk in self._merge(streams, firsts):
+                if isinstance(chunk, PdserveError):
+                    await resp.write(_sse(ApiError.from_sdk(chunk).body()))
+                    break
+                for obj in frame(i, chunk):
+                    await resp.write(_sse(obj))
+                if chunk.finished and chunk.usage is not None:
+                    for k, v in _usage(chunk.usage).items():
+                        if isinstance(v, int):
+                            total[k] += v
+            else:
+                if usage_frame is not None:
+                    await resp.write(_sse(usage_frame(total)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        finally:
+            for s in streams:
+                s.cancel()  # no-op for finished streams; a gone client frees the request's KV
+        return resp
+
+    @staticmethod
+    async def _merge(streams: list[AsyncGenerateStream], firsts: list[GenerateChunk]
+                     ) -> AsyncIterator[tuple[int, Any]]:
+        if len(streams) == 1:
+            yield 0, firsts[0]
+            if firsts[0].finished:
+                return
+            try:
+                async for c in streams[0]:
+                    yield 0, c
+            except PdserveError as e:
+                yield 0, e
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: AsyncGenerateStream, first: GenerateChunk) -> None:
+            await queue.put((i, first))
+            try:
+                if not first.finished:
+                    async for c in s:
+                        await queue.put((i, c))
+            except PdserveError as e:
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+        live = len(tasks)
+        try:
+            while live:
+                i, item = await queue.get()
+                if item is None:
+                    live -= 1
+                    continue
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def _client_for(router: Any) -> tuple[AsyncClient, bool]:
+    """An AsyncClient for what the router passes: an address, an AsyncClient, a grpc.aio channel, or a running
+    server object exposing ``port`` and ``host`` / ``config.host``."""
+    if isinstance(router, AsyncClient):
+        return router, False
+    if isinstance(router, str):
+        return AsyncClient(router), True
+    if isinstance(router, grpc.aio.Channel):
+        return AsyncClient(channel=router), True
+    port = getattr(router, "port", None)
+    host = getattr(router, "host", None) or getattr(getattr(router, "config", None), "host", None)
+    if isinstance(port, int) and port > 0 and isinstance(host, str):
+        if host in ("0.0.0.0", "::", "[::]"):
+            host = "127.0.0.1"
+        return AsyncClient(f"{host}:{port}"), True
+    raise TypeError("start_openai_http needs the router's address ('host:port'), an AsyncClient, a grpc.aio "
+                    f"channel, or a started server with .port and .config.host; got {type(router).__name__}")
+
+
+async def start_openai_http(router: Any, host: str = "127.0.0.1", port: int = 8000, *,
+                            api_key: str | None = None) -> OpenAIHttpServer:
+    """Serve the OpenAI-compatible API on ``host:port`` (0: any free port, see ``.port``) in the running event
+    loop, over ``router``'s gRPC Generate path. ``await server.stop()`` to stop it."""
+    client, own = _client_for(router)
+    server = OpenAIHttpServer(client, host, port, api_key=api_key, own_client=own)
+    await server.start()
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m router.openai_http",
+                                 description="OpenAI-compatible HTTP API in front of a pdserve router")
+    ap.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address (host:port)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def run() -> None:
+        import signal
+
+        server = await start_openai_http(args.router, args.host, args.port, api_key=args.api_key)
+        print(f"pdserve OpenAI-compatible API on {server.url}/v1 (router {args.router})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

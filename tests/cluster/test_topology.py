@@ -1,0 +1,157 @@
+"""Topology of `pdserve up`: YAML and flags, checked once with pdserve.parallel_config (no process is started)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster.topology import Topology, TopologyError
+from pdserve.commands.up import register
+from pdserve.parallel_config import ModelParallelInfo
+
+GQA_1KV = ModelParallelInfo(num_attention_heads=8, num_kv_heads=1)
+SMOLLM2 = ModelParallelInfo(num_attention_heads=9, num_kv_heads=3)
+MHA = ModelParallelInfo(num_attention_heads=8, num_kv_heads=8)
+
+
+def _ckpt(tmp_path: Path, heads: int = 8, kv: int = 1) -> Path:
+    d = tmp_path / "ckpt"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": heads,
+                                               "num_key_value_heads": kv, "hidden_size": 64}))
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+def test_default_topology_has_a_decode_pod_with_dcp():
+    t = Topology().resolve(GQA_1KV)
+    assert [p.name for p in t.prefill] == ["prefill-0"] and [p.name for p in t.decode] == ["decode-0"]
+    d = t.decode[0]
+    assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (2, 2)
+    assert (t.prefill[0].tensor_parallel_size, t.prefill[0].decode_context_parallel_size) == (1, 1)
+    assert t.router_port == 50051 and t.http_port == 8000 and t.warnings == []
+
+
+def test_auto_dcp_for_smollm2_shape_and_mha_fallback():
+    d = Topology().resolve(SMOLLM2).decode[0]
+    assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (9, 3)  # 9 heads, 3 KV heads
+    t = Topology().resolve(MHA)  # MHA allows no DCP > 1: runs without, and says so
+    assert (t.decode[0].tensor_parallel_size, t.decode[0].decode_context_parallel_size) == (1, 1)
+    assert t.warnings and "allows no DCP > 1" in t.warnings[0]
+    # fixed tp, auto dcp / fixed dcp, auto tp
+    d = Topology().with_overrides(decode_tp=4).resolve(GQA_1KV).decode[0]
+    assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (4, 2)
+    d = Topology().with_overrides(decode_dcp=4).resolve(GQA_1KV).decode[0]
+    assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (4, 4)
+
+
+def test_invalid_parallel_config_is_refused_with_the_rule_and_fix():
+    with pytest.raises(TopologyError) as ei:
+        Topology().with_overrides(decode_tp=2, decode_dcp=4).resolve(GQA_1KV)
+    msg = str(ei.value)
+    assert msg.startswith("decode-0 (tp=2 dcp=4)") and "divisible" in msg and "Suggested fix" in msg
+    with pytest.raises(TopologyError, match="heads"):
+        Topology().with_overrides(prefill_tp=3).resolve(GQA_1KV)
+    with pytest.raises(TopologyError, match="decode-only"):
+        Topology.from_dict({"prefill": [{"tp": 2, "dcp": 2}]}).resolve(GQA_1KV)
+
+
+def test_yaml_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("""
+model: null
+host: 127.0.0.1
+block_size: 32
+max_model_len: 1024
+router: {port: 0, http_port: -1, args: "--max-queue-len 8"}
+prefill: {count: 2, tp: 2}
+decode:
+  - {tp: 4, dcp: 2, interleave: 4, port: 6001, num_kv_blocks: 64}
+  - {tp: auto, dcp: auto, args: [--max-num-seqs, 8]}
+""")
+    t = Topology.from_yaml(f).resolve(GQA_1KV)
+    assert t.block_size == 32 and t.max_model_len == 1024 and t.router_port == 0 and t.http_port is None
+    assert t.router_args == ["--max-queue-len", "8"]
+    assert [(p.name, p.tensor_parallel_size) for p in t.prefill] == [("prefill-0", 2), ("prefill-1", 2)]
+    d0, d1 = t.decode
+    assert (d0.tensor_parallel_size, d0.decode_context_parallel_size, d0.dcp_kv_cache_interleave_size,
+            d0.port, d0.num_kv_blocks) == (4, 2, 4, 6001, 64)
+    assert (d1.tensor_parallel_size, d1.decode_context_parallel_size) == (2, 2)
+    assert d1.extra_args == ["--max-num-seqs", "8"]
+    t.assign_ports()
+    ports = [t.router_port, *[p.port for p in t.pods]]
+    assert 0 not in ports and len(set(ports)) == len(ports) and 6001 in ports
+
+
+@pytest.mark.parametrize("text,match", [
+    ("prefill: [{tp: 1, tpp: 2}]", "unknown key"),
+    ("decoder: []", "unknown key"),
+    ("prefill: [{tp: two}]", "must be an integer"),
+    ("prefill: []", "non-empty list"),
+    ("router: {port: 70000}", r"\[0, 65535\]"),
+    ("decode: {count: 2, port: 7000}", "cannot be shared"),
+    ("- a\n- b", "must be a mapping"),
+    ("prefill: [{tp: 1", "not valid YAML"),
+])
+def test_yaml_errors_name_the_problem(tmp_path, text, match):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(TopologyError, match=match) as ei:
+        Topology.from_yaml(f)
+    assert str(ei.value).startswith(str(f))
+
+
+def test_port_clash_and_missing_file():
+    with pytest.raises(TopologyError, match="port 7000 is given to both router and prefill-0"):
+        Topology.from_dict({"router": {"port": 7000}, "prefill": [{"port": 7000}]}).resolve(GQA_1KV)
+    with pytest.raises(TopologyError, match="cannot read topology file"):
+        Topology.from_yaml("/nonexistent/cluster.yaml")
+
+
+def test_flags_override_the_file(tmp_path):
+    import argparse
+
+    f = tmp_path / "c.yaml"
+    f.write_text("prefill: [{tp: 2}]\ndecode: [{tp: 4, dcp: 4}]\nrouter: {http_port: 9000}\n")
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers()
+    register(sub)
+    from pdserve.commands.up import topology_from_args
+
+    args = ap.parse_args(["up", "--config", str(f), "--decode-dcp", "2", "--prefill-pods", "2", "--port", "0",
+                          "--http-port", "-1"])
+    t = topology_from_args(args).resolve(GQA_1KV)
+    assert [p.tensor_parallel_size for p in t.prefill] == [2, 2]
+    assert (t.decode[0].tensor_parallel_size, t.decode[0].decode_context_parallel_size) == (4, 2)
+    assert t.router_port == 0 and t.http_port is None
+    with pytest.raises(SystemExit):
+        ap.parse_args(["up", "--decode-tp", "zero"])
+
+
+def test_model_directory_checks(tmp_path):
+    with pytest.raises(TopologyError, match="no config.json"):
+        Topology(model=str(tmp_path)).resolve()
+    d = _ckpt(tmp_path)
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(TopologyError, match="tokenizer.json"):
+        Topology(model=str(d)).resolve()
+
+
+def test_up_dry_run_prints_the_checked_plan(tmp_path):
+    d = _ckpt(tmp_path, heads=8, kv=1)
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run",
+                          "--port", "0", "--http-port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    dec = [p for p in plan["pods"] if p["role"] == "decode"][0]
+    assert (dec["tp"], dec["dcp"]) == (2, 2)
+    cmd = plan["commands"]["decode-0"]
+    assert cmd[1:3] == ["-m", "decode_svc"] and "--decode-context-parallel-size" in cmd
+    assert plan["commands"]["prefill-0"][cmd.index("-m") + 1] == "prefill_svc"
+    assert "--router" in plan["commands"]["prefill-0"]
+    bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run",
+                          "--decode-tp", "2", "--decode-dcp", "4"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Suggested fix" in bad.stderr and bad.stdout == ""

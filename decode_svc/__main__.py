@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout-s", type=float, default=d["drain_timeout_s"].default)
     p.add_argument("--allow-file-kv", action="store_true",
                    help="accept file:// KV handles (tests / offline use; reads local files named by requests)")
+    p.add_argument("--kv-transfer-backend", choices=("auto", "nixl", "tcp"), default="auto",
+                   help="KV data path for pulls from prefill pods (auto: NIXL when usable, else TCP)")
+    p.add_argument("--kv-transfer-timeout-s", type=float, default=d["kv_transfer_timeout_s"].default)
     p.add_argument("--pod-id", default=d["pod_id"].default)
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     return p
@@ -48,7 +51,7 @@ def config_from_args(a: argparse.Namespace) -> DecodeConfig:
         num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, device=a.device,
         host=a.host, port=a.port, metrics_port=a.metrics_port, reservation_ttl_s=a.reservation_ttl_s,
         admission_timeout_s=a.admission_timeout_s, drain_timeout_s=a.drain_timeout_s, allow_file_kv=a.allow_file_kv,
-        pod_id=a.pod_id)
+        kv_transfer_backend=a.kv_transfer_backend, kv_transfer_timeout_s=a.kv_transfer_timeout_s, pod_id=a.pod_id)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,8 @@ class DecodeConfig:
     admission_timeout_s: float = 60.0  # a Decode without reservation waits this long for free blocks
     drain_timeout_s: float = 120.0  # SIGTERM: how long in-flight streams may take before the pod stops anyway
     allow_file_kv: bool = False  # accept kv_handle.kv_transfer_address "file://..." (tests, offline use)
+    kv_transfer_backend: str = "auto"  # kv_transfer data path: "auto" (NIXL if usable, else TCP), "nixl", "tcp"
+    kv_transfer_timeout_s: float = 120.0  # one request's KV pull, every layer included
     pod_id: str = "decode-0"
 
     def __post_init__(self) -> None:
@@ -56,7 +58,9 @@ class DecodeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 65536:
                 bad(f"{name} must be in [0, 65535], got {v!r}")
-        for name in ("reservation_ttl_s", "admission_timeout_s", "drain_timeout_s"):
+        if self.kv_transfer_backend not in ("auto", "nixl", "tcp"):
+            bad(f"kv_transfer_backend must be 'auto', 'nixl' or 'tcp', got {self.kv_transfer_backend!r}")
+        for name in ("reservation_ttl_s", "admission_timeout_s", "drain_timeout_s", "kv_transfer_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 bad(f"{name} must be a positive number of seconds, got {v!r}")

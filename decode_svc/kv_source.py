@@ -138,6 +138,53 @@ class TransferKVSource:
                                   getattr(e, "grpc_code", "ABORTED")) from e
 
 
+@dataclass(frozen=True)
+class PullerFactory:
+    """Builds a decode rank's kv_transfer puller over its cache (picklable; called in the rank's process)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    tp_size: int
+    dcp_size: int
+    interleave: int
+    num_blocks: int
+    backend: str = "auto"  # kv_transfer.factory: "auto" (NIXL if usable, else TCP), "nixl", "tcp"
+
+    @classmethod
+    def for_engine(cls, engine: "LLMEngine", backend: str = "auto") -> "PullerFactory":
+        mc, cfg, cache = engine.model_config, engine.config, engine.executor.kv_cache
+        return cls(mc.num_layers, mc.num_kv_heads, mc.head_dim, str(cache.dtype).removeprefix("torch."),
+                   cfg.block_size, cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
+                   cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, backend)
+
+    def layout(self):
+        from kv_transfer.layout import KVLayout
+
+        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                        dtype=self.dtype, block_size=self.block_size, tp_size=self.tp_size, dcp_size=self.dcp_size,
+                        interleave=self.interleave, num_blocks=self.num_blocks)
+
+    def __call__(self, runner: "ModelRunner") -> Any:
+        from kv_transfer.factory import make_puller
+
+        return make_puller(self.layout(), runner.ps.tp_rank, runner.kv_cache, backend=self.backend)
+
+
+def close_rank_pullers(runner: "ModelRunner") -> int:
+    """Close this process's pullers (run on every rank before the pod shuts down)."""
+    n = 0
+    for key in list(_PULLERS):
+        try:
+            _PULLERS.pop(key).close()
+            n += 1
+        except Exception:
+            pass
+    return n
+
+
 def _deliver_on_rank(runner: "ModelRunner", source: KVSource, tables: list[list[int]]) -> int:
     return source.write_rank(runner, tables[runner.ps.dcp_rank])
 

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from decode_svc.config import DecodeConfig
-from decode_svc.kv_source import KVDeliveryError, KVSource, deliver
+from decode_svc.kv_source import KVDeliveryError, KVSource, close_rank_pullers, deliver
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence, SeqStatus
@@ -295,4 +295,7 @@ class DecodePod:
         return self.engine.abort(request_id)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        try:  # kv_transfer pullers live in the rank processes: close their connections first
+            self.engine.executor.call_all_ranks(close_rank_pullers)
+        finally:
+            self.engine.shutdown()

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine_loop import EngineLoop
-from decode_svc.kv_source import FileKVSource, KVDeliveryError, KVSource
+from decode_svc.kv_source import FileKVSource, KVDeliveryError, KVSource, PullerFactory, TransferKVSource
 from decode_svc.metrics import DecodeCollector, start_metrics_server
 from decode_svc.pod import DecodePod, Failure, RequestExists
 from pdserve.engine.llm_engine import RequestError, RequestOutput
@@ -84,6 +84,8 @@ class DecodeServer:
         self._metrics_http: Any = None
         self._layout: common_pb2.KVLayout | None = None
         self.max_model_len = 0
+        self._puller_factory: PullerFactory | None = None
+        self.transfer_modes: list[int] = []
         self._stopped = asyncio.Event()
 
     # --- lifecycle ---
@@ -91,6 +93,9 @@ class DecodeServer:
         await asyncio.to_thread(self.engine.start)
         self._layout = await self.call(self._layout_of)
         self.max_model_len = await self.call(lambda pod: pod.max_model_len)
+        backend = self.config.kv_transfer_backend
+        self._puller_factory = await self.call(lambda pod: PullerFactory.for_engine(pod.engine, backend))
+        self.transfer_modes = await asyncio.to_thread(_transfer_modes, backend)
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(self), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -156,9 +161,30 @@ class DecodeServer:
             return FileKVSource(addr[len("file://"):], len(req.prompt_token_ids))
         if self.kv_source_factory is not None:
             return self.kv_source_factory(req)
-        raise _Refused(grpc.StatusCode.UNIMPLEMENTED,
-                       f"this decode pod has no KV transport for {addr or 'an empty kv_transfer_address'!r} "
-                       "(only file:// handles with --allow-file-kv until kv_transfer is wired in)")
+        if not addr:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "kv_handle.kv_transfer_address is empty")
+        from prefill_svc.convert import kv_handle_to_handoff  # the one KVHandle <-> KVHandoff mapping
+
+        try:
+            handoff = kv_handle_to_handoff(req.kv_handle, req.request_id)
+        except (ValueError, KeyError) as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"bad kv_handle: {e}") from e
+        if handoff.num_tokens != len(req.prompt_token_ids):
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"kv_handle covers {handoff.num_tokens} tokens but the prompt has "
+                           f"{len(req.prompt_token_ids)}")
+        return TransferKVSource(handoff.to_json(), handoff.num_tokens, self._puller_factory,
+                                self.config.kv_transfer_timeout_s)
+
+
+def _transfer_modes(backend: str) -> list[int]:
+    nixl = backend == "nixl"
+    if backend == "auto":
+        from kv_transfer.factory import nixl_available
+
+        nixl = nixl_available()[0]
+    grpc_mode = [common_pb2.TRANSFER_MODE_GRPC]  # kv_transfer's TCP path (every publisher serves it)
+    return ([common_pb2.TRANSFER_MODE_NIXL_PULL] if nixl else []) + grpc_mode
 
 
 class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
@@ -202,7 +228,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                                         cfg.dcp_kv_cache_interleave_size,
                                                         r % cfg.decode_context_parallel_size))
                 for r, t in enumerate(tables)],
-            agent_name="", transfer_modes=[], expires_at_unix_ms=expires)
+            agent_name="", transfer_modes=s.transfer_modes, expires_at_unix_ms=expires)
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         s = self.s

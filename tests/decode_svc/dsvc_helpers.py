@@ -80,3 +80,34 @@ def record(events, results: dict[str, list[int]], finished: dict[str, str]) -> N
         results.setdefault(ev.request_id, []).extend(ev.new_token_ids)
         if ev.finished:
             finished[ev.request_id] = ev.finish_reason.value
+
+
+def tcp_publisher(standin: PrefillStandIn):
+    """A kv_transfer TCP publisher over the stand-in prefill engine's cache (what a prefill pod runs)."""
+    from kv_transfer.factory import make_publisher
+    from kv_transfer.layout import KVLayout
+
+    eng = standin.engine
+    mc, cache = eng.model_config, eng.executor.kv_cache
+    layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                      dtype="float32", block_size=eng.config.block_size, tp_size=1,
+                      num_blocks=eng.config.num_kv_blocks)
+    return make_publisher(layout, {0: cache}, backend="tcp", lease_timeout_s=60.0)
+
+
+def prefill_and_publish(standin: PrefillStandIn, publisher, prompt: list[int], rid: str):
+    """Prefill on the stand-in engine, keep its blocks, publish them: (handoff, first token, logprob).
+    Call standin.engine.abort(rid) after the decode side pulled."""
+    from pdserve.sampling import SamplingParams
+
+    eng = standin.engine
+    eng.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), rid)
+    first = None
+    while first is None:
+        for out in eng.step():
+            if out.request_id == rid:
+                first = (out.new_token_ids[0], out.new_logprobs[0])
+    seq = next(s for s in eng.scheduler.running if s.request_id == rid)
+    lease = publisher.publish(rid, {0: list(seq.block_tables[0])}, len(prompt),
+                              layers_ready=eng.model_config.num_layers)
+    return publisher.handoff(lease), first[0], first[1]

@@ -9,9 +9,9 @@ import math
 import pytest
 
 from decode_svc.config import DecodeConfig
-from decode_svc.kv_source import DenseKVSource
+from decode_svc.kv_source import DenseKVSource, KVDeliveryError, PullerFactory, TransferKVSource
 from decode_svc.pod import DecodePod, RequestExists
-from dsvc_helpers import drain_pod, greedy, record
+from dsvc_helpers import drain_pod, greedy, prefill_and_publish, record, tcp_publisher
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestError
 
@@ -194,3 +194,35 @@ def test_out_of_blocks_waits_and_preempts_without_losing_requests(pod, prefilled
     assert pod.free_blocks_per_rank() == [18] * TP
     assert pod.cancel("filler")
     assert pod.idle() and pod.free_blocks_per_rank() == [pod.num_blocks] * TP
+
+
+def test_kv_pulled_through_kv_transfer(pod, prefill_standins, solo):
+    """The real handoff: a TCP publisher over a TP 1 prefill engine's cache, a kv_transfer puller on each of the
+    pod's ranks re-sharding into its DCP blocks."""
+    standin = prefill_standins["mqa"]
+    pub = tcp_publisher(standin)
+    factory = PullerFactory.for_engine(pod.engine, backend="tcp")
+    try:
+        res, fin = {}, {}
+        for i in (2, 9):
+            handoff, first, lp = prefill_and_publish(standin, pub, PROMPTS[i], f"kvt{i}")
+            src = TransferKVSource(handoff.to_json(), len(PROMPTS[i]), factory, timeout_s=60)
+            try:
+                record([pod.submit(f"kvt{i}", PROMPTS[i], greedy(MAX_TOKENS[i]), first, lp, src)], res, fin)
+            finally:
+                standin.engine.abort(f"kvt{i}")
+        assert pod.kv_bytes_received > 0
+        drain_pod(pod, res, fin)
+        assert res["kvt2"] == solo[2] and res["kvt9"] == solo[9]
+        # A lease that is gone: the pull fails with kv_transfer's code and the pod keeps nothing.
+        handoff, first, lp = prefill_and_publish(standin, pub, PROMPTS[4], "gone")
+        pub.abort(handoff.lease_id)
+        standin.engine.abort("gone")
+        src = TransferKVSource(handoff.to_json(), len(PROMPTS[4]), factory, timeout_s=10)
+        with pytest.raises(KVDeliveryError) as ei:
+            pod.submit("gone", PROMPTS[4], greedy(4), first, lp, src)
+        assert ei.value.grpc_code == "FAILED_PRECONDITION"
+        assert not pod.knows("gone")
+        assert pod.idle() and pod.free_blocks_per_rank() == [pod.num_blocks] * TP
+    finally:
+        pub.close()

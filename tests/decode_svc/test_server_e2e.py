@@ -1,5 +1,5 @@
 """The decode service end to end, in a subprocess started the way operators start it (python -m decode_svc, TP 2,
-DCP 2): AllocateKV -> KV delivered -> Decode stream (token-identical to transformers) -> CancelDecode frees blocks;
+DCP 2): AllocateKV -> KV delivered (file handle, and pulled over kv_transfer from a prefill engine) -> Decode stream (token-identical to transformers) -> CancelDecode frees blocks;
 grpc.health.v1; Prometheus gauges; SIGTERM drains (in-flight streams finish, new calls get UNAVAILABLE); an invalid
 parallel config refuses to start with the rule's message."""
 from __future__ import annotations
@@ -19,8 +19,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dsvc_helpers import PROMPTS, hf_greedy
+from dsvc_helpers import PROMPTS, hf_greedy, prefill_and_publish, tcp_publisher
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from prefill_svc.convert import handoff_to_kv_handle
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 64
@@ -125,10 +126,10 @@ def test_invalid_parallel_config_refuses_to_start(tiny_models):
     assert "decode_svc ready" not in r.stdout
 
 
-def test_decode_service_end_to_end(tiny_models, kv_files):
+def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins):
     want = hf_greedy(tiny_models["mqa"], PROMPTS, 32)
     pod = Pod(tiny_models["mqa"], "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
-              "--dcp-kv-cache-interleave-size", "4")
+              "--dcp-kv-cache-interleave-size", "4", "--kv-transfer-backend", "tcp")
     try:
         for svc in ("", "pdserve.v1.DecodeWorker"):
             assert pod.health.Check(health_pb2.HealthCheckRequest(service=svc)).status == \
@@ -160,9 +161,10 @@ def test_decode_service_end_to_end(tiny_models, kv_files):
         assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         with pytest.raises(grpc.RpcError) as ei:
             req = _request("u", prompt, first, lp, kv_path, 4)
-            req.kv_handle.kv_transfer_address = "10.0.0.1:5555"
+            req.kv_handle.kv_transfer_address = ""
             list(pod.stub.Decode(req))
-        assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert list(resp.transfer_modes) == [common_pb2.TRANSFER_MODE_GRPC]
 
         # Decode the reserved request: the stream starts at the second token, token-identical to transformers.
         chunks = list(pod.stub.Decode(_request("a", prompt, first, lp, kv_path, 32, logprobs=True)))
@@ -175,6 +177,22 @@ def test_decode_service_end_to_end(tiny_models, kv_files):
         assert len(chunks) > 1  # streamed as produced, not in one piece
         pod.wait_free([NUM_BLOCKS, NUM_BLOCKS])
         assert pod.metrics()['pdserve_decode_generated_tokens_total{pod="decode-0"}'] >= 31
+
+        # The real handoff: KV published by a prefill engine over kv_transfer (TCP), pulled by every decode rank.
+        standin = prefill_standins["mqa"]
+        pub = tcp_publisher(standin)
+        try:
+            handoff, first_t, lp_t = prefill_and_publish(standin, pub, PROMPTS[0], "t")
+            req = _request("t", PROMPTS[0], first_t, lp_t, "", 32)
+            req.kv_handle.CopyFrom(handoff_to_kv_handle(handoff, "prefill-test", 60.0))
+            chunks = list(pod.stub.Decode(req))
+            standin.engine.abort("t")
+            assert [first_t] + [t for c in chunks for t in c.token_ids] == want[0]
+            assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        finally:
+            pub.close()
+        pod.wait_free([NUM_BLOCKS, NUM_BLOCKS])
+        assert pod.metrics()['pdserve_decode_kv_received_bytes_total{pod="decode-0"}'] > 0
 
         # A Decode without reservation, cancelled by CancelDecode midway: blocks freed, stream ends CANCELLED.
         prompt0, (kv0, first0, lp0) = PROMPTS[0], kv_files[0]

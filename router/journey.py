@@ -226,13 +226,15 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
         stream = core.decode_stub(flight.decode_pod).Decode(decode_pb2.DecodeRequest(
             request_id=rid, prompt_token_ids=prep.prompt_ids, first_token_id=pre.first_token_id,
             first_token_logprob=pre.first_token_logprob, sampling_params=prep.params, kv_handle=pre.kv_handle,
-            num_cached_tokens=pre.num_cached_tokens), timeout=None if deadline is None else timeout())
+            num_cached_tokens=pre.num_cached_tokens),
+            timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
         try:
             while True:
                 chunk = await flight.read(flight.decode_pod, stream)
                 if chunk is grpc.aio.EOF:
                     raise _DecodeFailed("the decode stream ended without a final chunk")
-                flight.kv_consumed = True  # decode streams only once it holds every layer
+                if chunk.token_ids or chunk.finish_reason in _FINISH:
+                    flight.kv_consumed = True  # decode streams only once it holds every layer
                 ids = _new_tokens(chunk, sent, rid)
                 if prep.max_tokens is not None:
                     ids = ids[:max(0, prep.max_tokens - sent)]
@@ -268,6 +270,9 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
         _set_status(context, e.code, e.message)
     except Cancelled:
         yield finish(router_pb2.GenerateResponse(request_id=rid), common_pb2.FINISH_REASON_CANCELLED)
+    except (asyncio.CancelledError, GeneratorExit):  # the client went away, or its deadline passed
+        outcome = "CLIENT_GONE"
+        raise
     except (_DecodeFailed, PodLost, grpc.aio.AioRpcError, KeyError) as e:
         text = f"decode pod {flight.decode_pod!r} is gone" if isinstance(e, KeyError) else _describe(e)
         if sent == 0:  # cannot happen after step 5, kept for safety

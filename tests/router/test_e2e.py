@@ -116,9 +116,12 @@ def test_first_tokens_of_32_concurrent_requests(cluster, tiny_model):
     async def body():
         async with grpc.aio.insecure_channel(cluster.router_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            return await asyncio.gather(*(collect(stub, greedy(p, 1)) for p in ps))
+            baseline = await settled_kv(stub, cluster)
+            results = await asyncio.gather(*(collect(stub, greedy(p, 1)) for p in ps))
+            return results, baseline, await settled_kv(stub, cluster, baseline)
 
-    results = asyncio.run(body())
+    results, baseline, after = asyncio.run(body())
+    assert after == baseline  # prefill KV (real heartbeats) all back: nothing leaked on the max_tokens=1 path
     prefill_pods = []
     for (msgs, code, details), w in zip(results, want):
         assert code == grpc.StatusCode.OK, details
@@ -133,6 +136,54 @@ def test_first_tokens_of_32_concurrent_requests(cluster, tiny_model):
 
 def _kv_by_pod(st: router_pb2.ClusterStatusResponse) -> dict[str, list[int]]:
     return {p.pod_id: [k.free_blocks for k in p.kv] for p in st.pods}
+
+
+async def settled_kv(stub, cluster: Cluster, want: dict | None = None, timeout: float = 30.0) -> dict:
+    """Free KV per pod once it stops changing (or equals ``want``) across a few heartbeats."""
+    t0 = time.monotonic()
+    last = None
+    while True:
+        await asyncio.sleep(3 * cluster.heartbeat_interval_s)
+        st = await stub.ClusterStatus(router_pb2.ClusterStatusRequest())
+        now = _kv_by_pod(st)
+        if (want is not None and now == want) or (want is None and now == last) or time.monotonic() - t0 > timeout:
+            return now
+        last = now
+
+
+def test_stop_string_in_the_first_token_ends_at_once_and_frees_the_lease(cluster, tiny_model):
+    """The router applies stop strings: a stop matching the first token's text ends the request right after
+    prefill (no Decode call), and the prefill lease and decode reservation are released."""
+    from pdserve.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model)
+    ps = prompts(40, seed=6)
+    firsts = reference(tiny_model, ps, 1)
+    pick = [(p, f[0]) for p, f in zip(ps, firsts)
+            if tok.decode([f[0]]).strip() and "\ufffd" not in tok.decode([f[0]])][:4]
+    assert pick
+
+    async def body():
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            baseline = await settled_kv(stub, cluster)
+            out = []
+            for p, first in pick:
+                text = tok.decode([first])
+                req = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=p), sampling_params=(
+                    common_pb2.SamplingParams(temperature=0, max_tokens=50, stop=[text.strip()], ignore_eos=True)))
+                out.append(await collect(stub, req))
+            return out, baseline, await settled_kv(stub, cluster, baseline)
+
+    out, baseline, after = asyncio.run(body())
+    for (msgs, code, details), (p, first) in zip(out, pick):
+        assert code == grpc.StatusCode.OK, details
+        assert [t for m in msgs for t in m.token_ids] == [first]
+        final = msgs[-1]
+        assert final.finish_reason == common_pb2.FINISH_REASON_STOP and final.stop_reason
+        assert tok.decode([first]).strip() == final.stop_reason
+        assert "".join(m.text for m in msgs) == tok.decode([first])[:tok.decode([first]).find(final.stop_reason)]
+    assert after == baseline  # the prefill lease was released (ReleaseKV), its blocks are free again
 
 
 @NEEDS_DECODE

@@ -1,0 +1,232 @@
+"""Router overhead and routed requests/s, on a real loopback cluster (``pdserve bench router``).
+
+Processes: ``python -m router``, one prefill pod and one decode pod (tiny random llama checkpoint, so the pods'
+compute is small next to the router's work), and this client. Every request has max_tokens=1: the router books
+decode KV (AllocateKV), runs Prefill, streams the first token, and releases the reservation (CancelDecode, off the
+request's path).
+
+- Router overhead per request = the client's time to first token minus the pods' own time on that path, where the
+  pods' time is the router's measured AllocateKV + Prefill call durations (returned in the call's trailing metadata,
+  ``pdserve-pod-time-s``). It therefore includes the client <-> router gRPC hop (client stack included), admission,
+  placement, tokenizer-free validation, the detokenizer and the router's event loop. "router-internal" leaves out
+  the client hop: router TTFT (arrival -> first token handed to gRPC) minus the pod calls.
+- Routed requests/s: many concurrent clients, max_tokens=1, wall clock.
+- gRPC floor: the client's time to the first message of a no-op streaming call (same messages, a grpc.aio server
+  process that yields at once) on the same machine at the same time: the part of the overhead no router logic can
+  remove, and a gauge of how loaded the (shared) machine is.
+Target: p99 router overhead <= 2 ms (sequential requests).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TARGET_P99_MS = 2.0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    i = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[i]
+
+
+def _row(name: str, xs_s: list[float], **extra: Any) -> dict[str, Any]:
+    ms = [x * 1000 for x in xs_s]
+    return {"measure": name, "n": len(ms), "p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99),
+            "mean_ms": statistics.fmean(ms) if ms else float("nan"), **extra}
+
+
+async def _one(stub, req) -> dict[str, float]:
+    import grpc
+
+    t0 = time.perf_counter()
+    call = stub.Generate(req)
+    first = await call.read()
+    t_first = time.perf_counter()
+    if first is grpc.aio.EOF:
+        raise RuntimeError(f"no token: {await call.code()} {await call.details()}")
+    while (await call.read()) is not grpc.aio.EOF:
+        pass
+    if await call.code() != grpc.StatusCode.OK:
+        raise RuntimeError(f"request failed: {await call.code()} {await call.details()}")
+    md = dict(await call.trailing_metadata())
+    pod = float(md["pdserve-pod-time-s"])
+    return {"client_ttft": t_first - t0, "router_ttft": float(md["pdserve-router-ttft-s"]), "pod": pod,
+            "queue": float(md["pdserve-queue-s"]), "e2e": time.perf_counter() - t0}
+
+
+async def _floor(n: int) -> list[float]:
+    """Client time to first message of a no-op Generate on a separate grpc.aio server process (see docstring)."""
+    import subprocess
+    import sys
+
+    import grpc
+
+    from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    proc = subprocess.Popen([sys.executable, "-m", "bench.router", "--echo-server"], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        port = int(proc.stdout.readline())  # type: ignore[union-attr]
+        req = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=list(range(3, 19))),
+                                         sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=1))
+        out = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            for i in range(n + 30):
+                t0 = time.perf_counter()
+                call = stub.Generate(req)
+                await call.read()
+                t1 = time.perf_counter()
+                while (await call.read()) is not grpc.aio.EOF:
+                    pass
+                if i >= 30:
+                    out.append(t1 - t0)
+        return out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _echo_server() -> None:
+    import grpc
+
+    from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    class Echo(router_pb2_grpc.RouterServicer):
+        async def Generate(self, request, context):  # noqa: N802
+            yield router_pb2.GenerateResponse(request_id="echo", token_ids=[1], text="x",
+                                              finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(Echo(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(port, flush=True)
+        await server.wait_for_termination()
+
+    _run_loop(main())
+
+
+def _run_loop(coro: Any) -> Any:
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, vocab: int) -> dict[str, Any]:
+    import grpc
+
+    from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    rng = random.Random(0)
+
+    def req() -> Any:
+        ids = [rng.randrange(3, vocab) for _ in range(16)]
+        return router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
+                                          sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=1))
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        for _ in range(30):  # warm-up: channels, code paths, the pods' first forward passes
+            await _one(stub, req())
+        seq = [await _one(stub, req()) for _ in range(n_seq)]
+
+        load: list[dict[str, float]] = []
+        remaining = n_load
+
+        async def worker() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                load.append(await _one(stub, req()))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    floor = await _floor(n_seq)
+    return {"sequential": seq, "load": load, "load_wall_s": wall, "floor": floor}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from pdserve.default_model import ensure_default_model
+    from pdserve.testing import write_tiny_checkpoint
+    from router.testing import Cluster, supports_flag
+
+    n_seq, n_load, concurrency = (200, 300, 16) if quick else (2000, 3000, 32)
+    work = Path(tempfile.mkdtemp(prefix="pdserve-bench-router-"))
+    model = write_tiny_checkpoint(work / "tiny", "llama", num_kv_heads=1, tokenizer_from=ensure_default_model())
+    cluster = Cluster(work / "cluster", model, num_prefill=1, num_decode=1, decode_tp=1, decode_dcp=1,
+                      num_kv_blocks=1024, heartbeat_interval_s=0.5,
+                      stand_in_registration=not supports_flag("decode_svc", "--router"),
+                      router_args=["--log-level", "WARNING"])
+    t_start = time.perf_counter()
+    with cluster:
+        t_up = time.perf_counter() - t_start
+        res = _run_loop(_measure(cluster.router_address, n_seq, n_load, concurrency, 256))
+
+    seq, load = res["sequential"], res["load"]
+    overhead = [r["client_ttft"] - r["pod"] for r in seq]
+    internal = [r["router_ttft"] - r["pod"] - r["queue"] for r in seq]
+    load_overhead = [r["client_ttft"] - r["pod"] - r["queue"] for r in load]
+    rps = len(load) / res["load_wall_s"]
+    table = [
+        _row("router overhead (client TTFT - pod calls), sequential", overhead, target_p99_ms=TARGET_P99_MS),
+        _row("router-internal overhead (router TTFT - pod calls), sequential", internal),
+        _row("gRPC floor: no-op streaming call, client time to first message", res["floor"]),
+        _row("client TTFT, sequential", [r["client_ttft"] for r in seq]),
+        _row("pod calls on the path (AllocateKV + Prefill), sequential", [r["pod"] for r in seq]),
+        _row(f"router overhead under load (concurrency {concurrency})", load_overhead),
+        _row(f"client TTFT under load (concurrency {concurrency})", [r["client_ttft"] for r in load],
+             requests_per_s=rps),
+    ]
+    p99 = _pct(overhead, 99) * 1000
+    ratios = {
+        "overhead_p99_over_target": p99 / TARGET_P99_MS,  # <= 1.0 meets the target
+        "internal_overhead_p99_over_target": _pct(internal, 99) * 1000 / TARGET_P99_MS,
+        "overhead_p50_over_grpc_floor_p50": statistics.median(overhead) / statistics.median(res["floor"]),
+        "overhead_p50_share_of_ttft": statistics.median(overhead) / statistics.median(r["client_ttft"] for r in seq),
+        "routed_requests_per_s_max_tokens_1": rps,
+    }
+    return {
+        "benchmark": "router",
+        "quick": quick,
+        "table": table,
+        "ratios": ratios,
+        "target": {"overhead_p99_ms": TARGET_P99_MS, "met": p99 <= TARGET_P99_MS,
+                   "internal_met": _pct(internal, 99) * 1000 <= TARGET_P99_MS},
+        "setup": {"prefill_pods": 1, "decode_pods": 1, "model": "tiny random llama (2 layers, 8 heads, 1 KV head)",
+                  "max_tokens": 1, "prompt_tokens": 16, "sequential_requests": n_seq, "load_requests": n_load,
+                  "concurrency": concurrency, "cluster_start_s": t_up, "notes": cluster.notes},
+        "raw": {"sequential": seq, "load": load, "load_wall_s": res["load_wall_s"], "grpc_floor_s": res["floor"]},
+    }
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    from bench.common import format_table, write_result
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out")
+    ap.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.echo_server:
+        _echo_server()
+        raise SystemExit(0)
+    result = run(quick=a.quick)
+    print(format_table(result["table"]))
+    print("ratios:", json.dumps(result["ratios"]))
+    write_result(result, a.out)

@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV data path for pulls from prefill pods (auto: NIXL when usable, else TCP)")
     p.add_argument("--kv-transfer-timeout-s", type=float, default=d["kv_transfer_timeout_s"].default)
     p.add_argument("--pod-id", default=d["pod_id"].default)
+    p.add_argument("--served-model-name", default=None, help="model name (default: the checkpoint directory's name)")
+    p.add_argument("--advertise-host", default=None, help="host the router reaches this pod at (default: --host)")
+    p.add_argument("--router", dest="router_address", default=None,
+                   help="host:port of the router's Registry: register, heartbeat load and free KV per rank")
+    p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""))
+    p.add_argument("--heartbeat-interval-s", type=float, default=d["heartbeat_interval_s"].default)
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     return p
 
@@ -51,7 +57,9 @@ def config_from_args(a: argparse.Namespace) -> DecodeConfig:
         num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, device=a.device,
         host=a.host, port=a.port, metrics_port=a.metrics_port, reservation_ttl_s=a.reservation_ttl_s,
         admission_timeout_s=a.admission_timeout_s, drain_timeout_s=a.drain_timeout_s, allow_file_kv=a.allow_file_kv,
-        kv_transfer_backend=a.kv_transfer_backend, kv_transfer_timeout_s=a.kv_transfer_timeout_s, pod_id=a.pod_id)
+        kv_transfer_backend=a.kv_transfer_backend, kv_transfer_timeout_s=a.kv_transfer_timeout_s, pod_id=a.pod_id,
+        served_model_name=a.served_model_name, advertise_host=a.advertise_host, router_address=a.router_address,
+        cluster_token=a.cluster_token, heartbeat_interval_s=a.heartbeat_interval_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,11 @@ class DecodeConfig:
     kv_transfer_backend: str = "auto"  # kv_transfer data path: "auto" (NIXL if usable, else TCP), "nixl", "tcp"
     kv_transfer_timeout_s: float = 120.0  # one request's KV pull, every layer included
     pod_id: str = "decode-0"
+    served_model_name: str | None = None  # name the router serves; default: the checkpoint directory's name
+    advertise_host: str | None = None  # host the router reaches this pod at; default: host
+    router_address: str | None = None  # host:port of the router's Registry; None: standalone
+    cluster_token: str = ""
+    heartbeat_interval_s: float = 2.0  # until the router says otherwise
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -60,7 +65,12 @@ class DecodeConfig:
                 bad(f"{name} must be in [0, 65535], got {v!r}")
         if self.kv_transfer_backend not in ("auto", "nixl", "tcp"):
             bad(f"kv_transfer_backend must be 'auto', 'nixl' or 'tcp', got {self.kv_transfer_backend!r}")
-        for name in ("reservation_ttl_s", "admission_timeout_s", "drain_timeout_s", "kv_transfer_timeout_s"):
+        if self.router_address is not None:
+            host, _, port = self.router_address.rpartition(":")
+            if not host or not port.isdigit():
+                bad(f"router_address must be host:port, got {self.router_address!r}")
+        for name in ("reservation_ttl_s", "admission_timeout_s", "drain_timeout_s", "kv_transfer_timeout_s",
+                     "heartbeat_interval_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 bad(f"{name} must be a positive number of seconds, got {v!r}")

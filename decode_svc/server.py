@@ -76,6 +76,7 @@ class DecodeServer:
         self.kv_source_factory = kv_source_factory
         self.engine = EngineLoop(config, pod_factory)
         self.draining = False
+        self._drain_started = False
         self.active_streams = 0
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -85,6 +86,10 @@ class DecodeServer:
         self._layout: common_pb2.KVLayout | None = None
         self.max_model_len = 0
         self._puller_factory: PullerFactory | None = None
+        self.registrar: Any = None
+        self._model_shape: common_pb2.ModelShape | None = None
+        self._last_rate = (time.monotonic(), 0)
+        self._rate = 0.0
         self.transfer_modes: list[int] = []
         self._stopped = asyncio.Event()
 
@@ -109,13 +114,24 @@ class DecodeServer:
             self.metrics_port = self._metrics_http.server_port
         for svc in ("", SERVICE_NAME):
             await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        self._model_shape = await self.call(self._model_shape_of)
+        if self.config.router_address:
+            from prefill_svc.registration import Registrar  # the shared register / heartbeat / deregister loop
+
+            self.registrar = Registrar(self.config.router_address, self.config.cluster_token,
+                                       self.config.heartbeat_interval_s, self.register_request,
+                                       self.heartbeat_request, self._on_desired_state)
+            self.registrar.start()
 
     async def drain(self) -> None:
         """Stop taking new work (UNAVAILABLE, health NOT_SERVING) and wait for in-flight streams and reservations
         (a reservation is a Decode call on its way) to finish, at most drain_timeout_s."""
-        if self.draining:
+        if self._drain_started:
             return
+        self._drain_started = True
         self.draining = True
+        if self.registrar is not None:
+            self.registrar.poke()  # the router stops placing requests here at once
         for svc in ("", SERVICE_NAME):
             await self._health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + self.config.drain_timeout_s
@@ -128,6 +144,8 @@ class DecodeServer:
             log.warning("drain timed out with %d streams in flight", self.active_streams)
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self.registrar is not None:
+            await self.registrar.close(self.config.pod_id)
         if self._server is not None:
             await self._server.stop(grace_s)
         await asyncio.to_thread(self.engine.stop)
@@ -152,6 +170,70 @@ class DecodeServer:
             num_blocks=pod.num_blocks, num_kv_heads_per_rank=cache.shape[4], use_mla=False,
             element_size=cache.element_size())
 
+    # --- registry messages (router) ---
+    def _model_shape_of(self, pod: DecodePod) -> common_pb2.ModelShape:
+        mc = pod.engine.model_config
+        return common_pb2.ModelShape(architecture=mc.architecture, num_layers=mc.num_layers,
+                                     hidden_size=mc.hidden_size, num_attention_heads=mc.num_heads,
+                                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
+                                     max_model_len=pod.max_model_len, sliding_window=mc.sliding_window or 0,
+                                     dtype=self._layout.dtype)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.advertise_host or self.config.host}:{self.port}"
+
+    def _kv_stats(self) -> list[common_pb2.RankKVStats]:
+        st = self.engine.stats
+        total = self._layout.num_blocks
+        return [common_pb2.RankKVStats(rank=r, free_blocks=f, total_blocks=total) for r, f in enumerate(st.blocks_free)]
+
+    def register_request(self) -> Any:
+        from pdserve_api.v1 import registry_pb2
+
+        if self.draining:
+            return None
+        cfg = self.config
+        from pathlib import Path
+
+        return registry_pb2.RegisterWorkerRequest(
+            pod_id=cfg.pod_id, role=common_pb2.ROLE_DECODE, address=self.address, kv_transfer_address="",
+            model=cfg.served_model_name or Path(cfg.model).name, model_shape=self._model_shape,
+            parallel=common_pb2.ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=1,
+                                               decode_context_parallel_size=cfg.decode_context_parallel_size,
+                                               dcp_kv_cache_interleave_size=cfg.dcp_kv_cache_interleave_size,
+                                               data_parallel_size=1),
+            kv_layout=self._layout,
+            capacity=common_pb2.WorkerCapacity(max_num_seqs=cfg.max_num_seqs,
+                                               max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                               max_model_len=self.max_model_len,
+                                               max_concurrent_transfers=cfg.max_num_seqs,
+                                               transfer_modes=self.transfer_modes),
+            cluster_token=cfg.cluster_token, version=_version(), state=common_pb2.POD_STATE_READY, kv=self._kv_stats())
+
+    def heartbeat_request(self) -> Any:
+        from pdserve_api.v1 import registry_pb2
+
+        st = self.engine.stats
+        now = time.monotonic()
+        t0, n0 = self._last_rate
+        if now - t0 > 0.5:
+            self._rate = (st.generated_tokens - n0) / (now - t0)
+            self._last_rate = (now, st.generated_tokens)
+        return registry_pb2.HeartbeatRequest(
+            pod_id=self.config.pod_id, cluster_token=self.config.cluster_token,
+            state=common_pb2.POD_STATE_DRAINING if self.draining else common_pb2.POD_STATE_READY,
+            load=common_pb2.LoadStats(num_running_seqs=st.running, num_waiting_seqs=st.waiting,
+                                      num_active_leases=st.reserved, generation_tokens_per_s=self._rate),
+            kv=self._kv_stats())
+
+    def _on_desired_state(self, state: int) -> None:
+        if state == common_pb2.POD_STATE_DRAINING and not self.draining:
+            log.info("router asks this pod to drain: refusing new requests")
+            self.draining = True
+            asyncio.get_running_loop().create_task(self._health.set(SERVICE_NAME,
+                                                                    health_pb2.HealthCheckResponse.NOT_SERVING))
+
     def make_source(self, req: decode_pb2.DecodeRequest) -> KVSource:
         addr = req.kv_handle.kv_transfer_address
         if addr.startswith("file://"):
@@ -175,6 +257,15 @@ class DecodeServer:
                            f"{len(req.prompt_token_ids)}")
         return TransferKVSource(handoff.to_json(), handoff.num_tokens, self._puller_factory,
                                 self.config.kv_transfer_timeout_s)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pdserve")
+    except Exception:
+        return "unknown"
 
 
 def _transfer_modes(backend: str) -> list[int]:

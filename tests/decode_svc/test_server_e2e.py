@@ -20,12 +20,53 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsvc_helpers import PROMPTS, hf_greedy, prefill_and_publish, tcp_publisher
-from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2, registry_pb2_grpc
 from prefill_svc.convert import handoff_to_kv_handle
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 64
 BLOCK = 8
+
+
+class RecordingRegistry(registry_pb2_grpc.RegistryServicer):
+    """The router's Registry, reduced to recording what the pod sends."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.lock = threading.Lock()
+
+    def of(self, kind: str) -> list:
+        with self.lock:
+            return [r for k, r in self.calls if k == kind]
+
+    def _log(self, kind: str, req) -> None:
+        with self.lock:
+            self.calls.append((kind, req))
+
+    def RegisterWorker(self, request, context):
+        self._log("register", request)
+        return registry_pb2.RegisterWorkerResponse(accepted=True, message="hi", heartbeat_interval_s=0.2)
+
+    def Heartbeat(self, request, context):
+        self._log("heartbeat", request)
+        return registry_pb2.HeartbeatResponse(known=True)
+
+    def DeregisterWorker(self, request, context):
+        self._log("deregister", request)
+        return registry_pb2.DeregisterWorkerResponse()
+
+
+@pytest.fixture(scope="module")
+def registry():
+    from concurrent import futures
+
+    reg = RecordingRegistry()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    registry_pb2_grpc.add_RegistryServicer_to_server(reg, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield reg, f"127.0.0.1:{port}"
+    server.stop(0)
 
 
 def _free_port() -> int:
@@ -126,11 +167,23 @@ def test_invalid_parallel_config_refuses_to_start(tiny_models):
     assert "decode_svc ready" not in r.stdout
 
 
-def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins):
+def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, registry):
     want = hf_greedy(tiny_models["mqa"], PROMPTS, 32)
+    reg, reg_addr = registry
     pod = Pod(tiny_models["mqa"], "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
-              "--dcp-kv-cache-interleave-size", "4", "--kv-transfer-backend", "tcp")
+              "--dcp-kv-cache-interleave-size", "4", "--kv-transfer-backend", "tcp", "--router", reg_addr,
+              "--pod-id", "decode-0")
     try:
+        # Registered with the router as a decode pod with its layout; heartbeats carry free KV per rank.
+        deadline = time.time() + 30
+        while not reg.of("heartbeat") and time.time() < deadline:
+            time.sleep(0.05)
+        r = reg.of("register")[0]
+        assert r.role == common_pb2.ROLE_DECODE and r.pod_id == "decode-0" and r.address.endswith(f":{pod.port}")
+        assert r.parallel.tensor_parallel_size == 2 and r.parallel.decode_context_parallel_size == 2
+        assert r.kv_layout.dcp_kv_cache_interleave_size == 4 and r.kv_layout.num_blocks == NUM_BLOCKS
+        assert [k.free_blocks for k in reg.of("heartbeat")[-1].kv] == [NUM_BLOCKS, NUM_BLOCKS]
+
         for svc in ("", "pdserve.v1.DecodeWorker"):
             assert pod.health.Check(health_pb2.HealthCheckRequest(service=svc)).status == \
                 health_pb2.HealthCheckResponse.SERVING
@@ -245,5 +298,7 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins):
         assert [first] + tokens[:31] == want[1]
         assert pod.proc.wait(60) == 0
         assert any("decode_svc stopped" in x for x in pod.lines)
+        assert any(h.state == common_pb2.POD_STATE_DRAINING for h in reg.of("heartbeat"))
+        assert [d.pod_id for d in reg.of("deregister")] == ["decode-0"]
     finally:
         pod.kill()

@@ -206,6 +206,24 @@ class ControlClient:
     def connected(self) -> bool:
         return self._sock is not None
 
+    def alive(self) -> bool:
+        """Cheap check of an idle connection: False once the peer closed it (or it is out of sync)."""
+        with self._lock:
+            if self._sock is None:
+                return False
+            try:
+                self._sock.setblocking(False)
+                data = self._sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                return True  # nothing to read: still open
+            except OSError:
+                data = b""
+            finally:
+                if self._sock is not None:
+                    self._sock.setblocking(True)
+            self._drop()  # closed by the peer (b"") or unexpected bytes: unusable either way
+            return False
+
     def _require(self) -> socket.socket:
         if self._sock is None:
             raise ConnectionResetError("not connected")

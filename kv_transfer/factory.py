@@ -65,7 +65,7 @@ def make_publisher(
 def make_puller(
     layout: KVLayout, rank: int, region: torch.Tensor, *, backend: str = "auto", **kwargs: Any
 ) -> KVPuller:
-    """Decode side, one per decode tp rank. ``kwargs``: handshake_timeout_s, io_timeout_s, layers_per_read,
+    """Decode side, one per decode tp rank. ``kwargs``: handshake_timeout_s, io_timeout_s, max_layers_per_read,
     transfer_timeout_s (see puller.BasePuller). A NIXL puller still reads TCP-only publishers over TCP."""
     if _choose(backend, "puller") == "nixl":
         from kv_transfer.nixl_transport import NixlPuller

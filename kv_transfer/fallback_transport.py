@@ -10,6 +10,7 @@ I/O timeout).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -32,18 +33,30 @@ class TcpPublisher(Publisher):
 class TcpPuller(BasePuller):
     name = "tcp"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, staging_limit: int = 64 << 20, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._staging = np.empty(0, np.uint8)
+        self.staging_limit = staging_limit
+        self._tls = threading.local()  # a staging buffer per pulling thread (pulls may run concurrently)
 
     def _read(self, src: _Source, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float) -> int:
+        src.path = src.path or "tcp"
+        # Bound the staging buffer: split a big group into sub-groups of at most staging_limit bytes.
+        per_layer = 2 * src.base.total_nbytes
+        step = max(1, self.staging_limit // max(per_layer, 1))
+        return sum(
+            self._read_group(src, handoff, rp, range(a, min(a + step, layers.stop)), deadline)
+            for a in range(layers.start, layers.stop, step)
+        )
+
+    def _read_group(self, src: _Source, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float) -> int:
         plane_bytes = src.base.total_nbytes
         total = plane_bytes * 2 * len(layers)
         if total == 0:
             return 0
-        if self._staging.nbytes < total:
-            self._staging = np.empty(total, np.uint8)
-        staging = memoryview(self._staging)
+        buf = getattr(self._tls, "staging", None)
+        if buf is None or buf.nbytes < total:
+            buf = self._tls.staging = np.empty(total, np.uint8)
+        staging = memoryview(buf)
         pos = 0
 
         def on_frame(msg, sock, plen, frame_deadline) -> None:
@@ -55,7 +68,7 @@ class TcpPuller(BasePuller):
 
         if time.monotonic() > deadline:
             raise TransferUnavailable(f"lease {handoff.lease_id}: transfer deadline passed")
-        src.session.client.stream(
+        src.client.stream(
             self._msg("read", handoff, layers=[layers.start, layers.stop]), src.wire, on_frame
         )
         if pos != total:
@@ -66,7 +79,7 @@ class TcpPuller(BasePuller):
                 plane = 2 * layer + kv
                 start = (2 * i + kv) * plane_bytes
                 self.region_bytes.scatter(
-                    self._staging[start : start + plane_bytes],
+                    buf[start : start + plane_bytes],
                     src.base.dst_offset + plane * rp.dst_plane_nbytes,
                     src.base.nbytes,
                 )

@@ -103,6 +103,11 @@ class LeaseTable:
             self._cond.notify_all()
 
     def abort(self, lease_id: str, reason: str = "aborted") -> None:
+        """Retire now (prefill cancelled, or a decode rank gave up). ``reason`` outside FREE_REASONS is only
+        logged; the lease is then freed as "aborted" (keeps the metric's label set closed)."""
+        if reason not in FREE_REASONS:
+            log.info("KV lease %s aborted: %s", lease_id, reason)
+            reason = "aborted"
         self._retire_and_free(lease_id, reason)
 
     def close(self) -> None:

@@ -108,7 +108,10 @@ class Publisher(KVPublisher):
     ) -> str:
         if set(block_tables) != set(self.regions):
             raise BadTransferRequest(f"block tables for ranks {sorted(block_tables)}, hosting {list(self.regions)}")
-        tables = {r: checked_block_table(self.layout, r, t, num_tokens, "prefill") for r, t in block_tables.items()}
+        try:
+            tables = {r: checked_block_table(self.layout, r, t, num_tokens, "prefill") for r, t in block_tables.items()}
+        except ValueError as e:
+            raise BadTransferRequest(str(e)) from e
         lease = self.leases.create(
             request_id, self.layout.num_layers, _Published(tables, num_tokens), lease_id, layers_ready
         )
@@ -271,12 +274,13 @@ class Publisher(KVPublisher):
         if len(ranks) == 0:
             return
         pub: _Published = lease.data
-        if pub.allowed is None:
-            pub.allowed = {}
+        if pub.allowed is None:  # built once; concurrent readers may both build it, both results are equal
+            allowed = {}
             for r, t in pub.block_tables.items():
                 mask = np.zeros(self.layout.num_blocks + 1, np.int64)
                 mask[t + 1] = 1
-                pub.allowed[r] = np.cumsum(mask)  # allowed[b+1] - allowed[a] = allowed blocks in [a, b]
+                allowed[r] = np.cumsum(mask)  # allowed[b+1] - allowed[a] = allowed blocks in [a, b]
+            pub.allowed = allowed
         bn = self.layout.block_nbytes
         if np.any(offs < 0) or np.any(nbs <= 0) or np.any(offs + nbs > self.layout.plane_nbytes()):
             raise BadTransferRequest("read segment outside the (layer 0, K) plane")

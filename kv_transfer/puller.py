@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from kv_transfer.transport import (
     PROTOCOL_VERSION,
     BadTransferRequest,
     Endpoint,
+    HandshakeTimeout,
     KVHandoff,
     KVPuller,
     KVTransferError,
@@ -43,13 +44,42 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Session:
-    """A handshaken connection to one prefill endpoint (cached across requests)."""
+    """What we know about one prefill endpoint (cached across requests): its handshake answer, the
+    transport-specific peer (e.g. its NIXL agent), and a small pool of idle control connections, so
+    that concurrent pulls each get their own connection (a long-poll does not block another pull)."""
 
     endpoint: Endpoint
-    client: ControlClient
     hello: dict[str, Any]
     blob: bytes
-    peer: Any = None  # transport-specific, e.g. the NIXL remote agent
+    connect_timeout_s: float
+    io_timeout_s: float
+    peer: Any = None
+    _idle: list[ControlClient] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def borrow(self) -> ControlClient:
+        with self._lock:
+            while self._idle:
+                c = self._idle.pop()
+                if c.alive():
+                    return c
+                c.close()
+        c = ControlClient(self.endpoint, io_timeout_s=self.io_timeout_s)
+        c.connect(self.connect_timeout_s)
+        return c
+
+    def give_back(self, c: ControlClient) -> None:
+        with self._lock:
+            if c.connected and len(self._idle) < 4:
+                self._idle.append(c)
+                return
+        c.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
 
 
 @dataclass
@@ -57,8 +87,10 @@ class _Source:
     """What this rank reads from one endpoint for the current request."""
 
     session: Session
+    client: ControlClient  # this pull's own connection to the endpoint
     base: Segments  # (layer 0, K) plane segments served by this endpoint, in destination order
     wire: bytes  # base as the TCP read request's payload
+    path: str = ""  # data path actually used ("nixl" / "tcp"), set by _read
 
 
 class BasePuller(KVPuller):
@@ -73,7 +105,7 @@ class BasePuller(KVPuller):
         handshake_timeout_s: float = 5.0,
         io_timeout_s: float = 10.0,
         wait_poll_s: float = 1.0,
-        layers_per_read: int = 1,
+        max_layers_per_read: int = 64,
         transfer_timeout_s: float = 300.0,
     ) -> None:
         if layout.num_blocks <= 0:
@@ -87,7 +119,7 @@ class BasePuller(KVPuller):
         self.handshake_timeout_s = handshake_timeout_s
         self.io_timeout_s = io_timeout_s
         self.wait_poll_s = wait_poll_s
-        self.layers_per_read = max(1, layers_per_read)
+        self.max_layers_per_read = max(1, max_layers_per_read)
         self.transfer_timeout_s = transfer_timeout_s
         self._sessions: dict[Endpoint, Session] = {}
         self._sessions_lock = threading.Lock()
@@ -104,61 +136,82 @@ class BasePuller(KVPuller):
         t0 = time.monotonic()
         deadline = t0 + (self.transfer_timeout_s if timeout_s is None else timeout_s)
         rp = self._plan(handoff, block_table)
-        eps = list(dict.fromkeys(handoff.endpoints))  # unique, in rank order
+        eps: list[Endpoint] = list(dict.fromkeys(handoff.endpoints))  # type: ignore[arg-type]  # unique, rank order
+        conns: dict[Endpoint, tuple[Session, ControlClient]] = {}
         try:
-            sources = self._sources(handoff, rp, eps)
+            for ep in eps:  # handshake every endpoint: all of them get our "done"
+                session = self._session(ep)
+                conns[ep] = (session, session.borrow())
+            sources = self._sources(handoff, rp, conns)
             # Wait on the endpoints we read from; a rank with nothing to read still waits for the last layer.
-            waits = [s.session for s in sources.values()] or [self._session(ep) for ep in eps]
+            waits = [(s.session, s.client) for s in sources.values()] or list(conns.values())
             landed, times, nbytes = 0, [], 0
             num_layers = self.layout.num_layers
             while landed < num_layers:
-                ready = min(self._wait(s, handoff, landed, deadline) for s in waits)
-                for a in range(landed, ready, self.layers_per_read):
-                    group = range(a, min(a + self.layers_per_read, ready))
+                ready = min(self._wait(s, c, handoff, landed, deadline) for s, c in waits)
+                # Everything ready goes in one read (up to max_layers_per_read): one layer at a time while
+                # streaming behind prefill, all at once when prefill is already done.
+                for a in range(landed, ready, self.max_layers_per_read):
+                    group = range(a, min(a + self.max_layers_per_read, ready))
                     for src in sources.values():
                         nbytes += self._read(src, handoff, rp, group, deadline)
                     now = time.monotonic()
                     times += [now] * len(group)
                     if on_layers_landed is not None:
-                        on_layers_landed(group.stop)
+                        for n in range(group.start + 1, group.stop + 1):
+                            on_layers_landed(n)
                 landed = ready
+            for session, client in conns.values():
+                self._report_done(session, client, handoff)
         except KVTransferError as e:
             log.warning("kv pull of lease %s by decode rank %d failed: %r", handoff.lease_id, self.rank, e)
             if not isinstance(e, LeaseExpired):
-                self._abort_live(handoff, eps, f"{type(e).__name__}: {e}")
+                self._abort_live(handoff, conns, f"{type(e).__name__}: {e}")
+            if isinstance(e, (TransferUnavailable, HandshakeTimeout)):
+                for ep in eps:  # re-handshake next time: the peer may have restarted
+                    self._drop_session(ep)
             raise
-        for ep in eps:
-            self._report_done(self._sessions.get(ep), handoff)
-        return PullResult(handoff.lease_id, nbytes, time.monotonic() - t0, times, self.name)
+        finally:
+            for session, client in conns.values():
+                session.give_back(client)
+        paths = sorted({src.path for src in sources.values() if src.path})
+        return PullResult(handoff.lease_id, nbytes, time.monotonic() - t0, times, "+".join(paths) or self.name)
 
     def renew(self, handoff: KVHandoff) -> None:
         for ep in dict.fromkeys(handoff.endpoints):
-            self._session(ep).client.call({"op": "renew", "lease": handoff.lease_id})
+            session = self._session(ep)
+            client = session.borrow()
+            try:
+                client.call({"op": "renew", "lease": handoff.lease_id})
+            finally:
+                session.give_back(client)
 
     def abort(self, handoff: KVHandoff, reason: str = "aborted") -> None:
         msg = {
-            "op": "done", "ok": False, "reason": reason, "lease": handoff.lease_id,
+            "op": "done", "ok": False, "reason": reason[:500], "lease": handoff.lease_id,
             "dst_rank": self.rank, "dst_world": self.layout.tp_size,
         }
         for ep in dict.fromkeys(handoff.endpoints):
             if ep is None:
                 continue
-            try:  # a fresh short-lived connection: the cached one may be what broke
-                c = ControlClient(ep, io_timeout_s=1.0)
+            c = ControlClient(ep, io_timeout_s=1.0)
+            try:  # a fresh short-lived connection, and short bounds: this runs on error paths
                 c.connect(timeout_s=0.5)
                 c.call(msg)
-                c.close()
             except KVTransferError:
                 pass  # prefill gone or lease already freed: its timeout covers the rest
+            finally:
+                c.close()
 
-    def _abort_live(self, handoff: KVHandoff, eps: list[Endpoint], reason: str) -> None:
+    def _abort_live(
+        self, handoff: KVHandoff, conns: dict[Endpoint, tuple[Session, ControlClient]], reason: str
+    ) -> None:
         """After a failed pull: tell the prefill endpoints we still have a working connection to."""
-        for ep in eps:
-            s = self._sessions.get(ep)
-            if s is None or not s.client.connected:
+        for _session, client in conns.values():
+            if not client.connected:
                 continue  # unreachable: its lease timeout frees its blocks
             try:
-                s.client.call(self._msg("done", handoff, ok=False, reason=reason[:500]), timeout_s=1.0)
+                client.call(self._msg("done", handoff, ok=False, reason=reason[:500]), timeout_s=1.0)
             except KVTransferError:
                 pass
 
@@ -179,11 +232,9 @@ class BasePuller(KVPuller):
     def _forget_peer(self, session: Session) -> None:
         """Undo _on_hello when a session is dropped."""
 
-    def _report_done(self, session: Session | None, handoff: KVHandoff) -> None:
-        if session is None:
-            return
+    def _report_done(self, session: Session, client: ControlClient, handoff: KVHandoff) -> None:
         try:
-            session.client.call(self._msg("done", handoff, ok=True))
+            client.call(self._msg("done", handoff, ok=True))
         except KVTransferError as e:  # the KV is in place; prefill's lease timeout frees its side
             log.warning("kv lease %s: could not report done to %s: %r", handoff.lease_id, session.endpoint, e)
 
@@ -203,44 +254,49 @@ class BasePuller(KVPuller):
             raise BadTransferRequest(str(e)) from e
         return plan.ranks[self.rank]
 
-    def _sources(self, handoff: KVHandoff, rp: RankPlan, eps: list[Endpoint]) -> dict[Endpoint, _Source]:
+    def _sources(
+        self, handoff: KVHandoff, rp: RankPlan, conns: dict[Endpoint, tuple[Session, ControlClient]]
+    ) -> dict[Endpoint, _Source]:
         out = {}
-        for ep in eps:
-            session = self._session(ep)  # handshake every endpoint: all of them get our "done"
+        for ep, (session, client) in conns.items():
             ranks = [r for r, e in enumerate(handoff.endpoints) if e == ep]
             m = np.isin(rp.base.src_rank, ranks)
             if not m.any():
                 continue
             base = Segments(rp.base.src_rank[m], rp.base.src_offset[m], rp.base.dst_offset[m], rp.base.nbytes[m])
             wire = np.stack([base.src_rank.astype(np.int64), base.src_offset, base.nbytes]).tobytes()
-            out[ep] = _Source(session, base, wire)
+            out[ep] = _Source(session, client, base, wire)
         return out
 
     def _session(self, ep: Endpoint) -> Session:
         with self._sessions_lock:
             s = self._sessions.get(ep)
-            if s is not None and s.client.connected:
-                return s
         if s is not None:
-            self._drop_session(ep)
+            return s
         deadline = time.monotonic() + self.handshake_timeout_s
         client = ControlClient(ep, io_timeout_s=self.io_timeout_s)
         client.connect(self.handshake_timeout_s)
-        hello, blob = client.call(
-            {"op": "hello", "version": PROTOCOL_VERSION, "transport": self.name},
-            timeout_s=max(deadline - time.monotonic(), 0.05),
-            handshake=True,
-        )
-        if hello.get("version") != PROTOCOL_VERSION:
-            client.close()
-            raise BadTransferRequest(f"{ep} speaks kv protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}")
-        s = Session(ep, client, hello, bytes(blob))
         try:
+            hello, blob = client.call(
+                {"op": "hello", "version": PROTOCOL_VERSION, "transport": self.name},
+                timeout_s=max(deadline - time.monotonic(), 0.05),
+                handshake=True,
+            )
+            if hello.get("version") != PROTOCOL_VERSION:
+                raise BadTransferRequest(
+                    f"{ep} speaks kv protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}"
+                )
+            s = Session(ep, hello, bytes(blob), self.handshake_timeout_s, self.io_timeout_s)
             self._on_hello(s)
         except Exception:
             client.close()
             raise
+        s.give_back(client)
         with self._sessions_lock:
+            if ep in self._sessions:  # another thread won the race: keep theirs
+                s.close()
+                self._forget_peer(s)
+                return self._sessions[ep]
             self._sessions[ep] = s
         return s
 
@@ -248,13 +304,13 @@ class BasePuller(KVPuller):
         with self._sessions_lock:
             s = self._sessions.pop(ep, None)
         if s is not None:
-            s.client.close()
+            s.close()
             try:
                 self._forget_peer(s)
             except Exception:
                 log.debug("forgetting peer %s failed", ep, exc_info=True)
 
-    def _wait(self, session: Session, handoff: KVHandoff, after: int, deadline: float) -> int:
+    def _wait(self, session: Session, client: ControlClient, handoff: KVHandoff, after: int, deadline: float) -> int:
         """Long-poll until more than ``after`` layers are ready at this endpoint."""
         while True:
             left = deadline - time.monotonic()
@@ -263,7 +319,7 @@ class BasePuller(KVPuller):
                     f"lease {handoff.lease_id}: prefill at {session.endpoint} stuck at {after} layers"
                 )
             wait_s = min(self.wait_poll_s, left)
-            reply, _ = session.client.call(
+            reply, _ = client.call(
                 self._msg("wait", handoff, after=after, wait_s=wait_s), timeout_s=wait_s + self.io_timeout_s
             )
             if reply["ready"] > after:

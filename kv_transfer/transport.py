@@ -51,7 +51,7 @@ class HandshakeTimeout(KVTransferError):
     grpc_code = "DEADLINE_EXCEEDED"
 
 
-class BadTransferRequest(KVTransferError):
+class BadTransferRequest(KVTransferError, ValueError):
     """Malformed or inconsistent request (layouts that do not match, bad ranks); a bug, not a fault."""
 
     grpc_code = "INVALID_ARGUMENT"

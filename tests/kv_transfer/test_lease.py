@@ -195,8 +195,13 @@ def test_control_roundtrip_errors_and_timeouts():
         with pytest.raises(TransferUnavailable):
             c.call({"op": "sleep", "s": 1.0}, timeout_s=0.2)
         assert time.monotonic() - t0 < 0.6 and not c.connected
+        idle = ControlClient(srv.endpoint)
+        idle.connect(1.0)
+        assert idle.alive()
     finally:
         srv.close()
+    time.sleep(0.05)
+    assert not idle.alive() and not idle.connected  # a pooled connection the server dropped is noticed
     # garbage on the wire is a broken peer, not a hang
     a, b = socket.socketpair()
     b.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 64)

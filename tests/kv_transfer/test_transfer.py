@@ -108,6 +108,8 @@ class DecodeSide:
         self.tables = random_tables(self.layout, NUM_TOKENS, random.Random(7 * tp + dcp))
         self.regions = [empty_region(self.layout, 500 + r) for r in range(tp)]
         opts = {"handshake_timeout_s": 5.0, "io_timeout_s": 5.0, **puller_opts}
+        if backend == "nixl":
+            opts.setdefault("min_segment_bytes", 0)  # tiny test heads (32 B): force NIXL reads anyway
         self.pullers = [make_puller(self.layout, r, self.regions[r], backend=backend, **opts) for r in range(tp)]
 
     def pull_all(self, handoff: KVHandoff) -> list:
@@ -350,6 +352,33 @@ def test_handshake_timeouts_are_bounded(backend):
             assert time.monotonic() - t0 < 1.0 + 1.5, "handshake bound not respected"
     finally:
         silent.close()
+        dec.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_pulls_on_one_puller(workers, backend):
+    """A decode rank pulls a slow (streaming) request and a ready one at once: the ready one is not held up."""
+    pre = PrefillSide(workers, backend, 2, 1, tag="concurrent")
+    dec = DecodeSide(backend, 2, 1, 1)
+    try:
+        slow, fast = pre.publish(layers_ready=0), pre.publish()
+        table_b = [b for b in range(NUM_BLOCKS) if b not in dec.tables[0]][: len(dec.tables[0])]
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("slow", dec.pullers[0].pull(slow, dec.tables[0], timeout_s=30)))
+        th.start()
+        workers[0].call("stream", key=pre.key, lease_id=slow.lease_id, delay=0.5)
+        time.sleep(0.3)  # the slow pull is now long-polling for layer 1
+        t0 = time.monotonic()
+        dec.pullers[0].pull(fast, table_b, timeout_s=30)
+        fast_s = time.monotonic() - t0
+        th.join(30)
+        assert "slow" in out and fast_s < 1.5, f"ready request took {fast_s:.2f}s next to a streaming one"
+        full = pre.full()
+        want = empty_region(dec.layout, 500)
+        write_rank(dec.layout, 0, full, dec.tables[0], want)
+        write_rank(dec.layout, 0, full, table_b, want)
+        assert torch.equal(dec.regions[0], want)
+    finally:
         dec.close()
 
 

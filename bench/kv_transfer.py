@@ -1,0 +1,221 @@
+"""KV transfer throughput: NIXL (UCX) and the TCP fallback next to a plain memcpy of the same bytes, same run.
+
+Shape: SmolLM2-135M's KV (30 layers, 3 kv heads, head_dim 64, fp32, block 16), 2,048 and 8,192 tokens
+(46,080 bytes per token: 94 MB and 377 MB). Prefill TP 1 runs in a spawned process holding a NIXL publisher
+(which also serves the TCP path); decode pullers run here. Block tables are shuffled (a cache after some churn),
+so every block is its own segment. All layers are ready before the pull starts: this measures the data path,
+not the overlap with prefill compute (that figure needs the prefill service, see ``streaming`` below).
+
+Layouts: decode tp=1/dcp=1 (same layout, one 12 KB segment per block and plane), and tp=9/dcp=3 (each decode
+rank takes one kv head of every third token: 256-byte segments, the worst case for a re-shard; the 9 ranks
+pull concurrently from threads of this one process, so on a small CPU box they share its cores). The nixl rows
+force NIXL reads there; by default a CPU NixlPuller sends such sub-1-KB-segment plans over the TCP path instead.
+
+GB/s = bytes landed in decode regions / wall time of the pull (best of N). memcpy = torch ``copy_`` of one
+contiguous buffer of the same size (best of N): the ceiling for moving those bytes on this machine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+
+
+def _layout(tokens: int, tp: int = 1, dcp: int = 1):
+    from kv_transfer.layout import KVLayout
+
+    per_rank_tokens = -(-tokens // dcp)
+    num_blocks = -(-per_rank_tokens // BLOCK) + 8
+    return KVLayout(LAYERS, KV_HEADS, HEAD_DIM, "float32", BLOCK, tp_size=tp, dcp_size=dcp, num_blocks=num_blocks)
+
+
+def _pattern_region(layout, rank: int) -> torch.Tensor:
+    """int32 element i of the region holds i + rank * 2**28: any landed byte range is checkable anywhere."""
+    n = int(np.prod(layout.region_shape()))
+    return (torch.arange(n, dtype=torch.int32) + rank * (1 << 28)).view(torch.float32).view(layout.region_shape())
+
+
+def _prefill_main(conn: Any, layout_dict: dict, backend: str) -> None:
+    from kv_transfer.factory import make_publisher
+    from kv_transfer.layout import KVLayout
+
+    layout = KVLayout.from_dict(layout_dict)
+    pub = make_publisher(layout, {0: _pattern_region(layout, 0)}, backend=backend, lease_timeout_s=120)
+    conn.send(pub.name)
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "publish":
+            table, tokens = arg
+            lid = pub.publish("bench", {0: table}, tokens, layers_ready=LAYERS)
+            conn.send(pub.handoff(lid).to_json())
+        else:
+            pub.close()
+            conn.send(None)
+            return
+
+
+def _check_landed(plan, dst_rank: int, region: torch.Tensor, rng: np.random.Generator, samples: int = 64) -> None:
+    """Sample segments of every layer: the bytes that landed are the source's pattern at the source offset."""
+    dst_i32 = region.view(-1).view(torch.int32).numpy()
+    for layer in (0, LAYERS // 2, LAYERS - 1):
+        segs = plan.layer_segments(dst_rank, layer)
+        for i in rng.choice(len(segs), size=min(samples, len(segs)), replace=False):
+            r, so, do, n = int(segs.src_rank[i]), int(segs.src_offset[i]), int(segs.dst_offset[i]), int(segs.nbytes[i])
+            want = np.arange(so // 4, (so + n) // 4, dtype=np.int64) + r * (1 << 28)
+            if not np.array_equal(dst_i32[do // 4 : (do + n) // 4], want.astype(np.int32)):
+                raise AssertionError(f"bench: wrong bytes landed (rank {dst_rank}, layer {layer}, segment {i})")
+
+
+def _memcpy_gbps(nbytes: int, repeat: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def _pull_gbps(conn, src_layout, tokens: int, dst_layout, pullers, regions, repeat: int, rng) -> tuple[float, float, int]:
+    """Best-of-``repeat`` GB/s of all decode ranks pulling one request concurrently; also seconds and bytes."""
+    from kv_transfer.plan import plan_reshard
+    from kv_transfer.transport import KVHandoff
+
+    src_table = rng.permutation(src_layout.num_blocks)[: src_layout.blocks_needed(tokens, 0)].tolist()
+    dst_tables = [
+        rng.permutation(dst_layout.num_blocks)[: dst_layout.blocks_needed(tokens, r)].tolist()
+        for r in range(dst_layout.tp_size)
+    ]
+    best, nbytes = float("inf"), 0
+    for it in range(repeat):
+        conn.send(("publish", (src_table, tokens)))
+        handoff = KVHandoff.from_json(conn.recv())
+        results: list[Any] = [None] * len(pullers)
+
+        def run(r: int) -> None:
+            try:
+                results[r] = pullers[r].pull(handoff, dst_tables[r], timeout_s=120)
+            except BaseException as e:  # re-raised below
+                results[r] = e
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(len(pullers))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        dt = time.perf_counter() - t0
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        nbytes = sum(res.nbytes for res in results)
+        best = min(best, dt)
+        if it == 0:
+            plan = plan_reshard(src_layout, [src_table], dst_layout, dst_tables, tokens)
+            for r in range(len(pullers)):
+                _check_landed(plan, r, regions[r], rng)
+    return nbytes / best / 1e9, best, nbytes
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from kv_transfer.factory import make_puller, nixl_available
+    from kv_transfer.plan import plan_reshard
+
+    token_counts = [2048, 8192]
+    repeat = 2 if quick else 4
+    nixl_ok, nixl_why = nixl_available()
+    backends = ["nixl", "tcp"] if nixl_ok else ["tcp"]
+    src = _layout(max(token_counts))
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_main, args=(child, src.to_dict(), "nixl" if nixl_ok else "tcp"), daemon=True)
+    proc.start()
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = []
+    raw: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    try:
+        if not conn.poll(120):
+            raise RuntimeError("bench prefill process did not start")
+        publisher_kind = conn.recv()
+        dst_cases = [(1, 1), (9, 3)]
+        for tp, dcp in dst_cases:
+            dst = _layout(max(token_counts), tp, dcp)
+            regions = [torch.zeros(dst.region_shape(), dtype=torch.float32) for _ in range(tp)]
+            for backend in backends:
+                # nixl rows force NIXL reads even for tiny segments (NixlPuller would otherwise move plans of
+                # sub-1-KB segments over TCP on a CPU box, see min_segment_bytes): they measure the NIXL path.
+                extra = {"min_segment_bytes": 0} if backend == "nixl" else {}
+                pullers = [
+                    make_puller(dst, r, regions[r], backend=backend, io_timeout_s=60, **extra) for r in range(tp)
+                ]
+                try:
+                    for tokens in token_counts:
+                        if quick and tp > 1 and tokens > 2048:
+                            continue  # the 256-byte-segment case at 8k takes a while on a small box
+                        gbps, secs, nbytes = _pull_gbps(conn, src, tokens, dst, pullers, regions, repeat, rng)
+                        mem = _memcpy_gbps(nbytes, repeat)
+                        t_plan = time.perf_counter()
+                        plan = plan_reshard(
+                            src, [list(range(src.blocks_needed(tokens, 0)))], dst,
+                            [list(range(dst.blocks_needed(tokens, r))) for r in range(tp)], tokens,
+                        )
+                        t_plan = time.perf_counter() - t_plan
+                        segs = sum(len(plan.layer_segments(r, 0)) for r in range(tp)) * LAYERS
+                        key = f"{backend}_tp{tp}dcp{dcp}_{tokens}"
+                        raw[key] = {"GBps": gbps, "seconds": secs, "bytes": nbytes, "memcpy_GBps": mem,
+                                    "plan_ms": t_plan * 1e3, "segments_contiguous_tables": segs}
+                        suffix = f"_{tokens}" if (tp, dcp) == (1, 1) else f"_tp{tp}dcp{dcp}_{tokens}"
+                        ratios[f"{backend}_vs_memcpy{suffix}"] = gbps / mem
+                        rows.append({
+                            "path": backend, "decode tp/dcp": f"{tp}/{dcp}", "tokens": tokens,
+                            "MB": nbytes / 1e6, "seconds": secs, "GB/s": gbps, "memcpy GB/s": mem,
+                            "vs memcpy": gbps / mem,
+                        })
+                finally:
+                    for p in pullers:
+                        p.close()
+        for tokens in token_counts:  # the two paths against each other, same run
+            a, b = raw.get(f"nixl_tp1dcp1_{tokens}"), raw.get(f"tcp_tp1dcp1_{tokens}")
+            if a and b:
+                ratios[f"nixl_vs_tcp_{tokens}"] = a["GBps"] / b["GBps"]
+    finally:
+        try:
+            conn.send(("exit", None))
+            conn.poll(10)
+        except (OSError, EOFError):
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return {
+        "table": rows,
+        "ratios": ratios,
+        "raw": raw,
+        "nixl": {"available": nixl_ok, "why": nixl_why, "publisher": publisher_kind},
+        "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
+                  "block_size": BLOCK, "bytes_per_token": LAYERS * 2 * KV_HEADS * HEAD_DIM * 4},
+        "streaming": "TODO: transfer-overlapped-with-prefill figures need the prefill service (not measured here)",
+        "cpu_count": os.cpu_count(),
+        "quick": quick,
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    from bench.common import format_table
+
+    res = run(quick=True)
+    print(format_table(res["table"]))
+    print(json.dumps(res["ratios"], indent=1))

@@ -78,11 +78,12 @@ class EngineLoop:
         self._cmds.put((fn, fut))
         return fut
 
-    def subscribe(self, request_id: str, sink: Sink) -> Callable[[DecodePod], None]:
-        """A command (for call or for use inside another command) that routes request_id's events to sink."""
-        def _sub(pod: DecodePod) -> None:
-            self._sinks[request_id] = sink
-        return _sub
+    def subscribe(self, request_id: str, sink: Sink) -> None:
+        """Engine thread (inside a command): route request_id's events to sink until its final one."""
+        self._sinks[request_id] = sink
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
 
     def emit(self, ev: RequestOutput | Failure) -> None:
         """Engine thread: hand an event to its subscriber (dropping the subscription when it is final)."""
@@ -120,8 +121,8 @@ class EngineLoop:
                 self._run_commands(block=not pod.has_work())
                 if self._stop:
                     break
-                if pod.expire_reservations():
-                    pass
+                pod.expire_reservations()
+                pod.keep_queued_alive()
                 if pod.has_work():
                     events = pod.step()
                     self._steps += 1

@@ -124,13 +124,23 @@ class TransferKVSource:
     puller_factory: Callable[["ModelRunner"], Any]
     timeout_s: float | None = None
 
-    def write_rank(self, runner: "ModelRunner", block_table: list[int]) -> int:
-        from kv_transfer.transport import KVHandoff
-
+    def _puller(self, runner: "ModelRunner") -> Any:
         key = (self.puller_factory, runner.ps.tp_rank)
         puller = _PULLERS.get(key)
         if puller is None:
             puller = _PULLERS[key] = self.puller_factory(runner)
+        return puller
+
+    def keepalive(self, runner: "ModelRunner") -> None:
+        """Renew the prefill lease while the request waits for decode blocks (rank 0, in the pod's process)."""
+        from kv_transfer.transport import KVHandoff
+
+        self._puller(runner).renew(KVHandoff.from_json(self.handoff_json))
+
+    def write_rank(self, runner: "ModelRunner", block_table: list[int]) -> int:
+        from kv_transfer.transport import KVHandoff
+
+        puller = self._puller(runner)
         try:
             return int(puller.pull(KVHandoff.from_json(self.handoff_json), block_table, timeout_s=self.timeout_s).nbytes)
         except Exception as e:

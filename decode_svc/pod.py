@@ -15,6 +15,7 @@ When blocks run out mid-decode the engine's scheduler preempts the youngest sequ
 recomputed from its tokens on this pod (nothing is lost); queued new requests wait behind it."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence, SeqStatus
 from pdserve.sampling import SamplingParams
+
+
+log = logging.getLogger("decode_svc.pod")
 
 
 class RequestExists(Exception):
@@ -58,6 +62,7 @@ class _Queued:
     first_logprob: float
     source: KVSource
     deadline: float
+    renewed_at: float = 0.0
 
 
 class DecodePod:
@@ -282,6 +287,21 @@ class DecodePod:
             self.queue.popleft()
             events.append(out)
         return events
+
+    KEEPALIVE_S = 5.0
+
+    def keep_queued_alive(self) -> None:
+        """Renew the prefill leases of requests queued for blocks (sources that support it), every KEEPALIVE_S."""
+        now = self.clock()
+        for q in self.queue:
+            keepalive = getattr(q.source, "keepalive", None)
+            if keepalive is None or now - q.renewed_at < self.KEEPALIVE_S:
+                continue
+            q.renewed_at = now
+            try:
+                keepalive(self.engine.executor.runner)
+            except Exception as e:  # the pull itself will report a lease that is really gone
+                log.warning("renewing the KV lease of queued request %s failed: %s", q.request_id, e)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a reservation, a queued request or a decoding one; its blocks are free when this returns."""

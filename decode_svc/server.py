@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import grpc
@@ -20,6 +21,7 @@ from decode_svc.engine_loop import EngineLoop
 from decode_svc.kv_source import FileKVSource, KVDeliveryError, KVSource, PullerFactory, TransferKVSource
 from decode_svc.metrics import DecodeCollector, start_metrics_server
 from decode_svc.pod import DecodePod, Failure, RequestExists
+from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestError, RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.sampling import SamplingParams, SamplingParamsError
@@ -194,8 +196,6 @@ class DecodeServer:
         if self.draining:
             return None
         cfg = self.config
-        from pathlib import Path
-
         return registry_pb2.RegisterWorkerRequest(
             pod_id=cfg.pod_id, role=common_pb2.ROLE_DECODE, address=self.address, kv_transfer_address="",
             model=cfg.served_model_name or Path(cfg.model).name, model_shape=self._model_shape,
@@ -310,8 +310,6 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                 f"not enough free KV blocks for {request.num_tokens} tokens on this decode pod")
         tables, expires = got
         cfg = s.config
-        from pdserve.engine.block_manager import dcp_local_count
-
         return decode_pb2.AllocateKVResponse(
             layout=s._layout,
             block_tables=[common_pb2.BlockTable(
@@ -352,12 +350,12 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 raise _Refused(grpc.StatusCode.UNAVAILABLE, "decode pod is draining")
             if pod.knows(rid) and not reserved:
                 raise RequestExists(f"request {rid!r} is already decoding on this pod")
-            engine.subscribe(rid, sink)(pod)
+            engine.subscribe(rid, sink)
             try:
                 out = pod.submit(rid, list(request.prompt_token_ids), params, request.first_token_id,
                                  request.first_token_logprob, source)
             except BaseException:
-                engine._sinks.pop(rid, None)
+                engine.unsubscribe(rid)
                 raise
             if out is not None:
                 engine.emit(out)

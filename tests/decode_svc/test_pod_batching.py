@@ -196,7 +196,7 @@ def test_out_of_blocks_waits_and_preempts_without_losing_requests(pod, prefilled
     assert pod.idle() and pod.free_blocks_per_rank() == [pod.num_blocks] * TP
 
 
-def test_kv_pulled_through_kv_transfer(pod, prefill_standins, solo):
+def test_kv_pulled_through_kv_transfer(pod, prefill_standins, solo, clock):
     """The real handoff: a TCP publisher over a TP 1 prefill engine's cache, a kv_transfer puller on each of the
     pod's ranks re-sharding into its DCP blocks."""
     standin = prefill_standins["mqa"]
@@ -214,6 +214,18 @@ def test_kv_pulled_through_kv_transfer(pod, prefill_standins, solo):
         assert pod.kv_bytes_received > 0
         drain_pod(pod, res, fin)
         assert res["kvt2"] == solo[2] and res["kvt9"] == solo[9]
+        # Queued for blocks: the lease is renewed while it waits, then the pull happens on admission.
+        assert pod.reserve("filler", pod.num_blocks * BLOCK * DCP) is not None
+        handoff, first, lp = prefill_and_publish(standin, pub, PROMPTS[5], "kvq")
+        src = TransferKVSource(handoff.to_json(), len(PROMPTS[5]), factory, timeout_s=60)
+        assert pod.submit("kvq", PROMPTS[5], greedy(MAX_TOKENS[5]), first, lp, src) is None
+        clock.t += 6
+        pod.keep_queued_alive()
+        assert pod.queue[0].renewed_at == clock.t
+        pod.cancel("filler")
+        drain_pod(pod, res, fin)
+        standin.engine.abort("kvq")
+        assert res["kvq"] == solo[5]
         # A lease that is gone: the pull fails with kv_transfer's code and the pod keeps nothing.
         handoff, first, lp = prefill_and_publish(standin, pub, PROMPTS[4], "gone")
         pub.abort(handoff.lease_id)

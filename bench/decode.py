@@ -1,0 +1,238 @@
+"""Decode pod benchmark (`pdserve bench decode`), in one run:
+
+1. Decode tokens/s of a decode pod serving SmolLM2-135M at TP 9 with DCP 1 and DCP 3, at batch 1, 8 and 32 (prompt KV
+   handed over through a KVSource from a TP 1 reference engine, as a prefill pod would), against transformers'
+   generate at the same batch and prompt length.
+2. KV capacity: for a fixed per-rank KV budget, how many 2,048-token sequences AllocateKV admits at DCP 1, 2 and 3
+   (SmolLM2 at TP 9 where the parallel rules allow it; a tiny 12-query / 1-KV-head checkpoint at TP 6 for all three).
+   Target: count(DCP d) >= 0.95 * d * count(DCP 1).
+
+Quick mode (under a minute on a small CPU): fewer tokens and batches, and a TP 3 SmolLM2 pod (DCP 1 only, since
+DCP needs TP > KV heads) instead of the two TP 9 pods; the capacity part is the same."""
+from __future__ import annotations
+
+import itertools
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import timed
+
+CAPACITY_SEQ_LEN = 2048
+CAPACITY_BUDGET_MIB = 256  # per rank
+CAPACITY_BLOCK = 16
+
+
+def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[1] + [(97 * i + 31 * j + 7) % (vocab - 10) + 10 for j in range(length - 1)] for i in range(n)]
+
+
+# --- decode throughput ---
+def _pod_decode_tok_s(pod, handed: list[tuple[list[int], Any, int, float]], new_tokens: int) -> float:
+    """Submit every request (KV delivered), then time the decode steps until all finished."""
+    from pdserve.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ids = []
+    for prompt, src, first, lp in handed:
+        rid = f"b{time.monotonic_ns()}"
+        out = pod.submit(rid, prompt, sp, first, lp, src)
+        if out is None:
+            raise RuntimeError("decode pod has too few KV blocks for the benchmark batch")
+        ids.append(rid)
+    produced = 0
+    t0 = time.perf_counter()
+    while pod.has_work():
+        produced += sum(len(o.new_token_ids) for o in pod.step() if hasattr(o, "new_token_ids"))
+    dt = time.perf_counter() - t0
+    if not pod.idle():
+        raise RuntimeError("decode pod did not drain after the benchmark batch")
+    return produced / dt
+
+
+def _hf_decode_tok_s(model, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        t1 = timed(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw))
+        tn = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw))
+    return len(prompts) * (new_tokens - 1) / max(tn - t1, 1e-9)
+
+
+def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, Any]]:
+    from transformers import AutoModelForCausalLM
+
+    from decode_svc.config import DecodeConfig
+    from decode_svc.kv_source import FileKVSource, prompt_kv_from_engine
+    from decode_svc.pod import DecodePod
+    from pdserve.default_model import ensure_default_model
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+
+    path = str(ensure_default_model())
+    batches = (1, 8) if quick else (1, 8, 32)
+    prompt_len = 32 if quick else 128
+    new_tokens = 8 if quick else 32
+    layouts = [(3, 1)] if quick else [(9, 1), (9, 3)]
+    t_start = time.perf_counter()
+    tmp = tempfile.TemporaryDirectory(prefix="pdserve-bench-decode-")
+    # The stand-in prefill pod: prompt KV + first token from a TP 1 engine, saved for FileKVSource.
+    prefill = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, enable_prefix_caching=False))
+    try:
+        prompts = _prompts(max(batches), prompt_len, prefill.model_config.vocab_size)
+        handed = []
+        for i, p in enumerate(prompts):
+            src, first, lp = prompt_kv_from_engine(prefill, p)
+            f = Path(tmp.name) / f"p{i}.pt"
+            src.save(str(f))
+            handed.append((p, FileKVSource(str(f), len(p)), first, lp))
+    finally:
+        prefill.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_tok_s = {bs: _hf_decode_tok_s(hf, prompts[:bs], new_tokens) for bs in batches}
+    del hf
+    pod_tok_s: dict[tuple[int, int], dict[int, float]] = {}
+    per_seq = prompt_len + new_tokens
+    for tp, dcp in layouts:
+        blocks = math.ceil(math.ceil(per_seq / dcp) / 16) * max(batches) + 8
+        cfg = DecodeConfig(model=path, tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=16,
+                           num_kv_blocks=blocks, max_model_len=512, max_num_seqs=64)
+        pod = DecodePod(cfg)
+        try:
+            _pod_decode_tok_s(pod, handed[:1], 3)  # warm-up
+            pod_tok_s[(tp, dcp)] = {bs: _pod_decode_tok_s(pod, handed[:bs], new_tokens) for bs in batches}
+        finally:
+            pod.shutdown()
+    tmp.cleanup()
+    rows, ratios = [], {}
+    for bs in batches:
+        row: dict[str, Any] = {"metric": f"decode tok/s, batch {bs}", "TP": "/".join(str(tp) for tp, _ in layouts)}
+        for tp, dcp in layouts:
+            row[f"DCP{dcp}"] = pod_tok_s[(tp, dcp)][bs]
+        row["transformers"] = hf_tok_s[bs]
+        for tp, dcp in layouts:
+            r = pod_tok_s[(tp, dcp)][bs] / hf_tok_s[bs]
+            row[f"DCP{dcp} / transformers"] = r
+            ratios[f"decode_bs{bs}_tp{tp}_dcp{dcp}_vs_transformers"] = r
+        rows.append(row)
+    # The headline names the brief uses: the DCP 3 pod (DCP 1 in quick mode) against transformers.
+    main_layout = layouts[-1]
+    for bs in batches:
+        ratios[f"decode_bs{bs}_vs_transformers"] = pod_tok_s[main_layout][bs] / hf_tok_s[bs]
+    raw = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+           "batches": list(batches),
+           "decode_tok_s": {f"tp{tp}_dcp{dcp}": {str(b): v for b, v in d.items()} for (tp, dcp), d in pod_tok_s.items()},
+           "transformers_decode_tok_s": {str(b): v for b, v in hf_tok_s.items()},
+           "threads": {"transformers": torch.get_num_threads(), "pod_per_rank": "max(1, cores // tp)"},
+           "throughput_seconds": time.perf_counter() - t_start}
+    return rows, ratios, raw
+
+
+# --- KV capacity: the AllocateKV admission path (DecodePod.reserve) over the engine's block manager ---
+class _BookkeepingEngine:
+    """The parts of LLMEngine that DecodePod.reserve touches (block manager, scheduler), without model ranks:
+    admission is pure block accounting, so this counts exactly what a live pod would admit."""
+
+    def __init__(self, cfg, max_model_len: int) -> None:
+        from pdserve.engine.block_manager import BlockManager
+        from pdserve.engine.scheduler import Scheduler
+
+        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.decode_context_parallel_size,
+                                   cfg.dcp_kv_cache_interleave_size, False)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, 4096, 1024)
+        self.max_model_len = max_model_len
+        self._arrival = itertools.count()
+        self._tracked: dict = {}
+
+    def has_unfinished(self) -> bool:
+        return False
+
+
+def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int) -> dict[str, Any]:
+    from decode_svc.config import DecodeConfig
+    from decode_svc.pod import DecodePod
+    from pdserve.model.config import ModelConfig
+    from pdserve.parallel_config import ParallelConfigError
+
+    mc = ModelConfig.from_path(model_path)
+    heads_per_rank = max(1, mc.num_kv_heads // tp)
+    block_bytes = mc.num_layers * 2 * CAPACITY_BLOCK * heads_per_rank * mc.head_dim * 4  # fp32 cache
+    num_blocks = budget_bytes // block_bytes
+    try:
+        cfg = DecodeConfig(model=model_path, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                           block_size=CAPACITY_BLOCK, num_kv_blocks=num_blocks, max_num_seqs=1_000_000)
+    except ParallelConfigError as e:
+        return {"allowed": False, "refusal": e.message, "blocks_per_rank": num_blocks}
+    pod = DecodePod(cfg, engine=_BookkeepingEngine(cfg, CAPACITY_SEQ_LEN + 1))
+    n = 0
+    while pod.reserve(f"cap{n}", CAPACITY_SEQ_LEN) is not None:
+        n += 1
+    per_seq = [len(t) for t in pod.block_tables_of("cap0")] if n else []
+    return {"allowed": True, "admitted": n, "blocks_per_rank": num_blocks, "blocks_per_seq_per_rank": per_seq,
+            "used_blocks_per_rank": pod.used_blocks_per_rank()}
+
+
+def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
+    from pdserve.default_model import ensure_default_model
+    from transformers import LlamaConfig
+
+    budget = CAPACITY_BUDGET_MIB << 20
+    tmp = tempfile.TemporaryDirectory(prefix="pdserve-bench-cap-")
+    # Admission needs the shape only: a config.json with SmolLM2's per-rank KV bytes (30 layers, head_dim 64, one KV
+    # head per rank) but 12 query heads and 1 KV head, so that TP 6 allows DCP 1, 2 and 3.
+    tiny = Path(tmp.name) / "tiny-12q1kv"
+    LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=64, num_hidden_layers=30, num_attention_heads=12,
+                num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
+                architectures=["LlamaForCausalLM"]).save_pretrained(str(tiny))
+    models = [("SmolLM2-135M", str(ensure_default_model()), 9), ("tiny 12q/1kv", str(tiny), 6)]
+    rows, ratios, raw = [], {}, {}
+    for name, path, tp in models:
+        res = {dcp: _admitted(path, tp, dcp, budget) for dcp in (1, 2, 3)}
+        base = res[1]["admitted"]
+        row: dict[str, Any] = {"metric": f"{CAPACITY_SEQ_LEN}-token seqs admitted, {CAPACITY_BUDGET_MIB} MiB/rank, {name}",
+                               "TP": tp}
+        checks = []
+        for dcp, r in res.items():
+            if not r["allowed"]:
+                row[f"DCP{dcp}"] = "refused"
+                continue
+            row[f"DCP{dcp}"] = r["admitted"]
+            if dcp > 1:
+                ratio = r["admitted"] / (dcp * base)
+                key = "smollm2" if name.startswith("SmolLM2") else "tiny"
+                ratios[f"kv_capacity_{key}_dcp{dcp}_vs_dcp1_x_{dcp}"] = ratio
+                checks.append(f"DCP{dcp}: {ratio:.3f} x (DCP x DCP1) {'ok' if ratio >= 0.95 else 'MISSED'}")
+        row["target >= 0.95"] = "; ".join(checks)
+        rows.append(row)
+        raw[name] = {"tp": tp, **{f"dcp{d}": r for d, r in res.items()}}
+    tmp.cleanup()
+    return rows, ratios, {"kv_budget_mib_per_rank": CAPACITY_BUDGET_MIB, "seq_len": CAPACITY_SEQ_LEN,
+                          "block_size": CAPACITY_BLOCK, "capacity": raw}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    cap_rows, cap_ratios, cap_raw = _capacity()
+    tp_rows, tp_ratios, tp_raw = _throughput(quick)
+    return {"benchmark": "decode", "quick": quick, "table": tp_rows + cap_rows, "ratios": {**tp_ratios, **cap_ratios},
+            **tp_raw, **cap_raw, "seconds": time.perf_counter() - t0}
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    from bench.common import format_table
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    result = run(quick=a.quick)
+    print(format_table(result["table"]))
+    print("ratios:", json.dumps(result["ratios"]))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2, default=str))

@@ -104,6 +104,7 @@ class AsyncGenerateStream:
             self._cancel_event.set()
         if self._call is not None:
             self._call.cancel()
+        self._finish()
 
     async def __aenter__(self) -> "AsyncGenerateStream":
         return self

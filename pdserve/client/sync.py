@@ -115,6 +115,7 @@ class GenerateStream:
             call = self._call
         if call is not None:
             call.cancel()
+        self._finish()
 
     def __enter__(self) -> "GenerateStream":
         return self

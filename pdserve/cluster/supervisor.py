@@ -128,6 +128,14 @@ def _supports_flag(module: str, flag: str) -> bool:
     return f'"{flag}"' in text or f"'{flag}'" in text
 
 
+def _router_has_field(name: str) -> bool:
+    try:
+        from router.config import RouterConfig
+    except Exception:  # noqa: BLE001
+        return False
+    return name in {f.name for f in dataclasses.fields(RouterConfig)}
+
+
 def _router_http_field() -> str | None:
     """The RouterConfig field that makes the router serve the OpenAI HTTP API itself, if it has one."""
     try:
@@ -147,11 +155,14 @@ class LocalCluster:
 
     def __init__(self, topology: Topology, *, log_dir: str | os.PathLike[str] | None = None,
                  python: str = sys.executable, env: dict[str, str] | None = None,
-                 echo: Callable[[str], None] | None = None) -> None:
+                 echo: Callable[[str], None] | None = None, drain_timeout_s: float = 5.0) -> None:
         self.topology = topology
+        self.drain_timeout_s = drain_timeout_s  # told to each service: how long its own SIGTERM drain may take
         self.python = python
         self.env = dict(os.environ if env is None else env)
         self.env["PYTHONUNBUFFERED"] = "1"
+        self.env.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on the network
+        self.env.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.echo = echo or (lambda s: None)
         if log_dir is None:
             from pdserve.default_model import cache_dir
@@ -182,6 +193,8 @@ class LocalCluster:
         http_field = _router_http_field() if t.http_port is not None else None
         if http_field is not None:
             router += ["--" + http_field.replace("_", "-"), str(t.http_port)]
+        if _router_has_field("drain_grace_s"):
+            router += ["--drain-grace-s", f"{self.drain_timeout_s:g}"]
         router += list(t.router_args)
         services.append(Service("router", "router", router, router_addr, self.log_dir / "router.log"))
         if t.http_port is not None and http_field is None:
@@ -197,6 +210,8 @@ class LocalCluster:
         for p in t.prefill:
             argv = [*py, "prefill_svc", *model, "--tensor-parallel-size", str(p.tensor_parallel_size),
                     "--host", h, "--port", str(p.port), "--router", router_addr, "--pod-id", p.name, *common]
+            if _supports_flag("prefill_svc", "--drain-timeout"):
+                argv += ["--drain-timeout", f"{self.drain_timeout_s:g}"]
             argv += self._pod_common(p)
             services.append(Service(p.name, "prefill", argv, f"{h}:{p.port}", self.log_dir / f"{p.name}.log", p))
         for p in t.decode:
@@ -206,6 +221,8 @@ class LocalCluster:
                     "--host", h, "--port", str(p.port), "--pod-id", p.name, *common]
             if decode_router_flag:
                 argv += [decode_router_flag, router_addr]
+            if _supports_flag("decode_svc", "--drain-timeout-s"):
+                argv += ["--drain-timeout-s", f"{self.drain_timeout_s:g}"]
             argv += self._pod_common(p)
             services.append(Service(p.name, "decode", argv, f"{h}:{p.port}", self.log_dir / f"{p.name}.log", p))
         return services
@@ -264,13 +281,23 @@ class LocalCluster:
             except (BrokenPipeError, OSError, ValueError):
                 pass
 
+    def _threads_per_rank(self) -> int:
+        """Share the CPU cores among every rank of the cluster (unless OMP_NUM_THREADS is set): on a small machine
+        oversubscribed intra-op threads make every rank crawl."""
+        ranks = 1 + sum(p.tensor_parallel_size if isinstance(p.tensor_parallel_size, int) else 1
+                        for p in self.topology.pods)
+        return max(1, (os.cpu_count() or 1) // ranks)
+
     def _spawn(self, s: Service) -> None:
         self.echo(f"starting {s.name}: {' '.join(s.argv[1:])}")
+        env = self.env
+        if "OMP_NUM_THREADS" not in env:
+            env = {**env, "OMP_NUM_THREADS": str(self._threads_per_rank())}
         logf = open(s.log_path, "ab")
         self._critical += 1  # a Ctrl-C now must not leave a started child unrecorded
         try:
             s.proc = subprocess.Popen(s.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                      start_new_session=True, env=self.env,
+                                      start_new_session=True, env=env,
                                       preexec_fn=_child_preexec(os.getpid())
                                       if threading.current_thread() is threading.main_thread() else None)
             self._tell_reaper(str(s.proc.pid))  # its own session: pgid == pid
@@ -409,24 +436,35 @@ class LocalCluster:
             self._reaper = None
 
     def _terminate(self, services: list[Service], grace: float) -> None:
-        groups = [s.proc.pid for s in services]
+        """SIGTERM each service's main process (it shuts its own ranks down), wait up to ``grace`` for the whole
+        group to go; then SIGKILL every group member left (ranks a dead leader left behind included)."""
         for s in services:
-            if _group_alive(s.proc.pid):
+            if s.proc.poll() is None:
                 self.echo(f"stopping {s.name} (pid {s.proc.pid})")
-            try:
-                os.killpg(s.proc.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
+                try:
+                    os.kill(s.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
         end = time.monotonic() + grace
+        leader_gone_at: dict[int, float] = {}
         while time.monotonic() < end and not self._force.is_set():
+            now = time.monotonic()
+            busy = False
             for s in services:
-                s.proc.poll()  # reap leaders so their group can disappear
-            if not any(_group_alive(g) for g in groups):
-                return
+                if s.proc.poll() is not None:  # reaped: the group may disappear now
+                    leader_gone_at.setdefault(s.proc.pid, now)
+                    # a leader that exited gets 1s for its ranks to follow before they are killed
+                    if _group_alive(s.proc.pid) and now - leader_gone_at[s.proc.pid] < 1.0:
+                        busy = True
+                elif _group_alive(s.proc.pid):
+                    busy = True
+            if not busy:
+                break
             time.sleep(0.05)
         for s in services:
             if _group_alive(s.proc.pid):
-                self.echo(f"killing {s.name} (did not stop in {grace:g}s)")
+                if s.proc.poll() is None:
+                    self.echo(f"killing {s.name} (did not stop in {grace:g}s)")
                 try:
                     os.killpg(s.proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -436,6 +474,10 @@ class LocalCluster:
                 s.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:  # pragma: no cover
                 pass
+        # the group is empty once every member is reaped; wait for that (orphans are reaped by init)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and any(_group_alive(s.proc.pid) for s in services):
+            time.sleep(0.02)
 
     def __enter__(self) -> "LocalCluster":
         self.start()

@@ -1,0 +1,54 @@
+"""`pdserve up` with the real services, in a subprocess: whatever happens during startup (a service that dies, a
+Ctrl-C before the cluster is ready), it exits and no process it started survives. The ready-cluster checks (SDK,
+OpenAI client, Ctrl-C after serving) are in tests/client/test_live_cluster.py."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.cluster.testing import UpProcess
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    # 1 KV head: TP 2 x DCP 2 is valid; the full SmolLM2 vocabulary so text prompts and the chat template work.
+    return tiny_factory("llama", num_heads=8, num_kv_heads=1, vocab_size=49152)
+
+
+def test_a_service_that_dies_at_startup_fails_up_and_stops_the_rest(tmp_path, tiny):
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text("router: {args: [--no-such-flag]}\n")
+    up = UpProcess(["--config", str(cfg), "--model", str(tiny), "--port", "0", "--http-port", "0",
+                    "--num-kv-blocks", "64"], log_dir=tmp_path / "logs", startup_timeout=300)
+    up.start(wait=False)
+    try:
+        rc = up.proc.wait(300)
+        out = up.output.read_text()
+        assert rc == 1, up.tail()
+        assert "router exited with status 2" in out and "--no-such-flag" in out
+        assert "all processes stopped" in out
+        assert up.wait_all_gone(10) == []
+    finally:
+        up.kill()
+
+
+def test_ctrl_c_during_startup_stops_everything(tmp_path, tiny):
+    up = UpProcess(["--model", str(tiny), "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"],
+                   log_dir=tmp_path / "logs", startup_timeout=300)
+    up.start(wait=False)
+    try:
+        # wait until the services (and the decode pod's second TP rank) are running, then Ctrl-C
+        end = time.monotonic() + 120
+        while len(up.descendants()) < 6 and time.monotonic() < end and up.proc.poll() is None:
+            time.sleep(0.2)
+        assert len(up.descendants()) >= 6, up.tail()
+        t = time.monotonic()
+        rc = up.interrupt(timeout=120)
+        assert rc == 0, up.tail()
+        assert time.monotonic() - t < 60
+        left = up.wait_all_gone(10)
+        assert left == [], left
+        assert "stopping the cluster" in up.output.read_text()
+    finally:
+        up.kill()

@@ -76,12 +76,32 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="on Ctrl-C, seconds each service gets to stop before it is killed (default 15)")
     p.add_argument("--dry-run", action="store_true", help="print the checked topology and the commands, start nothing")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the endpoints")
+    p.add_argument("--ask", metavar="PROMPT",
+                   help="once ready, send PROMPT as a chat message (greedy), stream the answer, then stop everything")
+    p.add_argument("--ask-max-tokens", type=int, default=128, metavar="N", help="answer length limit for --ask")
     p.set_defaults(func=run_up)
     return p
 
 
 def _err(msg: str) -> None:
     print(f"pdserve up: error: {msg}", file=sys.stderr, flush=True)
+
+
+def _ask(router: str, prompt: str, max_tokens: int) -> int:
+    from pdserve.client import Client, PdserveError
+    from pdserve.commands.generate import print_stats, stream_to_terminal
+
+    print(f"\n> {prompt}", flush=True)
+    try:
+        with Client(router, timeout=600) as client:
+            c = stream_to_terminal(client.chat_stream([{"role": "user", "content": prompt}],
+                                                      max_tokens=max_tokens, temperature=0))
+    except PdserveError as e:
+        _err(f"the cluster could not answer: {e.status_name}: {e.message}")
+        return 1
+    print(flush=True)
+    print_stats(c)
+    return 0
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -122,7 +142,10 @@ def run_up(args: argparse.Namespace) -> int:
         if args.ready_file:
             cluster.write_ready_file(args.ready_file)
         print(f"pdserve up: cluster ready in {time.monotonic() - t0:.1f}s, serving "
-              f"{cluster.endpoints.model}\n{cluster.describe()}\nPress Ctrl-C to stop.", flush=True)
+              f"{cluster.endpoints.model}\n{cluster.describe()}", flush=True)
+        if args.ask is not None:
+            return _ask(cluster.endpoints.router, args.ask, args.ask_max_tokens)
+        print("Press Ctrl-C to stop.", flush=True)
         while True:
             dead = cluster.dead_services()
             if dead:

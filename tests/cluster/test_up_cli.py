@@ -52,3 +52,37 @@ def test_ctrl_c_during_startup_stops_everything(tmp_path, tiny):
         assert "stopping the cluster" in up.output.read_text()
     finally:
         up.kill()
+
+
+def test_ask_answers_then_stops_everything(tmp_path, tiny):
+    """`pdserve up --ask PROMPT` (what scripts/run.sh runs): up, one streamed chat answer, everything stopped."""
+    up = UpProcess(["--model", str(tiny), "--port", "0", "--http-port", "0", "--num-kv-blocks", "64",
+                    "--ask", "What is the capital of France?", "--ask-max-tokens", "5"],
+                   log_dir=tmp_path / "logs", startup_timeout=300)
+    up.start(wait=False)
+    try:
+        while up.proc.poll() is None:
+            up.descendants()
+            time.sleep(0.2)
+        out = up.output.read_text()
+        assert up.proc.returncode == 0, up.tail()
+        assert "> What is the capital of France?" in out and "5 completion tokens" in out
+        assert "all processes stopped" in out
+        assert up.wait_all_gone(10) == []
+    finally:
+        up.kill()
+
+
+def test_sigkilled_up_takes_every_service_with_it(tmp_path, tiny):
+    """`pdserve up` killed with SIGKILL (no chance to clean up): its services and their TP ranks still die."""
+    up = UpProcess(["--model", str(tiny), "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"],
+                   log_dir=tmp_path / "logs", startup_timeout=300)
+    try:
+        up.start()
+        assert len(up.descendants()) >= 6
+        up.proc.kill()
+        up.proc.wait(10)
+        left = up.wait_all_gone(20)
+        assert left == [], left
+    finally:
+        up.kill()

@@ -253,6 +253,7 @@ class LocalCluster:
             for s in self.services:
                 self._spawn(s)
             self._wait_healthy(t0 + timeout)
+            self._wait_router_http(t0 + timeout)
             self._wait_registered(t0 + timeout)
         except BaseException:
             self.stop()
@@ -368,6 +369,19 @@ class LocalCluster:
         finally:
             for ch in channels.values():
                 ch.close()
+
+    def _wait_router_http(self, deadline: float) -> None:
+        """When the router serves the OpenAI HTTP API itself, wait for it too."""
+        t = self.topology
+        if t.http_port is None or any(s.kind == "http" for s in self.services):
+            return
+        url = f"http://{t.host}:{t.http_port}/health"
+        while not _http_ok(url):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out waiting for the router's HTTP API at {url}")
+            time.sleep(0.25)
+        self.echo(f"router HTTP API is up on http://{t.host}:{t.http_port}")
 
     def _wait_registered(self, deadline: float) -> None:
         """Every pod registered in the router and READY, and the model served."""

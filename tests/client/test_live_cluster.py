@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -247,6 +246,34 @@ def test_openai_client_matches_the_grpc_path(up, client, model_name):
         oa.chat.completions.create(model=model_name, messages=MSGS, max_tokens=2, temperature=-1)
 
 
+def test_openai_batch_prompts_and_disconnect(up, client, model_name):
+    oa = openai.OpenAI(base_url=up.http + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [PROMPT, "Hello there, my friend"]
+    refs = [client.generate(p, max_tokens=6, temperature=0, ignore_eos=True).text for p in prompts]
+    r = oa.completions.create(model=model_name, prompt=prompts, max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == refs
+    assert r.usage.completion_tokens == 12
+    texts = ["", ""]
+    for part in oa.completions.create(model=model_name, prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True}):
+        for ch in part.choices:
+            texts[ch.index] += ch.text
+    assert texts == refs
+    # a streaming HTTP client that goes away: the request is cancelled and its KV freed
+    assert _all_free(_wait_idle(client))
+    stream = oa.chat.completions.create(model=model_name, messages=MSGS, max_tokens=1500, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True})
+    n = 0
+    for _ in stream:
+        n += 1
+        if n >= 4:
+            break
+    assert not _all_free(_wait_held(client))
+    stream.close()
+    assert _all_free(_wait_idle(client))
+
+
 def test_cli_generate_and_status(up, model_name):
     import subprocess
     import sys
@@ -257,6 +284,14 @@ def test_cli_generate_and_status(up, model_name):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == ref + "\n" and "TTFT" in out.stderr and "6 completion tokens" in out.stderr
+    chat = subprocess.run([sys.executable, "-m", "pdserve.cli", "chat", MSGS[1]["content"], "--system",
+                           MSGS[0]["content"], "--router", up.router, "--max-tokens", "8", "--temperature", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == Client(up.router).chat(MSGS, max_tokens=8, temperature=0).text + "\n"
+    bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "hi", "--router", up.router,
+                          "--model", "nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "'nope'" in bad.stderr
     st = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", up.router],
                         capture_output=True, text=True, timeout=60)
     assert st.returncode == 0 and "prefill-0" in st.stdout and "decode-0" in st.stdout and model_name in st.stdout

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Callable
 
 import grpc
 import pytest

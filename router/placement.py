@@ -3,7 +3,8 @@
 - Decode: a request needs, on every TP rank of the pod, the KV blocks its tokens occupy under the pod's DCP token
   placement (docs/DESIGN.md). A pod *fits* when every rank has that many free blocks. Among the pods that fit, the
   one left with the most free KV (as a fraction, on its tightest rank) wins, minus a penalty for the sequences it is
-  already running; ties go to the pod with fewer requests in flight, then to the lowest pod id.
+  already running; ties go to the pod with fewer requests in flight, then to the one that got fewer requests so far
+  (so back-to-back requests on an idle cluster alternate), then to the lowest pod id.
 - Prefill: least queued prompt tokens, with prefix affinity: a request whose first blocks were already sent to a
   pod goes back to that pod (its prefix cache holds them), unless that pod has more than ``max_imbalance`` queued
   tokens above the least loaded one.
@@ -50,6 +51,7 @@ class DecodeView:
     max_num_seqs: int = 0  # 0: unknown
     inflight: int = 0  # requests the router has in flight on it
     max_model_len: int = 0  # 0: unknown
+    routed: int = 0  # requests the router ever placed on it (last tie-break: spreads sequential traffic)
 
     @property
     def kv_known(self) -> bool:
@@ -96,14 +98,14 @@ def _decode_score(view: DecodeView, num_tokens: int) -> float:
 def pick_decode(views: Iterable[DecodeView], num_tokens: int, exclude: Iterable[str] = ()) -> str | None:
     """The decode pod for a request of ``num_tokens`` KV tokens, or None when none fits now."""
     ex = set(exclude)
-    best: tuple[float, int, str] | None = None
+    best: tuple[float, int, int, str] | None = None
     for v in views:
         if v.pod_id in ex or not fits(v, num_tokens):
             continue
-        key = (-_decode_score(v, num_tokens), v.inflight, v.pod_id)
+        key = (-_decode_score(v, num_tokens), v.inflight, v.routed, v.pod_id)
         if best is None or key < best:
             best = key
-    return None if best is None else best[2]
+    return None if best is None else best[3]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,6 +120,7 @@ class PrefillView:
     queued_tokens: int  # prompt tokens queued on it: max(reported, the router's own in-flight prompt tokens)
     inflight: int = 0  # prefill calls the router has in flight on it
     max_model_len: int = 0  # 0: unknown
+    routed: int = 0  # requests the router ever placed on it (last tie-break)
 
 
 def pick_prefill(views: Iterable[PrefillView], prompt_len: int, affinity_pod: str | None = None,
@@ -127,7 +130,7 @@ def pick_prefill(views: Iterable[PrefillView], prompt_len: int, affinity_pod: st
     cands = [v for v in views if v.pod_id not in ex and not (v.max_model_len and prompt_len >= v.max_model_len)]
     if not cands:
         return None
-    least = min(cands, key=lambda v: (v.queued_tokens, v.inflight, v.pod_id))
+    least = min(cands, key=lambda v: (v.queued_tokens, v.inflight, v.routed, v.pod_id))
     if affinity_pod is not None:
         aff = next((v for v in cands if v.pod_id == affinity_pod), None)
         if aff is not None and aff.queued_tokens - least.queued_tokens <= max_imbalance:

@@ -279,12 +279,12 @@ class Registry:
                                   block_size=e.block_size, free_blocks=tuple(free),
                                   total_blocks=tuple(e.kv_total) if free else (), running_seqs=running,
                                   max_num_seqs=cap.max_num_seqs, inflight=e.inflight,
-                                  max_model_len=e.max_model_len))
+                                  max_model_len=e.max_model_len, routed=e.routed_total))
         return out
 
     def prefill_views(self) -> list[PrefillView]:
         return [PrefillView(pod_id=e.pod_id, queued_tokens=max(e.load.queued_prompt_tokens, e.inflight_prompt_tokens),
-                            inflight=e.inflight, max_model_len=e.max_model_len)
+                            inflight=e.inflight, max_model_len=e.max_model_len, routed=e.routed_total)
                 for e in self.ready(PREFILL)]
 
     def max_model_len(self) -> int:

@@ -147,3 +147,17 @@ def test_prefix_index_longest_prefix_and_lru():
     assert len(idx) <= 5
     idx.forget_pod("b")
     assert idx.lookup(block_hashes(p2, 4))[0] is None or idx.lookup(block_hashes(p2, 4))[0] == "a"
+
+
+def test_ties_alternate_by_requests_routed_so_far():
+    """An idle cluster fed one request at a time (each finished before the next) still alternates pods."""
+    routed = {"a": 0, "b": 0}
+    for _ in range(10):
+        pod = pick_prefill([PrefillView(p, 0, routed=n) for p, n in routed.items()], 10)
+        routed[pod] += 1
+    assert routed == {"a": 5, "b": 5}
+    routed = {"a": 0, "b": 0}
+    for _ in range(10):
+        pod = pick_decode([DecodeView(p, 1, 1, 1, 16, (50,), (100,), routed=n) for p, n in routed.items()], 16)
+        routed[pod] += 1
+    assert routed == {"a": 5, "b": 5}

@@ -1,0 +1,98 @@
+"""The router process: python -m router, grpc.health.v1, Prometheus /metrics, graceful drain on SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve_api.v1 import common_pb2, router_pb2
+from router.testing import REPO, _env
+from router_helpers import register_request, run, running_router, stubs
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_python_m_router_serves_health_and_metrics_then_drains_on_sigterm(smollm2_path):
+    mport = _free_port()
+    p = subprocess.Popen([sys.executable, "-u", "-m", "router", "--port", "0", "--metrics-port", str(mport),
+                          "--drain-grace-s", "5"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        t0 = time.monotonic()
+        while "listening on" not in line or "pdserve router" not in line:
+            line = p.stdout.readline()
+            assert line or p.poll() is None, "router exited"
+            assert time.monotonic() - t0 < 60
+        port = int(re.search(r":(\d+)\s*$", line).group(1))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for svc in ("", "pdserve.v1.Router", "pdserve.v1.Registry"):
+                assert health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+        assert "pdserve_router_ttft_seconds" in text and "pdserve_router_queue_depth" in text
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_bad_config_exits_2_with_the_field():
+    r = subprocess.run([sys.executable, "-m", "router", "--port", "-5"], cwd=REPO, env=_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "RouterConfig.port" in r.stderr
+
+
+def test_drain_refuses_new_requests_waits_for_inflight_then_stops():
+    async def body():
+        async with running_router(drain_grace_s=1.0, max_queue_wait_s=30) as (server, ch):
+            router, registry = stubs(ch)
+            await registry.RegisterWorker(register_request("p0", common_pb2.ROLE_PREFILL))
+            await registry.RegisterWorker(register_request("d0", common_pb2.ROLE_DECODE, free=[0]))
+            waiting = router.Generate(router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1])))
+            for _ in range(100):
+                if server.core.admission.depth:
+                    break
+                await asyncio.sleep(0.01)
+            drain = asyncio.create_task(server.drain())
+            await asyncio.sleep(0.1)
+            health = health_pb2_grpc.HealthStub(ch)
+            st = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            try:
+                async for _ in router.Generate(router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1]))):
+                    pass
+                refused = None
+            except grpc.aio.AioRpcError as e:
+                refused = e.code(), e.details()
+            t0 = time.monotonic()
+            await drain
+            took = time.monotonic() - t0
+            try:
+                async for _ in waiting:
+                    pass
+                code = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            return st.status, refused, took, code
+    status, refused, took, code = run(body())
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert refused[0] == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused[1]
+    assert 0.5 < took < 5  # waited for the in-flight (queued) request up to the grace, then stopped
+    assert code != grpc.StatusCode.OK

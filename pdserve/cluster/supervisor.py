@@ -206,6 +206,8 @@ class LocalCluster:
         common = ["--block-size", str(t.block_size)]
         if t.max_model_len is not None:
             common += ["--max-model-len", str(t.max_model_len)]
+        if t.device is not None:
+            common += ["--device", t.device]
         decode_router_flag = "--router" if _supports_flag("decode_svc", "--router") else None
         for p in t.prefill:
             argv = [*py, "prefill_svc", *model, "--tensor-parallel-size", str(p.tensor_parallel_size),

@@ -6,6 +6,7 @@ YAML (every key optional; flags given on the command line override the file):
     host: 127.0.0.1
     block_size: 16
     max_model_len: 2048
+    device: cpu                     # or cuda; default: the pods' own default
     router: {port: 50051, http_port: 8000}   # http_port: -1 or null = no OpenAI HTTP endpoint, 0 = any free port
     prefill:
       - {tp: 1, port: 0}                    # port 0 = any free port
@@ -81,6 +82,7 @@ class Topology:
     http_port: int | None = DEFAULT_HTTP_PORT  # None: no OpenAI HTTP endpoint; 0: any free port
     block_size: int = 16
     max_model_len: int | None = None
+    device: str | None = None  # "cpu", "cuda", ...; None: the pods' default
     prefill: list[PodSpec] = field(default_factory=lambda: [default_prefill()])
     decode: list[PodSpec] = field(default_factory=lambda: [default_decode()])
     router_args: list[str] = field(default_factory=list)
@@ -112,7 +114,7 @@ class Topology:
     def from_dict(cls, data: Any) -> "Topology":
         if not isinstance(data, Mapping):
             raise TopologyError(f"the topology must be a mapping, got {type(data).__name__}")
-        known = {"model", "host", "block_size", "max_model_len", "router", "prefill", "decode"}
+        known = {"model", "host", "block_size", "max_model_len", "device", "router", "prefill", "decode"}
         _no_unknown(data, known, "topology")
         topo = cls()
         if data.get("model") is not None:
@@ -123,6 +125,8 @@ class Topology:
             topo.block_size = _int(data["block_size"], "block_size", lo=1)
         if data.get("max_model_len") is not None:
             topo.max_model_len = _int(data["max_model_len"], "max_model_len", lo=2)
+        if data.get("device") is not None:
+            topo.device = _str(data["device"], "device")
         router = data.get("router") or {}
         if not isinstance(router, Mapping):
             raise TopologyError("router: expected a mapping like {port: 50051, http_port: 8000}")
@@ -145,7 +149,7 @@ class Topology:
         ``dcp_interleave``, ``num_kv_blocks``."""
         t = dataclasses.replace(self, prefill=[dataclasses.replace(p) for p in self.prefill],
                                 decode=[dataclasses.replace(p) for p in self.decode], warnings=[])
-        for name in ("model", "host", "router_port", "block_size", "max_model_len"):
+        for name in ("model", "host", "router_port", "block_size", "max_model_len", "device"):
             if kw.get(name) is not None:
                 setattr(t, name, kw[name])
         if "http_port" in kw and kw["http_port"] is not None:

@@ -53,6 +53,7 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, metavar="N", help="KV block size in tokens (default 16)")
     p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV blocks per rank on every pod")
     p.add_argument("--max-model-len", type=int, metavar="N", help="context length served")
+    p.add_argument("--device", metavar="DEV", help="device of every pod: cpu, cuda (default: the pods' default)")
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -61,7 +62,8 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         model=args.model, host=args.host, router_port=args.router_port, http_port=args.http_port,
         prefill_pods=args.prefill_pods, prefill_tp=args.prefill_tp, decode_pods=args.decode_pods,
         decode_tp=args.decode_tp, decode_dcp=args.decode_dcp, dcp_interleave=args.dcp_interleave,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
+        device=args.device)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

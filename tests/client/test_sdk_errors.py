@@ -112,7 +112,6 @@ def test_unavailable_is_retried_with_exponential_backoff_then_raised(srv, servic
     # 0.05, 0.1, 0.2 (no jitter): each gap at least the backoff, and growing
     for gap, want in zip(gaps, (0.05, 0.1, 0.2)):
         assert gap >= want * 0.9
-    assert gaps[2] > gaps[0]
     # every attempt re-sends the same request id
     assert len({r.request_id for _, r in servicer.calls}) == 1
 

@@ -66,6 +66,7 @@ model: null
 host: 127.0.0.1
 block_size: 32
 max_model_len: 1024
+device: cuda
 router: {port: 0, http_port: -1, args: "--max-queue-len 8"}
 prefill: {count: 2, tp: 2}
 decode:
@@ -74,6 +75,7 @@ decode:
 """)
     t = Topology.from_yaml(f).resolve(GQA_1KV)
     assert t.block_size == 32 and t.max_model_len == 1024 and t.router_port == 0 and t.http_port is None
+    assert t.device == "cuda"
     assert t.router_args == ["--max-queue-len", "8"]
     assert [(p.name, p.tensor_parallel_size) for p in t.prefill] == [("prefill-0", 2), ("prefill-1", 2)]
     d0, d1 = t.decode
@@ -151,7 +153,8 @@ def test_up_dry_run_prints_the_checked_plan(tmp_path):
     cmd = plan["commands"]["decode-0"]
     assert cmd[1:3] == ["-m", "decode_svc"] and "--decode-context-parallel-size" in cmd
     assert plan["commands"]["prefill-0"][cmd.index("-m") + 1] == "prefill_svc"
-    assert "--router" in plan["commands"]["prefill-0"]
+    assert "--router" in plan["commands"]["prefill-0"] and "--device" not in cmd
+    assert "--router" in cmd  # decode pods register with the router too
     bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run",
                           "--decode-tp", "2", "--decode-dcp", "4"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Suggested fix" in bad.stderr and bad.stdout == ""

@@ -5,7 +5,8 @@
         ...
     # leaving the block sends SIGINT (Ctrl-C) and waits for `pdserve up` to stop everything
 
-``descendants()`` lists every process below ``pdserve up`` (services, their TP ranks, the reaper) so a test can
+If the test process dies (a killed pytest), `pdserve up` gets SIGINT (PR_SET_PDEATHSIG) and stops its cluster, so
+an interrupted test run leaves nothing behind either. ``descendants()`` lists every process below ``pdserve up`` (services, their TP ranks, the reaper) so a test can
 check that none survives.
 """
 from __future__ import annotations
@@ -15,9 +16,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from pdserve.cluster.supervisor import _PRCTL, PR_SET_PDEATHSIG
 
 
 class UpProcess:
@@ -40,10 +44,20 @@ class UpProcess:
         self.ready_file.unlink(missing_ok=True)
         out = open(self.output, "ab")
         # its own session: the test's SIGINT goes to `pdserve up` alone, as Ctrl-C in its terminal would
+        parent = os.getpid()
+
+        def preexec() -> None:
+            if _PRCTL is not None:
+                _PRCTL(PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+        main_thread = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "up", *self.args, "--ready-file", str(self.ready_file),
              "--log-dir", str(self.log_dir), "--startup-timeout", str(self.startup_timeout)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
+            preexec_fn=preexec if main_thread else None)
         out.close()
         if wait:
             self.wait_ready()

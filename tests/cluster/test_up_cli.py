@@ -86,3 +86,33 @@ def test_sigkilled_up_takes_every_service_with_it(tmp_path, tiny):
         assert left == [], left
     finally:
         up.kill()
+
+
+def test_up_process_dies_with_the_test_that_started_it(tmp_path, tiny):
+    """UpProcess (the harness of these tests): a killed test run does not leave `pdserve up` and its cluster."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    driver = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from pdserve.cluster.testing import UpProcess
+up = UpProcess(["--model", {str(tiny)!r}, "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"],
+               log_dir={str(tmp_path / "logs")!r})
+up.start(wait=False)
+print(up.proc.pid, flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    up_pid = int(driver.stdout.readline())
+    up_proc = psutil.Process(up_pid)
+    seen: dict[int, psutil.Process] = {}
+    end = time.monotonic() + 120
+    while len(seen) < 6 and time.monotonic() < end:
+        for k in up_proc.children(recursive=True):
+            seen.setdefault(k.pid, k)
+        time.sleep(0.2)
+    driver.kill()
+    driver.wait(10)
+    gone, alive = psutil.wait_procs([up_proc, *seen.values()], timeout=60)
+    assert alive == [], [p.cmdline() for p in alive]

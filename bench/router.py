@@ -124,7 +124,19 @@ def _run_loop(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, vocab: int) -> dict[str, Any]:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and its threads (Linux /proc)."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, vocab: int,
+                   pids: dict[str, int]) -> dict[str, Any]:
     import grpc
 
     from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -151,11 +163,13 @@ async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, voca
                 remaining -= 1
                 load.append(await _one(stub, req()))
 
+        cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        cpu = {name: (_cpu_s(pid) - cpu0[name]) / len(load) for name, pid in pids.items()}
     floor = await _floor(n_seq)
-    return {"sequential": seq, "load": load, "load_wall_s": wall, "floor": floor}
+    return {"sequential": seq, "load": load, "load_wall_s": wall, "floor": floor, "cpu_s_per_request": cpu}
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -171,15 +185,21 @@ def run(quick: bool = False) -> dict[str, Any]:
                       stand_in_registration=not supports_flag("decode_svc", "--router"),
                       router_args=["--log-level", "WARNING"])
     t_start = time.perf_counter()
-    with cluster:
+    cluster.start()
+    try:
         t_up = time.perf_counter() - t_start
-        res = _run_loop(_measure(cluster.router_address, n_seq, n_load, concurrency, 256))
+        pids = {name: p.popen.pid for name, p in cluster.procs.items()}
+        res = _run_loop(_measure(cluster.router_address, n_seq, n_load, concurrency, 256, pids))
+    finally:
+        cluster.stop(grace=3.0)  # a benchmark needs no graceful drain
 
     seq, load = res["sequential"], res["load"]
     overhead = [r["client_ttft"] - r["pod"] for r in seq]
     internal = [r["router_ttft"] - r["pod"] - r["queue"] for r in seq]
     load_overhead = [r["client_ttft"] - r["pod"] - r["queue"] for r in load]
     rps = len(load) / res["load_wall_s"]
+    cpu = res["cpu_s_per_request"]
+    router_cpu_ms = cpu["router"] * 1000
     table = [
         _row("router overhead (client TTFT - pod calls), sequential", overhead, target_p99_ms=TARGET_P99_MS),
         _row("router-internal overhead (router TTFT - pod calls), sequential", internal),
@@ -189,6 +209,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         _row(f"router overhead under load (concurrency {concurrency})", load_overhead),
         _row(f"client TTFT under load (concurrency {concurrency})", [r["client_ttft"] for r in load],
              requests_per_s=rps),
+        {"measure": "router CPU per routed request under load (ms); ceiling = 1 core / it",
+         "n": len(load), "mean_ms": router_cpu_ms, "requests_per_s": 1000 / router_cpu_ms if router_cpu_ms else None},
     ]
     p99 = _pct(overhead, 99) * 1000
     ratios = {
@@ -197,6 +219,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "overhead_p50_over_grpc_floor_p50": statistics.median(overhead) / statistics.median(res["floor"]),
         "overhead_p50_share_of_ttft": statistics.median(overhead) / statistics.median(r["client_ttft"] for r in seq),
         "routed_requests_per_s_max_tokens_1": rps,
+        "router_cpu_ms_per_request": router_cpu_ms,
+        "router_cpu_share_of_all_cpu_per_request": cpu["router"] / sum(cpu.values()),
     }
     return {
         "benchmark": "router",
@@ -208,7 +232,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "setup": {"prefill_pods": 1, "decode_pods": 1, "model": "tiny random llama (2 layers, 8 heads, 1 KV head)",
                   "max_tokens": 1, "prompt_tokens": 16, "sequential_requests": n_seq, "load_requests": n_load,
                   "concurrency": concurrency, "cluster_start_s": t_up, "notes": cluster.notes},
-        "raw": {"sequential": seq, "load": load, "load_wall_s": res["load_wall_s"], "grpc_floor_s": res["floor"]},
+        "raw": {"sequential": seq, "load": load, "load_wall_s": res["load_wall_s"], "grpc_floor_s": res["floor"],
+                "cpu_s_per_request_by_process": cpu},
     }
 
 

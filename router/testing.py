@@ -169,25 +169,30 @@ class Cluster:
         os.killpg(p.popen.pid, signal.SIGKILL)
         p.popen.wait(timeout=30)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the pods first (they drain and deregister while the router is still up), then the router;
+        SIGKILL whatever has not exited after ``grace`` seconds."""
         for reg in self._stand_ins:
             reg.stop()
-        for p in self.procs.values():
-            if p.popen.poll() is None:
+        pods = [p for n, p in self.procs.items() if n != "router"]
+        router = [p for n, p in self.procs.items() if n == "router"]
+        for group in (pods, router):
+            for p in group:
+                if p.popen.poll() is None:
+                    try:
+                        os.killpg(p.popen.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + grace
+            for p in group:
                 try:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 15
-        for p in self.procs.values():
-            try:
-                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.popen.wait(timeout=10)
+                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    try:
+                        os.killpg(p.popen.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    p.popen.wait(timeout=10)
 
     def logs(self, n: int = 30) -> str:
         return "\n".join(p.tail(n) for p in self.procs.values())

@@ -163,3 +163,31 @@ def test_watchdog_runs_on_its_own():
             await asyncio.sleep(0.6)
             assert "d0" not in server.core.registry.pods
     run(body())
+
+
+def test_prefix_affinity_and_load_through_the_core():
+    """Through RouterCore: a request sharing its first blocks with an earlier one goes to the same prefill pod;
+    an unrelated one goes to the less loaded pod; the affinity pod loses once it is overloaded."""
+    async def body():
+        async with running_router(affinity_max_imbalance_tokens=100) as (server, ch):
+            _, registry = stubs(ch)
+            core = server.core
+            for p in ("p0", "p1"):
+                await registry.RegisterWorker(register_request(p, PREFILL))
+            shared = list(range(10, 42))  # two full blocks
+
+            async def prep(ids):
+                return await core.prepare(router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids)))
+
+            a = await prep(shared + [1, 2, 3])
+            first = core.pick_prefill(a, set())
+            other = {"p0": "p1", "p1": "p0"}[first]
+            b = await prep(list(range(100, 140)))
+            assert core.pick_prefill(b, set()) == other  # least loaded (a's tokens are booked on `first`)
+            c = await prep(shared + [7, 8])
+            assert core.pick_prefill(c, set()) == first  # affinity: same first blocks
+            # Overload `first` (beyond the 100-token imbalance): affinity yields to load.
+            core.registry.start_prefill(first, 500)
+            d = await prep(shared + [9])
+            assert core.pick_prefill(d, set()) == other
+    run(body())

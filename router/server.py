@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from pdserve_api.v1 import common_pb2, registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve_api.v1 import common_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.core import RouterCore
 from router.journey import generate

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
@@ -254,6 +253,3 @@ def shape_mismatch(a: common_pb2.ModelShape, b: common_pb2.ModelShape) -> str | 
             return f"{name} {y!r} (this pod) != {x!r} (pods already serving the model)"
     return None
 
-
-def describe(obj: Any) -> str:
-    return str(obj).replace("\n", " ").strip()

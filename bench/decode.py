@@ -226,7 +226,7 @@ if __name__ == "__main__":
     import argparse
     import json
 
-    from bench.common import format_table
+    from bench.common import format_table, write_result
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -235,5 +235,4 @@ if __name__ == "__main__":
     result = run(quick=a.quick)
     print(format_table(result["table"]))
     print("ratios:", json.dumps(result["ratios"]))
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=2, default=str))
+    write_result(result, a.out)

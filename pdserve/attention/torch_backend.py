@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.attention.base import AttentionMetadata
+from pdserve.attention.merge import merge_attn_states
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -43,6 +44,19 @@ class TorchAttentionBackend:
                 o, lse = _flash(qb, kb, vb, 0.0, True, scale=scale)
                 outs.append(o[0].transpose(0, 1))
                 lses.append(lse[0].transpose(0, 1))
+                continue
+            if start > 0 and start + n == ctx and meta.sliding_window is None and meta.dcp_size == 1:
+                # A later chunk of a chunked prefill: every earlier key is visible (no mask) and the chunk's own keys
+                # are causal and aligned with its queries, so two fused calls merged by LSE replace one call with an
+                # [n, ctx] mask (which costs a mask build per layer and the kernel's slow masked path).
+                o1, lse1 = _flash(qb, kb[:, :, :start].contiguous(), vb[:, :, :start].contiguous(), 0.0, False,
+                                  scale=scale)
+                o2, lse2 = _flash(qb, kb[:, :, start:].contiguous(), vb[:, :, start:].contiguous(), 0.0, True,
+                                  scale=scale)
+                o, lse = merge_attn_states(torch.stack([o1[0].transpose(0, 1), o2[0].transpose(0, 1)]),
+                                           torch.stack([lse1[0].transpose(0, 1), lse2[0].transpose(0, 1)]))
+                outs.append(o)
+                lses.append(lse)
                 continue
             qpos = torch.arange(start, start + n).unsqueeze(1)
             kpos = meta.key_positions(ctx).unsqueeze(0)

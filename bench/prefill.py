@@ -4,20 +4,24 @@ pdserve side: the prefill pod's engine loop (prefill_svc.worker.PrefillWorker) e
 it (chunked as configured), sample the first token, hold the KV under a lease published layer by layer to a kv_transfer
 TCP publisher; timed from submission to the answer, then the lease is released. transformers side: one forward pass of
 the prompt building its KV cache, logits of the last position only (``logits_to_keep=1``, as generate() does).
-Best of N runs each, alternating sides, so a shared machine's noise hits both alike.
+Best of N runs each, alternating which side goes first, so a shared machine's noise hits both alike. Both sides use
+the same torch thread count: torch's default, or PDSERVE_BENCH_THREADS (on a small CPU shared with other work, 1 thread
+avoids intra-op threads spinning against other processes and gives far steadier numbers). The "cpu-time ratio"
+column compares process CPU seconds (best of N) instead of wall time: on a busy machine it tracks the work done more
+closely; with more than one thread it also counts intra-op threads' spinning.
 
 SmolLM2's context is 8,192 positions and a prompt must leave room for the first token, so the "8192" row runs
 8,191 tokens on both sides. Quick mode runs 128 and 2,048 only (the 8k row alone takes minutes on a small CPU)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from typing import Any
 
 import torch
 
-from bench.common import timed
 from pdserve.default_model import ensure_default_model
 
 
@@ -26,18 +30,25 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def _pod_prefill_s(worker, ids: list[int], rid: str) -> float:
+def _cpu_and_wall(fn) -> tuple[float, float]:
+    """(process CPU seconds, wall seconds) of fn(): CPU time is what the work cost whatever else the machine ran."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - c0, time.perf_counter() - t0
+
+
+def _pod_prefill_s(worker, ids: list[int], rid: str) -> tuple[float, float]:
     from pdserve_api.v1 import common_pb2 as pb
     from prefill_svc.convert import sampling_from_proto
 
     params, client = sampling_from_proto(pb.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
 
-    async def go() -> float:
-        t0 = time.perf_counter()
+    async def go() -> tuple[float, float]:
+        c0, t0 = time.process_time(), time.perf_counter()
         res = await worker.prefill(rid, ids, params, client)
-        dt = time.perf_counter() - t0
+        cpu, dt = time.process_time() - c0, time.perf_counter() - t0
         await worker.release(res.lease_id)
-        return dt
+        return cpu, dt
 
     return asyncio.run(go())
 
@@ -48,9 +59,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     from prefill_svc.config import PrefillConfig
     from prefill_svc.worker import PrefillWorker
 
+    if os.environ.get("PDSERVE_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["PDSERVE_BENCH_THREADS"]))
     path = ensure_default_model()
     lengths = [128, 2048] if quick else [128, 2048, 8191]
-    repeats = {128: 3, 2048: 1 if quick else 2, 8191: 1}
+    repeats = {128: 2 if quick else 5, 2048: 1 if quick else 3, 8191: 2}
     chunk = 2048
     cfg = PrefillConfig(model=str(path), kv_transport="tcp", enable_prefix_caching=False, prefill_chunk_size=chunk,
                         max_num_batched_tokens=8192, num_kv_blocks=8192 // 16 + 16)
@@ -67,18 +80,24 @@ def run(quick: bool = False) -> dict[str, Any]:
             hf(torch.tensor([_prompt(64, 0, vocab)]), logits_to_keep=1)
         for n in lengths:
             ids = _prompt(n, n, vocab)
-            pod_best = hf_best = float("inf")
-            for _ in range(repeats[n]):
-                pod_best = min(pod_best, _pod_prefill_s(worker, ids, f"r{next(counter)}"))
-                with torch.inference_mode():
-                    hf_best = min(hf_best, timed(lambda: hf(torch.tensor([ids]), logits_to_keep=1)))
-            pod_tps, hf_tps = n / pod_best, n / hf_best
+            best = {"pod": [float("inf")] * 2, "hf": [float("inf")] * 2}  # [cpu s, wall s]
+            for rep in range(repeats[n]):
+                for side in ("pod", "hf") if rep % 2 == 0 else ("hf", "pod"):
+                    if side == "pod":
+                        got = _pod_prefill_s(worker, ids, f"r{next(counter)}")
+                    else:
+                        with torch.inference_mode():
+                            got = _cpu_and_wall(lambda: hf(torch.tensor([ids]), logits_to_keep=1))
+                    best[side] = [min(a, b) for a, b in zip(best[side], got)]
+            pod_tps, hf_tps = n / best["pod"][1], n / best["hf"][1]
+            cpu_ratio = best["hf"][0] / best["pod"][0]
             label = 8192 if n == 8191 else n
             rows.append({"prompt tokens": n, "pdserve prefill tok/s": pod_tps, "transformers tok/s": hf_tps,
-                         "ratio": pod_tps / hf_tps, "chunks": -(-n // chunk)})
+                         "ratio": pod_tps / hf_tps, "cpu-time ratio": cpu_ratio, "chunks": -(-n // chunk)})
             ratios[f"prefill_{label}_vs_transformers"] = pod_tps / hf_tps
-            raw["tok_s"][str(n)] = {"pdserve": pod_tps, "transformers": hf_tps, "pdserve_s": pod_best,
-                                    "transformers_s": hf_best}
+            raw["tok_s"][str(n)] = {"pdserve": pod_tps, "transformers": hf_tps, "pdserve_wall_s": best["pod"][1],
+                                    "transformers_wall_s": best["hf"][1], "pdserve_cpu_s": best["pod"][0],
+                                    "transformers_cpu_s": best["hf"][0], "cpu_time_ratio": cpu_ratio}
     finally:
         worker.stop()
     return {"benchmark": "prefill", "quick": quick, "model": path.name, "table": rows, "ratios": ratios, **raw}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.engine.llm_engine import EngineConfig
 
@@ -52,8 +52,6 @@ class PrefillConfig:
     heartbeat_interval_s: float = 2.0  # until the router says otherwise
     # --- shutdown ---
     drain_timeout_s: float = 60.0  # SIGTERM: longest wait for held work (prefills and leases) to finish
-
-    extra: dict = field(default_factory=dict)  # free-form, logged only
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:

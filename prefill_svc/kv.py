@@ -148,15 +148,12 @@ class KVHost:
                                                                         lease_timeout_s))
         errs = [r for r in results if isinstance(r, Exception)]
         if errs:
-            self._close_started(results)
+            engine.executor.call_all_ranks(rank_close)  # the ranks that did start one
             raise RuntimeError(f"starting the KV publishers failed: {errs[0]!r}") from errs[0]
         self.endpoints = [Endpoint.parse(ep) for ep, _ in results]
         self.transport = "nixl" if all(name == "nixl" for _, name in results) else "tcp"
         self.rank0: RankKV = engine.executor.runner.prefill_kv
         self.rank0.wake = wake
-
-    def _close_started(self, results: list[Any]) -> None:
-        self.engine.executor.call_all_ranks(rank_close)
 
     def handoff(self, ls: LeaseStart) -> KVHandoff:
         return KVHandoff(ls.lease_id, ls.request_id, ls.num_tokens, self.layout,

@@ -118,7 +118,7 @@ class PrefillServer:
             raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
         await self.server.start()
         if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port)
+            self.metrics.serve(self.config.metrics_port, self.config.host)
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

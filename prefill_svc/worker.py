@@ -141,6 +141,7 @@ class PrefillWorker:
         self._step_publishes = False  # the step being run publishes leases
         # lease id -> (ranks whose publish failed, what): errors seen before the request's first token is handled
         self._publish_errors: dict[str, tuple[set[int], str]] = {}
+        self._early_freed: dict[str, set[int]] = {}  # lease id -> ranks that freed it before _on_output
         self.on_event: Callable[[str, str], None] | None = None  # (kind, request id), engine thread; tests
 
     # --- life cycle ---
@@ -174,7 +175,10 @@ class PrefillWorker:
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:  # the caller went away: drop the request and whatever it holds
-            self._call(lambda: self._cancel(request_id, "caller cancelled"))
+            try:
+                self._call(lambda: self._cancel(request_id, "caller cancelled"))
+            except Draining:
+                pass
             raise
 
     async def cancel(self, request_id: str) -> bool:
@@ -292,7 +296,7 @@ class PrefillWorker:
                 raise InvalidRequest("request_id must not be empty")
             if request_id in self._jobs or request_id in self._lease_of_request:
                 raise AlreadyExists(f"request_id {request_id!r} is already in flight on this pod")
-            if lease_id and lease_id in self._leases:
+            if lease_id and (lease_id in self._leases or any(j.lease_id == lease_id for j in self._jobs.values())):
                 raise AlreadyExists(f"lease_id {lease_id!r} is already in use on this pod")
             if len(self._leases) + len(self._jobs) >= self.config.max_leases:
                 raise Exhausted(f"this pod holds its maximum of {self.config.max_leases} KV leases; retry elsewhere")
@@ -303,8 +307,10 @@ class PrefillWorker:
             need = -(-len(prompt_ids) // self.config.block_size)
             if need > self.config.num_kv_blocks:
                 raise Exhausted(f"prompt needs {need} KV blocks but this pod has {self.config.num_kv_blocks} per rank")
-            job = _Job(request_id, lease_id or new_lease_id(), len(prompt_ids), client,
-                       ttl_s if ttl_s and ttl_s > 0 else self.config.lease_ttl_s, fut)
+            # A requested TTL is enforced here only without a KV transport; publishers apply the pod's
+            # lease_ttl_s as an idle timeout (renewed by every decode contact).
+            ttl = ttl_s if (ttl_s and ttl_s > 0 and self.kv is None) else self.config.lease_ttl_s
+            job = _Job(request_id, lease_id or new_lease_id(), len(prompt_ids), client, ttl, fut)
             try:
                 eng.add_request(prompt_ids, params, request_id, hold_kv=True)
             except RequestError as e:
@@ -353,7 +359,8 @@ class PrefillWorker:
         ls = job.lease_start
         error = self._publish_errors.pop(job.lease_id, None)
         failed = error[0] if error else set()
-        pending = set(range(self.kv.tp_size)) - failed if (self.kv is not None and ls is not None) else set()
+        let_go = self._early_freed.pop(job.lease_id, set())  # freed by a rank before this point (decode abort)
+        pending = set(range(self.kv.tp_size)) - failed - let_go if (self.kv is not None and ls is not None) else set()
         lease = _Lease(job.lease_id, job.request_id, len(table), now + job.ttl_s, pending)
         self._leases[job.lease_id] = lease
         self._lease_of_request[job.request_id] = job.lease_id
@@ -426,6 +433,8 @@ class PrefillWorker:
         for rank, lid, reason in freed:
             lease = self._leases.get(lid)
             if lease is None:
+                if any(j.lease_id == lid for j in self._jobs.values()):  # before its first token was handled
+                    self._early_freed.setdefault(lid, set()).add(rank)
                 continue
             lease.pending_ranks.discard(rank)
             if not lease.pending_ranks:

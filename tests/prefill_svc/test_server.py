@@ -218,6 +218,17 @@ def test_registers_and_heartbeats(pod, registry):
     assert hb.pod_id == "prefill-test-0" and hb.state == pb.POD_STATE_READY and len(hb.kv) == 1
 
 
+def test_the_real_router_registry_accepts_the_registration(pod, registry, tiny_model):
+    router_registry = pytest.importorskip("router.registry")
+    from router.config import RouterConfig
+
+    reg, _ = registry
+    router = router_registry.Registry(RouterConfig(cluster_token="s3cret"), model_name=Path(tiny_model).name)
+    resp = router.register(reg.of("register")[0])
+    assert resp.accepted, resp.message
+    assert router.heartbeat(reg.of("heartbeat")[-1]).known
+
+
 def test_sigterm_drains(pod, registry):
     reg, _ = registry
     held = pod.stub.Prefill(greedy_request("held", random_prompt(100, seed=13)), timeout=60)

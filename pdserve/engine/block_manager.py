@@ -8,19 +8,15 @@ import hashlib
 from collections import OrderedDict
 
 from pdserve.engine.sequence import Sequence
+from pdserve.parallel_config import dcp_local_count
 
-
-def dcp_local_count(num_tokens: int, dcp: int, interleave: int, dcp_rank: int) -> int:
-    """How many of the first num_tokens tokens DCP rank dcp_rank stores."""
-    if dcp == 1:
-        return num_tokens
-    span = dcp * interleave
-    full, rest = divmod(num_tokens, span)
-    return full * interleave + min(max(rest - dcp_rank * interleave, 0), interleave)
+__all__ = ["BlockAllocator", "BlockManager", "dcp_local_count", "dcp_slot"]
 
 
 def dcp_slot(pos: int, dcp: int, interleave: int) -> tuple[int, int]:
-    """(owning DCP rank, local index on that rank) of absolute token position pos."""
+    """(owning DCP rank, local index on that rank) of absolute token position pos.
+
+    parallel_config.dcp_owner/dcp_local_index in one unchecked call: this runs per token per step."""
     rank = (pos // interleave) % dcp
     return rank, (pos // (interleave * dcp)) * interleave + pos % interleave
 

@@ -13,7 +13,8 @@ from torch import nn
 from pdserve.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.attention.merge import correction_weights
 from pdserve.model.config import ModelConfig
-from pdserve.model.parallel_state import ParallelState, kv_heads_for_rank, q_heads_for_rank
+from pdserve.model.parallel_state import ParallelState
+from pdserve.parallel_config import kv_heads_for_tp_rank, q_heads_for_tp_rank
 from pdserve.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -39,8 +40,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend) -> None:
         super().__init__()
         self.ps, self.backend = ps, backend
-        self.q_heads = q_heads_for_rank(cfg.num_heads, ps.tp_size, ps.tp_rank)
-        self.kv_heads = kv_heads_for_rank(cfg.num_kv_heads, ps.tp_size, ps.tp_rank)
+        self.q_heads = q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, ps.tp_rank)
+        self.kv_heads = kv_heads_for_tp_rank(cfg.num_kv_heads, ps.tp_size, ps.tp_rank)
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window

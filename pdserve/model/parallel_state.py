@@ -45,16 +45,3 @@ class ParallelState:
             return out
         dist.all_reduce(x, group=self.dcp_group)
         return x.chunk(self.dcp_size, dim=dim)[self.dcp_rank].contiguous()
-
-
-def kv_heads_for_rank(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
-    """vLLM's placement: split KV heads when there are enough, else replicate one head per rank."""
-    if tp_size <= total_kv_heads:
-        per = total_kv_heads // tp_size
-        return list(range(tp_rank * per, (tp_rank + 1) * per))
-    return [tp_rank * total_kv_heads // tp_size]
-
-
-def q_heads_for_rank(total_heads: int, tp_size: int, tp_rank: int) -> list[int]:
-    per = total_heads // tp_size
-    return list(range(tp_rank * per, (tp_rank + 1) * per))

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from pdserve.security import add_tls_arguments
 from decode_svc.config import DecodeConfig, DecodeConfigError
 from pdserve.parallel_config import ParallelConfigError
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""))
     p.add_argument("--heartbeat-interval-s", type=float, default=d["heartbeat_interval_s"].default)
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    add_tls_arguments(p)
     return p
 
 
@@ -59,7 +61,9 @@ def config_from_args(a: argparse.Namespace) -> DecodeConfig:
         admission_timeout_s=a.admission_timeout_s, drain_timeout_s=a.drain_timeout_s, allow_file_kv=a.allow_file_kv,
         kv_transfer_backend=a.kv_transfer_backend, kv_transfer_timeout_s=a.kv_transfer_timeout_s, pod_id=a.pod_id,
         served_model_name=a.served_model_name, advertise_host=a.advertise_host, router_address=a.router_address,
-        cluster_token=a.cluster_token, heartbeat_interval_s=a.heartbeat_interval_s)
+        cluster_token=a.cluster_token, heartbeat_interval_s=a.heartbeat_interval_s,
+        tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, tls_ca_file=a.tls_ca_file,
+        tls_require_client_cert=a.tls_require_client_cert, tls_server_name=a.tls_server_name)
 
 
 def main(argv: list[str] | None = None) -> int:

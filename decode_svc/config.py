@@ -7,9 +7,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from pdserve.engine.llm_engine import EngineConfig
 from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, validate_parallel_config
+
+if TYPE_CHECKING:
+    from pdserve.security import TLSConfig
 
 
 class DecodeConfigError(ValueError):
@@ -44,6 +48,12 @@ class DecodeConfig:
     router_address: str | None = None  # host:port of the router's Registry; None: standalone
     cluster_token: str = ""
     heartbeat_interval_s: float = 2.0  # until the router says otherwise
+    # --- security (pdserve.security): None = plaintext ---
+    tls_cert_file: str | None = None  # serve TLS with this certificate; also our client certificate under mTLS
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None  # CA of the router's / peers' certificates (and of clients' under mTLS)
+    tls_require_client_cert: bool = False  # mutual TLS
+    tls_server_name: str | None = None  # name expected in the router's certificate; None = the host dialed
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -74,6 +84,10 @@ class DecodeConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 bad(f"{name} must be a positive number of seconds, got {v!r}")
+        try:
+            self.tls
+        except ValueError as e:  # pdserve.security.TLSConfigError names the flag to fix
+            bad(str(e))
         if self.model is None:
             from pdserve.default_model import ensure_default_model
 
@@ -83,6 +97,15 @@ class DecodeConfig:
             bad(f"model {self.model!r} is not a checkpoint directory (no config.json)")
         # Sizes <= 0 are reported by the parallel rules themselves, in vLLM's words.
         validate_parallel_config(ModelParallelInfo.from_model_path(self.model), self.parallel)
+
+    @property
+    def tls(self) -> "TLSConfig | None":
+        """TLS settings (checked when the config is built), or None for plaintext."""
+        from pdserve.security import TLSConfig
+
+        tls = TLSConfig(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file,
+                        require_client_cert=self.tls_require_client_cert, server_name=self.tls_server_name)
+        return tls if tls.enabled or tls.require_client_cert else None
 
     @property
     def parallel(self) -> ParallelConfig:

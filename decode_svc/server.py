@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_svc.config import DecodeConfig
-from decode_svc.engine_loop import EngineLoop
+from decode_svc.engine_loop import EngineLoop, EngineStopped
 from decode_svc.kv_source import FileKVSource, KVDeliveryError, KVSource, PullerFactory, TransferKVSource
 from decode_svc.metrics import DecodeCollector, start_metrics_server
 from decode_svc.pod import DecodePod, Failure, RequestExists
@@ -25,6 +25,7 @@ from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestError, RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve.security import bind, export_kv_auth_token, grpc_options
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("decode_svc")
@@ -97,16 +98,19 @@ class DecodeServer:
 
     # --- lifecycle ---
     async def start(self) -> None:
+        aloop = asyncio.get_running_loop()
+        self.engine.on_failure = lambda e: aloop.call_soon_threadsafe(self._engine_failed, e)
+        export_kv_auth_token(self.config.cluster_token)  # before the ranks (and their KV pullers) are spawned
         await asyncio.to_thread(self.engine.start)
         self._layout = await self.call(self._layout_of)
         self.max_model_len = await self.call(lambda pod: pod.max_model_len)
         backend = self.config.kv_transfer_backend
         self._puller_factory = await self.call(lambda pod: PullerFactory.for_engine(pod.engine, backend))
         self.transfer_modes = await asyncio.to_thread(_transfer_modes, backend)
-        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        self._server = grpc.aio.server(options=grpc_options())
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(self), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = bind(self._server, f"{self.config.host}:{self.config.port}", self.config.tls)
         if not self.port:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         await self._server.start()
@@ -122,7 +126,7 @@ class DecodeServer:
 
             self.registrar = Registrar(self.config.router_address, self.config.cluster_token,
                                        self.config.heartbeat_interval_s, self.register_request,
-                                       self.heartbeat_request, self._on_desired_state)
+                                       self.heartbeat_request, self._on_desired_state, tls=self.config.tls)
             self.registrar.start()
 
     async def drain(self) -> None:
@@ -154,6 +158,24 @@ class DecodeServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         self._stopped.set()
+
+    def _engine_failed(self, error: BaseException) -> None:
+        """The engine thread died (e.g. a TP rank was killed): this pod can serve nothing more. Health says
+        NOT_SERVING and the next heartbeat (sent now) says UNHEALTHY, so the router stops placing requests here;
+        the process stays up so an operator / orchestrator sees why (the log and the health status)."""
+        log.error("decode pod %s is unhealthy: %s", self.config.pod_id, error)
+        for svc in ("", SERVICE_NAME):
+            asyncio.ensure_future(self._health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING))
+        if self.registrar is not None:
+            self.registrar.poke()
+
+    def unavailable_reason(self) -> str | None:
+        """Why this pod takes no new work (draining, engine failed), or None."""
+        if self.engine.error is not None:
+            return f"decode pod {self.config.pod_id} is unhealthy: {self.engine.error}"
+        if self.draining:
+            return "decode pod is draining"
+        return None
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -193,7 +215,7 @@ class DecodeServer:
     def register_request(self) -> Any:
         from pdserve_api.v1 import registry_pb2
 
-        if self.draining:
+        if self.draining or self.engine.error is not None:  # a pod going away / broken does not (re-)register
             return None
         cfg = self.config
         return registry_pb2.RegisterWorkerRequest(
@@ -222,7 +244,8 @@ class DecodeServer:
             self._last_rate = (now, st.generated_tokens)
         return registry_pb2.HeartbeatRequest(
             pod_id=self.config.pod_id, cluster_token=self.config.cluster_token,
-            state=common_pb2.POD_STATE_DRAINING if self.draining else common_pb2.POD_STATE_READY,
+            state=(common_pb2.POD_STATE_UNHEALTHY if self.engine.error is not None else
+                   common_pb2.POD_STATE_DRAINING if self.draining else common_pb2.POD_STATE_READY),
             load=common_pb2.LoadStats(num_running_seqs=st.running, num_waiting_seqs=st.waiting,
                                       num_active_leases=st.reserved, generation_tokens_per_s=self._rate),
             kv=self._kv_stats())
@@ -285,8 +308,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def AllocateKV(self, request: decode_pb2.AllocateKVRequest, context: grpc.aio.ServicerContext):
         s = self.s
         rid = request.request_id
-        if s.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode pod is draining")
+        if s.unavailable_reason():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, s.unavailable_reason())
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         mismatch = _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None
@@ -305,6 +328,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestExists as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if got is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"not enough free KV blocks for {request.num_tokens} tokens on this decode pod")
@@ -325,6 +350,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         t_start = time.monotonic()
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if s.engine.error is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, s.unavailable_reason())
         try:
             params = sampling_params_from_proto(request.sampling_params, s.max_model_len)
             source = s.make_source(request)
@@ -375,6 +402,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             except KVDeliveryError as e:
                 await context.abort(getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.ABORTED), str(e))
+            except EngineStopped as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             t_landed: float | None = None
             seen_first = False
             while not done:

@@ -5,6 +5,12 @@ A request is one frame with ``{"op": ...}``; the answer is one frame, or for str
 frames ending with ``{"end": true}``. Errors come back as ``{"ok": false, "error": KIND, "detail": ...}``
 and are raised on the client as the matching typed exception.
 
+Authentication: a publisher started with the cluster token (``PDSERVE_KV_AUTH_TOKEN``, exported by the pods from
+``--cluster-token``) serves nothing until the connection proves it holds the token: the client asks
+``{"op": "auth_challenge"}`` and answers ``{"op": "auth", "mac": HMAC-SHA256(token, nonce)}``. Any other first
+request gets an ``unauthenticated`` error and the connection is closed, so a peer that could not have registered
+with the router cannot handshake, pin or read KV. ``ControlClient.connect`` does this by itself.
+
 Why our own protocol and not gRPC: it is the data-path side channel (handshake, lease checks, layer
 progress, completion, fallback bytes), it must not depend on the service API, and it must time out
 on every read: every socket read here has a deadline.
@@ -12,8 +18,11 @@ on every read: every socket read here has a deadline.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -32,6 +41,27 @@ from kv_transfer.transport import (
 
 log = logging.getLogger(__name__)
 
+
+
+class KVAuthError(BadTransferRequest):
+    """The peer does not hold (or did not present) the cluster token."""
+
+
+_AUTH_CONTEXT = b"pdserve-kv-auth-v1|"  # domain separation: this MAC means nothing anywhere else
+
+
+def auth_mac(token: str, nonce: str) -> str:
+    return hmac.new(token.encode(), _AUTH_CONTEXT + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def _default_token(token: str | None) -> str:
+    if token is not None:
+        return token
+    from pdserve.security import kv_auth_token
+
+    return kv_auth_token()
+
+
 _MAGIC = b"PDKV"
 _HEADER = struct.Struct("!4sIQ")
 MAX_JSON = 16 << 20
@@ -43,6 +73,7 @@ _ERROR_KINDS: dict[str, type[KVTransferError]] = {
     "handshake_timeout": HandshakeTimeout,
     "bad_request": BadTransferRequest,
     "internal": KVTransferError,
+    "unauthenticated": KVAuthError,
 }
 _KIND_OF = {v: k for k, v in _ERROR_KINDS.items()}
 
@@ -122,9 +153,10 @@ def raise_if_error(msg: dict[str, Any]) -> dict[str, Any]:
 class ControlClient:
     """One connection to a publisher. Calls are serialised by a lock (one request in flight)."""
 
-    def __init__(self, endpoint: Endpoint, io_timeout_s: float = 10.0) -> None:
+    def __init__(self, endpoint: Endpoint, io_timeout_s: float = 10.0, auth_token: str | None = None) -> None:
         self.endpoint = endpoint
         self.io_timeout_s = io_timeout_s
+        self._auth_token = _default_token(auth_token)  # None: this process's cluster token ("" = none)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -139,13 +171,35 @@ class ControlClient:
             try:
                 sock = socket.create_connection((self.endpoint.host, self.endpoint.port), timeout=left)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._sock = sock
-                return
             except (socket.timeout, TimeoutError):
                 continue
             except OSError:
                 time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
                 delay = min(delay * 2, 0.5)
+                continue
+            try:
+                if self._auth_token:
+                    self._authenticate(sock, max(deadline, time.monotonic() + 1.0))
+            except KVAuthError:
+                sock.close()
+                raise
+            except (OSError, ValueError) as e:
+                sock.close()
+                raise HandshakeTimeout(f"authenticating to kv publisher {self.endpoint} failed: {e!r}") from e
+            self._sock = sock
+            return
+
+    def _authenticate(self, sock: socket.socket, deadline: float) -> None:
+        """Prove we hold the cluster token (HMAC of the publisher's fresh nonce; the token never travels)."""
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        send_frame(sock, {"op": "auth_challenge"})
+        challenge, _ = recv_frame(sock, deadline)
+        raise_if_error(challenge)
+        if not challenge.get("auth"):
+            return  # the publisher checks nothing (no cluster token configured there)
+        send_frame(sock, {"op": "auth", "mac": auth_mac(self._auth_token, str(challenge.get("nonce", "")))})
+        reply, _ = recv_frame(sock, deadline)
+        raise_if_error(reply)
 
     def call(
         self, msg: dict[str, Any], payload: Payload = b"", timeout_s: float | None = None, handshake: bool = False
@@ -266,8 +320,10 @@ class ControlServer:
         port: int = 0,
         idle_timeout_s: float = 600.0,
         io_timeout_s: float = 30.0,
+        auth_token: str | None = None,
     ) -> None:
         self._handler = handler
+        self._auth_token = _default_token(auth_token)  # None: this process's cluster token ("" = no check)
         self.idle_timeout_s = idle_timeout_s
         self.io_timeout_s = io_timeout_s
         self._lsock = socket.create_server((host, port), reuse_port=False, backlog=64)
@@ -313,12 +369,36 @@ class ControlServer:
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         conn = ServerConn(sock, peer, self.io_timeout_s)
+        authed, nonce = not self._auth_token, ""
         try:
             while not self._closed.is_set():
                 try:
                     msg, payload = recv_frame(sock, time.monotonic() + self.idle_timeout_s)
                 except (OSError, ValueError):
                     return  # closed, idle too long, or garbage: drop the connection
+                op = msg.get("op")
+                if op == "auth_challenge":
+                    nonce = secrets.token_hex(16)
+                    conn.send({"ok": True, "auth": bool(self._auth_token), "nonce": nonce})
+                    continue
+                if not authed:
+                    given = msg.get("mac") if op == "auth" else None
+                    if (isinstance(given, str) and nonce
+                            and hmac.compare_digest(given.encode(), auth_mac(self._auth_token, nonce).encode())):
+                        authed = True
+                        conn.send({"ok": True})
+                        continue
+                    # Why close: a peer without the cluster token gets nothing more from this connection.
+                    log.warning("kv control %s: refused %s from %s: cluster token not presented or wrong",
+                                self.endpoint, op, peer)
+                    conn.send(error_reply(KVAuthError(
+                        f"kv publisher {self.endpoint} refused {op!r}: "
+                        + ("wrong cluster token" if op == "auth" else "this peer did not authenticate")
+                        + "; start the decode pod with the cluster's --cluster-token (PDSERVE_CLUSTER_TOKEN)")))
+                    return
+                if op == "auth":  # no token configured here, or already authenticated: nothing to check
+                    conn.send({"ok": True})
+                    continue
                 try:
                     self._handler(conn, msg, payload)
                 except KVTransferError as e:

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from pdserve.security import add_tls_arguments
 from prefill_svc.config import KV_TRANSPORTS, PrefillConfig, PrefillConfigError
 
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", default=None,
                    help="write {address, port, metrics_port, kv_endpoints, pod_id} as JSON here once serving")
     p.add_argument("--log-level", default="INFO")
+    add_tls_arguments(p)
     return p
 
 

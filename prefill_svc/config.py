@@ -4,8 +4,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.llm_engine import EngineConfig
+
+if TYPE_CHECKING:
+    from pdserve.security import TLSConfig
 
 KV_TRANSPORTS = ("auto", "nixl", "tcp", "none")
 
@@ -50,6 +54,12 @@ class PrefillConfig:
     router_address: str | None = None  # host:port of the router's Registry service; None: standalone
     cluster_token: str = ""
     heartbeat_interval_s: float = 2.0  # until the router says otherwise
+    # --- security (pdserve.security): None = plaintext ---
+    tls_cert_file: str | None = None  # serve TLS with this certificate; also our client certificate under mTLS
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None  # CA of the router's / peers' certificates (and of clients' under mTLS)
+    tls_require_client_cert: bool = False  # mutual TLS
+    tls_server_name: str | None = None  # name expected in the router's certificate; None = the host dialed
     # --- shutdown ---
     drain_timeout_s: float = 60.0  # SIGTERM: longest wait for held work (prefills and leases) to finish
 
@@ -84,6 +94,19 @@ class PrefillConfig:
             raise PrefillConfigError(f"model {self.model!r} is not a directory (expected an HF checkpoint)")
         if not self.host:
             raise PrefillConfigError("host must not be empty")
+        try:
+            self.tls
+        except ValueError as e:  # pdserve.security.TLSConfigError names the flag to fix
+            raise PrefillConfigError(str(e)) from None
+
+    @property
+    def tls(self) -> "TLSConfig | None":
+        """TLS settings (checked when the config is built), or None for plaintext."""
+        from pdserve.security import TLSConfig
+
+        tls = TLSConfig(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file,
+                        require_client_cert=self.tls_require_client_cert, server_name=self.tls_server_name)
+        return tls if tls.enabled or tls.require_client_cert else None
 
     @property
     def public_host(self) -> str:

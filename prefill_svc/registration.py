@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import grpc
 
+from pdserve.security import TLSConfig, aio_channel
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import registry_pb2, registry_pb2_grpc
 
@@ -23,14 +24,14 @@ class Registrar:
     def __init__(self, router_address: str, cluster_token: str, interval_s: float,
                  register_request: Callable[[], registry_pb2.RegisterWorkerRequest | None],
                  heartbeat_request: Callable[[], registry_pb2.HeartbeatRequest],
-                 on_desired_state: Callable[[int], None] | None = None) -> None:
+                 on_desired_state: Callable[[int], None] | None = None, tls: TLSConfig | None = None) -> None:
         self.router_address = router_address
         self.cluster_token = cluster_token
         self.interval_s = interval_s
         self._register_request = register_request
         self._heartbeat_request = heartbeat_request
         self._on_desired_state = on_desired_state
-        self._channel = grpc.aio.insecure_channel(router_address)
+        self._channel = aio_channel(router_address, tls)  # TLS / client certificate as the pod is configured
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self.registered = False
         self.last_message = ""

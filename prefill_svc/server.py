@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.sampling import SamplingParamsError
+from pdserve.security import bind, export_kv_auth_token, grpc_options
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2
 from prefill_svc.config import PrefillConfig
@@ -106,14 +107,15 @@ class PrefillServer:
 
     # --- life cycle ---
     async def start(self) -> None:
+        export_kv_auth_token(self.config.cluster_token)  # before the ranks (and their KV endpoints) are spawned
         await asyncio.get_running_loop().run_in_executor(None, self.worker.start)  # loads weights, spawns ranks
         eng = self.worker.engine
         if self.model_name is None:
             self.model_name = Path(eng.config.model).name
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=grpc_options(extra=[("grpc.so_reuseport", 0)]))
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = bind(self.server, f"{self.config.host}:{self.config.port}", self.config.tls)
         if not self.port:
             raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
         await self.server.start()
@@ -125,7 +127,7 @@ class PrefillServer:
         if self.config.router_address:
             self.registrar = Registrar(self.config.router_address, self.config.cluster_token,
                                        self.config.heartbeat_interval_s, self.register_request,
-                                       self.heartbeat_request, self._on_desired_state)
+                                       self.heartbeat_request, self._on_desired_state, tls=self.config.tls)
             self.registrar.start()
         log.info("prefill pod %s serving %s on %s (tp=%d, kv %s%s, metrics %s)", self.pod_id, self.model_name,
                  self.address, self.config.tensor_parallel_size, self.worker.kv.transport if self.worker.kv else "none",

@@ -10,6 +10,10 @@ import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.security import TLSConfig
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,14 @@ class RouterConfig:
 
     # --- registry ---
     cluster_token: str = ""  # shared secret workers present; "" = no check
+
+    # --- security (pdserve.security) ---
+    api_key: str = ""  # clients of the Router service must send it (authorization: Bearer / x-api-key); "" = open
+    tls_cert_file: str = ""  # serve TLS with this certificate (and present it to pods under mTLS); "" = plaintext
+    tls_key_file: str = ""  # its private key
+    tls_ca_file: str = ""  # CA of the pods' certificates (and, under mTLS, of the clients')
+    tls_require_client_cert: bool = False  # mutual TLS: refuse callers without a certificate signed by tls_ca_file
+    tls_server_name: str = ""  # name expected in the pods' certificates; "" = the host dialed
     heartbeat_interval_s: float = 1.0  # told to workers at registration
     missed_heartbeats_unhealthy: int = 3  # a pod silent this many intervals gets no new traffic
     eviction_timeout_s: float = 10.0  # ... and is dropped from the registry after this long
@@ -86,8 +98,20 @@ class RouterConfig:
         if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
                                                    or not self.served_model_name):
             bad("served_model_name", "must be a non-empty string or None")
-        if not isinstance(self.cluster_token, str):
-            bad("cluster_token", "must be a string")
+        for name in ("cluster_token", "api_key", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_server_name"):
+            if not isinstance(getattr(self, name), str):
+                bad(name, "must be a string")
+        self.tls  # builds (and so checks) the TLS config: a bad file fails here, naming its flag
+
+    @property
+    def tls(self) -> "TLSConfig | None":
+        """The TLS settings, or None for plaintext."""
+        from pdserve.security import TLSConfig
+
+        tls = TLSConfig(cert_file=self.tls_cert_file or None, key_file=self.tls_key_file or None,
+                        ca_file=self.tls_ca_file or None, require_client_cert=self.tls_require_client_cert,
+                        server_name=self.tls_server_name or None)
+        return tls if tls.enabled or tls.require_client_cert else None
 
     @property
     def unhealthy_after_s(self) -> float:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import grpc
 
+from pdserve.security import aio_channel
 from pdserve.tokenizer import Tokenizer
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
 from router.admission import Admission, Admitted
@@ -52,6 +53,9 @@ class Prepared:
     want_logprobs: bool
     kv_tokens: int  # tokens of decode KV to book: prompt + reserved output room
     block_hashes: list[int] = field(default_factory=list)
+    # max_tokens == 1: the prefill pod samples the only token and ends the request itself (it sees max_tokens=1),
+    # so no decode pod is involved: no admission booking, no AllocateKV, no Decode stream, no CancelDecode.
+    prefill_only: bool = False
 
 
 def _resolve_model_path(config: RouterConfig) -> str:
@@ -78,6 +82,7 @@ class RouterCore:
         self.draining = False
         self.eos_token_ids = self._eos_ids()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = config.tls  # built once: the certificate files are read when a channel is made
         self._tasks: set[asyncio.Task] = set()
         self.registry.on_evict(self._pod_lost)
 
@@ -102,8 +107,7 @@ class RouterCore:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                             ("grpc.max_send_message_length", 64 << 20)])
+            ch = aio_channel(address, self._tls)  # TLS (client cert under mTLS) as configured; shared size limits
             self._channels[address] = ch
         return ch
 
@@ -225,6 +229,7 @@ class RouterCore:
             request_id=rid, prompt_ids=prompt_ids, params=sp, max_tokens=max_tokens,
             want_logprobs=sp.logprobs or sp.top_logprobs > 0, kv_tokens=kv_tokens,
             block_hashes=block_hashes(prompt_ids, self.config.prefix_block_size),
+            prefill_only=max_tokens == 1,
         )
 
     async def _prompt_ids(self, req: router_pb2.GenerateRequest) -> list[int]:

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from pdserve.security import ApiKeyInterceptor, bind, grpc_options
 from pdserve_api.v1 import common_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.core import RouterCore
@@ -105,13 +106,14 @@ class RouterServer:
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                               ("grpc.max_receive_message_length", 64 << 20),
-                                               ("grpc.max_send_message_length", 64 << 20)])
+        # Why an interceptor: the key guards every Router method (present and future) but not Registry / health.
+        interceptors = [ApiKeyInterceptor(self.config.api_key)] if self.config.api_key else []
+        self.server = grpc.aio.server(options=grpc_options(extra=[("grpc.so_reuseport", 0)]),
+                                      interceptors=interceptors)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.core), self.server)
         registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.core), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = bind(self.server, f"{self.config.host}:{self.config.port}", self.config.tls)
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         await self.server.start()
@@ -123,8 +125,11 @@ class RouterServer:
             self._metrics_http = start_http_server(self.config.metrics_port, addr=self.config.host,
                                                    registry=self.core.metrics.registry)
         self._watchdog = asyncio.create_task(self._watch())
-        log.info("router %s listening on %s:%d (model %r)", self.core.registry.router_id, self.config.host,
-                 self.port, self.core.model_name)
+        log.info("router %s listening on %s:%d (model %r, %s%s)", self.core.registry.router_id, self.config.host,
+                 self.port, self.core.model_name,
+                 "plaintext" if self.config.tls is None else
+                 ("mutual TLS" if self.config.tls_require_client_cert else "TLS"),
+                 ", API key required" if self.config.api_key else "")
         return self.port
 
     async def _watch(self) -> None:

@@ -1,13 +1,13 @@
 """Router overhead and routed requests/s, on a real loopback cluster (``pdserve bench router``).
 
 Processes: ``python -m router``, one prefill pod and one decode pod (tiny random llama checkpoint, so the pods'
-compute is small next to the router's work), and this client. Every request has max_tokens=1: the router books
-decode KV (AllocateKV), runs Prefill, streams the first token, and releases the reservation (CancelDecode, off the
-request's path).
+compute is small next to the router's work), and this client. Every request has max_tokens=1, which the router
+serves with one pod call: Prefill (the prefill pod samples the only token and keeps no KV; no decode pod, no
+AllocateKV / Decode / CancelDecode).
 
 - Router overhead per request = the client's time to first token minus the pods' own time on that path, where the
-  pods' time is the router's measured AllocateKV + Prefill call durations (returned in the call's trailing metadata,
-  ``pdserve-pod-time-s``). It therefore includes the client <-> router gRPC hop (client stack included), admission,
+  pods' time is the router's measured duration of the pod calls on the path (Prefill; AllocateKV too for longer
+  requests), returned in the call's trailing metadata ``pdserve-pod-time-s``. It therefore includes the client <-> router gRPC hop (client stack included), admission,
   placement, tokenizer-free validation, the detokenizer and the router's event loop. "router-internal" leaves out
   the client hop: router TTFT (arrival -> first token handed to gRPC) minus the pod calls.
 - Routed requests/s: many concurrent clients, max_tokens=1, wall clock.
@@ -205,7 +205,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         _row("router-internal overhead (router TTFT - pod calls), sequential", internal),
         _row("gRPC floor: no-op streaming call, client time to first message", res["floor"]),
         _row("client TTFT, sequential", [r["client_ttft"] for r in seq]),
-        _row("pod calls on the path (AllocateKV + Prefill), sequential", [r["pod"] for r in seq]),
+        _row("pod calls on the path (Prefill), sequential", [r["pod"] for r in seq]),
         _row(f"router overhead under load (concurrency {concurrency})", load_overhead),
         _row(f"client TTFT under load (concurrency {concurrency})", [r["client_ttft"] for r in load],
              requests_per_s=rps),

@@ -192,9 +192,12 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
         # 2. Book decode KV for the prompt on the decode pod with the most room (wait in the queue if none has).
         # 3. Place prefill (least queued tokens, prefix affinity), then reserve the blocks: AllocateKV.
         # (one helper, because a decode pod refusing AllocateKV sends the request back to step 2.)
-        alloc, prefill_pod = await _book_decode(core, flight, prep, timeout, deadline)
-        timing.queue_s = flight.admitted.queue_s if flight.admitted else 0.0
-        m.queue.observe(timing.queue_s)
+        if prep.prefill_only:  # max_tokens=1: the first token is the whole answer, no decode pod needed
+            alloc, prefill_pod = None, _place_prefill(core, prep)
+        else:
+            alloc, prefill_pod = await _book_decode(core, flight, prep, timeout, deadline)
+            timing.queue_s = flight.admitted.queue_s if flight.admitted else 0.0
+            m.queue.observe(timing.queue_s)
         pod_time += flight.allocate_s
         routing.decode_pod_id = flight.decode_pod or ""
 
@@ -340,17 +343,34 @@ def _ended(out: OutputAssembler, piece: Any, sent: int, max_tokens: int | None, 
     return None
 
 
-async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout: Any, deadline: float | None
-                       ) -> tuple[Any, str]:
-    """Admission (decode pod with room, or wait) -> prefill pod -> AllocateKV. A decode pod that is full gets
-    re-queued behind its next report; one that errors is skipped for this request (at most 3 pods)."""
+def _need_prefill_pods(core: RouterCore) -> None:
     if not core.registry.prefill_views():
         raise Rejected(grpc.StatusCode.UNAVAILABLE,
                        "no READY prefill pod: start prefill pods (python -m prefill_svc ... --router ...) or wait "
                        "until they register")
+
+
+def _place_prefill(core: RouterCore, prep: Prepared) -> str:
+    """The prefill pod of a prefill-only request (booked on it: ``_prefill`` gives it back)."""
+    _need_prefill_pods(core)
+    pod = core.pick_prefill(prep, set())
+    if pod is None:
+        raise Rejected(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
+    return pod
+
+
+async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout: Any, deadline: float | None
+                       ) -> tuple[Any, str]:
+    """Admission (decode pod with room, or wait) -> prefill pod -> AllocateKV. A decode pod that is full gets
+    re-queued behind its next report (for at most max_queue_wait_s in all, then RESOURCE_EXHAUSTED: the router's
+    booking is an estimate, the pod's own count is the truth); one that errors is skipped for this request (at most
+    3 pods)."""
+    _need_prefill_pods(core)
     exclude: set[str] = set()
     failures: list[str] = []
-    for _ in range(3):
+    errors = 0
+    t_first = time.monotonic()
+    while errors < 3:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             admitted = await core.admission.admit(prep.kv_tokens, left, frozenset(exclude),
@@ -395,23 +415,31 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
             core.spawn(core.cancel_decode(pod, prep.request_id, admitted))
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 core.registry.mark_decode_full(pod)
+                failures = failures[-2:]  # a long wait must not grow the message without bound
+                waited = time.monotonic() - t_first
+                if waited >= core.config.max_queue_wait_s:
+                    raise Rejected(code, f"decode pods kept refusing KV for {len(prep.prompt_ids)} prompt tokens for "
+                                         f"{waited:.1f}s (max_queue_wait_s {core.config.max_queue_wait_s}): retry "
+                                         f"later or add decode pods (last: {'; '.join(failures)})")
             else:
+                errors += 1
                 exclude.add(pod)
                 if code == grpc.StatusCode.UNAVAILABLE:
                     core.registry.suspect(pod)
     raise Rejected(grpc.StatusCode.UNAVAILABLE, f"no decode pod could reserve KV: {'; '.join(failures)}")
 
 
-async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: decode_pb2.AllocateKVResponse,
+async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: decode_pb2.AllocateKVResponse | None,
                    pod: str, timeout: Any, deadline: float | None) -> tuple[prefill_pb2.PrefillResponse, str]:
-    """Prefill on ``pod``; if it fails before the KV handoff, once more on another prefill pod."""
-    assert flight.decode_pod is not None
-    target = prefill_pb2.DecodeTarget(decode_pod_id=flight.decode_pod, layout=alloc.layout,
-                                      block_tables=alloc.block_tables, agent_name=alloc.agent_name,
-                                      transfer_modes=alloc.transfer_modes)
+    """Prefill on ``pod``; if it fails before the KV handoff, once more on another prefill pod. ``alloc`` is None
+    for a prefill-only request (no decode target: the pod keeps no KV once the request ends at its first token)."""
     req = prefill_pb2.PrefillRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_ids,
-                                     sampling_params=prep.params, decode_target=target,
-                                     lease_ttl_s=core.config.lease_ttl_s)
+                                     sampling_params=prep.params, lease_ttl_s=core.config.lease_ttl_s)
+    if alloc is not None:
+        assert flight.decode_pod is not None
+        req.decode_target.CopyFrom(prefill_pb2.DecodeTarget(
+            decode_pod_id=flight.decode_pod, layout=alloc.layout, block_tables=alloc.block_tables,
+            agent_name=alloc.agent_name, transfer_modes=alloc.transfer_modes))
     tried: list[str] = []
     failures: list[str] = []
     n = len(prep.prompt_ids)

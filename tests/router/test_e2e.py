@@ -2,7 +2,7 @@
 TP=2, DCP=2 (tiny random checkpoint, 1 KV head), all separate processes. No pod is faked: the expected tokens come
 from pdserve's own LLMEngine run offline on the same checkpoint.
 
-- First tokens (max_tokens=1: prefill -> first token, the decode reservation made and released): correct greedy
+- First tokens (max_tokens=1: prefill alone -> first token, no decode pod involved): correct greedy
   tokens for 32 concurrent requests, placement spread over both prefill pods.
 - The whole journey (needs decode pods that register themselves and pull KV from prefill): correct greedy outputs
   for 32 concurrent requests, spread over pods (ClusterStatus / routing), cancelling half of them midway returns

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -34,6 +35,7 @@ from aiohttp import web
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.client.aio import AsyncGenerateStream
 from pdserve.client.types import GenerateChunk
+from pdserve.security import API_KEY_ENV, TLSConfig, add_tls_arguments, secrets_match, tls_from_args
 
 log = logging.getLogger("router.openai_http")
 
@@ -328,7 +330,8 @@ class OpenAIHttpServer:
     async def _errors_middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         try:
             if self.api_key is not None and request.path.startswith("/v1/"):
-                if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+                auth = request.headers.get("Authorization", "")
+                if not (auth[:7].lower() == "bearer " and secrets_match(auth[7:].strip(), self.api_key)):
                     raise ApiError(401, "Incorrect API key provided.", "authentication_error", None,
                                    "invalid_api_key")
             return await handler(request)
@@ -554,30 +557,31 @@ class OpenAIHttpServer:
                 t.cancel()
 
 
-def _client_for(router: Any) -> tuple[AsyncClient, bool]:
+def _client_for(router: Any, api_key: str | None = None, tls: TLSConfig | None = None) -> tuple[AsyncClient, bool]:
     """An AsyncClient for what the router passes: an address, an AsyncClient, a grpc.aio channel, or a running
-    server object exposing ``port`` and ``host`` / ``config.host``."""
+    server object exposing ``port`` and ``host`` / ``config.host``. ``api_key``: the one key both APIs share, sent
+    on to the router's gRPC API; ``tls``: how to reach a router serving TLS."""
     if isinstance(router, AsyncClient):
         return router, False
     if isinstance(router, str):
-        return AsyncClient(router), True
+        return AsyncClient(router, api_key=api_key, tls=tls), True
     if isinstance(router, grpc.aio.Channel):
-        return AsyncClient(channel=router), True
+        return AsyncClient(channel=router, api_key=api_key), True
     port = getattr(router, "port", None)
     host = getattr(router, "host", None) or getattr(getattr(router, "config", None), "host", None)
     if isinstance(port, int) and port > 0 and isinstance(host, str):
         if host in ("0.0.0.0", "::", "[::]"):
             host = "127.0.0.1"
-        return AsyncClient(f"{host}:{port}"), True
+        return AsyncClient(f"{host}:{port}", api_key=api_key, tls=tls), True
     raise TypeError("start_openai_http needs the router's address ('host:port'), an AsyncClient, a grpc.aio "
                     f"channel, or a started server with .port and .config.host; got {type(router).__name__}")
 
 
 async def start_openai_http(router: Any, host: str = "127.0.0.1", port: int = 8000, *,
-                            api_key: str | None = None) -> OpenAIHttpServer:
+                            api_key: str | None = None, router_tls: TLSConfig | None = None) -> OpenAIHttpServer:
     """Serve the OpenAI-compatible API on ``host:port`` (0: any free port, see ``.port``) in the running event
     loop, over ``router``'s gRPC Generate path. ``await server.stop()`` to stop it."""
-    client, own = _client_for(router)
+    client, own = _client_for(router, api_key, router_tls)
     server = OpenAIHttpServer(client, host, port, api_key=api_key, own_client=own)
     await server.start()
     return server
@@ -589,15 +593,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address (host:port)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                    help=f"require 'Authorization: Bearer KEY' (env {API_KEY_ENV}); also sent to the router")
     ap.add_argument("--log-level", default="INFO")
+    add_tls_arguments(ap, client_only=True)  # how to reach a router that serves TLS / mutual TLS
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def run() -> None:
         import signal
 
-        server = await start_openai_http(args.router, args.host, args.port, api_key=args.api_key)
+        server = await start_openai_http(args.router, args.host, args.port, api_key=args.api_key,
+                                         router_tls=tls_from_args(args))
         print(f"pdserve OpenAI-compatible API on {server.url}/v1 (router {args.router})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

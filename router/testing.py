@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.security import TLSConfig, sync_channel
 from pdserve_api.v1 import common_pb2, registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,6 +75,8 @@ class Cluster:
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
     stand_in_registration: bool = False
+    client_tls: "TLSConfig | None" = None  # how this harness reaches a router started with --tls-* flags
+    api_key: str = ""  # sent to a router started with --api-key
     procs: dict[str, Proc] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     router_port: int = 0
@@ -111,9 +114,7 @@ class Cluster:
 
     def _start(self, timeout: float) -> "Cluster":
         interval = self.heartbeat_interval_s
-        r = self._spawn("router", ["router", "--port", "0", "--model", str(self.model), "--heartbeat-interval-s",
-                                   str(interval), "--eviction-timeout-s", str(max(20 * interval, 5.0)),
-                                   "--missed-heartbeats-unhealthy", "8", *self.router_args])
+        r = self._spawn("router", self._router_argv(0))
         self.router_port = int(self._wait_for(r, r"listening on [\d.]+:(\d+)", timeout).group(1))
         r.port = self.router_port
         router_addr = f"127.0.0.1:{self.router_port}"
@@ -146,13 +147,30 @@ class Cluster:
         self.wait_ready(timeout)
         return self
 
+    def _router_argv(self, port: int) -> list[str]:
+        interval = self.heartbeat_interval_s
+        return ["router", "--port", str(port), "--model", str(self.model), "--heartbeat-interval-s", str(interval),
+                "--eviction-timeout-s", str(max(20 * interval, 5.0)), "--missed-heartbeats-unhealthy", "8",
+                *self.router_args]
+
+    def restart_router(self, timeout: float = 120.0) -> None:
+        """SIGKILL the router and start a fresh one (empty registry) on the same port; the pods are left alone
+        (they must notice and register again by themselves). The old router's log is kept as router-<n>.log."""
+        self.kill("router")
+        old = self.procs.pop("router")
+        old.log.rename(self.workdir / f"router-{sum(1 for _ in self.workdir.glob('router-*.log'))}.log")
+        r = self._spawn("router", self._router_argv(self.router_port))
+        self._wait_for(r, rf"listening on [\d.]+:{self.router_port}\b", timeout)
+        r.port = self.router_port
+
     def wait_ready(self, timeout: float = 240.0) -> router_pb2.ClusterStatusResponse:
         t0 = time.monotonic()
         want = {f"p{i}" for i in range(self.num_prefill)} | {f"d{i}" for i in range(self.num_decode)}
-        with grpc.insecure_channel(f"127.0.0.1:{self.router_port}") as ch:
+        md = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
+        with sync_channel(f"127.0.0.1:{self.router_port}", self.client_tls) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             while time.monotonic() - t0 < timeout:
-                st = stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=5)
+                st = stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=5, metadata=md)
                 ready = {p.pod_id for p in st.pods if p.state == common_pb2.POD_STATE_READY}
                 if want <= ready:
                     return st

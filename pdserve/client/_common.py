@@ -5,16 +5,31 @@ from typing import Any, Iterable, Sequence
 
 import grpc
 
+from pdserve.security import TLSConfig, grpc_options
 from pdserve.client.types import Message, Prompt, build_generate_request, sampling_params
 from pdserve_api.v1 import common_pb2, router_pb2
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-DEFAULT_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+DEFAULT_CHANNEL_OPTIONS: list[tuple[str, Any]] = grpc_options(extra=[
     # The SDK does its own retries (with backoff, on UNAVAILABLE only, never after tokens): no hidden ones.
     ("grpc.enable_retries", 0),
-]
+])
+
+
+def client_security(*, api_key: str | None, tls: TLSConfig | None, root_ca: str | None, client_cert: str | None,
+                    client_key: str | None, server_name: str | None, metadata: Sequence[tuple[str, str]] | None
+                    ) -> tuple[tuple[tuple[str, str], ...], TLSConfig | None]:
+    """(metadata with the API key added, TLS config) from the client's keyword arguments."""
+    md = tuple(metadata or ())
+    if api_key:
+        md = (*md, ("authorization", f"Bearer {api_key}"))
+    if tls is None and (root_ca or client_cert or client_key or server_name):
+        tls = TLSConfig(cert_file=client_cert, key_file=client_key, ca_file=root_ca, server_name=server_name)
+    return md, tls
+
+
+def secure_options(tls: TLSConfig | None, options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    return options + (tls.channel_options() if tls is not None else [])
 
 
 class _Default:

@@ -20,8 +20,10 @@ from pdserve.client._common import (
     DEFAULT,
     DEFAULT_ADDRESS,
     DEFAULT_CHANNEL_OPTIONS,
+    client_security,
     make_request,
     role_value,
+    secure_options,
     validate_request,
 )
 from pdserve.client.errors import (
@@ -32,6 +34,7 @@ from pdserve.client.errors import (
     from_rpc_error,
 )
 from pdserve.client.retry import Deadline, RetryPolicy, RetryState
+from pdserve.security import TLSConfig
 from pdserve.client.types import Completion, CompletionBuilder, GenerateChunk, Message, Prompt, chunk_from_proto
 from pdserve_api.v1 import router_pb2, router_pb2_grpc
 
@@ -232,21 +235,30 @@ class Client:
 
     ``timeout`` is the default deadline of every call in seconds (None: none); each call can override it.
     ``retry`` applies to UNAVAILABLE errors only, and to Generate only before its first message. ``model`` is the
-    default model name ("" lets the router pick the cluster's only model)."""
+    default model name ("" lets the router pick the cluster's only model).
+
+    Security: ``api_key`` is sent as ``authorization: Bearer KEY`` (routers started with --api-key); ``root_ca`` (PEM
+    file of the CA to trust) connects with TLS; ``client_cert`` / ``client_key`` add a client certificate (mutual
+    TLS); ``server_name`` overrides the name checked in the server certificate; or pass a ready ``tls`` config."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  retry: RetryPolicy | None = None, model: str = "",
                  metadata: Sequence[tuple[str, str]] | None = None,
                  channel_options: Sequence[tuple[str, Any]] | None = None,
-                 channel: grpc.Channel | None = None) -> None:
+                 channel: grpc.Channel | None = None, api_key: str | None = None,
+                 root_ca: str | None = None, client_cert: str | None = None, client_key: str | None = None,
+                 server_name: str | None = None, tls: TLSConfig | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
         self.model = model
-        self.metadata = tuple(metadata or ())
+        self.metadata, self.tls = client_security(api_key=api_key, tls=tls, root_ca=root_ca, client_cert=client_cert,
+                                                  client_key=client_key, server_name=server_name, metadata=metadata)
         self._own_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(address, options=list(DEFAULT_CHANNEL_OPTIONS)
-                                                          + list(channel_options or ()))
+        opts = secure_options(self.tls, list(DEFAULT_CHANNEL_OPTIONS) + list(channel_options or ()))
+        if channel is None and self.tls is not None:
+            channel = grpc.secure_channel(address, self.tls.channel_credentials(), options=opts)
+        self._channel = channel or grpc.insecure_channel(address, options=opts)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

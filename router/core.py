@@ -82,6 +82,7 @@ class RouterCore:
         self.draining = False
         self.eos_token_ids = self._eos_ids()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, type], Any] = {}  # (address, stub class) -> stub on that address's channel
         self._tls = config.tls  # built once: the certificate files are read when a channel is made
         self._tasks: set[asyncio.Task] = set()
         self.registry.on_evict(self._pod_lost)
@@ -111,17 +112,21 @@ class RouterCore:
             self._channels[address] = ch
         return ch
 
-    def prefill_stub(self, pod_id: str) -> prefill_pb2_grpc.PrefillWorkerStub:
+    def _stub(self, pod_id: str, kind: type) -> Any:
+        """The pod's stub of ``kind``, made once per address (a stub costs ~20 us to build: not per call)."""
         e = self.registry.pods.get(pod_id)
         if e is None:
             raise KeyError(pod_id)
-        return prefill_pb2_grpc.PrefillWorkerStub(self.channel(e.address))
+        stub = self._stubs.get((e.address, kind))
+        if stub is None:
+            stub = self._stubs[(e.address, kind)] = kind(self.channel(e.address))
+        return stub
+
+    def prefill_stub(self, pod_id: str) -> prefill_pb2_grpc.PrefillWorkerStub:
+        return self._stub(pod_id, prefill_pb2_grpc.PrefillWorkerStub)
 
     def decode_stub(self, pod_id: str) -> decode_pb2_grpc.DecodeWorkerStub:
-        e = self.registry.pods.get(pod_id)
-        if e is None:
-            raise KeyError(pod_id)
-        return decode_pb2_grpc.DecodeWorkerStub(self.channel(e.address))
+        return self._stub(pod_id, decode_pb2_grpc.DecodeWorkerStub)
 
     def _pod_lost(self, pod_id: str) -> None:
         self.prefix.forget_pod(pod_id)
@@ -183,6 +188,7 @@ class RouterCore:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._stubs.clear()
 
     # ------------------------------------------------------------------------------------------------------------
     # Request validation
@@ -196,6 +202,8 @@ class RouterCore:
             raise Rejected(grpc.StatusCode.NOT_FOUND,
                            f"model {req.model!r} is not served here; this cluster serves {self.model_name!r} "
                            "(or leave model empty)")
+        if req.request_id:
+            _check_request_id(req.request_id)
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.flights:
             raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
@@ -267,6 +275,20 @@ class RouterCore:
         return self.tokenizer.encode(text, add_special)
 
 
+MAX_REQUEST_ID_LEN = 256
+
+
+def _check_request_id(rid: str) -> None:
+    """Client ids travel to every pod and into logs and metric labels: bounded, printable."""
+    if len(rid) > MAX_REQUEST_ID_LEN:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"request_id has {len(rid)} characters; use at most {MAX_REQUEST_ID_LEN} (or leave it empty "
+                       "and the router assigns one)")
+    if not rid.isprintable():
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"request_id {rid!r} contains control characters; use printable characters only")
+
+
 def _check_sampling(sp: common_pb2.SamplingParams) -> None:
     """Range checks of the sampling parameters (the pods reject what they do not implement)."""
 
@@ -310,3 +332,14 @@ def _check_sampling(sp: common_pb2.SamplingParams) -> None:
         v = finite(name)
         if v is not None and not -2 <= v <= 2:
             bad(f"{name} must be in [-2, 2], got {v}")
+    # Well-formed but not implemented by pdserve's pods (prefill_svc.convert / decode_svc.server refuse them). Refused
+    # here, before any pod is contacted: a pod refusing them mid-journey would cost KV round trips, or, at decode,
+    # end a stream that already sent its first token in an error instead of a clean INVALID_ARGUMENT.
+    unsupported = [name for name, on in (
+        ("top_logprobs", sp.top_logprobs > 0), ("min_tokens", sp.min_tokens > 0),
+        ("repetition_penalty", rp is not None and rp != 1.0),
+        ("presence_penalty", sp.HasField("presence_penalty") and sp.presence_penalty != 0.0),
+        ("frequency_penalty", sp.HasField("frequency_penalty") and sp.frequency_penalty != 0.0)) if on]
+    if unsupported:
+        bad(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not implemented by this cluster's "
+            "pods: leave unset (or at the neutral value)")

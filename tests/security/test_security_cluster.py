@@ -1,0 +1,169 @@
+"""A real cluster (router, prefill pod, decode pod as separate processes) with mutual TLS everywhere, a cluster token
+and an API key: a TLS client with the key gets the right tokens end to end; a pod with the wrong token is refused by
+the Registry and never listed; a KV handshake without the cluster token is refused by the prefill pod's publisher;
+oversized messages to the pods are refused while they keep serving."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kv_transfer.control import ControlClient, KVAuthError  # noqa: E402
+from kv_transfer.transport import PROTOCOL_VERSION, Endpoint, TransferUnavailable  # noqa: E402
+from pdserve.client import Client  # noqa: E402
+from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig, sync_channel  # noqa: E402
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc  # noqa: E402
+from router.testing import Cluster  # noqa: E402
+from security_helpers import Pki, make_pki  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+TOKEN = "cluster-s3cret"
+KEY = "client-k3y"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm2_path):
+    from pdserve.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-sec"), "llama", num_kv_heads=1,
+                                 tokenizer_from=smollm2_path)
+
+
+def service_flags(pki: Pki) -> list[str]:
+    return ["--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
+            "--tls-ca-file", str(pki.ca), "--tls-require-client-cert"]
+
+
+def client_tls(pki: Pki) -> TLSConfig:
+    return TLSConfig(cert_file=str(pki.client_cert), key_file=str(pki.client_key), ca_file=str(pki.ca))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model, pki):
+    tls = service_flags(pki)
+    c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_model, num_prefill=1, num_decode=1, decode_tp=1,
+                decode_dcp=1, num_kv_blocks=128,
+                router_args=[*tls, "--cluster-token", TOKEN, "--api-key", KEY],
+                prefill_args=[*tls, "--cluster-token", TOKEN, "--kv-transport", "tcp"],
+                decode_args=[*tls, "--cluster-token", TOKEN, "--kv-transfer-backend", "tcp"],
+                client_tls=client_tls(pki), api_key=KEY)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def sdk(c: Cluster, pki: Pki) -> Client:
+    return Client(c.router_address, root_ca=str(pki.ca), client_cert=str(pki.client_cert),
+                  client_key=str(pki.client_key), api_key=KEY, timeout=120)
+
+
+def test_mtls_client_with_key_gets_the_reference_tokens(cluster, tiny_model, pki):
+    """Client -> router -> prefill -> (KV over the authenticated control channel) -> decode -> client, all over
+    mutual TLS: greedy tokens equal the engine's own greedy output."""
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.sampling import SamplingParams
+
+    prompt = [5, 17, 99, 42, 7, 3, 250, 11, 64, 128, 200, 31, 9]
+    with LLMEngine(EngineConfig(model=str(tiny_model), num_kv_blocks=64, enable_prefix_caching=False)) as eng:
+        want = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]["token_ids"]
+    with sdk(cluster, pki) as c:
+        got = c.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+    assert list(got.token_ids) == want
+
+
+def test_pod_with_wrong_token_is_refused_and_never_listed(cluster, tiny_model, pki):
+    """A prefill pod (valid certificate) presenting the wrong cluster token: the Registry answers UNAUTHENTICATED
+    (the pod logs it) and the pod never appears in ClusterStatus."""
+    bad = cluster._spawn("intruder", ["prefill_svc", "--model", str(tiny_model), "--port", "0", "--pod-id",
+                                      "intruder", "--router", cluster.router_address, "--cluster-token", "guess",
+                                      "--kv-transport", "none", "--heartbeat-interval", "0.25",
+                                      *service_flags(pki)])
+    try:
+        cluster._wait_for(bad, r"UNAUTHENTICATED", timeout=300)
+        with sdk(cluster, pki) as c:
+            for _ in range(3):  # several heartbeat intervals later: still not there
+                assert "intruder" not in {p.pod_id for p in c.cluster_status().pods}
+                time.sleep(0.3)
+    finally:
+        cluster.kill("intruder")
+
+
+def _pods(cluster: Cluster, pki: Pki) -> dict[int, common_pb2.Role]:
+    with sdk(cluster, pki) as c:
+        return {p.role: p for p in c.cluster_status().pods}
+
+
+def test_kv_handshake_without_the_cluster_token_is_refused(cluster, pki):
+    """The prefill pod's KV publisher: a peer without the token, or with a wrong one, is refused at once with an
+    error naming the cluster token, and the connection is closed (nothing served); with the token the handshake
+    answers."""
+    pre = _pods(cluster, pki)[common_pb2.ROLE_PREFILL]
+    ep = Endpoint.parse(pre.kv_transfer_address.split(",")[0])
+    hello = {"op": "hello", "version": PROTOCOL_VERSION, "transport": "tcp"}
+
+    anon = ControlClient(ep, io_timeout_s=10, auth_token="")
+    anon.connect(10)
+    with pytest.raises(KVAuthError, match="cluster-token"):
+        anon.call(hello, handshake=True)
+    with pytest.raises(TransferUnavailable):  # the publisher hung up
+        anon.call(hello)
+    anon.close()
+
+    with pytest.raises(KVAuthError, match="wrong cluster token"):
+        ControlClient(ep, io_timeout_s=10, auth_token="guess").connect(10)
+
+    ok = ControlClient(ep, io_timeout_s=10, auth_token=TOKEN)
+    ok.connect(10)
+    reply, _ = ok.call(hello, handshake=True)
+    assert reply["version"] == PROTOCOL_VERSION and reply["layout"]["num_layers"] >= 1
+    ok.close()
+
+
+def _refused_then_healthy(address: str, tls: TLSConfig, call) -> None:
+    opts = [("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)]
+    with sync_channel(address, tls, options=opts) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            call(ch)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert h.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_oversized_messages_to_pods_are_refused_and_pods_keep_serving(cluster, pki):
+    """Prefill and decode pods enforce the shared message limit: RESOURCE_EXHAUSTED, then still SERVING (and the
+    cluster still generates)."""
+    pods = _pods(cluster, pki)
+    big = "x" * (MAX_MESSAGE_BYTES + 1024)
+    tls = client_tls(pki)
+    _refused_then_healthy(pods[common_pb2.ROLE_PREFILL].address, tls, lambda ch: prefill_pb2_grpc.PrefillWorkerStub(
+        ch).Prefill(prefill_pb2.PrefillRequest(request_id=big), timeout=60))
+    _refused_then_healthy(pods[common_pb2.ROLE_DECODE].address, tls, lambda ch: decode_pb2_grpc.DecodeWorkerStub(
+        ch).AllocateKV(decode_pb2.AllocateKVRequest(request_id=big, num_tokens=1), timeout=60))
+    with sdk(cluster, pki) as c:
+        assert len(c.generate([5, 6, 7], max_tokens=2, temperature=0, ignore_eos=True).token_ids) == 2
+
+
+def test_plaintext_pod_channel_is_refused(cluster, pki):
+    """The pods themselves serve mutual TLS: a plaintext channel and a TLS channel without a client certificate
+    get nothing from them."""
+    pods = _pods(cluster, pki)
+    for role in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE):
+        for tls in (None, TLSConfig(ca_file=str(pki.ca))):
+            with sync_channel(pods[role].address, tls) as ch:
+                with pytest.raises(grpc.RpcError) as e:
+                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -23,6 +23,14 @@ log = logging.getLogger("decode_svc.engine")
 Sink = Callable[[RequestOutput | Failure], None]
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread is gone (a rank died, or the pod is stopping): the pod cannot take this call."""
+
+
+class RankDied(RuntimeError):
+    """A TP rank process of the pod exited. Its collectives are broken for good, so the pod stops decoding."""
+
+
 @dataclass
 class PodStats:
     """A snapshot for metrics and health, replaced (never mutated) by the engine thread."""
@@ -35,6 +43,7 @@ class PodStats:
     generated_tokens: int = 0
     kv_bytes_received: int = 0
     steps: int = 0
+    preemptions: int = 0  # sequences the scheduler evicted for lack of blocks (recomputed later), since start
 
 
 class EngineLoop:
@@ -50,6 +59,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self.stats = PodStats()
         self._steps = 0
+        # Called once, on the engine thread, when the engine fails (e.g. RankDied); the server turns unhealthy.
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     # --- lifecycle ---
     def start(self, timeout_s: float = 600.0) -> None:
@@ -69,11 +80,16 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped serving (None while it runs)."""
+        return self._error
+
     # --- calls from other threads ---
     def call(self, fn: Callable[[DecodePod], Any]) -> Future:
         fut: Future = Future()
         if not self.alive:
-            fut.set_exception(RuntimeError("the decode engine is not running"))
+            fut.set_exception(EngineStopped(f"the decode engine is not running: {self._error or 'stopped'}"))
             return fut
         self._cmds.put((fn, fut))
         return fut
@@ -121,6 +137,7 @@ class EngineLoop:
                 self._run_commands(block=not pod.has_work())
                 if self._stop:
                     break
+                _check_ranks(pod)  # also while idle: a dead rank must turn the pod unhealthy before new work
                 pod.expire_reservations()
                 pod.keep_queued_alive()
                 if pod.has_work():
@@ -133,10 +150,21 @@ class EngineLoop:
                     self._refresh_stats()
                     last_stats = now
         except BaseException as e:
-            log.exception("decode engine failed")
+            try:  # a collective that failed because a peer died says so only vaguely: name the rank
+                _check_ranks(pod)
+            except RankDied as dead:
+                e = dead
+            log.error("decode engine failed: %s", e, exc_info=not isinstance(e, RankDied))
             self._error = e
+            # UNAVAILABLE: the request may succeed on another pod; this one is not coming back.
+            code = "UNAVAILABLE" if isinstance(e, RankDied) else "INTERNAL"
             for rid in list(self._sinks):
-                self.emit(Failure(rid, "INTERNAL", f"decode engine failed: {e}"))
+                self.emit(Failure(rid, code, f"decode engine failed: {e}"))
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(e)
+                except Exception:
+                    log.exception("on_failure callback failed")
         finally:
             self._fail_pending_commands()
             try:
@@ -168,11 +196,20 @@ class EngineLoop:
             except queue.Empty:
                 return
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("the decode engine stopped"))
+                fut.set_exception(EngineStopped(f"the decode engine stopped: {self._error or 'shutting down'}"))
 
     def _refresh_stats(self) -> None:
         pod = self.pod
         self.stats = PodStats(running=pod.num_running, waiting=pod.num_waiting, reserved=len(pod.reservations),
                               blocks_used=pod.used_blocks_per_rank(), blocks_free=pod.free_blocks_per_rank(),
                               generated_tokens=pod.num_generated_tokens, kv_bytes_received=pod.kv_bytes_received,
-                              steps=self._steps)
+                              steps=self._steps, preemptions=pod.engine.scheduler.num_preemptions)
+
+
+def _check_ranks(pod: DecodePod) -> None:
+    """Raise RankDied if a spawned TP rank process has exited (cheap: a non-blocking waitpid per rank)."""
+    procs = getattr(pod.engine.executor, "procs", [])
+    dead = [(rank, p.exitcode) for rank, p in enumerate(procs, start=1) if not p.is_alive()]
+    if dead:
+        what = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
+        raise RankDied(f"TP {what} of this decode pod exited; the pod cannot decode until it is restarted")

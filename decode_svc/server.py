@@ -447,7 +447,10 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     async def CancelDecode(self, request: decode_pb2.CancelDecodeRequest, context: grpc.aio.ServicerContext):
         engine = self.s.engine
-        found = await self.s.call(lambda pod: engine.cancel(pod, request.request_id))
+        try:
+            found = await self.s.call(lambda pod: engine.cancel(pod, request.request_id))
+        except EngineStopped:  # the engine (and every block it held) is gone: nothing left to free
+            found = False
         return decode_pb2.CancelDecodeResponse(found=found)
 
 

@@ -1,0 +1,421 @@
+"""Fault injection with real processes on loopback (issue 9): ``python -m router``, 2 prefill pods (TP 1) and 2 decode
+pods with TP 2 x DCP 2 (so a decode "rank" is a process of its own), tiny random checkpoint. Nothing is faked: faults
+are real signals (SIGKILL, SIGSTOP / SIGCONT) sent to real processes, and expected tokens come from pdserve's own
+LLMEngine run offline on the same checkpoint.
+
+The tests share one cluster and run in file order, the harmless faults first (each test checks the pods it needs are
+READY before it starts): router restart, stalled transfer, then a decode rank killed (d1 stays broken), then a
+prefill pod killed (p1 gone). Timeouts are set short on the pods (prefill lease TTL, decode KV-transfer timeout) and
+every wait is a poll with a generous deadline: "within N seconds, no hang", never a speed check.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import socket
+import time
+import urllib.request
+from typing import Any, Awaitable, Callable
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, \
+    router_pb2_grpc
+from router.testing import Cluster
+
+pytestmark = pytest.mark.slow
+
+READY = common_pb2.POD_STATE_READY
+UNHEALTHY = common_pb2.POD_STATE_UNHEALTHY
+LEASE_TTL_S = 8.0  # prefill pods free KV no decode pod came for after this (idle) time
+KV_TRANSFER_TIMEOUT_S = 4.0  # decode pods give up a KV pull after this
+BOUND_S = 60.0  # "within a bounded time": generous for a loaded 2-core machine
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm2_path):
+    from pdserve.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-faults"), "llama", num_kv_heads=1,
+                                 tokenizer_from=smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model):
+    metrics_port = _free_port()
+    c = Cluster(tmp_path_factory.mktemp("faults"), tiny_model, num_prefill=2, num_decode=2, decode_tp=2,
+                decode_dcp=2, num_kv_blocks=256,
+                router_args=["--metrics-port", str(metrics_port)],
+                prefill_args=["--lease-ttl", str(LEASE_TTL_S), "--no-prefix-caching"],
+                decode_args=["--kv-transfer-timeout-s", str(KV_TRANSFER_TIMEOUT_S)])
+    c.metrics_port = metrics_port
+    c.start()
+    try:
+        yield c
+    finally:
+        for p in c.procs.values():  # a test that failed half-way may leave a pod stopped
+            _signal_group(p.popen, signal.SIGCONT)
+        c.stop()
+
+
+# --- helpers ---
+def _signal_group(popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def prompts(n: int, seed: int, lo: int = 5, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def reference(model, ps: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.sampling import SamplingParams
+
+    with LLMEngine(EngineConfig(model=str(model), num_kv_blocks=1024, enable_prefix_caching=False)) as eng:
+        outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [o["token_ids"] for o in outs]
+
+
+def greedy(ids: list[int], max_tokens: int, rid: str = "") -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(request_id=rid, token_ids=common_pb2.TokenIds(ids=ids),
+                                      sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                                ignore_eos=True))
+
+
+async def collect(stub, req, timeout: float = 180.0, on_message=None):
+    """(messages, status code, details) of one Generate call; the deadline makes a hang a failure, not a stall."""
+    call = stub.Generate(req, timeout=timeout)
+    msgs = []
+    try:
+        async for m in call:
+            msgs.append(m)
+            if on_message is not None:
+                on_message(m, msgs)
+        code, details = grpc.StatusCode.OK, ""
+    except grpc.aio.AioRpcError as e:
+        code, details = e.code(), e.details()
+    return msgs, code, details
+
+
+def tokens(msgs) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+async def pods(stub) -> dict[str, router_pb2.PodStatus]:
+    st = await stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=10)
+    return {p.pod_id: p for p in st.pods}
+
+
+async def wait_for(what: str, pred: Callable[[], Awaitable[Any]], timeout: float = BOUND_S, every: float = 0.1):
+    """Poll ``pred`` until it returns something truthy; fail naming ``what`` after ``timeout`` seconds."""
+    t0 = time.monotonic()
+    last: Any = None
+    while time.monotonic() - t0 < timeout:
+        try:
+            last = await pred()
+        except grpc.aio.AioRpcError as e:  # e.g. the router is restarting
+            last = e
+        else:
+            if last:
+                return last
+        await asyncio.sleep(every)
+    raise AssertionError(f"not within {timeout:.0f}s: {what} (last: {last!r})")
+
+
+def kv_free(st: dict[str, router_pb2.PodStatus], pod: str) -> list[int]:
+    return [k.free_blocks for k in st[pod].kv]
+
+
+async def wait_kv(stub, cluster: Cluster, want: dict[str, list[int]], what: str, timeout: float = BOUND_S):
+    """Free KV per rank of the pods in ``want`` (as the pods themselves report it in heartbeats) equals ``want``."""
+    async def check():
+        st = await pods(stub)
+        now = {p: kv_free(st, p) if p in st else None for p in want}  # a stopped pod may be evicted meanwhile
+        return now == want and now
+
+    try:
+        return await wait_for(what, check, timeout)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nwanted {want}\n{cluster.logs(15)}") from None
+
+
+async def settled_kv(stub, cluster: Cluster, names: list[str]) -> dict[str, list[int]]:
+    """Free KV of ``names`` once idle: every block free (nothing in flight when this is called)."""
+    st = await pods(stub)
+    full = {p: [k.total_blocks for k in st[p].kv] for p in names}
+    return await wait_kv(stub, cluster, full, "pods idle with all KV free")
+
+
+async def require_ready(stub, names: set[str]) -> None:
+    async def ok():
+        st = await pods(stub)
+        return all(n in st and st[n].state == READY for n in names)
+
+    await wait_for(f"pods {sorted(names)} READY", ok)
+
+
+def metric(c: Cluster, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def rank_processes(c: Cluster, pod: str) -> list[psutil.Process]:
+    """The spawned TP rank processes (ranks 1..N-1) of a decode pod: its multiprocessing spawn children."""
+    kids = psutil.Process(c.procs[pod].popen.pid).children(recursive=True)
+    return [k for k in kids if any("spawn_main" in a for a in k.cmdline())]
+
+
+async def health(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as ch:
+        r = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="pdserve.v1.DecodeWorker"), timeout=5)
+        return r.status
+
+
+# --- 3. router restart ---
+def test_router_restart_pods_register_again_and_requests_work(cluster, tiny_model):
+    """SIGKILL the router and start a new one (empty registry) on the same port: every pod registers again on its
+    own (its heartbeat is answered "unknown pod"), ClusterStatus lists all four READY with their KV, and new requests
+    go end to end (prefill -> KV transfer -> decode) with the greedy tokens of the offline engine."""
+    ps = prompts(4, seed=31)
+    want = reference(tiny_model, ps, 12)
+    every = {"p0", "p1", "d0", "d1"}
+
+    async def before():
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            await require_ready(router_pb2_grpc.RouterStub(ch), every)
+
+    asyncio.run(before())
+    cluster.restart_router()
+
+    async def after():
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            st = await pods(stub)
+            assert not (set(st) & every) or all(st[p].uptime_s < BOUND_S for p in set(st) & every)
+            await require_ready(stub, every)
+            st = await pods(stub)
+            assert all(len(st[p].kv) == st[p].parallel.tensor_parallel_size for p in every), st
+            results = await asyncio.gather(*(collect(stub, greedy(p, 12, rid=f"rr-{i}")) for i, p in enumerate(ps)))
+            return results
+
+    results = asyncio.run(after())
+    for (msgs, code, details), w in zip(results, want):
+        assert code == grpc.StatusCode.OK, details + "\n" + cluster.logs(15)
+        assert tokens(msgs) == w
+        assert msgs[-1].routing.decode_pod_id in ("d0", "d1")
+
+
+# --- 4. stalled transfer ---
+def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_model):
+    """Two stalls, driving the pods' RPCs the way the router does (AllocateKV on d0, Prefill on p0 with the decode
+    target) so the fault lands exactly between prefill and the pull:
+    (a) p0 is SIGSTOPped after it published the KV; Decode on d0 then cannot pull: it ends within a bound with
+        DEADLINE_EXCEEDED / UNAVAILABLE (never hangs), and d0's KV is free again at once. After SIGCONT, p0's lease
+        (nobody finished pulling) expires and p0's KV is back at baseline too.
+    (b) a decode side that reserves and never pulls: AllocateKV with a short ttl_s, Prefill, no Decode: the decode
+        reservation expires on d0 and the lease expires on p0: both back at baseline."""
+    ps = prompts(2, seed=41, lo=40, hi=80)
+
+    async def body():
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            await require_ready(stub, {"p0", "d0"})
+            st = await pods(stub)
+            baseline = await settled_kv(stub, cluster, ["p0", "d0"])
+            pch = grpc.aio.insecure_channel(st["p0"].address)
+            dch = grpc.aio.insecure_channel(st["d0"].address)
+            pstub, dstub = prefill_pb2_grpc.PrefillWorkerStub(pch), decode_pb2_grpc.DecodeWorkerStub(dch)
+
+            async def allocate_and_prefill(rid: str, prompt: list[int], ttl_s: float = 0.0):
+                alloc = await dstub.AllocateKV(decode_pb2.AllocateKVRequest(
+                    request_id=rid, num_tokens=len(prompt), num_reserved_output_tokens=8,
+                    prefill_layout=st["p0"].kv_layout, ttl_s=ttl_s), timeout=30)
+                params = common_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+                pre = await pstub.Prefill(prefill_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling_params=params,
+                    decode_target=prefill_pb2.DecodeTarget(decode_pod_id="d0", layout=alloc.layout,
+                                                           block_tables=alloc.block_tables,
+                                                           agent_name=alloc.agent_name,
+                                                           transfer_modes=alloc.transfer_modes)), timeout=60)
+                assert pre.kv_handle.lease_id, pre
+                return params, pre
+
+            try:
+                # (a) prefill stops answering after it published.
+                params, pre = await allocate_and_prefill("stall-a", ps[0])
+                _signal_group(cluster.procs["p0"].popen, signal.SIGSTOP)
+                t0 = time.monotonic()
+                call = dstub.Decode(decode_pb2.DecodeRequest(
+                    request_id="stall-a", prompt_token_ids=ps[0], first_token_id=pre.first_token_id,
+                    first_token_logprob=pre.first_token_logprob, sampling_params=params, kv_handle=pre.kv_handle,
+                    num_cached_tokens=pre.num_cached_tokens), timeout=BOUND_S)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in call:
+                        pass
+                took = time.monotonic() - t0
+                assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), \
+                    (err.value.code(), err.value.details())
+                assert took < BOUND_S - 5, f"the pod's KV-transfer timeout did not fire ({took:.1f}s)"
+                assert "transfer" in err.value.details().lower() or "kv" in err.value.details().lower(), \
+                    err.value.details()
+                await wait_kv(stub, cluster, {"d0": baseline["d0"]}, "d0's KV freed after the failed pull")
+            finally:
+                _signal_group(cluster.procs["p0"].popen, signal.SIGCONT)
+            await wait_kv(stub, cluster, baseline, "p0's lease expired after SIGCONT", timeout=BOUND_S + LEASE_TTL_S)
+
+            # (b) a decode side that reserves and never pulls.
+            await allocate_and_prefill("stall-b", ps[1], ttl_s=3.0)
+            await wait_kv(stub, cluster, baseline, "d0's reservation and p0's lease both expired",
+                          timeout=BOUND_S + LEASE_TTL_S)
+            await pch.close()
+            await dch.close()
+
+    asyncio.run(body())
+
+
+# --- 1. a decode rank dies ---
+def test_decode_rank_killed_mid_stream(cluster, tiny_model):
+    """SIGKILL TP rank 1 (a process of its own) of decode pod d1 while requests stream from it:
+    - the streams on d1 end with UNAVAILABLE after the tokens already sent (each a prefix of the right answer, none
+      repeated, usage counts them), within the call deadline: no hang;
+    - d1 reports NOT_SERVING on grpc.health.v1 and the router's ClusterStatus shows it UNHEALTHY, within a bound;
+    - the streams on d0 complete with the offline engine's greedy tokens, and new requests all go to d0 and are
+      correct too."""
+    n, max_tokens = 6, 600
+    ps = prompts(n, seed=11)
+    want = reference(tiny_model, ps, max_tokens)
+    later = prompts(4, seed=12)
+    want_later = reference(tiny_model, later, 16)
+
+    async def body():
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            await require_ready(stub, {"p0", "p1", "d0", "d1"})
+            d1_address = (await pods(stub))["d1"].address
+            assert await health(d1_address) == health_pb2.HealthCheckResponse.SERVING
+            ranks = rank_processes(cluster, "d1")
+            assert len(ranks) == 1, ranks  # TP 2: rank 0 is the pod process, rank 1 a spawned one
+            got = [0] * n
+
+            def counter(i):
+                def on_message(m, msgs):
+                    got[i] += len(m.token_ids)
+                return on_message
+
+            tasks = [asyncio.ensure_future(collect(stub, greedy(p, max_tokens, rid=f"rank-{i}"),
+                                                   on_message=counter(i))) for i, p in enumerate(ps)]
+
+            async def all_streaming_and_d1_busy():  # every stream is past its first token: all are decoding
+                st = await pods(stub)
+                return min(got) >= 2 and st["d1"].num_inflight_requests >= 1
+
+            await wait_for("every stream decoding with some on d1", all_streaming_and_d1_busy, every=0.02)
+            ranks[0].send_signal(signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+
+            async def d1_unhealthy():
+                st = await pods(stub)
+                return st["d1"].state == UNHEALTHY and \
+                    await health(d1_address) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            await wait_for("d1 NOT_SERVING and UNHEALTHY in ClusterStatus", d1_unhealthy)
+            newer = await asyncio.gather(*(collect(stub, greedy(p, 16, rid=f"after-rank-{i}"))
+                                           for i, p in enumerate(later)))
+            st = await pods(stub)
+            return results, newer, st
+
+    results, newer, st = asyncio.run(body())
+    on_d1 = [r for r in results if r[0] and r[0][-1].routing.decode_pod_id == "d1"]
+    assert on_d1, "no stream was on d1"
+    for (msgs, code, details), w in zip(results, want):
+        if msgs and msgs[-1].routing.decode_pod_id == "d1":
+            assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+            assert "decode" in details, details
+            assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_ERROR and msgs[-1].error_message
+            got = tokens(msgs)
+            assert 2 <= len(got) < len(w) and got == w[:len(got)]  # mid-stream, nothing repeated or wrong
+            assert msgs[-1].usage.completion_tokens == len(got)
+        else:
+            assert code == grpc.StatusCode.OK, (code, details)
+            assert msgs[-1].routing.decode_pod_id == "d0" and tokens(msgs) == w
+    for (msgs, code, details), w in zip(newer, want_later):
+        assert code == grpc.StatusCode.OK, details
+        assert msgs[-1].routing.decode_pod_id == "d0" and tokens(msgs) == w
+    assert st["d1"].state == UNHEALTHY and st["d0"].state == READY
+    assert "rank 1" in cluster.procs["d1"].log.read_text(errors="replace")  # the pod's log names the dead rank
+
+
+# --- 2. a prefill pod dies with queued work ---
+def test_prefill_pod_killed_with_queued_requests_retries_elsewhere(cluster, tiny_model):
+    """Requests queued on prefill pod p1 when it is SIGKILLed are retried on p0 and all complete with the right
+    greedy tokens (none lost, none duplicated: each request's tokens equal the offline engine's exactly, each
+    request id answered once); the router stops placing on p1 and d0's KV returns to its baseline (the decode
+    reservations made for the retried requests are not leaked).
+
+    p1 is first SIGSTOPped so the work sent to it stays queued however slow or fast the machine is; it is killed once
+    the router has several requests in flight on it."""
+    n = 8
+    ps = prompts(n, seed=21, lo=300, hi=600)
+    want = reference(tiny_model, ps, 8)
+    later = prompts(4, seed=22)
+    want_later = reference(tiny_model, later, 4)
+
+    async def body():
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            await require_ready(stub, {"p0", "p1", "d0"})
+            baseline = await settled_kv(stub, cluster, ["d0"])
+            retries0 = metric(cluster, "pdserve_router_prefill_retries_total")
+            _signal_group(cluster.procs["p1"].popen, signal.SIGSTOP)
+            tasks = [asyncio.ensure_future(collect(stub, greedy(p, 8, rid=f"queued-{i}"))) for i, p in enumerate(ps)]
+
+            async def queued_on_p1():
+                st = await pods(stub)
+                return st["p1"].num_inflight_requests >= 2 and st["p1"].num_inflight_requests
+
+            try:
+                on_p1 = await wait_for("requests queued on the stopped p1", queued_on_p1, timeout=30, every=0.02)
+            finally:
+                cluster.kill("p1")  # SIGKILL reaches a stopped process too
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+
+            async def p1_out():
+                st = await pods(stub)
+                return "p1" not in st or st["p1"].state != READY
+
+            await wait_for("p1 no longer READY in ClusterStatus", p1_out)
+            newer = await asyncio.gather(*(collect(stub, greedy(p, 4)) for p in later))
+            retries = metric(cluster, "pdserve_router_prefill_retries_total") - retries0
+            await wait_kv(stub, cluster, baseline, "d0's KV back at baseline")
+            return on_p1, results, newer, retries
+
+    on_p1, results, newer, retries = asyncio.run(body())
+    for i, ((msgs, code, details), w) in enumerate(zip(results, want)):
+        assert code == grpc.StatusCode.OK, (code, details, cluster.logs(15))
+        assert tokens(msgs) == w, i
+        assert {m.request_id for m in msgs} == {f"queued-{i}"}
+        assert msgs[-1].routing.prefill_pod_id == "p0" and msgs[-1].usage.completion_tokens == len(w)
+    assert retries >= on_p1, (retries, on_p1)  # every request queued on p1 was retried, none dropped
+    for (msgs, code, details), w in zip(newer, want_later):
+        assert code == grpc.StatusCode.OK, details
+        assert tokens(msgs) == w and msgs[-1].routing.prefill_pod_id == "p0"

@@ -57,6 +57,11 @@ class Registrar:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED and not self._warned:
+                    log.error("router %s refused this pod (UNAUTHENTICATED: %s); check --cluster-token "
+                              "(PDSERVE_CLUSTER_TOKEN); retrying every %.1fs", self.router_address, e.details(),
+                              self.interval_s)
+                    self._warned = True
                 if not self._warned:  # one warning per outage, not one per interval
                     log.warning("router %s unreachable (%s: %s); retrying every %.1fs", self.router_address,
                                 e.code().name, e.details(), self.interval_s)

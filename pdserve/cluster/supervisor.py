@@ -24,9 +24,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pdserve.cluster.topology import PodSpec, Topology
+
+if TYPE_CHECKING:
+    from pdserve.security import TLSConfig
 
 log = logging.getLogger("pdserve.cluster")
 
@@ -155,14 +158,22 @@ class LocalCluster:
 
     def __init__(self, topology: Topology, *, log_dir: str | os.PathLike[str] | None = None,
                  python: str = sys.executable, env: dict[str, str] | None = None,
-                 echo: Callable[[str], None] | None = None, drain_timeout_s: float = 5.0) -> None:
+                 echo: Callable[[str], None] | None = None, drain_timeout_s: float = 5.0,
+                 cluster_token: str = "", api_key: str = "", tls: TLSConfig | None = None) -> None:
         self.topology = topology
+        self.tls = tls  # served by every service; also what this supervisor presents when it checks them
+        self.api_key = api_key
         self.drain_timeout_s = drain_timeout_s  # told to each service: how long its own SIGTERM drain may take
         self.python = python
         self.env = dict(os.environ if env is None else env)
         self.env["PYTHONUNBUFFERED"] = "1"
         self.env.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on the network
         self.env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # Secrets travel in the environment, not on command lines (visible in ps and in the "starting" lines).
+        if cluster_token:
+            self.env["PDSERVE_CLUSTER_TOKEN"] = cluster_token
+        if api_key:
+            self.env["PDSERVE_API_KEY"] = api_key
         self.echo = echo or (lambda s: None)
         if log_dir is None:
             from pdserve.default_model import cache_dir
@@ -195,15 +206,17 @@ class LocalCluster:
             router += ["--" + http_field.replace("_", "-"), str(t.http_port)]
         if _router_has_field("drain_grace_s"):
             router += ["--drain-grace-s", f"{self.drain_timeout_s:g}"]
-        router += list(t.router_args)
+        tls = self.tls.as_flags() if self.tls is not None else []
+        router += tls + list(t.router_args)
         services.append(Service("router", "router", router, router_addr, self.log_dir / "router.log"))
         if t.http_port is not None and http_field is None:
+            front_tls = [a for a in tls if a != "--tls-require-client-cert"]  # the front is the router's client
             services.append(Service("openai-http", "http",
                                     [*py, "router.openai_http", "--router", router_addr, "--host", h,
-                                     "--port", str(t.http_port)],
+                                     "--port", str(t.http_port), *front_tls],
                                     f"{h}:{t.http_port}", self.log_dir / "openai-http.log"))
 
-        common = ["--block-size", str(t.block_size)]
+        common = ["--block-size", str(t.block_size), *tls]
         if t.max_model_len is not None:
             common += ["--max-model-len", str(t.max_model_len)]
         if t.device is not None:
@@ -342,6 +355,8 @@ class LocalCluster:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from pdserve.security import sync_channel
+
         pending = {s.name: s for s in self.services}
         channels = {}
         try:
@@ -353,7 +368,7 @@ class LocalCluster:
                             del pending[name]
                             self.echo(f"{name} is up on http://{s.address}")
                         continue
-                    ch = channels.get(name) or channels.setdefault(name, grpc.insecure_channel(s.address))
+                    ch = channels.get(name) or channels.setdefault(name, sync_channel(s.address, self.tls))
                     try:
                         r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                                  timeout=1.0)
@@ -389,17 +404,19 @@ class LocalCluster:
         """Every pod registered in the router and READY, and the model served."""
         import grpc
 
+        from pdserve.security import sync_channel
         from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 
         want = {s.name for s in self.services if s.spec is not None}
-        ch = grpc.insecure_channel(self.services[0].address)
+        ch = sync_channel(self.services[0].address, self.tls)
+        md = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
         try:
             stub = router_pb2_grpc.RouterStub(ch)
             last = "no answer from the router"
             while True:
                 self._check_alive()
                 try:
-                    st = stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=2.0)
+                    st = stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=2.0, metadata=md)
                     ready = {p.pod_id for p in st.pods if p.state == common_pb2.POD_STATE_READY}
                     if want <= ready and st.ready_models:
                         return

@@ -17,6 +17,7 @@ from typing import Any
 
 from pdserve.commands.generate import (
     add_connection_arguments,
+    connection_kwargs,
     add_sampling_arguments,
     completion_json,
     fail,
@@ -46,7 +47,7 @@ def run_chat(args: argparse.Namespace) -> int:
     if args.system:
         history.append({"role": "system", "content": args.system})
     kw = sampling_kwargs(args)
-    with Client(args.router, timeout=args.timeout) as client:
+    with Client(args.router, timeout=args.timeout, **connection_kwargs(args)) as client:
         if args.message is not None:
             msgs = history + [{"role": "user", "content": args.message}]
             try:

@@ -24,6 +24,22 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", default=os.environ.get("PDSERVE_ROUTER", DEFAULT_ROUTER), metavar="HOST:PORT",
                    help=f"router gRPC address (default $PDSERVE_ROUTER or {DEFAULT_ROUTER})")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of the request in seconds")
+    from pdserve.security import API_KEY_ENV, add_tls_arguments
+
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
+                   help=f"the router's API key (default ${API_KEY_ENV})")
+    add_tls_arguments(p, client_only=True)
+
+
+def connection_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Client(...) keyword arguments for --api-key and the --tls-* flags; a bad certificate file exits 2, named."""
+    from pdserve.security import TLSConfigError, tls_from_args
+
+    try:
+        return {"api_key": args.api_key, "tls": tls_from_args(args)}
+    except TLSConfigError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,7 +130,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     try:
-        with Client(args.router, timeout=args.timeout) as client:
+        with Client(args.router, timeout=args.timeout, **connection_kwargs(args)) as client:
             stream = client.generate_stream(prompt, **sampling_kwargs(args))
             live = not (args.no_stream or args.json)
             c = stream_to_terminal(stream, echo=live)

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from pdserve.commands.generate import add_connection_arguments
+from pdserve.commands.generate import add_connection_arguments, connection_kwargs
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ def run_status(args: argparse.Namespace) -> int:
 
     from pdserve.client import Client, NO_RETRY, PdserveError
 
-    with Client(args.router, timeout=args.timeout or 10.0, retry=NO_RETRY) as client:
+    with Client(args.router, timeout=args.timeout or 10.0, retry=NO_RETRY, **connection_kwargs(args)) as client:
         while True:
             try:
                 st = client.cluster_status(role=args.role, model=args.model)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -81,21 +83,34 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ask", metavar="PROMPT",
                    help="once ready, send PROMPT as a chat message (greedy), stream the answer, then stop everything")
     p.add_argument("--ask-max-tokens", type=int, default=128, metavar="N", help="answer length limit for --ask")
+    add_security_arguments(p)
     p.set_defaults(func=run_up)
     return p
+
+
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.security import API_KEY_ENV, add_tls_arguments
+
+    g = p.add_argument_group("security")
+    g.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN") or None, metavar="TOKEN",
+                   help="secret pods present to register and to pull KV from each other (default "
+                        "$PDSERVE_CLUSTER_TOKEN, else a random one per run)")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
+                   help=f"clients must send this key, over gRPC and HTTP (default ${API_KEY_ENV}; none: open)")
+    add_tls_arguments(p)
 
 
 def _err(msg: str) -> None:
     print(f"pdserve up: error: {msg}", file=sys.stderr, flush=True)
 
 
-def _ask(router: str, prompt: str, max_tokens: int) -> int:
+def _ask(router: str, prompt: str, max_tokens: int, **security: Any) -> int:
     from pdserve.client import Client, PdserveError
     from pdserve.commands.generate import print_stats, stream_to_terminal
 
     print(f"\n> {prompt}", flush=True)
     try:
-        with Client(router, timeout=600) as client:
+        with Client(router, timeout=600, **security) as client:
             c = stream_to_terminal(client.chat_stream([{"role": "user", "content": prompt}],
                                                       max_tokens=max_tokens, temperature=0))
     except PdserveError as e:
@@ -121,7 +136,20 @@ def run_up(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"pdserve up: {line}", flush=True)
 
-    cluster = LocalCluster(topo, log_dir=args.log_dir, echo=echo)
+    from pdserve.security import TLSConfigError, tls_from_args
+
+    try:
+        tls = tls_from_args(args)
+    except TLSConfigError as e:
+        _err(str(e))
+        return 2
+    if tls is not None and not tls.serves_tls:
+        _err("TLS for the local cluster needs --tls-cert-file and --tls-key-file (every service serves them)")
+        return 2
+    # Why random by default: a local cluster's pods still authenticate each other, and nobody has to pick a secret.
+    token = args.cluster_token or secrets.token_urlsafe(24)
+    cluster = LocalCluster(topo, log_dir=args.log_dir, echo=echo, cluster_token=token, api_key=args.api_key or "",
+                           tls=tls)
     if args.dry_run:
         topo.assign_ports()
         plan = cluster._plan()
@@ -146,7 +174,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"pdserve up: cluster ready in {time.monotonic() - t0:.1f}s, serving "
               f"{cluster.endpoints.model}\n{cluster.describe()}", flush=True)
         if args.ask is not None:
-            return _ask(cluster.endpoints.router, args.ask, args.ask_max_tokens)
+            return _ask(cluster.endpoints.router, args.ask, args.ask_max_tokens, api_key=args.api_key, tls=tls)
         print("Press Ctrl-C to stop.", flush=True)
         while True:
             dead = cluster.dead_services()

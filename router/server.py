@@ -47,6 +47,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ClusterStatus(self, request: router_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
                             ) -> router_pb2.ClusterStatusResponse:
+        if request.role not in common_pb2.Role.values():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"role {request.role} is not a Role: use ROLE_PREFILL, ROLE_DECODE or leave it unset")
         reg = self.core.registry
         resp = router_pb2.ClusterStatusResponse(router_queue_depth=self.core.admission.depth,
                                                 num_inflight_requests=max(0, len(self.core.flights)

@@ -221,6 +221,9 @@ def kv_layout_for(facts: ModelFacts, cfg: ParallelConfig, role: int) -> common_p
 
 def validate_config_rpc(req: router_pb2.ValidateConfigRequest) -> router_pb2.ValidateConfigResponse:
     """Router.ValidateConfig. Raises BadConfigRequest (INVALID_ARGUMENT / NOT_FOUND) for malformed requests only."""
+    if req.role not in common_pb2.Role.values():
+        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"role {req.role} is not a Role: use ROLE_PREFILL, ROLE_DECODE or leave it unset")
     source = req.WhichOneof("model_source")
     if source is None:
         raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,

@@ -1,0 +1,106 @@
+"""Helpers for the bad-input property tests (tests/*/test_*_fuzz.py): a small real cluster (router + one prefill
+pod + one decode pod, separate processes, tiny checkpoint), a snapshot of everything a refused request must leave
+untouched, and the hypothesis settings those tests share.
+
+The snapshot reads only what the cluster itself reports: ClusterStatus (the registry, the router's queue and
+in-flight counts, and each pod's own heartbeat: free KV blocks per rank, leases / reservations held, queued work).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from hypothesis import HealthCheck, settings
+
+from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.testing import Cluster
+
+# Stable in CI: the same examples every run, no wall-clock deadline (2 shared cores), modest counts.
+FUZZ_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
+                         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                                HealthCheck.data_too_large])
+
+VOCAB = 256  # write_tiny_checkpoint's default
+MAX_MODEL_LEN = 256  # given to both pods, so "too long" prompts stay cheap
+NUM_KV_BLOCKS = 64
+HOLD_S = "600"  # lease / reservation TTL: a leaked one stays visible for the whole module
+
+
+def start_cluster(workdir: Path, model: Path) -> Cluster:
+    """Router + p0 + d0 (TP 1), registered through their own RegisterWorker / Heartbeat."""
+    c = Cluster(workdir, model, num_prefill=1, num_decode=1, prefill_tp=1, decode_tp=1, decode_dcp=1,
+                num_kv_blocks=NUM_KV_BLOCKS, heartbeat_interval_s=0.25,
+                prefill_args=["--max-model-len", str(MAX_MODEL_LEN), "--lease-ttl", HOLD_S, "--kv-transport", "tcp"],
+                decode_args=["--max-model-len", str(MAX_MODEL_LEN), "--reservation-ttl-s", HOLD_S])
+    return c.start()
+
+
+@dataclass(frozen=True)
+class PodSnapshot:
+    role: int
+    address: str
+    state: int
+    free_blocks: tuple[int, ...]
+    total_blocks: tuple[int, ...]
+    leases: int  # LoadStats.num_active_leases: prefill KV leases / decode reservations + incoming transfers
+    running: int
+    waiting: int
+    queued_prompt_tokens: int
+    inflight: int  # the router's count of requests it has in flight on this pod
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    pods: dict[str, PodSnapshot]
+    router_queue_depth: int
+    num_inflight_requests: int
+    ready_models: tuple[str, ...]
+
+
+def snapshot(status: router_pb2.ClusterStatusResponse) -> ClusterSnapshot:
+    pods = {p.pod_id: PodSnapshot(p.role, p.address, p.state, tuple(k.free_blocks for k in p.kv),
+                                  tuple(k.total_blocks for k in p.kv), p.load.num_active_leases,
+                                  p.load.num_running_seqs, p.load.num_waiting_seqs, p.load.queued_prompt_tokens,
+                                  p.num_inflight_requests)
+            for p in status.pods}
+    return ClusterSnapshot(pods, status.router_queue_depth, status.num_inflight_requests,
+                           tuple(sorted(status.ready_models)))
+
+
+def cluster_snapshot(router_address: str) -> ClusterSnapshot:
+    with grpc.insecure_channel(router_address) as ch:
+        return snapshot(router_pb2_grpc.RouterStub(ch).ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=10))
+
+
+def settled_snapshot(router_address: str, want: ClusterSnapshot | None = None, heartbeat_s: float = 0.25,
+                     timeout_s: float = 30.0) -> ClusterSnapshot:
+    """The snapshot once the pods' heartbeats have caught up: equal to ``want`` (returned as soon as it is), or,
+    without ``want``, the same on three reads in a row. After ``timeout_s`` the latest read is returned (the caller's
+    assertion then shows the difference)."""
+    t0 = time.monotonic()
+    last, same = None, 0
+    while True:
+        time.sleep(2 * heartbeat_s)
+        now = cluster_snapshot(router_address)
+        if want is not None and now == want:
+            return now
+        same = same + 1 if now == last else 0
+        if (want is None and same >= 2) or time.monotonic() - t0 > timeout_s:
+            return now
+        last = now
+
+
+def idle(snap: ClusterSnapshot) -> bool:
+    """Nothing queued or in flight anywhere, every pod READY."""
+    return (snap.router_queue_depth == 0 and snap.num_inflight_requests == 0
+            and all(p.state == common_pb2.POD_STATE_READY and p.inflight == 0 and p.running == 0 and p.waiting == 0
+                    and p.leases == 0 for p in snap.pods.values()))
+
+
+def assert_refused(err: grpc.RpcError, allowed: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.INVALID_ARGUMENT,),
+                   what: str = "") -> None:
+    """A refusal a user can act on: one of ``allowed`` and a non-empty message."""
+    assert err.code() in allowed, f"{what}: got {err.code()} ({err.details()!r}), want one of {allowed}"
+    assert (err.details() or "").strip(), f"{what}: {err.code()} without a message"

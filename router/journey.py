@@ -142,6 +142,7 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
     sent = 0  # tokens streamed to the client
     t_first = t_last = 0.0
     pod_time = 0.0  # AllocateKV + Prefill on the path to the first token
+    pod_self = 0.0  # the part of it the prefill pod reports as its own (engine queue + compute)
     outcome = "error"
 
     def message(piece_ids: list[int], text: str, logprobs: list[float] = (), top: list[Any] = ()
@@ -185,6 +186,7 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
             ("pdserve-router-ttft-s", f"{timing.ttft_s:.9f}"),
             ("pdserve-pod-time-s", f"{pod_time:.9f}"),
             ("pdserve-queue-s", f"{timing.queue_s:.9f}"),
+            ("pdserve-pod-self-s", f"{pod_self:.9f}"),
         ))
         return msg
 
@@ -206,6 +208,7 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
         pre, prefill_pod = await _prefill(core, flight, prep, alloc, prefill_pod, timeout, deadline)
         timing.prefill_s = time.monotonic() - t
         pod_time += timing.prefill_s
+        pod_self = pre.queue_s + pre.compute_s
         routing.prefill_pod_id = prefill_pod
         routing.transfer_mode = pre.kv_handle.transfer_mode if pre.HasField("kv_handle") else 0
         usage.cached_prompt_tokens = pre.num_cached_tokens

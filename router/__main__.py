@@ -47,15 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"python -m router: error: {e}", file=sys.stderr)
         return 2
-    try:
-        import uvloop  # type: ignore[import-not-found]
-
-        uvloop.install()
-    except ImportError:
-        pass
     from router.server import serve
 
-    asyncio.run(serve(config))
+    if config.uses_uvloop:
+        import uvloop  # type: ignore[import-not-found]
+
+        uvloop.run(serve(config))
+    else:
+        asyncio.run(serve(config))
     return 0
 
 

@@ -6,6 +6,7 @@ fails at startup instead of misbehaving under load.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, fields
@@ -59,6 +60,8 @@ class RouterConfig:
 
     # --- lifecycle ---
     drain_grace_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
+    # auto = uvloop when importable, else asyncio's loop; uvloop cuts the loop's own cost per gRPC call
+    event_loop: str = "auto"  # auto | uvloop | asyncio
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> None:
@@ -102,6 +105,10 @@ class RouterConfig:
             if not isinstance(getattr(self, name), str):
                 bad(name, "must be a string")
         self.tls  # builds (and so checks) the TLS config: a bad file fails here, naming its flag
+        if self.event_loop not in ("auto", "uvloop", "asyncio"):
+            bad("event_loop", "must be auto (uvloop when installed), uvloop or asyncio")
+        if self.event_loop == "uvloop" and not _uvloop_installed():
+            bad("event_loop", "is uvloop but uvloop is not installed: pip install uvloop, or use auto / asyncio")
 
     @property
     def tls(self) -> "TLSConfig | None":
@@ -114,6 +121,10 @@ class RouterConfig:
         return tls if tls.enabled or tls.require_client_cert else None
 
     @property
+    def uses_uvloop(self) -> bool:
+        return self.event_loop == "uvloop" or (self.event_loop == "auto" and _uvloop_installed())
+
+    @property
     def unhealthy_after_s(self) -> float:
         return self.heartbeat_interval_s * self.missed_heartbeats_unhealthy
 
@@ -124,6 +135,10 @@ class RouterConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _uvloop_installed() -> bool:
+    return importlib.util.find_spec("uvloop") is not None
 
 
 def _is_int(v: object) -> bool:

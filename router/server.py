@@ -20,6 +20,7 @@ from router.config import RouterConfig
 from router.core import RouterCore
 from router.journey import generate
 from router.registry import Unauthenticated
+from router.registry_checks import InvalidRequest
 from router.validation import BadConfigRequest, validate_config_rpc
 
 log = logging.getLogger("router.server")
@@ -87,6 +88,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             return self.core.registry.heartbeat(request)
         except Unauthenticated as e:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def DeregisterWorker(self, request, context):  # noqa: N802
         try:
@@ -196,5 +199,6 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+    log.info("event loop: %s", type(loop).__module__.split(".")[0])  # "uvloop" or "asyncio"
     print(f"pdserve router listening on {config.host}:{server.port}", flush=True)
     await server.wait_stopped()

@@ -40,3 +40,13 @@ def test_cli_flags_cover_every_field():
     args = _parser().parse_args(["--port", "0", "--max-queue-len", "3", "--heartbeat-interval-s", "0.5"])
     assert args.port == 0 and args.max_queue_len == 3 and args.heartbeat_interval_s == 0.5
     assert args.model is None
+
+
+def test_event_loop_choice_is_validated():
+    """event_loop takes auto / uvloop / asyncio only, and auto means uvloop exactly when it is installed."""
+    import importlib.util
+
+    with pytest.raises(ValueError, match="event_loop"):
+        RouterConfig(event_loop="trio")
+    assert RouterConfig(event_loop="asyncio").uses_uvloop is False
+    assert RouterConfig().uses_uvloop is (importlib.util.find_spec("uvloop") is not None)

@@ -96,3 +96,28 @@ def test_drain_refuses_new_requests_waits_for_inflight_then_stops():
     assert refused[0] == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused[1]
     assert 0.5 < took < 5  # waited for the in-flight (queued) request up to the grace, then stopped
     assert code != grpc.StatusCode.OK
+
+
+def test_python_m_router_runs_on_the_chosen_event_loop(smollm2_path):
+    """`--event-loop asyncio` runs the router on asyncio's own loop and the default on uvloop (a dev dependency,
+    installed here): the process says which loop serves it once it listens."""
+    import pytest
+
+    pytest.importorskip("uvloop")
+    for flag, want in ((["--event-loop", "asyncio"], "asyncio"), ([], "uvloop")):
+        p = subprocess.Popen([sys.executable, "-u", "-m", "router", "--port", "0", "--log-level", "INFO", *flag],
+                             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            seen, t0 = [], time.monotonic()
+            while not any("pdserve router listening" in s for s in seen):
+                line = p.stdout.readline()
+                assert line or p.poll() is None, f"router exited: {seen}"
+                seen.append(line)
+                assert time.monotonic() - t0 < 60
+            assert any(f"event loop: {want}" in s for s in seen), seen
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=30) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

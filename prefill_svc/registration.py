@@ -14,6 +14,9 @@ from pdserve_api.v1 import registry_pb2, registry_pb2_grpc
 log = logging.getLogger("prefill_svc.registration")
 
 RPC_TIMEOUT_S = 5.0
+# gRPC's reconnect backoff grows to 120 s by default: after a long router outage a pod would then find the restarted
+# router (and register again) minutes late. Capped, it retries the connection at least this often.
+MAX_RECONNECT_BACKOFF_MS = 5000
 
 
 class Registrar:
@@ -31,7 +34,8 @@ class Registrar:
         self._register_request = register_request
         self._heartbeat_request = heartbeat_request
         self._on_desired_state = on_desired_state
-        self._channel = aio_channel(router_address, tls)  # TLS / client certificate as the pod is configured
+        self._channel = aio_channel(router_address, tls,  # TLS / client certificate as the pod is configured
+                                    options=[("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)])
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self.registered = False
         self.last_message = ""

@@ -23,6 +23,7 @@ from pdserve.parallel_config import ParallelConfig
 from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
 from router.config import RouterConfig
 from router.placement import DecodeView, PrefillView, blocks_needed
+from router.registry_checks import InvalidRequest, heartbeat_problem, kv_stats_problem, register_problem
 from router.validation import BadConfigRequest, check_for_role, facts_from_shape, parallel_from_proto, \
     shape_mismatch
 
@@ -136,7 +137,8 @@ class Registry:
         resp = registry_pb2.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_interval_s,
                                                    router_id=self.router_id)
         if reason is not None:
-            log.warning("refused pod %r (%s at %s): %s", req.pod_id, common_pb2.Role.Name(req.role), req.address,
+            role = common_pb2.Role.Name(req.role) if req.role in common_pb2.Role.values() else req.role
+            log.warning("refused pod %r (%s at %s): %s", req.pod_id, role, req.address,
                         reason)
             resp.accepted = False
             resp.message = reason
@@ -172,11 +174,16 @@ class Registry:
             return "address is empty: send the host:port of the pod's worker service", None
         if req.role == PREFILL and not req.kv_transfer_address:
             return "kv_transfer_address is empty: prefill pods must serve KvTransfer and send its host:port", None
+        problem = register_problem(req)
+        if problem:
+            return problem, None
         if req.model and req.model not in self.model_aliases:
             return (f"model {req.model!r} is not served by this router (it tokenizes for {self.model_name!r}): "
                     f"start the worker with the router's model, or a router with --model for {req.model!r}"), None
         if req.state not in (common_pb2.POD_STATE_UNSPECIFIED, READY, STARTING):
-            return f"cannot register in state {common_pb2.PodState.Name(req.state)}", None
+            name = common_pb2.PodState.Name(req.state) if req.state in common_pb2.PodState.values() else req.state
+            return (f"cannot register in state {name}: register as POD_STATE_READY or POD_STATE_STARTING (or leave "
+                    "it unset)"), None
         try:
             facts = facts_from_shape(req.model_shape, "model_shape")
         except BadConfigRequest as e:
@@ -195,6 +202,9 @@ class Registry:
         if req.kv and len(req.kv) != parallel.tensor_parallel_size:
             return (f"kv stats list {len(req.kv)} ranks but tensor_parallel_size is "
                     f"{parallel.tensor_parallel_size}"), None
+        problem = kv_stats_problem("kv", req.kv, parallel.tensor_parallel_size)
+        if problem:
+            return problem, None
         for other in self.pods.values():
             if other.pod_id == req.pod_id:
                 continue
@@ -213,6 +223,9 @@ class Registry:
         entry = self.pods.get(req.pod_id)
         if entry is None:
             return registry_pb2.HeartbeatResponse(known=False)
+        problem = heartbeat_problem(req, entry.tp)
+        if problem:  # refused whole: the entry keeps its last good report
+            raise InvalidRequest(f"heartbeat of pod {req.pod_id!r}: {problem}")
         entry.last_heartbeat = self.clock()
         entry.load.CopyFrom(req.load)
         self._apply_kv(entry, req.kv)

@@ -6,7 +6,8 @@
 Asks grpc.health.v1.Health/Check on host:port (default 127.0.0.1 and the port the entrypoint recorded in
 $PDSERVE_RUN_DIR/health.json, else $PDSERVE_HEALTH_PORT, else 50051). The empty service name (the default) is the
 server's overall health. With PDSERVE_TLS_CERT_FILE set (the service serves TLS) the probe uses TLS, trusting
-PDSERVE_TLS_CA_FILE (else the certificate itself) and checking the name PDSERVE_TLS_SERVER_NAME (default localhost).
+PDSERVE_TLS_CA_FILE (else the certificate itself) and checking the name PDSERVE_TLS_SERVER_NAME (default localhost);
+with PDSERVE_TLS_REQUIRE_CLIENT_CERT (mutual TLS) it presents PDSERVE_TLS_CERT_FILE / _KEY_FILE as client certificate.
 Exit status 0: SERVING; 1: anything else (the reason on stderr).
 """
 from __future__ import annotations
@@ -34,7 +35,12 @@ def channel(target: str):
     if not cert:
         return grpc.insecure_channel(target)
     ca = os.environ.get("PDSERVE_TLS_CA_FILE") or cert
-    creds = grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes())
+    key = os.environ.get("PDSERVE_TLS_KEY_FILE")
+    mtls = (os.environ.get("PDSERVE_TLS_REQUIRE_CLIENT_CERT") or "").strip().lower() in ("1", "true", "yes", "on")
+    # Under mutual TLS the service refuses certificate-less callers: present the container's own certificate.
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes(),
+                                         private_key=Path(key).read_bytes() if mtls and key else None,
+                                         certificate_chain=Path(cert).read_bytes() if mtls and key else None)
     name = os.environ.get("PDSERVE_TLS_SERVER_NAME") or "localhost"
     return grpc.secure_channel(target, creds, options=[("grpc.ssl_target_name_override", name)])
 

@@ -32,7 +32,8 @@ class Detokenizer:
         return self._delta(final=True) if self._read < len(self.ids) else ""
 
     def _delta(self, final: bool) -> str:
-        prefix_text = self.tok.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
+        prefix_text = (self.tok.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
+                       if self._read > self._prefix else "")  # the first token has no context to decode
         new_text = self.tok.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd")):
             # Nothing printable yet (a special token skipped, or a multi-byte character not complete).

@@ -117,7 +117,7 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
     try:
         prep = await core.prepare(request)
     except Rejected as e:
-        m.requests.labels(e.code.name).inc()
+        m.count_request(e.code.name)
         _set_status(context, e.code, e.message)
         return
     rid = prep.request_id
@@ -293,7 +293,7 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
             context.set_details(f"decode failed after {sent} tokens were sent: {text}")
     finally:
         # 7. Whatever happened: give the pods back every block this request still holds.
-        m.requests.labels(outcome).inc()
+        m.count_request(outcome)
         m.inflight.dec()
         core.flights.pop(rid, None)
         _clean_up(core, flight)
@@ -355,9 +355,9 @@ def _need_prefill_pods(core: RouterCore) -> None:
 
 def _place_prefill(core: RouterCore, prep: Prepared) -> str:
     """The prefill pod of a prefill-only request (booked on it: ``_prefill`` gives it back)."""
-    _need_prefill_pods(core)
     pod = core.pick_prefill(prep, set())
     if pod is None:
+        _need_prefill_pods(core)  # the clearer message when there is none at all
         raise Rejected(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
     return pod
 

@@ -30,5 +30,13 @@ class RouterMetrics:
         self.cleanup_failures = Counter("pdserve_router_cleanup_failures",
                                         "Cancel / release calls to pods that failed", ["rpc"], registry=r)
 
+        self._outcomes: dict[str, Counter] = {}  # outcome -> bound child: labels() takes a lock and builds a key
+
+    def count_request(self, outcome: str) -> None:
+        child = self._outcomes.get(outcome)
+        if child is None:
+            child = self._outcomes[outcome] = self.requests.labels(outcome)
+        child.inc()
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -103,14 +103,6 @@ class TLSConfig:
         return self.cert_file is not None
 
     @classmethod
-    def from_env(cls, env: os._Environ[str] | dict[str, str] | None = None) -> "TLSConfig":
-        env = os.environ if env is None else env
-        return cls(cert_file=env.get(ENV["cert_file"]) or None, key_file=env.get(ENV["key_file"]) or None,
-                   ca_file=env.get(ENV["ca_file"]) or None,
-                   require_client_cert=_truthy(env.get(ENV["require_client_cert"], "")),
-                   server_name=env.get(ENV["server_name"]) or None)
-
-    @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TLSConfig":
         return cls(cert_file=args.tls_cert_file, key_file=args.tls_key_file, ca_file=args.tls_ca_file,
                    require_client_cert=bool(args.tls_require_client_cert), server_name=args.tls_server_name)

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 import grpc
 
 from pdserve.parallel_config import ParallelConfig
+from pdserve.security import secrets_match
 from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
 from router.config import RouterConfig
 from router.placement import DecodeView, PrefillView, blocks_needed
@@ -127,7 +128,7 @@ class Registry:
             fn(pod_id)
 
     def _check_token(self, token: str) -> None:
-        if self.config.cluster_token and token != self.config.cluster_token:
+        if self.config.cluster_token and not secrets_match(token, self.config.cluster_token):  # constant time
             raise Unauthenticated("wrong cluster_token: start the worker with the router's --cluster-token")
 
     # --- RPCs ---

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 from pathlib import Path
@@ -40,6 +41,39 @@ def _version() -> str:
         return "unknown"
 
 
+MAX_ID_LEN = 256  # request / lease ids travel to decode pods, logs and metric labels
+_TRANSFER_MODES = set(pb.TransferMode.values())
+
+
+def _id_problem(name: str, value: str) -> str | None:
+    if len(value) > MAX_ID_LEN or not value.isprintable():
+        return f"{name} must be at most {MAX_ID_LEN} printable characters, got {value[:40]!r}"
+    return None
+
+
+def prefill_request_problem(req: prefill_pb2.PrefillRequest) -> str | None:
+    """Field checks of a PrefillRequest that need no engine state (the prompt is checked against the model by the
+    engine, the decode layout by choose_mode). A message naming the field and the allowed values, or None."""
+    if not req.request_id:
+        return "request_id must not be empty"
+    problem = _id_problem("request_id", req.request_id) or _id_problem("lease_id", req.lease_id)
+    if problem:
+        return problem
+    if not math.isfinite(req.lease_ttl_s) or req.lease_ttl_s < 0:
+        return f"lease_ttl_s must be a finite number of seconds >= 0 (0: the pod's default), got {req.lease_ttl_s}"
+    if req.transfer_mode not in _TRANSFER_MODES:
+        return f"transfer_mode {req.transfer_mode} is not a TransferMode (leave it unset to let the pod choose)"
+    bad = [m for m in req.decode_target.transfer_modes if m not in _TRANSFER_MODES or m == 0]
+    if bad:
+        return f"decode_target.transfer_modes has unknown values {bad[:8]}: use TransferMode values"
+    sp = req.sampling_params
+    for name in ("presence_penalty", "frequency_penalty"):  # no effect on the first token, but must be well-formed
+        v = getattr(sp, name)
+        if sp.HasField(name) and not (math.isfinite(v) and -2 <= v <= 2):
+            return f"sampling_params.{name} must be in [-2, 2], got {v}"
+    return None
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, server: "PrefillServer") -> None:
         self.s = server
@@ -53,6 +87,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 code = "UNAVAILABLE"
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "this prefill pod is draining and takes no new requests; retry on another pod")
+            problem = prefill_request_problem(request)
+            if problem:
+                code = "INVALID_ARGUMENT"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
             try:
                 params, client = sampling_from_proto(request.sampling_params)
             except SamplingParamsError as e:

@@ -7,12 +7,16 @@ in-flight counts, and each pod's own heartbeat: free KV blocks per rank, leases 
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.testing import Cluster
@@ -27,6 +31,50 @@ MAX_MODEL_LEN = 256  # given to both pods, so "too long" prompts stay cheap
 NUM_KV_BLOCKS = 64
 HOLD_S = "600"  # lease / reservation TTL: a leaked one stays visible for the whole module
 
+NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+def ok_ids(min_size=1, max_size=20):
+    return st.lists(st.integers(3, VOCAB - 1), min_size=min_size, max_size=max_size)
+
+
+# --- invalid SamplingParams: each strategy breaks exactly one field, the rest stay valid -----------------------
+def _sp(**kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(**kw)
+
+
+_BAD_STOP = st.builds(lambda s: _sp(stop=s),
+                      st.lists(st.sampled_from(["", "x"]), min_size=1).filter(lambda s: "" in s))
+BAD_SAMPLING_VALUES = [
+    st.builds(lambda v: _sp(temperature=v), st.one_of(st.floats(max_value=-2**-20, width=32), NON_FINITE)),
+    st.builds(lambda v: _sp(top_p=v), st.one_of(st.floats(max_value=0.0, width=32),
+                                                st.floats(min_value=1.0, exclude_min=True, width=32), NON_FINITE)),
+    st.builds(lambda v: _sp(top_k=v), st.integers(-2**31, -2)),
+    st.builds(lambda v: _sp(max_tokens=v), st.integers(-2**31, 0)),
+    st.builds(lambda v: _sp(seed=v), st.integers(-2**63, -1)),
+    st.builds(lambda v: _sp(min_tokens=v), st.integers(-2**31, -1)),
+    st.builds(lambda m, extra: _sp(max_tokens=m, min_tokens=m + extra), st.integers(1, 100), st.integers(1, 100)),
+    _BAD_STOP,
+    st.builds(lambda v: _sp(stop_token_ids=[5, v]), st.integers(-2**31, -1)),
+    st.builds(lambda v: _sp(top_logprobs=v), st.integers(-2**31, -1)),
+    st.builds(lambda v: _sp(repetition_penalty=v), st.one_of(st.floats(max_value=0.0, width=32), NON_FINITE)),
+    st.builds(lambda name, v: _sp(**{name: v}), st.sampled_from(["presence_penalty", "frequency_penalty"]),
+              st.one_of(st.floats(min_value=2.0, exclude_min=True, width=32),
+                        st.floats(max_value=-2.0, exclude_max=True, width=32), NON_FINITE)),
+]
+BAD_SAMPLING = st.one_of(*BAD_SAMPLING_VALUES)
+# Pods ignore stop strings (whoever detokenizes applies them), so an empty one is the router's refusal only.
+POD_BAD_SAMPLING = st.one_of(*[s for s in BAD_SAMPLING_VALUES if s is not _BAD_STOP])
+
+# Well-formed values that this cluster's pods do not implement: common.proto says refuse, never ignore.
+UNSUPPORTED_SAMPLING = st.one_of(
+    st.builds(lambda v: _sp(top_logprobs=v), st.integers(1, 20)),
+    st.builds(lambda v: _sp(min_tokens=v, max_tokens=50), st.integers(1, 50)),
+    st.builds(lambda v: _sp(repetition_penalty=v), st.floats(0.125, 10, width=32).filter(lambda v: v != 1.0)),
+    st.builds(lambda name, v: _sp(**{name: v}), st.sampled_from(["presence_penalty", "frequency_penalty"]),
+              st.floats(-2, 2, width=32).filter(lambda v: v != 0.0)),
+)
+
 
 def start_cluster(workdir: Path, model: Path) -> Cluster:
     """Router + p0 + d0 (TP 1), registered through their own RegisterWorker / Heartbeat."""
@@ -35,6 +83,20 @@ def start_cluster(workdir: Path, model: Path) -> Cluster:
                 prefill_args=["--max-model-len", str(MAX_MODEL_LEN), "--lease-ttl", HOLD_S, "--kv-transport", "tcp"],
                 decode_args=["--max-model-len", str(MAX_MODEL_LEN), "--reservation-ttl-s", HOLD_S])
     return c.start()
+
+
+@contextlib.contextmanager
+def tiny_cluster(tmp_path_factory, tokenizer_from: Path) -> Iterator[Cluster]:
+    """start_cluster on a fresh tiny llama checkpoint (1 KV head); stopped on exit."""
+    from pdserve.testing import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-fuzz"), "llama", num_kv_heads=1,
+                                  tokenizer_from=tokenizer_from)
+    c = start_cluster(tmp_path_factory.mktemp("cluster-fuzz"), model)
+    try:
+        yield c
+    finally:
+        c.stop()
 
 
 @dataclass(frozen=True)

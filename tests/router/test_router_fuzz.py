@@ -9,33 +9,23 @@ a real cluster (router + one prefill pod + one decode pod as processes, tiny che
 """
 from __future__ import annotations
 
-import math
-
 import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.fuzz_testing import (FUZZ_SETTINGS, MAX_MODEL_LEN, VOCAB, assert_refused, cluster_snapshot, idle,
-                                 settled_snapshot, start_cluster)
+from router.fuzz_testing import (BAD_SAMPLING, FUZZ_SETTINGS, MAX_MODEL_LEN, UNSUPPORTED_SAMPLING, VOCAB,
+                                 assert_refused, cluster_snapshot, idle, ok_ids, settled_snapshot, tiny_cluster)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 INT32 = st.integers(-2**31, 2**31 - 1)
-NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, smollm2_path):
-    from pdserve.testing import write_tiny_checkpoint
-
-    model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-fuzz"), "llama", num_kv_heads=1,
-                                  tokenizer_from=smollm2_path)
-    c = start_cluster(tmp_path_factory.mktemp("cluster-fuzz"), model)
-    try:
+    with tiny_cluster(tmp_path_factory, smollm2_path) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -60,43 +50,6 @@ def generate(router, req: router_pb2.GenerateRequest, timeout: float = 60.0):
     except grpc.RpcError as e:
         return e, msgs
     return None, msgs
-
-
-def ok_ids(min_size=1, max_size=20):
-    return st.lists(st.integers(3, VOCAB - 1), min_size=min_size, max_size=max_size)
-
-
-# --- invalid SamplingParams: each strategy breaks exactly one field, the rest stay valid -----------------------
-def _sp(**kw) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(**kw)
-
-
-BAD_SAMPLING = st.one_of(
-    st.builds(lambda v: _sp(temperature=v), st.one_of(st.floats(max_value=-2**-20, width=32), NON_FINITE)),
-    st.builds(lambda v: _sp(top_p=v), st.one_of(st.floats(max_value=0.0, width=32),
-                                                st.floats(min_value=1.0, exclude_min=True, width=32), NON_FINITE)),
-    st.builds(lambda v: _sp(top_k=v), st.integers(-2**31, -2)),
-    st.builds(lambda v: _sp(max_tokens=v), st.integers(-2**31, 0)),
-    st.builds(lambda v: _sp(seed=v), st.integers(-2**63, -1)),
-    st.builds(lambda v: _sp(min_tokens=v), st.integers(-2**31, -1)),
-    st.builds(lambda m, extra: _sp(max_tokens=m, min_tokens=m + extra), st.integers(1, 100), st.integers(1, 100)),
-    st.builds(lambda s: _sp(stop=s), st.lists(st.sampled_from(["", "x"]), min_size=1).filter(lambda s: "" in s)),
-    st.builds(lambda v: _sp(stop_token_ids=[5, v]), st.integers(-2**31, -1)),
-    st.builds(lambda v: _sp(top_logprobs=v), st.integers(-2**31, -1)),
-    st.builds(lambda v: _sp(repetition_penalty=v), st.one_of(st.floats(max_value=0.0, width=32), NON_FINITE)),
-    st.builds(lambda name, v: _sp(**{name: v}), st.sampled_from(["presence_penalty", "frequency_penalty"]),
-              st.one_of(st.floats(min_value=2.0, exclude_min=True, width=32),
-                        st.floats(max_value=-2.0, exclude_max=True, width=32), NON_FINITE)),
-)
-
-# Well-formed values that this cluster's pods do not implement: common.proto says refuse, never ignore.
-UNSUPPORTED_SAMPLING = st.one_of(
-    st.builds(lambda v: _sp(top_logprobs=v), st.integers(1, 20)),
-    st.builds(lambda v: _sp(min_tokens=v, max_tokens=50), st.integers(1, 50)),
-    st.builds(lambda v: _sp(repetition_penalty=v), st.floats(0.125, 10, width=32).filter(lambda v: v != 1.0)),
-    st.builds(lambda name, v: _sp(**{name: v}), st.sampled_from(["presence_penalty", "frequency_penalty"]),
-              st.floats(-2, 2, width=32).filter(lambda v: v != 0.0)),
-)
 
 
 def _tok(ids) -> router_pb2.GenerateRequest:

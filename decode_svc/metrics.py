@@ -43,6 +43,10 @@ class DecodeCollector(Collector):
                                 labels=["pod"])
         c.add_metric([pod], s.kv_bytes_received)
         yield c
+        c = CounterMetricFamily("pdserve_decode_preemptions",
+                                "Sequences preempted for lack of KV blocks (re-queued and recomputed)", labels=["pod"])
+        c.add_metric([pod], s.preemptions)
+        yield c
         g = GaugeMetricFamily("pdserve_decode_draining", "1 while the pod drains after SIGTERM", labels=["pod"])
         g.add_metric([pod], 1.0 if self._draining() else 0.0)
         yield g

@@ -41,6 +41,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The underlying `tokenizers.Tokenizer` (for its streaming decoder)."""
+        return self._tok
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")

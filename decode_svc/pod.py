@@ -251,6 +251,8 @@ class DecodePod:
         seq.output_logprobs.pop()
         out = eng._append_token(seq, first_token, first_logprob)
         eng.num_generated_tokens -= 1  # prefill sampled it, not this pod
+        if out.finished:
+            self.kv_seconds.pop(seq.request_id, None)
         return out
 
     # --- the loop ---
@@ -258,6 +260,9 @@ class DecodePod:
         """Admit queued requests that fit, then one engine step (every running sequence gets a token)."""
         events: list[RequestOutput | Failure] = self._admit_queued()
         events.extend(self.engine.step())
+        for ev in events:
+            if ev.finished:  # per-request state must not outlive the request (the soak serves thousands)
+                self.kv_seconds.pop(ev.request_id, None)
         return events
 
     def _admit_queued(self) -> list[RequestOutput | Failure]:

@@ -101,6 +101,7 @@ def test_sixteen_staggered_sequences_match_solo_runs(pod, prefilled, solo):
         running_max = max(running_max, len(res[f"c{i}"]))
     assert pod.idle()
     assert pod.free_blocks_per_rank() == [pod.num_blocks] * TP
+    assert pod.kv_seconds == {}  # no per-request bookkeeping outlives its request (it grew forever before)
 
 
 def test_cancel_half_midway_frees_blocks_at_once(pod, prefilled, solo):

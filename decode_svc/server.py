@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestError, RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.sampling import SamplingParams, SamplingParamsError
-from pdserve.security import bind, export_kv_auth_token, grpc_options
+from pdserve.security import bind, export_kv_auth_token, export_kv_tls, grpc_options
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("decode_svc")
@@ -100,6 +101,7 @@ class DecodeServer:
     async def start(self) -> None:
         aloop = asyncio.get_running_loop()
         self.engine.on_failure = lambda e: aloop.call_soon_threadsafe(self._engine_failed, e)
+        export_kv_tls(self.config.tls)  # the KV control endpoints serve / dial TLS as the pod does
         export_kv_auth_token(self.config.cluster_token)  # before the ranks (and their KV pullers) are spawned
         await asyncio.to_thread(self.engine.start)
         self._layout = await self.call(self._layout_of)
@@ -301,6 +303,43 @@ def _transfer_modes(backend: str) -> list[int]:
     return ([common_pb2.TRANSFER_MODE_NIXL_PULL] if nixl else []) + grpc_mode
 
 
+MAX_ID_LEN = 256  # request ids travel into logs and metric labels
+MAX_TTL_S = 86400.0  # a reservation held longer than a day is a mistake (and keeps expires_at_unix_ms in int64)
+
+
+def _request_id_problem(rid: str) -> str | None:
+    if not rid:
+        return "request_id is empty"
+    if len(rid) > MAX_ID_LEN or not rid.isprintable():
+        return f"request_id must be at most {MAX_ID_LEN} printable characters, got {rid[:40]!r}"
+    return None
+
+
+def allocate_request_problem(req: decode_pb2.AllocateKVRequest) -> str | None:
+    """Field checks of AllocateKV before any block is touched (num_tokens against max_model_len: DecodePod.reserve)."""
+    problem = _request_id_problem(req.request_id)
+    if problem:
+        return problem
+    if not math.isfinite(req.ttl_s) or not 0 <= req.ttl_s <= MAX_TTL_S:
+        return f"ttl_s must be in [0, {MAX_TTL_S:.0f}] seconds (0: the pod's default), got {req.ttl_s}"
+    if req.num_reserved_output_tokens < 0:
+        return f"num_reserved_output_tokens must be >= 0, got {req.num_reserved_output_tokens}"
+    return None
+
+
+def decode_request_problem(req: decode_pb2.DecodeRequest) -> str | None:
+    """Field checks of Decode that need no pod state (prompt / first token against the model: DecodePod.submit)."""
+    problem = _request_id_problem(req.request_id)
+    if problem:
+        return problem
+    if not math.isfinite(req.first_token_logprob):
+        return f"first_token_logprob must be a finite number, got {req.first_token_logprob}"
+    if not 0 <= req.num_cached_tokens <= len(req.prompt_token_ids):
+        return (f"num_cached_tokens must be in [0, {len(req.prompt_token_ids)}] (the prompt's length), got "
+                f"{req.num_cached_tokens}")
+    return None
+
+
 class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, server: DecodeServer) -> None:
         self.s = server
@@ -310,8 +349,9 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         if s.unavailable_reason():
             await context.abort(grpc.StatusCode.UNAVAILABLE, s.unavailable_reason())
-        if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        problem = allocate_request_problem(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         mismatch = _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None
         if mismatch:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, mismatch)
@@ -348,8 +388,9 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         s = self.s
         rid = request.request_id
         t_start = time.monotonic()
-        if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        problem = decode_request_problem(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if s.engine.error is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, s.unavailable_reason())
         try:

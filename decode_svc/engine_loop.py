@@ -138,6 +138,7 @@ class EngineLoop:
                 if self._stop:
                     break
                 _check_ranks(pod)  # also while idle: a dead rank must turn the pod unhealthy before new work
+                pod.engine.executor.keepalive()  # idle ranks would otherwise hit the process group's timeout
                 pod.expire_reservations()
                 pod.keep_queued_alive()
                 if pod.has_work():

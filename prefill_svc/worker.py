@@ -254,6 +254,7 @@ class PrefillWorker:
                 return
             self._collect_freed()
             self._expire_leases()
+            eng.executor.keepalive()  # idle TP ranks would otherwise hit the process group's timeout and die
             if eng.has_unfinished():
                 self._step_publishes = False
                 try:

@@ -8,6 +8,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,8 +38,9 @@ class RankSpec:
     device: str
     attention_backend: str | None
     init_method: str
-    timeout_s: float
+    timeout_s: float  # of each collective
     threads_per_rank: int
+    init_timeout_s: float = 600.0  # rendezvous: rank processes start slowly on a loaded host
 
 
 def _free_port() -> int:
@@ -54,7 +56,10 @@ def _build_rank(spec: RankSpec, rank: int) -> ModelRunner:
                        dcp_interleave=spec.interleave)
     if spec.tp_size > 1:
         backend_name = "nccl" if spec.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend_name, init_method=spec.init_method, world_size=spec.tp_size, rank=rank,
+        host, _, port = spec.init_method.removeprefix("tcp://").rpartition(":")
+        store = dist.TCPStore(host, int(port), spec.tp_size, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=spec.init_timeout_s))
+        dist.init_process_group(backend_name, store=store, world_size=spec.tp_size, rank=rank,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
         ps.tp_group = dist.group.WORLD
         # Every rank must create every group, in the same order.
@@ -68,6 +73,10 @@ def _build_rank(spec: RankSpec, rank: int) -> ModelRunner:
     backend = select_backend(device, spec.attention_backend)
     return ModelRunner(spec.model_path, cfg, ps, backend, spec.num_blocks, spec.block_size, spec.max_model_len,
                        device=device)
+
+
+# Sent by an idle driver now and then (Executor.keepalive); ranks ignore it.
+_PING = "ping"
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,8 @@ def _worker_main(spec: RankSpec, rank: int) -> None:
         msg = box[0]
         if msg is None:
             break
+        if isinstance(msg, str):  # _PING: the driver is idle, nothing to run
+            continue
         if isinstance(msg, RankCall):
             try:
                 result: Any = msg.fn(runner, *msg.args)
@@ -110,6 +121,7 @@ class Executor:
                 p.start()
                 self.procs.append(p)
         self.runner = _build_rank(spec, 0)
+        self._last_broadcast = time.monotonic()
 
     @classmethod
     def create(cls, model_path: str, tp_size: int, dcp_size: int, interleave: int, num_blocks: int, block_size: int,
@@ -128,6 +140,7 @@ class Executor:
     def execute(self, step: StepInput) -> torch.Tensor:
         if self.spec.tp_size > 1:
             dist.broadcast_object_list([step], src=0)
+            self._last_broadcast = time.monotonic()
         return self.runner.execute(step)
 
     def call_all_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -139,9 +152,18 @@ class Executor:
         if self.spec.tp_size == 1:
             return [mine]
         dist.broadcast_object_list([RankCall(fn, args)], src=0)
+        self._last_broadcast = time.monotonic()
         out: list[Any] = [None] * self.spec.tp_size
         dist.gather_object(mine, out, dst=0)
         return out
+
+    def keepalive(self) -> None:
+        """Call from the driver's loop while it is idle: now and then broadcast a no-op. Ranks 1..N-1 wait for the
+        next step inside a collective, which the process group aborts after ``timeout_s`` (gloo: "Timed out waiting
+        for recv"), killing the rank: without this, a TP pod idle for ``timeout_s`` loses its ranks."""
+        if self.spec.tp_size > 1 and time.monotonic() - self._last_broadcast > self.spec.timeout_s / 4:
+            dist.broadcast_object_list([_PING], src=0)
+            self._last_broadcast = time.monotonic()
 
     def workers_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)

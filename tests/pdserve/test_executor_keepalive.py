@@ -1,0 +1,53 @@
+"""Idle TP ranks: ranks 1..N-1 are processes that wait for the driver's next step inside a collective, which the
+process group aborts after its timeout. These tests use a real 2-rank gloo group with a short timeout (4 s)."""
+from __future__ import annotations
+
+import operator
+import time
+
+import pytest
+
+from pdserve.engine.executor import Executor
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 4.0  # of each collective (the rendezvous has its own, long timeout)
+
+
+@pytest.fixture
+def executor(tiny_factory):
+    model = tiny_factory("llama", num_kv_heads=2)
+    ex = Executor.create(str(model), tp_size=2, dcp_size=1, interleave=1, num_blocks=8, block_size=16,
+                         max_model_len=256, timeout_s=TIMEOUT_S)
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+
+
+def _idle(ex: Executor, seconds: float, keepalive: bool) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if keepalive:
+            ex.keepalive()
+        time.sleep(0.05)
+
+
+def test_idle_driver_keepalive_keeps_ranks_alive(executor):
+    """Idle for 3x the group's timeout while the driver's loop calls keepalive(): the rank is still alive and the
+    next call on every rank works (each rank answers its own tp_rank)."""
+    _idle(executor, 3 * TIMEOUT_S, keepalive=True)
+    assert executor.workers_alive()
+    assert executor.call_all_ranks(operator.attrgetter("ps.tp_rank")) == [0, 1]
+
+
+def test_idle_driver_without_keepalive_loses_its_ranks(executor):
+    """The fault keepalive() prevents, shown on the same real group: with no broadcast for longer than the timeout
+    the waiting rank's collective times out and the rank process exits (a decode / prefill pod with TP > 1 that
+    sat idle for the timeout would be broken)."""
+    _idle(executor, 3 * TIMEOUT_S, keepalive=False)
+    deadline = time.monotonic() + 60
+    while executor.workers_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not executor.workers_alive()
+    assert executor.procs[0].exitcode not in (None, 0)

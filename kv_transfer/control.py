@@ -11,6 +11,9 @@ Authentication: a publisher started with the cluster token (``PDSERVE_KV_AUTH_TO
 request gets an ``unauthenticated`` error and the connection is closed, so a peer that could not have registered
 with the router cannot handshake, pin or read KV. ``ControlClient.connect`` does this by itself.
 
+TLS: when the pod serves TLS (``PDSERVE_KV_TLS``, exported by the pods from their --tls-* flags) every control
+connection is wrapped in TLS (mutual when the pod requires client certificates), KV bytes of the TCP path included.
+
 Why our own protocol and not gRPC: it is the data-path side channel (handshake, lease checks, layer
 progress, completion, fallback bytes), it must not depend on the service API, and it must time out
 on every read: every socket read here has a deadline.
@@ -23,12 +26,14 @@ import hmac
 import json
 import logging
 import secrets
+import select
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kv_transfer.transport import (
     BadTransferRequest,
@@ -38,6 +43,9 @@ from kv_transfer.transport import (
     LeaseExpired,
     TransferUnavailable,
 )
+
+if TYPE_CHECKING:
+    from pdserve.security import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,17 @@ def _default_token(token: str | None) -> str:
     from pdserve.security import kv_auth_token
 
     return kv_auth_token()
+
+
+_FROM_ENV: Any = object()  # tls=_FROM_ENV: this process's pod TLS settings (pdserve.security.kv_tls)
+
+
+def _default_tls(tls: Any) -> "TLSConfig | None":
+    if tls is not _FROM_ENV:
+        return tls
+    from pdserve.security import kv_tls
+
+    return kv_tls()
 
 
 _MAGIC = b"PDKV"
@@ -153,10 +172,13 @@ def raise_if_error(msg: dict[str, Any]) -> dict[str, Any]:
 class ControlClient:
     """One connection to a publisher. Calls are serialised by a lock (one request in flight)."""
 
-    def __init__(self, endpoint: Endpoint, io_timeout_s: float = 10.0, auth_token: str | None = None) -> None:
+    def __init__(self, endpoint: Endpoint, io_timeout_s: float = 10.0, auth_token: str | None = None,
+                 tls: Any = _FROM_ENV) -> None:
         self.endpoint = endpoint
         self.io_timeout_s = io_timeout_s
         self._auth_token = _default_token(auth_token)  # None: this process's cluster token ("" = none)
+        self._tls = _default_tls(tls)  # default: this process's pod TLS settings; None: plain TCP
+        self._ssl = self._tls.ssl_client_context() if self._tls is not None else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -178,14 +200,18 @@ class ControlClient:
                 delay = min(delay * 2, 0.5)
                 continue
             try:
+                if self._ssl is not None:
+                    sock.settimeout(max(deadline - time.monotonic(), 1.0))
+                    sock = self._ssl.wrap_socket(sock, server_hostname=self._tls.server_name or self.endpoint.host)
                 if self._auth_token:
                     self._authenticate(sock, max(deadline, time.monotonic() + 1.0))
             except KVAuthError:
                 sock.close()
                 raise
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: a TLS refusal lands here
                 sock.close()
-                raise HandshakeTimeout(f"authenticating to kv publisher {self.endpoint} failed: {e!r}") from e
+                raise HandshakeTimeout(f"connecting (TLS / authentication) to kv publisher {self.endpoint} failed: "
+                                       f"{e!r}") from e
             self._sock = sock
             return
 
@@ -267,8 +293,13 @@ class ControlClient:
                 return False
             try:
                 self._sock.setblocking(False)
-                data = self._sock.recv(1, socket.MSG_PEEK)
-            except BlockingIOError:
+                if isinstance(self._sock, ssl.SSLSocket):  # no MSG_PEEK through TLS: anything readable is unusable
+                    if not select.select([self._sock], [], [], 0)[0] and not self._sock.pending():
+                        return True
+                    data = self._sock.recv(1)
+                else:
+                    data = self._sock.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, ssl.SSLWantReadError):
                 return True  # nothing to read: still open
             except OSError:
                 data = b""
@@ -321,9 +352,12 @@ class ControlServer:
         idle_timeout_s: float = 600.0,
         io_timeout_s: float = 30.0,
         auth_token: str | None = None,
+        tls: Any = _FROM_ENV,
     ) -> None:
         self._handler = handler
         self._auth_token = _default_token(auth_token)  # None: this process's cluster token ("" = no check)
+        tls = _default_tls(tls)  # default: this process's pod TLS settings; None: plain TCP
+        self._ssl = tls.ssl_server_context() if tls is not None and tls.serves_tls else None
         self.idle_timeout_s = idle_timeout_s
         self.io_timeout_s = io_timeout_s
         self._lsock = socket.create_server((host, port), reuse_port=False, backlog=64)
@@ -368,6 +402,20 @@ class ControlServer:
             threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        if self._ssl is not None:  # the TLS handshake runs here, not in the accept loop: a slow peer blocks only itself
+            raw = sock
+            try:
+                raw.settimeout(self.io_timeout_s)
+                sock = self._ssl.wrap_socket(raw, server_side=True)
+            except (OSError, ValueError) as e:
+                log.warning("kv control %s: TLS handshake with %s failed: %s", self.endpoint, peer, e)
+                with self._lock:
+                    self._conns.discard(raw)
+                raw.close()
+                return
+            with self._lock:  # close() must shut down the TLS socket (the raw one was detached by wrap_socket)
+                self._conns.discard(raw)
+                self._conns.add(sock)
         conn = ServerConn(sock, peer, self.io_timeout_s)
         authed, nonce = not self._auth_token, ""
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import json
 import os
 import ssl
 from dataclasses import dataclass
@@ -142,6 +143,7 @@ class TLSConfig:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ca_file)
         ctx.load_cert_chain(self.cert_file, self.key_file)  # type: ignore[arg-type]
         ctx.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_NONE
+        ctx.num_tickets = 0  # no TLS 1.3 session tickets: an idle connection then has nothing unread on it
         return ctx
 
     def ssl_client_context(self) -> ssl.SSLContext:
@@ -234,6 +236,25 @@ def export_kv_auth_token(cluster_token: str) -> None:
 
 def kv_auth_token() -> str:
     return os.environ.get(KV_AUTH_ENV, "")
+
+
+# Same reason: the KV control endpoints (in every rank process) serve TLS when the pod does; its settings (file
+# paths only, no secrets) travel as JSON in the environment.
+KV_TLS_ENV = "PDSERVE_KV_TLS"
+
+
+def export_kv_tls(tls: TLSConfig | None) -> None:
+    if tls is not None and tls.serves_tls:
+        os.environ[KV_TLS_ENV] = json.dumps({f: getattr(tls, f) for f in
+                                             ("cert_file", "key_file", "ca_file", "require_client_cert",
+                                              "server_name")})
+    else:
+        os.environ.pop(KV_TLS_ENV, None)
+
+
+def kv_tls() -> TLSConfig | None:
+    raw = os.environ.get(KV_TLS_ENV)
+    return TLSConfig(**json.loads(raw)) if raw else None
 
 
 def secrets_match(given: str | bytes | None, expected: str | bytes) -> bool:

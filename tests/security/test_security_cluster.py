@@ -1,4 +1,5 @@
-"""A real cluster (router, prefill pod, decode pod as separate processes) with mutual TLS everywhere, a cluster token
+"""A real cluster (router, prefill pod, decode pod as separate processes) with mutual TLS everywhere (gRPC and the KV
+control channel), a cluster token
 and an API key: a TLS client with the key gets the right tokens end to end; a pod with the wrong token is refused by
 the Registry and never listed; a KV handshake without the cluster token is refused by the prefill pod's publisher;
 oversized messages to the pods are refused while they keep serving."""
@@ -15,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv_transfer.control import ControlClient, KVAuthError  # noqa: E402
-from kv_transfer.transport import PROTOCOL_VERSION, Endpoint, TransferUnavailable  # noqa: E402
+from kv_transfer.transport import PROTOCOL_VERSION, Endpoint, HandshakeTimeout, TransferUnavailable  # noqa: E402
 from pdserve.client import Client  # noqa: E402
 from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig, sync_channel  # noqa: E402
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc  # noqa: E402
@@ -108,14 +109,16 @@ def _pods(cluster: Cluster, pki: Pki) -> dict[int, common_pb2.Role]:
 
 
 def test_kv_handshake_without_the_cluster_token_is_refused(cluster, pki):
-    """The prefill pod's KV publisher: a peer without the token, or with a wrong one, is refused at once with an
-    error naming the cluster token, and the connection is closed (nothing served); with the token the handshake
-    answers."""
+    """The prefill pod's KV publisher (serving mutual TLS, as its pod does): a peer with a valid client certificate
+    but without the token, or with a wrong one, is refused at once with an error naming the cluster token, and the
+    connection is closed (nothing served); a plaintext peer, even holding the token, never gets through; with TLS
+    and the token the handshake answers."""
     pre = _pods(cluster, pki)[common_pb2.ROLE_PREFILL]
     ep = Endpoint.parse(pre.kv_transfer_address.split(",")[0])
     hello = {"op": "hello", "version": PROTOCOL_VERSION, "transport": "tcp"}
+    tls = client_tls(pki)
 
-    anon = ControlClient(ep, io_timeout_s=10, auth_token="")
+    anon = ControlClient(ep, io_timeout_s=10, auth_token="", tls=tls)
     anon.connect(10)
     with pytest.raises(KVAuthError, match="cluster-token"):
         anon.call(hello, handshake=True)
@@ -124,9 +127,11 @@ def test_kv_handshake_without_the_cluster_token_is_refused(cluster, pki):
     anon.close()
 
     with pytest.raises(KVAuthError, match="wrong cluster token"):
-        ControlClient(ep, io_timeout_s=10, auth_token="guess").connect(10)
+        ControlClient(ep, io_timeout_s=10, auth_token="guess", tls=tls).connect(10)
+    with pytest.raises(HandshakeTimeout):
+        ControlClient(ep, io_timeout_s=3, auth_token=TOKEN, tls=None).connect(5)
 
-    ok = ControlClient(ep, io_timeout_s=10, auth_token=TOKEN)
+    ok = ControlClient(ep, io_timeout_s=10, auth_token=TOKEN, tls=tls)
     ok.connect(10)
     reply, _ = ok.call(hello, handshake=True)
     assert reply["version"] == PROTOCOL_VERSION and reply["layout"]["num_layers"] >= 1

@@ -548,8 +548,8 @@ def _evaluate(cfg: SoakConfig, plan: list[Planned], outcomes: list[Outcome], ref
 # pdserve bench soak
 # ----------------------------------------------------------------------------------------------------------------
 
-QUICK = SoakConfig(num_requests=200, concurrency=16, distinct_prompts=80, max_tokens=(4, 32), decode_num_kv_blocks=12,
-                   prompt_len_long=(40, 120), router_max_queue_len=12, warmup_requests=3, alone_sample=6)
+QUICK = SoakConfig(num_requests=120, concurrency=12, distinct_prompts=40, max_tokens=(4, 24), decode_num_kv_blocks=10,
+                   prompt_len_long=(40, 120), router_max_queue_len=8, warmup_requests=3, alone_sample=4)
 
 
 FULL = SoakConfig(num_requests=2000, distinct_prompts=250)

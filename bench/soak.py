@@ -1,4 +1,4 @@
-"""Soak: many streamed requests, more at once than the decode KV holds, against a local cluster (``pdserve bench soak``).
+"""Soak: many streamed requests, more at once than decode KV holds, against a local cluster (``pdserve bench soak``).
 
 The cluster is started by ``pdserve.cluster.LocalCluster`` (the code ``pdserve up`` runs): a router, one prefill
 pod and one decode pod (TP 2 x DCP 2), by default on a tiny random checkpoint (``PDSERVE_SOAK_MODEL=smollm2``, or a
@@ -466,8 +466,8 @@ def offline_reference(model: Path, keys: list[tuple[tuple[int, ...], int]], bloc
 
 
 def _evaluate(cfg: SoakConfig, plan: list[Planned], outcomes: list[Outcome], ref_of: dict[Any, list[int]],
-              alone: dict[Any, list[int]], base: dict[str, Any], after: dict[str, Any], preemptions: float, rss: dict[str, dict[str, float]],
-              dead: list[str]) -> dict[str, Any]:
+              alone: dict[Any, list[int]], base: dict[str, Any], after: dict[str, Any], preemptions: float,
+              rss: dict[str, dict[str, float]], dead: list[str]) -> dict[str, Any]:
     by_index = {p.index: p for p in plan}
     problems: list[str] = []
     for key, toks in alone.items():
@@ -536,7 +536,8 @@ def _evaluate(cfg: SoakConfig, plan: list[Planned], outcomes: list[Outcome], ref
     return {
         "ok": not problems, "problems": problems, "config": dataclasses.asdict(cfg),
         "counts": counts, "requests": len(plan), "queued_in_router": queued, "resource_exhausted": exhausted,
-        "decode_preemptions": int(preemptions), "kv_blocks_leaked": leaked, "kv_blocks_leaked_total": sum(leaked.values()),
+        "decode_preemptions": int(preemptions), "kv_blocks_leaked": leaked,
+        "kv_blocks_leaked_total": sum(leaked.values()),
         "baseline": base, "after": after,
         "ttft_ms": {"p50": _pct(ttft, 50) * 1e3, "p99": _pct(ttft, 99) * 1e3, "n": len(ttft)},
         "itl_ms": {"p50": _pct(itl, 50) * 1e3, "p99": _pct(itl, 99) * 1e3, "n": len(itl)},

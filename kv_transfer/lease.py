@@ -186,6 +186,22 @@ class LeaseTable:
                 freed = self._pop(lease)
         self._call_free(freed)
 
+    def release_pin(self, lease_id: str, pin_id: int) -> bool:
+        """End a one-sided (NIXL) read: True iff the pin was still live, i.e. the blocks were held from the
+        grant until now, so whatever the read fetched in between is the lease's KV. False: the pin timed out
+        (the blocks may have been freed and reused meanwhile), the reader must discard what it read."""
+        freed = None
+        with self._cond:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return False
+            held = lease.pins.pop(pin_id, None)
+            live = held is not None and held[1] > self._clock()
+            if lease.retiring and not self._live_pins(lease):
+                freed = self._pop(lease)
+        self._call_free(freed)
+        return live
+
     def complete(self, lease_id: str, dst_rank: int, dst_world: int) -> bool:
         """Decode rank ``dst_rank`` has all its KV. Returns True when this freed the lease."""
         freed = None

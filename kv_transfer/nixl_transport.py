@@ -4,11 +4,13 @@
   * handshake over the control channel: prefill's agent metadata and its serialized descriptor list
     (one descriptor per hosted region, in rank order) travel as bytes in the ``hello`` answer;
   * per layer group, decode asks for a read pin over the control channel (the lease check), then
-    posts one NIXL READ whose descriptors are exactly its plan segments; the READ carries a
-    notification ``pdkv|unpin|<lease>|<pin>`` that prefill receives once the data has been read;
-  * the last READ from an endpoint carries ``pdkv|done|<lease>|<rank>|<world>|<pin>`` instead;
-    prefill's housekeeping thread polls notifications and completes the lease. (A decode rank that
-    reads nothing from some prefill endpoint tells it "done" over the control channel.)
+    posts one NIXL READ whose descriptors are exactly its plan segments;
+  * once the READ is DONE, decode releases the pin with ``unpin verify=true``: prefill confirms only if the
+    pin was still live, i.e. the blocks were held from the grant until after the data was read. A READ that
+    ran late (stalled decode, pin TTL passed, lease freed, blocks reused) is refused with LeaseExpired and
+    its data is discarded (the pull fails; the caller frees the blocks it landed in), never served;
+  * "done" goes over the control channel after the last confirmed READ, as on the TCP path.
+    (Older decoders sent unpin/done as READ notifications; prefill still honours those.)
 
 A publisher without NIXL (or a peer that did not offer it) is read over TCP instead, per endpoint.
 """
@@ -25,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_transfer.control import ControlClient, pack_blobs, unpack_blobs
+from kv_transfer.control import pack_blobs, unpack_blobs
 from kv_transfer.fallback_transport import TcpPuller
 from kv_transfer.layout import KVLayout
 from kv_transfer.plan import RankPlan
@@ -178,7 +180,6 @@ class NixlPuller(TcpPuller):
         self._reg = self._agent.register_memory(region)  # once; every read lands inside it
         self._mem, self._dev = _mem_of(region)
         self._base = region.data_ptr()
-        self._done_by_read: set = set()  # (lease id, endpoint) whose last READ carried "done"
 
     # ---- handshake ----------------------------------------------------------------------------
     def _on_hello(self, session: Session) -> None:
@@ -229,18 +230,9 @@ class NixlPuller(TcpPuller):
         self, src: _Source, peer: _NixlPeer, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float
     ) -> int:
         base = src.base
-        # Lease check + pin: prefill keeps these blocks until our READ's notification (or the TTL).
+        # Lease check + pin: prefill keeps these blocks until our verified unpin (or the pin TTL).
         reply, _ = src.client.call(self._msg("pin", handoff, layers_needed=layers.stop))
-        t_pin = time.monotonic()
-        read_deadline = min(deadline, t_pin + 0.8 * float(reply["ttl_s"]))
         local, remote = self._descs(base, peer, rp, layers)
-        last = layers.stop == self.layout.num_layers
-        # The last READ from an endpoint carries "done": NIXL delivers it once the data was read, and a
-        # READ only reports DONE here after its notification went out (a standalone send_notif gives no
-        # such guarantee without a progress thread, so it could sit unsent and the lease would expire).
-        kind = "done" if last else "unpin"
-        tail = f"{self.rank}|{self.layout.tp_size}|{reply['pin']}" if last else f"{reply['pin']}"
-        notif = f"{_NOTIF_PREFIX}|{kind}|{handoff.lease_id}|{tail}".encode()
         handle = None
         try:
             handle = self._agent.initialize_xfer(
@@ -248,8 +240,9 @@ class NixlPuller(TcpPuller):
                 self._agent.get_xfer_descs(local, self._mem),
                 self._agent.get_xfer_descs(remote, peer.mem),
                 peer.agent,
-                notif,
             )
+            # Bounds a hung READ only; whether the data is good is decided by the verified unpin below.
+            read_deadline = min(deadline, time.monotonic() + 0.8 * float(reply["ttl_s"]))
             state = self._agent.transfer(handle)
             spins = 0
             while state == "PROC":  # polling is what progresses our side (no progress thread)
@@ -270,8 +263,9 @@ class NixlPuller(TcpPuller):
                     handle.release()  # cancels a READ still in flight (timeout path)
                 except Exception:
                     log.warning("NIXL: could not release a transfer handle", exc_info=True)
-        if last:
-            self._done_by_read.add((handoff.lease_id, src.session.endpoint))
+        # Lease check after the fact (a one-sided READ cannot be refused while it runs): LeaseExpired here
+        # means the blocks may have been reused under the READ, and the pull fails instead of serving it.
+        src.client.call(self._msg("unpin", handoff, pin=reply["pin"], verify=True))
         return int(base.nbytes.sum()) * 2 * len(layers)
 
     def _descs(self, base, peer: _NixlPeer, rp: RankPlan, layers: range) -> tuple[np.ndarray, np.ndarray]:
@@ -295,12 +289,6 @@ class NixlPuller(TcpPuller):
         local = np.stack([loc, lens, np.full_like(lens, self._dev)], axis=1).astype(np.uint64)
         remote = np.stack([rem, lens, np.tile(src_dev, len(planes))], axis=1).astype(np.uint64)
         return local, remote
-
-    def _report_done(self, session: Session, client: ControlClient, handoff: KVHandoff) -> None:
-        if (handoff.lease_id, session.endpoint) in self._done_by_read:
-            self._done_by_read.discard((handoff.lease_id, session.endpoint))
-            return  # the last READ's notification already said "done"
-        super()._report_done(session, client, handoff)  # endpoints we read nothing from: control channel
 
     def close(self) -> None:
         super().close()

@@ -7,7 +7,8 @@ Control operations (JSON ``op``):
   hello   handshake: layout, hosted ranks, transports (+ NIXL metadata for NIXL publishers)
   wait    long-poll until more than ``after`` layers are ready (layer-progress notification)
   pin     lease check before a one-sided (NIXL) read: grants a read of layers [0, n) for a TTL
-  unpin   the read landed (NIXL publishers also take this as a transfer notification)
+  unpin   the read landed; with ``verify`` (NIXL reads) refused with LeaseExpired unless the pin was still
+          live, i.e. the blocks were held throughout the one-sided read
   read    TCP data path: lease checked + pinned, then the bytes streamed in chunks
   done    a decode rank has all its KV (ok=false: it gave up); the lease frees when all ranks are done
   renew   keep the lease while decode still queues the request
@@ -202,7 +203,15 @@ class Publisher(KVPublisher):
             self._on_activity(op)
             conn.send({"ok": True, "pin": pin, "ttl_s": self.leases.pin_ttl_s})
         elif op == "unpin":
-            self.leases.unpin(lease_id, int(msg["pin"]))
+            if not msg.get("verify"):
+                self.leases.unpin(lease_id, int(msg["pin"]))
+            elif not self.leases.release_pin(lease_id, int(msg["pin"])):
+                # Why: a one-sided read is only known to have read this lease's KV if its pin held the
+                # blocks until now; otherwise they may have been freed and reused mid-read.
+                raise LeaseExpired(
+                    f"lease {lease_id}: read pin {msg['pin']} lapsed before the read was confirmed "
+                    f"(prefill may have freed/reused the blocks); the data read must be discarded"
+                )
             conn.send({"ok": True})
         elif op == "read":
             self._serve_read(conn, msg, payload)

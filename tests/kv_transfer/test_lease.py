@@ -210,3 +210,29 @@ def test_control_roundtrip_errors_and_timeouts():
     send_frame(b, {"x": 1}, b"yz")
     a.close()
     b.close()
+
+
+def test_release_pin_says_whether_the_blocks_were_held_throughout():
+    """A one-sided read is confirmed only while its pin is live: a pin that timed out (blocks maybe freed and
+    reused) or a lease already freed answers False, so the reader discards what it read."""
+    clock, freed = Clock(), []
+    t = _table(clock, freed, timeout=10.0, pin_ttl=1.0)
+    lease = t.create("req", num_layers=2, layers_ready=2)
+    p1 = t.pin(lease.lease_id, 0, 2)
+    clock.t += 0.5
+    assert t.release_pin(lease.lease_id, p1) is True  # in time
+    assert t.release_pin(lease.lease_id, p1) is False  # released once only
+    p2 = t.pin(lease.lease_id, 0, 2)
+    clock.t += 1.5  # the pin's TTL passed (lease itself still live)
+    assert t.release_pin(lease.lease_id, p2) is False
+    p3 = t.pin(lease.lease_id, 0, 2)
+    clock.t += 10.5  # lease expires; its pin too: the sweep frees the blocks
+    assert t.sweep() == 1 and freed == [(lease.lease_id, "expired")]
+    assert t.release_pin(lease.lease_id, p3) is False
+    # a live pin holds a retiring lease; releasing it in time confirms the read and frees the blocks
+    lease2 = t.create("req2", num_layers=2, layers_ready=2)
+    p4 = t.pin(lease2.lease_id, 0, 2)
+    t.abort(lease2.lease_id)
+    assert (lease2.lease_id, "aborted") not in freed
+    assert t.release_pin(lease2.lease_id, p4) is True
+    assert (lease2.lease_id, "aborted") in freed

@@ -396,3 +396,58 @@ def test_tcp_puller_reads_a_nixl_publisher(workers):
         assert torch.equal(dec.regions[0], want) and res[0].transport == "tcp"
     finally:
         dec.close()
+
+
+def test_late_nixl_read_is_refused_not_served(workers):
+    """A decode rank that stalls between its read pin and its one-sided NIXL READ (pin TTL and lease run
+    out, prefill frees the blocks and they are reused for other data) really does READ the reused bytes,
+    and the pull fails with LeaseExpired instead of returning them; a prompt reader of the same kind still
+    gets byte-exact KV. Proves the after-READ lease check, not a timeout."""
+    if not nixl_available()[0]:
+        pytest.skip("needs NIXL")
+    from kv_transfer.nixl_transport import NixlPuller
+
+    pre = PrefillSide(workers, "nixl", 2, 1, tag="late", lease_timeout_s=0.6, pin_ttl_s=0.3)
+    scribble = 12345.0
+    stalled: dict = {}
+
+    class StallingAgent:
+        """The puller's real NIXL agent, descheduled just before it posts the READ (the stall a busy box can
+        cause); the READ itself then runs for real."""
+
+        def __init__(self, agent):
+            self._agent = agent
+
+        def __getattr__(self, name):
+            return getattr(self._agent, name)
+
+        def initialize_xfer(self, *args, **kwargs):
+            lease_id = stalled["lease"]
+            _wait_for(lambda: [x for x in pre.freed() if x[0] == lease_id], 10.0, "prefill to free the lease")
+            workers[0].call("scribble", key=pre.key, value=scribble)
+            stalled["freed_before_read"] = True
+            return self._agent.initialize_xfer(*args, **kwargs)
+
+    dec = DecodeSide("nixl", 2, 1, 1)
+    late = NixlPuller(dec.layout, 0, dec.regions[0], min_segment_bytes=0, handshake_timeout_s=5.0, io_timeout_s=5.0)
+    late._agent = StallingAgent(late._agent)
+    try:
+        handoff = pre.publish()
+        res = dec.pull_all(handoff)  # a prompt reader: fine
+        want = empty_region(dec.layout, 500)
+        write_rank(dec.layout, 0, pre.full(), dec.tables[0], want)
+        assert torch.equal(dec.regions[0], want) and res[0].transport == "nixl"
+
+        handoff = pre.publish()
+        stalled["lease"] = handoff.lease_id
+        with pytest.raises(LeaseExpired, match="discarded"):
+            late.pull(handoff, dec.tables[0], timeout_s=30)
+        assert stalled.get("freed_before_read")
+        assert [x for x in pre.freed() if x[0] == handoff.lease_id] == [(handoff.lease_id, "expired")]
+        # The READ did run after the reuse: the destination blocks hold the reused bytes. Only the
+        # refusal keeps them from becoming this request's KV (the caller frees those blocks).
+        blocks = dec.regions[0][:, :, dec.tables[0][0]]
+        assert torch.all(blocks == scribble), "the late READ did not actually read the reused blocks"
+    finally:
+        late.close()
+        dec.close()

@@ -321,6 +321,7 @@ class DecodePod:
 
     def shutdown(self) -> None:
         try:  # kv_transfer pullers live in the rank processes: close their connections first
-            self.engine.executor.call_all_ranks(close_rank_pullers)
+            if self.engine.executor.workers_alive():  # a dead rank (RankDied) cannot take the call
+                self.engine.executor.call_all_ranks(close_rank_pullers)
         finally:
             self.engine.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ class RankCall:
 
 
 def _worker_main(spec: RankSpec, rank: int) -> None:
+    # Ctrl-C reaches the whole foreground process group; it is the driver's to handle: it drains (the ranks still
+    # compute its in-flight steps) and then stops them. (SIGTERM still ends a rank: multiprocessing's exit uses it.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     runner = _build_rank(spec, rank)
     box: list = [None]
     while True:

@@ -1,8 +1,11 @@
-"""Idle TP ranks: ranks 1..N-1 are processes that wait for the driver's next step inside a collective, which the
-process group aborts after its timeout. These tests use a real 2-rank gloo group with a short timeout (4 s)."""
+"""TP rank processes stay up while their driver lives: ranks 1..N-1 wait for the driver's next step inside a
+collective, which the process group aborts after its timeout, and Ctrl-C reaches the whole process group. These tests
+use a real 2-rank gloo group with a short collective timeout (4 s)."""
 from __future__ import annotations
 
 import operator
+import os
+import signal
 import time
 
 import pytest
@@ -51,3 +54,12 @@ def test_idle_driver_without_keepalive_loses_its_ranks(executor):
         time.sleep(0.1)
     assert not executor.workers_alive()
     assert executor.procs[0].exitcode not in (None, 0)
+
+
+def test_ctrl_c_to_the_process_group_leaves_ranks_to_the_driver(executor):
+    """SIGINT (what Ctrl-C sends to every process of the foreground group) does not kill a rank: the driver handles
+    it (a pod drains with its ranks still computing) and stops the ranks itself."""
+    os.kill(executor.procs[0].pid, signal.SIGINT)
+    time.sleep(0.5)  # give a (wrongly) dying rank the chance to die before we look
+    assert executor.workers_alive()
+    assert executor.call_all_ranks(operator.attrgetter("ps.tp_rank")) == [0, 1]

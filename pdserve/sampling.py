@@ -71,7 +71,9 @@ class Sampler:
             if p.greedy:
                 tok = int(logits[row].argmax())
             else:
-                probs = _filtered_probs(logits[row].float() / p.temperature, p.top_k, p.top_p)
+                x = logits[row].float()
+                # Shift before dividing: a tiny temperature would turn x / T into inf - inf = NaN probabilities.
+                probs = _filtered_probs((x - x.max()) / p.temperature, p.top_k, p.top_p)
                 tok = int(torch.multinomial(probs, 1, generator=self._generator(request_ids[row], p)))
             out_t.append(tok)
             out_lp.append(float(logprobs_all[row, tok]))

@@ -240,6 +240,58 @@ def test_oversized_messages_are_refused_and_the_router_keeps_serving(cluster, ro
     assert_still_serves(router)
 
 
+ANY_FLOAT = st.one_of(st.floats(width=32), st.sampled_from([1e-30, 1e-8, 1e-45, 3.4e38, -0.0]))
+ANY_SAMPLING = st.builds(
+    common_pb2.SamplingParams,
+    temperature=st.one_of(st.none(), ANY_FLOAT), top_k=st.one_of(st.just(0), INT32),
+    top_p=st.one_of(st.none(), ANY_FLOAT),
+    seed=st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)), max_tokens=st.one_of(st.integers(1, 4), INT32),
+    stop=st.lists(st.text(max_size=4), max_size=3), stop_token_ids=st.lists(INT32, max_size=3),
+    logprobs=st.booleans(), ignore_eos=st.booleans(), top_logprobs=st.one_of(st.just(0), INT32),
+    min_tokens=st.one_of(st.just(0), INT32), repetition_penalty=st.one_of(st.none(), ANY_FLOAT),
+    presence_penalty=st.one_of(st.none(), ANY_FLOAT), frequency_penalty=st.one_of(st.none(), ANY_FLOAT),
+    skip_special_tokens=st.one_of(st.none(), st.booleans()))
+
+
+@FUZZ_SETTINGS
+@given(sp=ANY_SAMPLING, ids=ok_ids())
+def test_generate_any_sampling_params_completes_or_is_invalid_argument(cluster, router, baseline, sp, ids):
+    """Arbitrary values in every SamplingParams field (extreme, tiny, NaN, inf, negative, huge): the call either
+    completes with a final finish_reason, or is refused with INVALID_ARGUMENT and a message before any token. Never
+    UNKNOWN / INTERNAL, never an error after tokens were sent."""
+    if sp.max_tokens > 4:
+        sp.max_tokens = 4  # keep generation short; out-of-range values below 1 stay
+    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
+                                                            sampling_params=sp))
+    if err is not None:
+        assert not msgs, (sp, msgs)
+        assert_refused(err, (INVALID,), str(sp))
+    else:
+        assert msgs and msgs[-1].finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH), \
+            (sp, msgs[-1])
+    check_untouched(cluster, baseline, str(sp))
+
+
+@FUZZ_SETTINGS
+@given(t=st.one_of(st.floats(min_value=2**-149, max_value=2**-10, width=32), st.floats(1024.0, 2.0**127, width=32)),
+       p=st.one_of(st.none(), st.floats(min_value=2**-149, max_value=1.0, width=32)),
+       k=st.one_of(st.just(-1), st.integers(1, 2**31 - 1)), seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+       ids=ok_ids())
+def test_generate_extreme_but_valid_sampling_values_complete(cluster, router, baseline, t, p, k, seed, ids):
+    """Valid but extreme sampling values (temperatures near 0 or huge, tiny top_p, top_k beyond the vocabulary,
+    the largest seeds) complete normally: the pods' samplers do not turn them into NaN probabilities or errors."""
+    sp = common_pb2.SamplingParams(temperature=t, top_k=k, max_tokens=3, ignore_eos=True)
+    if p is not None:
+        sp.top_p = p
+    if seed is not None:
+        sp.seed = seed
+    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
+                                                            sampling_params=sp))
+    assert err is None, (sp, err)
+    assert sum(len(m.token_ids) for m in msgs) == 3 and msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert all(0 <= t < VOCAB for m in msgs for t in m.token_ids)
+    check_untouched(cluster, baseline, str(sp))
+
 def test_after_the_barrage_pods_are_unchanged_and_the_cluster_serves(cluster, router, baseline):
     """Runs after the property tests of this module: every pod's own report (free KV blocks per rank, leases /
     reservations, queues) equals the baseline, and valid requests still complete."""

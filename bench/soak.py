@@ -2,7 +2,7 @@
 
 The cluster is started by ``pdserve.cluster.LocalCluster`` (the code ``pdserve up`` runs): a router, one prefill
 pod and one decode pod (TP 2 x DCP 2), by default on a tiny random checkpoint (``PDSERVE_SOAK_MODEL=smollm2``, or a
-checkpoint path, for a real one). The decode
+checkpoint path, for a real one; its decode pod is TP 1 x DCP 1 unless ``PDSERVE_SOAK_DECODE=3x3``-style). The decode
 pod gets only ``num_kv_blocks`` blocks per rank, fewer than the concurrent requests need, so the router queues
 requests for decode KV (some may get RESOURCE_EXHAUSTED when its queue is full) and the decode pod preempts and
 recomputes sequences whose KV grows past the router's booking. Requests are greedy, ``ignore_eos`` (so each must
@@ -560,7 +560,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     cfg = QUICK if quick else FULL
     model = os.environ.get("PDSERVE_SOAK_MODEL")  # "smollm2" or a checkpoint directory; unset: the tiny one
     if model:
-        cfg = dataclasses.replace(cfg, model=model)
+        # TP 1 x DCP 1 is valid for every model (SmolLM2's 9 heads / 3 KV heads refuse TP 2); PDSERVE_SOAK_DECODE=TPxDCP
+        tp, _, dcp = os.environ.get("PDSERVE_SOAK_DECODE", "1x1").partition("x")
+        cfg = dataclasses.replace(cfg, model=model, decode_tp=int(tp), decode_dcp=int(dcp or 1))
     rep = run_soak(cfg)
     table: list[dict[str, Any]] = []
     for status, n in sorted(rep["counts"].items()):

@@ -82,19 +82,27 @@ def facts_from_path(path: str) -> ModelFacts:
     try:
         with open(cfg_path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
         raise BadConfigRequest(grpc.StatusCode.NOT_FOUND, f"model_path {path!r}: cannot read {cfg_path}: {e}")
+    if not isinstance(raw, dict):
+        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"model_path {path!r}: {cfg_path} must hold a JSON object (a HF config), got "
+                               f"{type(raw).__name__}")
     try:
-        info = ModelParallelInfo.from_hf_config(raw)
-    except (ValueError, TypeError) as e:
-        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT, f"model_path {path!r}: {e}")
+        return _facts_from_config(raw)
+    except (ValueError, TypeError, AttributeError, ArithmeticError) as e:  # fields of the wrong type / value
+        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT, f"model_path {path!r}: {cfg_path}: {e}")
+
+
+def _facts_from_config(raw: dict) -> ModelFacts:
+    info = ModelParallelInfo.from_hf_config(raw)
     if not isinstance(raw.get("text_config"), dict) or raw.get("num_attention_heads") is not None:
         txt = raw
     else:
         txt = raw["text_config"]
     heads = info.num_attention_heads
     head_dim = txt.get("head_dim") or ((txt.get("hidden_size") or 0) // heads if heads else 0)
-    return ModelFacts(
+    facts = ModelFacts(
         info=info,
         num_layers=int(txt.get("num_hidden_layers") or 0),
         head_dim=int(head_dim or 0),
@@ -102,6 +110,13 @@ def facts_from_path(path: str) -> ModelFacts:
         kv_lora_rank=int(txt.get("kv_lora_rank") or 0),
         qk_rope_head_dim=int(txt.get("qk_rope_head_dim") or 0),
     )
+    # Every count ends up in int32 proto fields (KVLayout): out of that range it is not a real model.
+    for name, v in (("num_attention_heads", info.num_attention_heads), ("num_key_value_heads", info.num_kv_heads),
+                    ("num_hidden_layers", facts.num_layers), ("head_dim", facts.head_dim),
+                    ("kv_lora_rank", facts.kv_lora_rank), ("qk_rope_head_dim", facts.qk_rope_head_dim)):
+        if not 0 <= v < 2**31:
+            raise ValueError(f"{name} {v} is out of range [0, 2**31)")
+    return facts
 
 
 def facts_from_shape(shape: common_pb2.ModelShape, what: str = "shape") -> ModelFacts:
@@ -118,6 +133,10 @@ def facts_from_shape(shape: common_pb2.ModelShape, what: str = "shape") -> Model
         if getattr(shape, name) < 0:
             raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"{what}.{name} must be >= 0, got {getattr(shape, name)}")
+    if shape.use_mla and shape.kv_lora_rank + shape.qk_rope_head_dim >= 2**31:
+        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{what}: kv_lora_rank + qk_rope_head_dim (the MLA cache head size) must be below "
+                               f"2**31, got {shape.kv_lora_rank + shape.qk_rope_head_dim}")
     kv = shape.num_kv_heads or shape.num_attention_heads
     try:
         info = ModelParallelInfo(num_attention_heads=shape.num_attention_heads, num_kv_heads=kv,

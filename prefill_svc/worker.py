@@ -332,7 +332,8 @@ class PrefillWorker:
             if job.started is None:
                 job.started = now
             self._emit("scheduled", seq.request_id)
-            if seq.num_computed + n == seq.num_tokens:
+            # max_tokens=1 ends at its first token: no decode pod will read the KV, so none is published
+            if seq.num_computed + n == seq.num_tokens and job.client.max_tokens != 1:
                 job.lease_start = LeaseStart(job.lease_id, job.request_id, tuple(seq.block_tables[0]),
                                              len(seq.prompt_ids))
                 starts.append(job.lease_start)

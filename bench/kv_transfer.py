@@ -3,7 +3,8 @@
 Shape: SmolLM2-135M's KV (30 layers, 3 kv heads, head_dim 64, fp32, block 16), 2,048 and 8,192 tokens
 (46,080 bytes per token: 94 MB and 377 MB). Prefill TP 1 runs in a spawned process holding a NIXL publisher
 (which also serves the TCP path); decode pullers run here. Block tables are shuffled (a cache after some churn),
-so every block is its own segment. All layers are ready before the pull starts: this measures the data path,
+so every block is its own segment; the "(contiguous tables)" rows move the same bytes with consecutive block
+tables on both sides (one segment per plane), which separates per-segment cost from the data path's bandwidth. All layers are ready before the pull starts: this measures the data path,
 not the overlap with prefill compute (the streaming rows below measure that).
 
 Layouts: decode tp=1/dcp=1 (same layout, one 12 KB segment per block and plane), and tp=9/dcp=3 (each decode
@@ -12,7 +13,8 @@ pull concurrently from threads of this one process, so on a small CPU box they s
 force NIXL reads there; by default a CPU NixlPuller sends such sub-1-KB-segment plans over the TCP path instead.
 
 GB/s = bytes landed in decode regions / wall time of the pull (best of N). memcpy = torch ``copy_`` of one
-contiguous buffer of the same size (best of N): the ceiling for moving those bytes on this machine.
+contiguous buffer of the same size (best of N, each timed right after a pull): the ceiling for moving those
+bytes on this machine.
 
 Streaming rows: a real SmolLM2 prefill (the engine with prefill_svc's publisher hook) of 2,048 and 8,191 tokens
 (--quick: 1,024) in a spawned process, one decode puller here reading behind it. "on": published after layer 0,
@@ -25,6 +27,7 @@ unhidden transfer, streaming off).
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import threading
@@ -82,10 +85,16 @@ def _check_landed(plan, dst_rank: int, region: torch.Tensor, rng: np.random.Gene
                 raise AssertionError(f"bench: wrong bytes landed (rank {dst_rank}, layer {layer}, segment {i})")
 
 
-def _memcpy_gbps(nbytes: int, repeat: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+@functools.lru_cache(maxsize=1)
+def _memcpy_bufs(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)  # written: real pages, not the shared zero page
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in
+    return src, dst
+
+
+def _memcpy_gbps(nbytes: int, repeat: int) -> float:
+    src, dst = _memcpy_bufs(nbytes)
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -94,17 +103,22 @@ def _memcpy_gbps(nbytes: int, repeat: int) -> float:
     return nbytes / best / 1e9
 
 
-def _pull_gbps(conn, src_layout, tokens: int, dst_layout, pullers, regions, repeat: int, rng) -> tuple[float, float, int]:
-    """Best-of-``repeat`` GB/s of all decode ranks pulling one request concurrently; also seconds and bytes."""
+def _pull_gbps(
+    conn, src_layout, tokens: int, dst_layout, pullers, regions, repeat: int, rng, contiguous: bool = False
+) -> tuple[float, float, int, float]:
+    """Best-of-``repeat`` GB/s of all decode ranks pulling one request concurrently; also seconds, bytes, and the
+    best-of-``repeat`` memcpy GB/s of the same bytes, timed right after each pull (a busy box drifts: alternating
+    the two keeps their ratio fair)."""
     from kv_transfer.plan import plan_reshard
     from kv_transfer.transport import KVHandoff
 
-    src_table = rng.permutation(src_layout.num_blocks)[: src_layout.blocks_needed(tokens, 0)].tolist()
-    dst_tables = [
-        rng.permutation(dst_layout.num_blocks)[: dst_layout.blocks_needed(tokens, r)].tolist()
-        for r in range(dst_layout.tp_size)
-    ]
-    best, nbytes = float("inf"), 0
+    def table(layout, r: int) -> list[int]:
+        order = np.arange(layout.num_blocks) if contiguous else rng.permutation(layout.num_blocks)
+        return order[: layout.blocks_needed(tokens, r)].tolist()
+
+    src_table = table(src_layout, 0)
+    dst_tables = [table(dst_layout, r) for r in range(dst_layout.tp_size)]
+    best, nbytes, mem_best = float("inf"), 0, 0.0
     for it in range(repeat):
         conn.send(("publish", (src_table, tokens)))
         handoff = KVHandoff.from_json(conn.recv())
@@ -128,11 +142,12 @@ def _pull_gbps(conn, src_layout, tokens: int, dst_layout, pullers, regions, repe
                 raise res
         nbytes = sum(res.nbytes for res in results)
         best = min(best, dt)
+        mem_best = max(mem_best, _memcpy_gbps(nbytes, 1))
         if it == 0:
             plan = plan_reshard(src_layout, [src_table], dst_layout, dst_tables, tokens)
             for r in range(len(pullers)):
                 _check_landed(plan, r, regions[r], rng)
-    return nbytes / best / 1e9, best, nbytes
+    return nbytes / best / 1e9, best, nbytes, mem_best
 
 
 # ---- streaming: a real SmolLM2 prefill publishing layer by layer, a decode puller reading behind it ----------
@@ -299,8 +314,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     for tokens in token_counts:
                         if quick and tp > 1 and tokens > 2048:
                             continue  # the 256-byte-segment case at 8k takes a while on a small box
-                        gbps, secs, nbytes = _pull_gbps(conn, src, tokens, dst, pullers, regions, repeat, rng)
-                        mem = _memcpy_gbps(nbytes, repeat)
+                        gbps, secs, nbytes, mem = _pull_gbps(conn, src, tokens, dst, pullers, regions, repeat, rng)
                         t_plan = time.perf_counter()
                         plan = plan_reshard(
                             src, [list(range(src.blocks_needed(tokens, 0)))], dst,
@@ -318,6 +332,19 @@ def run(quick: bool = False) -> dict[str, Any]:
                             "MB": nbytes / 1e6, "seconds": secs, "GB/s": gbps, "memcpy GB/s": mem,
                             "vs memcpy": gbps / mem,
                         })
+                        if tp == 1:
+                            # Same bytes, block tables consecutive on both sides: one descriptor per plane instead
+                            # of one per block and plane. Shows what the data path does without fragmentation.
+                            gbps_c, secs_c, _, mem_c = _pull_gbps(
+                                conn, src, tokens, dst, pullers, regions, repeat, rng, contiguous=True
+                            )
+                            raw[f"{key}_contiguous"] = {"GBps": gbps_c, "seconds": secs_c, "memcpy_GBps": mem_c}
+                            ratios[f"{backend}_vs_memcpy_contiguous_tables_{tokens}"] = gbps_c / mem_c
+                            rows.append({
+                                "path": f"{backend} (contiguous tables)", "decode tp/dcp": "1/1", "tokens": tokens,
+                                "MB": nbytes / 1e6, "seconds": secs_c, "GB/s": gbps_c, "memcpy GB/s": mem_c,
+                                "vs memcpy": gbps_c / mem_c,
+                            })
                 finally:
                     for p in pullers:
                         p.close()

@@ -213,7 +213,14 @@ class PrefillServer:
         await self._stopped.wait()
 
     async def _metrics_loop(self) -> None:
+        unhealthy = False
         while True:
+            if self.worker.failed and not unhealthy:  # a dead rank: NOT_SERVING, and tell the router at once
+                unhealthy = True
+                for name in ("", SERVICE_NAME):
+                    await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                if self.registrar is not None:
+                    self.registrar.poke()
             self.metrics.update(self.worker.stats)
             self.metrics.draining.set(1 if self.worker.draining else 0)
             await asyncio.sleep(0.25)
@@ -281,7 +288,7 @@ class PrefillServer:
                 for r in range(self.config.tensor_parallel_size)]
 
     def register_request(self) -> registry_pb2.RegisterWorkerRequest | None:
-        if self.worker.draining:
+        if self.worker.draining or self.worker.failed:  # going away / broken: no (re-)registration
             return None
         eng, cfg = self.worker.engine, self.config
         mc = eng.model_config
@@ -309,7 +316,8 @@ class PrefillServer:
         st = self.worker.stats
         return registry_pb2.HeartbeatRequest(
             pod_id=self.pod_id, cluster_token=self.config.cluster_token,
-            state=pb.POD_STATE_DRAINING if self.worker.draining else pb.POD_STATE_READY,
+            state=(pb.POD_STATE_UNHEALTHY if self.worker.failed else
+                   pb.POD_STATE_DRAINING if self.worker.draining else pb.POD_STATE_READY),
             load=pb.LoadStats(queued_prompt_tokens=st.queued_prompt_tokens, num_running_seqs=st.num_running,
                               num_waiting_seqs=st.num_waiting, num_active_leases=st.num_leases,
                               prompt_tokens_per_s=self.metrics.last_tokens_per_s),

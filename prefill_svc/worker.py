@@ -58,6 +58,12 @@ class Draining(PrefillError):
     code = "UNAVAILABLE"
 
 
+class RankDied(PrefillError):
+    """A TP rank process of this pod exited: its collectives are broken for good (retry on another pod)."""
+
+    code = "UNAVAILABLE"
+
+
 @dataclass
 class PrefillResult:
     request_id: str
@@ -132,6 +138,7 @@ class PrefillWorker:
         self._start_error: BaseException | None = None
         self._stopping = False
         self.draining = False
+        self.failed: str | None = None  # why the pod can serve nothing more (a dead rank); the server turns unhealthy
         self.stats = Stats()
         self._requests_finished = 0
         self._num_steps = 0
@@ -252,6 +259,15 @@ class PrefillWorker:
                     break
             if cmd is None or self._stopping:
                 return
+            if self.failed is None and not eng.executor.workers_alive():
+                self.failed = ("a TP rank process of this prefill pod exited; the pod cannot prefill until it is "
+                               "restarted (retry on another pod)")
+                log.error("%s", self.failed)
+                self._fail_all(RankDied(self.failed))
+            if self.failed is not None:  # nothing runs on a broken rank group; new requests get UNAVAILABLE
+                self._update_stats()
+                self._flush_settled()
+                continue
             self._collect_freed()
             self._expire_leases()
             eng.executor.keepalive()  # idle TP ranks would otherwise hit the process group's timeout and die
@@ -290,6 +306,8 @@ class PrefillWorker:
         if fut.done():
             return
         try:
+            if self.failed:
+                raise RankDied(self.failed)
             if self.draining or self._stopping:
                 raise Draining("this prefill pod is draining and takes no new requests; retry on another pod")
             eng = self.engine
@@ -457,7 +475,8 @@ class PrefillWorker:
         for rid in list(self._jobs):
             job = self._jobs.pop(rid)
             self.engine.abort(rid)
-            self._settle(job.future, exc=PrefillError(f"prefill failed: {err!r}"))
+            self._settle(job.future, exc=err if isinstance(err, PrefillError) else
+                         PrefillError(f"prefill failed: {err!r}"))
 
     def _update_stats(self) -> None:
         eng = self.engine

@@ -332,6 +332,8 @@ def decode_request_problem(req: decode_pb2.DecodeRequest) -> str | None:
     problem = _request_id_problem(req.request_id)
     if problem:
         return problem
+    if req.kv_handle.transfer_mode not in common_pb2.TransferMode.values():
+        return f"kv_handle.transfer_mode {req.kv_handle.transfer_mode} is not a TransferMode"
     if not math.isfinite(req.first_token_logprob):
         return f"first_token_logprob must be a finite number, got {req.first_token_logprob}"
     if not 0 <= req.num_cached_tokens <= len(req.prompt_token_ids):

@@ -5,9 +5,9 @@ a real decode pod (``python -m decode_svc`` in a router + prefill + decode clust
   negative reserved output tokens, negative / NaN / inf / huge TTLs, a prefill layout of another model) gets
   INVALID_ARGUMENT with a message and reserves nothing (CancelDecode of its id finds nothing);
 - each malformed Decode (bad ids, empty / out-of-vocabulary / too long prompts, first token out of range, NaN
-  logprob, impossible cached-token counts, bad or unimplemented sampling values, KV handles with no address, a
-  file:// address the pod does not allow, a token count that disagrees with the prompt, a layout that cannot exist)
-  gets INVALID_ARGUMENT with a message and holds nothing; a handle naming a lease the prefill pod does not have gets
+  logprob, impossible cached-token counts, bad or unimplemented sampling values, KV handles with no address, an
+  unknown TransferMode, a file:// address the pod does not allow, a token count that disagrees with the prompt, a
+  layout that cannot exist) gets INVALID_ARGUMENT with a message and holds nothing; a handle naming a lease the prefill pod does not have gets
   NOT_FOUND / FAILED_PRECONDITION; a real lease with block tables pointing outside the prefill cache is refused;
 - CancelDecode of unknown ids: found = false; a ~70 MB Decode is refused (RESOURCE_EXHAUSTED / INVALID_ARGUMENT);
 - afterwards the pod's own heartbeat (free KV blocks, reservations, running / waiting) equals the baseline, and a
@@ -136,6 +136,8 @@ def bad_decodes(kv_address: str):
         st.builds(lambda v: dreq(kv_address, first_token_logprob=v), NON_FINITE),
         st.builds(lambda v: dreq(kv_address, num_cached_tokens=v), st.one_of(NEG32, st.integers(6, 2**31 - 1))),
         st.builds(lambda sp: dreq(kv_address, sampling_params=sp), st.one_of(POD_BAD_SAMPLING, UNSUPPORTED_SAMPLING)),
+        st.builds(lambda m: dreq(kv_address, kv_handle__transfer_mode=m),
+                  st.one_of(NEG32, st.integers(4, 2**31 - 1))),
         st.builds(lambda a: dreq(kv_address, kv_handle__kv_transfer_address=a),
                   st.sampled_from(["", "file:///tmp/kv.pt", "file://"])),
         st.builds(lambda n: dreq(kv_address, kv_handle__num_tokens=n),

@@ -9,7 +9,9 @@ A lease lives from publish until one of:
 Reads are only served under a *pin*: a pin is granted only on a live lease, and a lease being retired
 waits for its pins to drain (or for their TTL to pass) before its blocks are handed back. That is the
 guarantee that no decode rank reads KV that was freed or reused: a read either got a pin first, or is
-refused with LeaseExpired. Any decode contact (wait, pin, renew) renews the lease; so does prefill's
+refused with LeaseExpired. A one-sided (NIXL) read cannot be stopped while it runs, so it is confirmed
+afterwards instead: ``release_pin`` says whether its pin was still live (blocks held throughout); if not,
+the reader discards what it read. Any decode contact (wait, pin, renew) renews the lease; so does prefill's
 progress (set_layers_ready), so a long prefill does not time its own lease out.
 
 Thread-safe: one lock + condition; the free callback runs outside the lock.

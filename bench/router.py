@@ -1,14 +1,16 @@
 """Router overhead and routed requests/s, on a real loopback cluster (``pdserve bench router``).
 
 Processes: ``python -m router``, one prefill pod and one decode pod (tiny random llama checkpoint, so the pods'
-compute is small next to the router's work), and this client. Every request has max_tokens=1, which the router
+compute is small next to the router's work), and this client. The main requests have max_tokens=1, which the router
 serves with one pod call: Prefill (the prefill pod samples the only token and keeps no KV; no decode pod, no
-AllocateKV / Decode / CancelDecode).
+AllocateKV / Decode / CancelDecode). A quarter as many max_tokens=4 requests measure the full journey's overhead
+(AllocateKV + Prefill before the first token, then the Decode stream).
 
 - Router overhead per request = the client's time to first token minus the pods' own time on that path, where the
   pods' time is the router's measured duration of the pod calls on the path (Prefill; AllocateKV too for longer
-  requests), returned in the call's trailing metadata ``pdserve-pod-time-s``. It therefore includes the client <-> router gRPC hop (client stack included), admission,
-  placement, tokenizer-free validation, the detokenizer and the router's event loop. "router-internal" leaves out
+  requests), returned in the call's trailing metadata ``pdserve-pod-time-s``. It therefore includes the client <->
+  router gRPC hop (client stack included), admission, placement, tokenizer-free validation, the detokenizer and the
+  router's event loop. "router-internal" leaves out
   the client hop: router TTFT (arrival -> first token handed to gRPC) minus the pod calls.
 - Routed requests/s: many concurrent clients, max_tokens=1, wall clock.
 - gRPC floor: the client's time to the first message of a no-op streaming call (same messages, a grpc.aio server
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 TARGET_P99_MS = 2.0
+DECODE_MAX_TOKENS = 4  # the decode-path rows: max_tokens > 1 books a decode pod
 DEFINITIONS = {
     "router overhead": "client time to first token minus the durations of the pod calls on that path as the router "
                        "measured them (Prefill; AllocateKV too when a decode pod is booked), i.e. what putting the "
@@ -149,10 +152,10 @@ async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, voca
 
     rng = random.Random(0)
 
-    def req() -> Any:
+    def req(max_tokens: int = 1) -> Any:
         ids = [rng.randrange(3, vocab) for _ in range(16)]
-        return router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
-                                          sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=1))
+        sp = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), sampling_params=sp)
 
     echo_proc, echo_port = _start_echo()
     try:
@@ -163,10 +166,15 @@ async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, voca
                 await _one(stub, req())
                 await _echo_once(echo, req())
             # Router request and no-op call alternate, so both see the same (shared, noisy) machine.
-            seq, floor = [], []
+            seq, floor, dec = [], [], []
             for _ in range(n_seq):
                 seq.append(await _one(stub, req()))
                 floor.append(await _echo_once(echo, req()))
+            # The full journey (decode pod booked: AllocateKV + Prefill before the first token, then Decode).
+            for _ in range(10):  # warm-up of the decode pod
+                await _one(stub, req(DECODE_MAX_TOKENS))
+            for _ in range(max(1, n_seq // 4)):
+                dec.append(await _one(stub, req(DECODE_MAX_TOKENS)))
     finally:
         echo_proc.kill()
         echo_proc.wait()
@@ -190,7 +198,8 @@ async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, voca
         wall = time.perf_counter() - t0
         cpu = {name: (_cpu_s(pid) - cpu0[name]) / len(load) for name, pid in pids.items()}
         cpu["bench client"] = (time.process_time() - client0) / len(load)
-    return {"sequential": seq, "load": load, "load_wall_s": wall, "floor": floor, "cpu_s_per_request": cpu}
+    return {"sequential": seq, "load": load, "load_wall_s": wall, "floor": floor, "cpu_s_per_request": cpu,
+            "decode_path": dec}
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -232,6 +241,10 @@ def run(quick: bool = False) -> dict[str, Any]:
              with_pod_hop),
         _row("client TTFT, sequential", [r["client_ttft"] for r in seq]),
         _row("pod calls on the path (Prefill), sequential", [r["pod"] for r in seq]),
+        _row(f"router overhead, max_tokens={DECODE_MAX_TOKENS} (AllocateKV + Prefill path), sequential",
+             [r["client_ttft"] - r["pod"] for r in res["decode_path"]]),
+        _row(f"pod calls on the path (AllocateKV + Prefill), max_tokens={DECODE_MAX_TOKENS}, sequential",
+             [r["pod"] for r in res["decode_path"]]),
         _row(f"router overhead under load (concurrency {concurrency})", load_overhead),
         _row(f"client TTFT under load (concurrency {concurrency})", [r["client_ttft"] for r in load],
              requests_per_s=rps),
@@ -244,6 +257,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     ratios = {
         "overhead_p99_over_target": p99 / TARGET_P99_MS,  # <= 1.0 meets the target
         "internal_overhead_p99_over_target": _pct(internal, 99) * 1000 / TARGET_P99_MS,
+        "decode_path_overhead_p99_over_target":
+            _pct([r["client_ttft"] - r["pod"] for r in res["decode_path"]], 99) * 1000 / TARGET_P99_MS,
         "overhead_p50_over_grpc_floor_p50": statistics.median(overhead) / statistics.median(res["floor"]),
         "overhead_incl_pod_hop_p99_over_target": _pct(with_pod_hop, 99) * 1000 / TARGET_P99_MS,
         "overhead_p50_share_of_ttft": statistics.median(overhead) / statistics.median(r["client_ttft"] for r in seq),
@@ -261,10 +276,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         "target": {"overhead_p99_ms": TARGET_P99_MS, "met": p99 <= TARGET_P99_MS,
                    "internal_met": _pct(internal, 99) * 1000 <= TARGET_P99_MS},
         "setup": {"prefill_pods": 1, "decode_pods": 1, "model": "tiny random llama (2 layers, 8 heads, 1 KV head)",
-                  "max_tokens": 1, "prompt_tokens": 16, "sequential_requests": n_seq, "load_requests": n_load,
+                  "max_tokens": 1, "decode_path_max_tokens": DECODE_MAX_TOKENS, "prompt_tokens": 16, "sequential_requests": n_seq, "load_requests": n_load,
                   "concurrency": concurrency, "cluster_start_s": t_up, "notes": cluster.notes},
-        "raw": {"sequential": seq, "load": load, "load_wall_s": res["load_wall_s"], "grpc_floor_s": res["floor"],
-                "cpu_s_per_request_by_process": cpu},
+        "raw": {"sequential": seq, "decode_path": res["decode_path"], "load": load, "load_wall_s": res["load_wall_s"],
+                "grpc_floor_s": res["floor"], "cpu_s_per_request_by_process": cpu},
     }
 
 

@@ -277,7 +277,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                    "internal_met": _pct(internal, 99) * 1000 <= TARGET_P99_MS},
         "setup": {"prefill_pods": 1, "decode_pods": 1, "model": "tiny random llama (2 layers, 8 heads, 1 KV head)",
                   "max_tokens": 1, "decode_path_max_tokens": DECODE_MAX_TOKENS, "prompt_tokens": 16,
-                  "sequential_requests": n_seq, "load_requests": n_load, "concurrency": concurrency, "cluster_start_s": t_up, "notes": cluster.notes},
+                  "sequential_requests": n_seq, "load_requests": n_load, "concurrency": concurrency,
+                  "cluster_start_s": t_up, "notes": cluster.notes},
         "raw": {"sequential": seq, "decode_path": res["decode_path"], "load": load, "load_wall_s": res["load_wall_s"],
                 "grpc_floor_s": res["floor"], "cpu_s_per_request_by_process": cpu},
     }

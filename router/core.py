@@ -276,6 +276,9 @@ class RouterCore:
 
 
 MAX_REQUEST_ID_LEN = 256
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _check_request_id(rid: str) -> None:
@@ -317,6 +320,12 @@ def _check_sampling(sp: common_pb2.SamplingParams) -> None:
         bad(f"max_tokens must be >= 1 (or unset), got {sp.max_tokens}")
     if any(not s for s in sp.stop):
         bad("stop strings must be non-empty")
+    # Every stop string is matched against the output after every token: bound the work one request can ask for.
+    if len(sp.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in sp.stop):
+        bad(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} characters each, got "
+            f"{len(sp.stop)} (longest {max(map(len, sp.stop))})")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}")
     if any(t < 0 for t in sp.stop_token_ids):
         bad("stop_token_ids must be >= 0")
     if sp.top_logprobs < 0:

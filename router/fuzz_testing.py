@@ -62,7 +62,12 @@ BAD_SAMPLING_VALUES = [
               st.one_of(st.floats(min_value=2.0, exclude_min=True, width=32),
                         st.floats(max_value=-2.0, exclude_max=True, width=32), NON_FINITE)),
 ]
-BAD_SAMPLING = st.one_of(*BAD_SAMPLING_VALUES)
+# Stop lists the router will not match after every token (too many, too long), and too many stop token ids.
+_HUGE_STOPS = st.one_of(
+    st.builds(lambda n: _sp(stop=["x"] * n), st.integers(65, 5000)),
+    st.builds(lambda n: _sp(stop=["y" * n]), st.integers(1025, 1 << 20)),
+    st.builds(lambda n: _sp(stop_token_ids=[5] * n), st.integers(1025, 100_000)))
+BAD_SAMPLING = st.one_of(*BAD_SAMPLING_VALUES, _HUGE_STOPS)
 # Pods ignore stop strings (whoever detokenizes applies them), so an empty one is the router's refusal only.
 POD_BAD_SAMPLING = st.one_of(*[s for s in BAD_SAMPLING_VALUES if s is not _BAD_STOP])
 

@@ -436,13 +436,15 @@ async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: deco
                    pod: str, timeout: Any, deadline: float | None) -> tuple[prefill_pb2.PrefillResponse, str]:
     """Prefill on ``pod``; if it fails before the KV handoff, once more on another prefill pod. ``alloc`` is None
     for a prefill-only request (no decode target: the pod keeps no KV once the request ends at its first token)."""
-    req = prefill_pb2.PrefillRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_ids,
-                                     sampling_params=prep.params, lease_ttl_s=core.config.lease_ttl_s)
+    target = None
     if alloc is not None:
         assert flight.decode_pod is not None
-        req.decode_target.CopyFrom(prefill_pb2.DecodeTarget(
-            decode_pod_id=flight.decode_pod, layout=alloc.layout, block_tables=alloc.block_tables,
-            agent_name=alloc.agent_name, transfer_modes=alloc.transfer_modes))
+        target = prefill_pb2.DecodeTarget(decode_pod_id=flight.decode_pod, layout=alloc.layout,
+                                          block_tables=alloc.block_tables, agent_name=alloc.agent_name,
+                                          transfer_modes=alloc.transfer_modes)
+    req = prefill_pb2.PrefillRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_ids,
+                                     sampling_params=prep.params, decode_target=target,  # None: not set
+                                     lease_ttl_s=core.config.lease_ttl_s)
     tried: list[str] = []
     failures: list[str] = []
     n = len(prep.prompt_ids)

@@ -259,18 +259,24 @@ class PrefillWorker:
                     break
             if cmd is None or self._stopping:
                 return
-            if self.failed is None and not eng.executor.workers_alive():
-                self.failed = ("a TP rank process of this prefill pod exited; the pod cannot prefill until it is "
-                               "restarted (retry on another pod)")
-                log.error("%s", self.failed)
-                self._fail_all(RankDied(self.failed))
+            if self.failed is None:
+                try:
+                    eng.executor.keepalive()  # idle TP ranks would otherwise hit the group's timeout and die
+                    dead = not eng.executor.workers_alive()
+                except Exception as e:  # the no-op broadcast failed: a rank died or hangs
+                    log.error("keepalive broadcast to the TP ranks failed: %s", e)
+                    dead = True
+                if dead:
+                    self.failed = ("a TP rank process of this prefill pod exited; the pod cannot prefill until it is "
+                                   "restarted (retry on another pod)")
+                    log.error("%s", self.failed)
+                    self._fail_all(RankDied(self.failed))
             if self.failed is not None:  # nothing runs on a broken rank group; new requests get UNAVAILABLE
                 self._update_stats()
                 self._flush_settled()
                 continue
             self._collect_freed()
             self._expire_leases()
-            eng.executor.keepalive()  # idle TP ranks would otherwise hit the process group's timeout and die
             if eng.has_unfinished():
                 self._step_publishes = False
                 try:

@@ -9,7 +9,8 @@ a real decode pod (``python -m decode_svc`` in a router + prefill + decode clust
   unknown TransferMode, a file:// address the pod does not allow, a token count that disagrees with the prompt, a
   layout that cannot exist) gets INVALID_ARGUMENT with a message and holds nothing; a handle naming a lease the prefill pod does not have gets
   NOT_FOUND / FAILED_PRECONDITION; a real lease with block tables pointing outside the prefill cache is refused;
-- CancelDecode of unknown ids: found = false; a ~70 MB Decode is refused (RESOURCE_EXHAUSTED / INVALID_ARGUMENT);
+- a refused Decode for a request holding a reservation leaves the reservation to CancelDecode (not consumed, not
+  leaked); CancelDecode of unknown ids: found = false; a ~70 MB Decode is refused (RESOURCE_EXHAUSTED / INVALID_ARGUMENT);
 - afterwards the pod's own heartbeat (free KV blocks, reservations, running / waiting) equals the baseline, and a
   valid request still decodes end to end through the router.
 """
@@ -160,6 +161,25 @@ def test_bad_decodes_are_invalid_argument_and_hold_nothing(stubs, kv_address, ba
     assert_refused(ei.value, (INVALID,), str(req)[:400])
     assert decode.CancelDecode(decode_pb2.CancelDecodeRequest(request_id=req.request_id), timeout=30).found is False
 
+
+@FUZZ_SETTINGS
+@given(data=st.data(), n=st.integers(1, 40))
+def test_a_refused_decode_leaves_its_reservation_intact(stubs, kv_address, baseline, data, n):
+    """AllocateKV, then a malformed Decode (or one whose prompt length disagrees with the reservation) for the same
+    id: INVALID_ARGUMENT, and the reservation is neither consumed nor leaked: CancelDecode finds and frees it."""
+    decode, _, _ = stubs
+    req = data.draw(st.one_of(
+        bad_decodes(kv_address).filter(lambda r: r.request_id and r.request_id.isprintable()
+                                       and len(r.request_id) <= 256),
+        st.builds(lambda k: dreq(kv_address, prompt_token_ids=[7] * k, kv_handle__num_tokens=k),
+                  st.integers(1, 60).filter(lambda k: k != n))))
+    if len(req.prompt_token_ids) == n:
+        return  # the strategy's prompt happens to match the reservation: not a mismatch case
+    decode.AllocateKV(decode_pb2.AllocateKVRequest(request_id=req.request_id, num_tokens=n), timeout=60)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(decode.Decode(req, timeout=60))
+    assert_refused(ei.value, (INVALID,), str(req)[:400])
+    assert decode.CancelDecode(decode_pb2.CancelDecodeRequest(request_id=req.request_id), timeout=30).found is True
 
 @FUZZ_SETTINGS
 @given(lease=st.text(min_size=1, max_size=40, alphabet="abcdef0123456789-"))

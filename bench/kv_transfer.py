@@ -206,19 +206,27 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
             host.rank0.publisher.publish(ls.request_id, {0: list(ls.block_table)}, ls.num_tokens,
                                          lease_id=ls.lease_id, layers_ready=layout.num_layers)
             conn.send(("handoff", host.handoff(ls).to_json()))
-        kv = eng.executor.kv_cache
-        checksum = float(kv[:, :, list(ls.block_table)].double().sum())  # the engine frees these only on the next request
+        # Per-layer sums over the prompt's token slots (a last block's spare slots hold stale data on both sides).
+        # The engine frees these blocks only when it schedules the next request.
+        checksum = _kv_sums(eng.executor.kv_cache, list(ls.block_table), tokens)
         conn.send(("prefilled", (t0, t1, checksum)))
 
 
-def _streaming(quick: bool, backend: str) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, float]]:
+def _kv_sums(kv: torch.Tensor, table: list[int], tokens: int) -> list[float]:
+    per_layer = kv[:, :, table].flatten(2, 3)[:, :, :tokens]  # (layers, k/v, tokens, heads, dim)
+    return per_layer.double().sum(dim=(1, 2, 3, 4)).tolist()
+
+
+def _streaming(
+    quick: bool, backend: str, token_counts: list[int] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, float]]:
     from kv_transfer.factory import make_puller
     from kv_transfer.layout import KVLayout
     from kv_transfer.transport import KVHandoff
 
     # 8,191: SmolLM2's 8,192 positions hold the prompt + 1 token. --quick: one short prompt (a CPU prefill of
     # 2,048 tokens alone can take half a minute on a busy 2-core box).
-    token_counts = [1024] if quick else [2048, 8191]
+    token_counts = token_counts or ([1024] if quick else [2048, 8191])
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_stream_prefill_main, args=(child, backend, max(token_counts)), daemon=True)
@@ -243,9 +251,10 @@ def _streaming(quick: bool, backend: str) -> tuple[list[dict[str, Any]], dict[st
             t_pull = time.monotonic()
             res = puller.pull(handoff, table, timeout_s=600)
             kind, (t0, t1, checksum) = conn.recv()
-            got = float(region[:, :, table].double().sum())
-            if not np.isclose(got, checksum, rtol=1e-9, atol=1e-6):
-                raise AssertionError(f"bench: landed KV checksum {got} != prefill's {checksum}")
+            got = _kv_sums(region, table, tokens)
+            bad = [i for i, (a, b) in enumerate(zip(got, checksum)) if not np.isclose(a, b, rtol=1e-9, atol=1e-6)]
+            if bad:
+                raise AssertionError(f"bench: landed KV of layers {bad} differs from prefill's ({tokens} tokens)")
             last = res.layer_landed_at[-1]
             return {"prefill_s": t1 - t0, "pull_s": last - t_pull, "end_to_landed_s": last - t1,
                     "first_layer_after_start_s": res.layer_landed_at[0] - t0, "bytes": res.nbytes,

@@ -87,6 +87,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = CausalLM(cfg, ps, backend, max_positions=max_model_len).to(dtype)
         load_weights(self.model, model_path)
+        self.model.pack_for_decode()  # no-op off CPU
         # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once.
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, self.model.num_local_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)

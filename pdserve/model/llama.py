@@ -12,6 +12,7 @@ from torch import nn
 
 from pdserve.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.attention.merge import correction_weights
+from pdserve.model import linear as plinear
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 from pdserve.parallel_config import kv_heads_for_tp_rank, q_heads_for_tp_rank
@@ -51,20 +52,22 @@ class Attention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
         self.o_weight = _param(cfg.hidden_size, self.q_size)
         self.o_bias = _param(cfg.hidden_size) if cfg.o_bias else None
+        self.qkv_packed: torch.Tensor | None = None  # set by CausalLM.pack_for_decode()
+        self.o_packed: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = plinear.linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, -1, self.head_dim)
         k = k.view(t, -1, self.head_dim)
         q, k = apply_rope(cos_sin, q, k)
         write_kv(kv_layer, k, v.view(t, -1, self.head_dim), meta.slot_mapping)
         out = self._attend(q, kv_layer, meta)
-        out = F.linear(out.reshape(t, self.q_size), self.o_weight)
+        out = plinear.linear(out.reshape(t, self.q_size), self.o_weight, self.o_packed)
         out = self.ps.all_reduce(out)
         return out if self.o_bias is None else out + self.o_bias
 
@@ -94,10 +97,12 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * self.inter) if cfg.mlp_bias else None
         self.down_weight = _param(cfg.hidden_size, self.inter)
         self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
+        self.gate_up_packed: torch.Tensor | None = None  # set by CausalLM.pack_for_decode()
+        self.down_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        out = self.ps.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        gate, up = plinear.linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias).chunk(2, dim=-1)
+        out = self.ps.all_reduce(plinear.linear(F.silu(gate) * up, self.down_weight, self.down_packed))
         return out if self.down_bias is None else out + self.down_bias
 
 
@@ -125,10 +130,19 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg, max_positions)
+        self.lm_head_packed: torch.Tensor | None = None
 
     @property
     def num_local_kv_heads(self) -> int:
         return len(self.layers[0].self_attn.kv_heads)
+
+    def pack_for_decode(self) -> None:
+        """Prepack every linear weight for small-batch decode (see linear.py); call after the weights are loaded."""
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_packed, a.o_packed = plinear.pack(a.qkv_weight), plinear.pack(a.o_weight)
+            m.gate_up_packed, m.down_packed = plinear.pack(m.gate_up_weight), plinear.pack(m.down_weight)
+        self.lm_head_packed = plinear.pack(self.lm_head)
 
     @torch.inference_mode()
     def forward(
@@ -143,4 +157,4 @@ class CausalLM(nn.Module):
             if on_layer_done is not None:
                 on_layer_done(i)
         x = self.norm(x[logits_indices])
-        return F.linear(x, self.lm_head).float()
+        return plinear.linear(x, self.lm_head, self.lm_head_packed).float()

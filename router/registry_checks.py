@@ -41,9 +41,9 @@ def kv_stats_problem(field: str, kv: Iterable[common_pb2.RankKVStats], tp: int) 
     stats = list(kv)
     if not stats:
         return None
-    if sorted(s.rank for s in stats) != list(range(tp)):
-        return f"{field} must list ranks 0..{tp - 1} once each (tensor_parallel_size {tp}), got " \
-               f"{sorted(s.rank for s in stats)[:16]}"
+    ranks = sorted(s.rank for s in stats)
+    if ranks != list(range(tp)):
+        return f"{field} must list ranks 0..{tp - 1} once each (tensor_parallel_size {tp}), got {ranks[:16]}"
     for s in stats:
         if s.total_blocks < 0 or not 0 <= s.free_blocks <= s.total_blocks:
             return (f"{field}[rank {s.rank}]: need 0 <= free_blocks <= total_blocks, got free {s.free_blocks} "

@@ -133,7 +133,7 @@ def test_cancelling_the_waiter_future_leaves_the_queue():
 
 def test_max_inflight_requests_queues():
     async def body():
-        reg, adm = make(free=(100,), max_inflight_requests=1)
+        reg, adm = make(free=(100,), total=100, max_inflight_requests=1)
         a = await adm.admit(16, None)
         t = asyncio.create_task(adm.admit(16, None))
         await asyncio.sleep(0.01)

@@ -1,6 +1,10 @@
-"""Engine vs HF transformers on SmolLM2, side by side in one run: prefill tokens/s, decode tokens/s at batch 1 and 8."""
+"""Engine vs HF transformers on SmolLM2, side by side in one run: prefill tokens/s, decode tokens/s at batch 1 and 8.
+
+Both sides use the same torch thread count: torch's default, or PDSERVE_BENCH_THREADS (as bench/prefill.py: on a small
+CPU shared with other work, 1 thread avoids intra-op threads spinning against other processes)."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -46,6 +50,8 @@ def _hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
 def run(quick: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
+    if os.environ.get("PDSERVE_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["PDSERVE_BENCH_THREADS"]))
     path = ensure_default_model()
     prefill_len = 256 if quick else 1024
     new_tokens = 16 if quick else 64
@@ -64,6 +70,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                  "ratio": e_pre / h_pre}]
         ratios = {"prefill_vs_transformers": e_pre / h_pre}
         raw: dict[str, Any] = {"prefill_tokens": prefill_len, "new_tokens": new_tokens,
+                               "threads": torch.get_num_threads(),
                                "prefill_tok_s": {"pdserve": e_pre, "transformers": h_pre}}
         for bs in (1, 8):
             prompts = [_prompt_ids(tok, 32, salt) for salt in range(bs)]

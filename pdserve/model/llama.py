@@ -60,14 +60,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = plinear.linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias)
+        packed = not meta.is_prefill  # prefill stays on F.linear: bit-identical to transformers' logits there
+        qkv = plinear.linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, -1, self.head_dim)
         k = k.view(t, -1, self.head_dim)
         q, k = apply_rope(cos_sin, q, k)
         write_kv(kv_layer, k, v.view(t, -1, self.head_dim), meta.slot_mapping)
         out = self._attend(q, kv_layer, meta)
-        out = plinear.linear(out.reshape(t, self.q_size), self.o_weight, self.o_packed)
+        out = plinear.linear(out.reshape(t, self.q_size), self.o_weight, self.o_packed if packed else None)
         out = self.ps.all_reduce(out)
         return out if self.o_bias is None else out + self.o_bias
 
@@ -100,9 +101,10 @@ class MLP(nn.Module):
         self.gate_up_packed: torch.Tensor | None = None  # set by CausalLM.pack_for_decode()
         self.down_packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = plinear.linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias).chunk(2, dim=-1)
-        out = self.ps.all_reduce(plinear.linear(F.silu(gate) * up, self.down_weight, self.down_packed))
+    def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        gu_p, down_p = (self.gate_up_packed, self.down_packed) if packed else (None, None)
+        gate, up = plinear.linear(x, self.gate_up_weight, gu_p, self.gate_up_bias).chunk(2, dim=-1)
+        out = self.ps.all_reduce(plinear.linear(F.silu(gate) * up, self.down_weight, down_p))
         return out if self.down_bias is None else out + self.down_bias
 
 
@@ -116,7 +118,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos_sin, kv_layer, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), packed=not meta.is_prefill)
 
 
 class CausalLM(nn.Module):
@@ -157,4 +159,4 @@ class CausalLM(nn.Module):
             if on_layer_done is not None:
                 on_layer_done(i)
         x = self.norm(x[logits_indices])
-        return plinear.linear(x, self.lm_head, self.lm_head_packed).float()
+        return plinear.linear(x, self.lm_head, None if meta.is_prefill else self.lm_head_packed).float()

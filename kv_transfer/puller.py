@@ -91,6 +91,7 @@ class _Source:
     base: Segments  # (layer 0, K) plane segments served by this endpoint, in destination order
     wire: bytes  # base as the TCP read request's payload
     path: str = ""  # data path actually used ("nixl" / "tcp"), set by _read
+    transport_state: Any = None  # a transport's per-request cache (NIXL: its staged plan), set by _read
 
 
 class BasePuller(KVPuller):

@@ -13,6 +13,7 @@ from kv_reference import empty_region, full_kv, random_tables, write_rank
 from kv_transfer.control import ControlClient
 from kv_transfer.factory import make_publisher, make_puller, nixl_available
 from kv_transfer.layout import KVLayout
+from kv_transfer.plan import apply_segments, plan_reshard
 from kv_transfer.transport import BadTransferRequest, LeaseExpired
 
 BACKENDS = ["nixl", "tcp"] if nixl_available()[0] else ["tcp"]
@@ -85,17 +86,25 @@ def test_publish_validates_and_close_frees_everything():
 
 
 @pytest.mark.skipif("nixl" not in BACKENDS, reason="needs NIXL")
-def test_nixl_puller_sends_tiny_segment_plans_over_tcp_on_cpu():
+def test_nixl_puller_stages_tiny_segment_plans_or_sends_them_over_tcp_on_cpu():
+    """Whole-block plans are read directly over NIXL; head-sliced (256 B segment) plans are read staged over
+    NIXL (whole blocks, scattered locally), and over TCP when staging is off; the bytes are right each way."""
     lay = KVLayout(2, 2, 64, "float32", 16, tp_size=1, num_blocks=8)
     region = empty_region(lay, 3)
     pub = make_publisher(lay, {0: region}, backend="nixl")
     same = KVLayout(2, 2, 64, "float32", 16, tp_size=1, num_blocks=8)  # whole blocks: 8 KB segments
     sliced = KVLayout(2, 2, 64, "float32", 16, tp_size=2, num_blocks=8)  # one head per slot: 256 B segments
     try:
-        for dst, rank, want in ((same, 0, "nixl"), (sliced, 1, "tcp")):
+        for dst, rank, opts, want in ((same, 0, {}, "nixl"), (sliced, 1, {}, "nixl"),
+                                      (sliced, 1, {"stage_bytes": 0}, "tcp")):
             reg = torch.zeros(dst.region_shape())
-            with make_puller(dst, rank, reg, backend="nixl") as p:
+            with make_puller(dst, rank, reg, backend="nixl", **opts) as p:
                 lid = pub.publish("r", {0: [0, 1, 2]}, 40, layers_ready=2)
                 assert p.pull(pub.handoff(lid), [4, 5, 6]).transport == want
+                plan = plan_reshard(lay, [[0, 1, 2]], dst, {rank: [4, 5, 6]}, 40, dst_ranks=[rank])
+                want_reg = torch.zeros(dst.region_shape())
+                apply_segments({0: region.view(-1).view(torch.uint8).numpy()},
+                               want_reg.view(-1).view(torch.uint8).numpy(), plan.segments(rank))
+                assert torch.equal(reg, want_reg), (rank, opts)
     finally:
         pub.close()

@@ -9,8 +9,9 @@ not the overlap with prefill compute (the streaming rows below measure that).
 
 Layouts: decode tp=1/dcp=1 (same layout, one 12 KB segment per block and plane), and tp=9/dcp=3 (each decode
 rank takes one kv head of every third token: 256-byte segments, the worst case for a re-shard; the 9 ranks
-pull concurrently from threads of this one process, so on a small CPU box they share its cores). The nixl rows
-force NIXL reads there; by default a CPU NixlPuller sends such sub-1-KB-segment plans over the TCP path instead.
+pull concurrently from threads of this one process, so on a small CPU box they share its cores). There the nixl
+rows are staged reads (whole source blocks, scattered locally: kv_transfer.staging), the nixl_direct rows one
+NIXL descriptor per 256-byte segment.
 
 GB/s = bytes landed in decode regions / wall time of the pull (best of N). memcpy = torch ``copy_`` of one
 contiguous buffer of the same size (best of N, each timed right after a pull): the ceiling for moving those
@@ -312,12 +313,14 @@ def run(quick: bool = False) -> dict[str, Any]:
         for tp, dcp in dst_cases:
             dst = _layout(max(token_counts), tp, dcp)
             regions = [torch.zeros(dst.region_shape(), dtype=torch.float32) for _ in range(tp)]
-            for backend in backends:
-                # nixl rows force NIXL reads even for tiny segments (NixlPuller would otherwise move plans of
-                # sub-1-KB segments over TCP on a CPU box, see min_segment_bytes): they measure the NIXL path.
-                extra = {"min_segment_bytes": 0} if backend == "nixl" else {}
+            # nixl rows never fall back to TCP (min_segment_bytes=0): they measure the NIXL path as the puller
+            # runs it (staged for head-sliced plans); "nixl_direct" turns staging off (one descriptor per segment).
+            variants = [(b, b, {"min_segment_bytes": 0} if b == "nixl" else {}) for b in backends]
+            if tp > 1 and "nixl" in backends:
+                variants.append(("nixl_direct", "nixl", {"min_segment_bytes": 0, "stage_bytes": 0}))
+            for backend, kind, extra in variants:
                 pullers = [
-                    make_puller(dst, r, regions[r], backend=backend, io_timeout_s=60, **extra) for r in range(tp)
+                    make_puller(dst, r, regions[r], backend=kind, io_timeout_s=60, **extra) for r in range(tp)
                 ]
                 try:
                     for tokens in token_counts:

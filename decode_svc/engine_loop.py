@@ -152,7 +152,7 @@ class EngineLoop:
                     last_stats = now
         except BaseException as e:
             try:  # a collective that failed because a peer died says so only vaguely: name the rank
-                _check_ranks(pod)
+                _check_ranks(pod, grace_s=2.0)
             except RankDied as dead:
                 e = dead
             log.error("decode engine failed: %s", e, exc_info=not isinstance(e, RankDied))
@@ -207,9 +207,15 @@ class EngineLoop:
                               steps=self._steps, preemptions=pod.engine.scheduler.num_preemptions)
 
 
-def _check_ranks(pod: DecodePod) -> None:
-    """Raise RankDied if a spawned TP rank process has exited (cheap: a non-blocking waitpid per rank)."""
+def _check_ranks(pod: DecodePod, grace_s: float = 0.0) -> None:
+    """Raise RankDied if a spawned TP rank process has exited (cheap: a non-blocking waitpid per rank).
+
+    grace_s: after a failed collective, wait up to this long for a dying rank to become reapable (its sockets
+    close, resetting the peers, a moment before its exit can be waited for)."""
     procs = getattr(pod.engine.executor, "procs", [])
+    deadline = time.monotonic() + grace_s
+    while procs and all(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
     dead = [(rank, p.exitcode) for rank, p in enumerate(procs, start=1) if not p.is_alive()]
     if dead:
         what = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)

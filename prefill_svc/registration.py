@@ -66,6 +66,10 @@ class Registrar:
                               "(PDSERVE_CLUSTER_TOKEN); retrying every %.1fs", self.router_address, e.details(),
                               self.interval_s)
                     self._warned = True
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT and not self._warned:
+                    log.error("router %s refused this pod's registration as malformed (%s); retrying every %.1fs",
+                              self.router_address, e.details(), self.interval_s)
+                    self._warned = True
                 if not self._warned:  # one warning per outage, not one per interval
                     log.warning("router %s unreachable (%s: %s); retrying every %.1fs", self.router_address,
                                 e.code().name, e.details(), self.interval_s)

@@ -134,6 +134,9 @@ class Registry:
     # --- RPCs ---
     def register(self, req: registry_pb2.RegisterWorkerRequest) -> registry_pb2.RegisterWorkerResponse:
         self._check_token(req.cluster_token)
+        problem = self._malformed(req)
+        if problem:
+            raise InvalidRequest(f"RegisterWorker: {problem}")
         reason, parallel = self._refusal(req)
         resp = registry_pb2.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_interval_s,
                                                    router_id=self.router_id)
@@ -166,18 +169,21 @@ class Registry:
         self.changed()
         return resp
 
-    def _refusal(self, req: registry_pb2.RegisterWorkerRequest) -> tuple[str | None, ParallelConfig | None]:
+    @staticmethod
+    def _malformed(req: registry_pb2.RegisterWorkerRequest) -> str | None:
+        """Fields no pod could mean (INVALID_ARGUMENT); a well-formed pod the router will not take (other model,
+        refused parallel config, different checkpoint) is answered accepted = false by _refusal instead."""
         if not req.pod_id:
-            return "pod_id is empty: give every pod a unique, stable id", None
+            return "pod_id is empty: give every pod a unique, stable id"
         if req.role not in (PREFILL, DECODE):
-            return "role must be ROLE_PREFILL or ROLE_DECODE", None
+            return "role must be ROLE_PREFILL or ROLE_DECODE"
         if not req.address:
-            return "address is empty: send the host:port of the pod's worker service", None
+            return "address is empty: send the host:port of the pod's worker service"
         if req.role == PREFILL and not req.kv_transfer_address:
-            return "kv_transfer_address is empty: prefill pods must serve KvTransfer and send its host:port", None
-        problem = register_problem(req)
-        if problem:
-            return problem, None
+            return "kv_transfer_address is empty: prefill pods must serve KvTransfer and send its host:port"
+        return register_problem(req)
+
+    def _refusal(self, req: registry_pb2.RegisterWorkerRequest) -> tuple[str | None, ParallelConfig | None]:
         if req.model and req.model not in self.model_aliases:
             return (f"model {req.model!r} is not served by this router (it tokenizes for {self.model_name!r}): "
                     f"start the worker with the router's model, or a router with --model for {req.model!r}"), None

@@ -82,6 +82,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             return self.core.registry.register(request)
         except Unauthenticated as e:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def Heartbeat(self, request, context):  # noqa: N802
         try:

@@ -43,7 +43,6 @@ def test_valid_pods_register_and_show_in_cluster_status():
     (dict(role=DECODE, tp=4, dcp=3), "tp_size=4 must be divisible by dcp_size=3"),
     (dict(role=PREFILL, tp=4, dcp=2), "decode context parallelism is for decode pods only"),
     (dict(role=DECODE, model="another-model"), "is not served by this router"),
-    (dict(role=common_pb2.ROLE_UNSPECIFIED), "role must be"),
 ])
 def test_invalid_pods_are_refused_with_the_rule_and_fix(req_kw, needle):
     async def body():
@@ -52,6 +51,25 @@ def test_invalid_pods_are_refused_with_the_rule_and_fix(req_kw, needle):
             r = await registry.RegisterWorker(register_request("bad", **req_kw))
             assert not r.accepted
             assert needle in r.message, r.message
+            st = await router.ClusterStatus(router_pb2.ClusterStatusRequest())
+            assert not st.pods
+    run(body())
+
+
+@pytest.mark.parametrize("req_kw, needle", [
+    (dict(role=common_pb2.ROLE_UNSPECIFIED), "role must be"),
+    (dict(role=DECODE, address="no-port"), "is not host:port"),
+])
+def test_malformed_registrations_are_invalid_argument(req_kw, needle):
+    """A registration no pod could mean (unknown role, an address that is not host:port) is INVALID_ARGUMENT with a
+    message naming the field, and nothing is registered."""
+    async def body():
+        async with running_router() as (server, ch):
+            router, registry = stubs(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await registry.RegisterWorker(register_request("bad", **req_kw))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in ei.value.details(), ei.value.details()
             st = await router.ClusterStatus(router_pb2.ClusterStatusRequest())
             assert not st.pods
     run(body())

@@ -4,8 +4,9 @@ ClusterStatus is byte-for-byte comparable):
 
 - RegisterWorker with a malformed field (empty / overlong / unprintable pod_id, unknown Role or PodState values,
   addresses that are not host:port, negative layout / capacity numbers, impossible per-rank KV stats, unknown
-  TransferMode values, bad shapes and parallel configs) is refused the documented way: accepted = false with a
-  message naming the field; a refused re-registration does not replace the registered entry;
+  TransferMode values) gets INVALID_ARGUMENT naming the field; a well-formed pod the router will not take (bad
+  shapes and parallel configs, another model) gets accepted = false with the reason; a refused re-registration does
+  not replace the registered entry;
 - Heartbeat with an unknown PodState value, negative or NaN load numbers or impossible KV stats gets
   INVALID_ARGUMENT with a message, and the pod's entry keeps its last good report;
 - afterwards ClusterStatus is exactly what it was, and valid registrations and heartbeats still work.
@@ -169,13 +170,20 @@ BAD_REGISTRATIONS = st.one_of(
 @FUZZ_SETTINGS
 @given(req=BAD_REGISTRATIONS)
 def test_bad_registrations_are_refused_and_change_nothing(router, baseline, req):
-    """Every malformed RegisterWorker: accepted = false with a message; ClusterStatus unchanged (a refused
-    re-registration of a registered pod leaves its entry as it was)."""
+    """Every bad RegisterWorker is refused with a message: a malformed field with INVALID_ARGUMENT, a well-formed pod
+    the router will not take (other model, refused shape or parallel config) with accepted = false; ClusterStatus
+    unchanged (a refused re-registration of a registered pod leaves its entry as it was)."""
     reg, _ = router
-    resp = reg.RegisterWorker(req, timeout=10)
-    assert not resp.accepted, str(req)[:600]
-    assert resp.message.strip()
-    assert status(router) == baseline, resp.message
+    try:
+        resp = reg.RegisterWorker(req, timeout=10)
+    except grpc.RpcError as e:
+        assert_refused(e, (grpc.StatusCode.INVALID_ARGUMENT,), str(req)[:600])
+        message = e.details()
+    else:
+        assert not resp.accepted, str(req)[:600]
+        message = resp.message
+        assert message.strip()
+    assert status(router) == baseline, message
 
 
 BAD_LOAD = st.one_of(

@@ -35,7 +35,7 @@ class FlashInferAttentionBackend:
         dev = self.device
         return indptr.to(dev), indices.to(dev), last.to(dev)
 
-    def forward(self, q, kv_layer, meta: AttentionMetadata, scale: float):
+    def forward(self, q, kv_layer, meta: AttentionMetadata, scale: float, new_kv=None):
         hq, d = q.shape[1], q.shape[2]
         hkv, bs = kv_layer.shape[-2], kv_layer.shape[2]
         if self._planned_for != id(meta):

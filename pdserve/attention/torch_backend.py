@@ -13,46 +13,53 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if meta.is_prefill:
-            return self._prefill(q, kv_layer, meta, scale)
+            return self._prefill(q, kv_layer, meta, scale, new_kv)
         return self._decode(q, kv_layer, meta, scale)
 
-    def _prefill(self, q, kv_layer, meta, scale):
-        hq, hkv, d = q.shape[1], kv_layer.shape[-2], q.shape[-1]
+    def _prefill(self, q, kv_layer, meta, scale, new_kv):
+        # The flash kernel takes strided [1, H, L, D] views and Hkv < Hq heads natively (bit-identical to expanding
+        # K/V per query head), so queries and a first chunk's K/V go in as views of the QKV projection: no copies.
+        hkv, d = kv_layer.shape[-2], q.shape[-1]
         bs = kv_layer.shape[2]
+        hq = q.shape[1]
         outs, lses = [], []
         for i in range(meta.num_seqs):
-            qi = q[meta.cu_seqlens_q[i] : meta.cu_seqlens_q[i + 1]]
+            a, b = meta.cu_seqlens_q[i], meta.cu_seqlens_q[i + 1]
+            qi = q[a:b]
             n, ctx = qi.shape[0], int(meta.context_lens[i])
-            nblk = (ctx + bs - 1) // bs
-            table = meta.block_tables[i, :nblk]
-            # kv_layer[0][table], not kv_layer[0, table]: the mixed int/tensor index is ~400x slower on a big cache
-            k = kv_layer[0][table].reshape(-1, hkv, d)[:ctx]
-            v = kv_layer[1][table].reshape(-1, hkv, d)[:ctx]
-            if hq != hkv:  # prefill is compute-bound; expanding KV heads keeps the fused causal path
-                k = k.repeat_interleave(hq // hkv, dim=1)
-                v = v.repeat_interleave(hq // hkv, dim=1)
-            qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qi, k, v))
             start = meta.query_start_pos[i]
             if ctx == 0:  # a DCP rank that holds none of this sequence's tokens yet
                 outs.append(torch.zeros_like(qi))
                 lses.append(torch.full((n, hq), float("-inf"), dtype=q.dtype))
                 continue
-            if start == 0 and n == ctx and meta.sliding_window is None and meta.dcp_size == 1:
+            qb = qi.transpose(0, 1).unsqueeze(0)
+            plain = meta.sliding_window is None and meta.dcp_size == 1
+            if start == 0 and n == ctx and plain and new_kv is not None:  # a whole prompt (or its first chunk)
+                kb, vb = (x[a:b].transpose(0, 1).unsqueeze(0) for x in new_kv)
                 o, lse = _flash(qb, kb, vb, 0.0, True, scale=scale)
                 outs.append(o[0].transpose(0, 1))
                 lses.append(lse[0].transpose(0, 1))
                 continue
-            if start > 0 and start + n == ctx and meta.sliding_window is None and meta.dcp_size == 1:
+            nblk = (ctx + bs - 1) // bs
+            table = meta.block_tables[i, :nblk]
+            # kv_layer[0][table], not kv_layer[0, table]: the mixed int/tensor index is ~400x slower on a big cache
+            kb, vb = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
+                      for j in (0, 1))
+            if start == 0 and n == ctx and plain:
+                o, lse = _flash(qb, kb, vb, 0.0, True, scale=scale)
+                outs.append(o[0].transpose(0, 1))
+                lses.append(lse[0].transpose(0, 1))
+                continue
+            if start > 0 and start + n == ctx and plain:
                 # A later chunk of a chunked prefill: every earlier key is visible (no mask) and the chunk's own keys
                 # are causal and aligned with its queries, so two fused calls merged by LSE replace one call with an
                 # [n, ctx] mask (which costs a mask build per layer and the kernel's slow masked path).
-                o1, lse1 = _flash(qb, kb[:, :, :start].contiguous(), vb[:, :, :start].contiguous(), 0.0, False,
-                                  scale=scale)
-                o2, lse2 = _flash(qb, kb[:, :, start:].contiguous(), vb[:, :, start:].contiguous(), 0.0, True,
-                                  scale=scale)
+                o1, lse1 = _flash(qb, kb[:, :, :start], vb[:, :, :start], 0.0, False, scale=scale)
+                o2, lse2 = _flash(qb, kb[:, :, start:], vb[:, :, start:], 0.0, True, scale=scale)
                 o, lse = merge_attn_states(torch.stack([o1[0].transpose(0, 1), o2[0].transpose(0, 1)]),
                                            torch.stack([lse1[0].transpose(0, 1), lse2[0].transpose(0, 1)]))
                 outs.append(o)
@@ -73,6 +80,8 @@ class TorchAttentionBackend:
                 lse = lse.masked_fill(none.view(n, 1), float("-inf"))
             outs.append(o)
             lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
         return torch.cat(outs), torch.cat(lses)
 
     def _decode(self, q, kv_layer, meta, scale):

@@ -6,14 +6,17 @@ Measured on SmolLM2-135M fp32, 2 threads (AMD EPYC, a [8,576]x[576,N] step): F.l
 Only decode steps use it (CausalLM.forward): the packed kernel sums in another order, so its fp32 logits differ from
 transformers' F.linear by rounding (measured up to 1.25e-4 on SmolLM2 logits, a 31-token prompt forced through it),
 while prefill keeps F.linear and so stays bit-identical to transformers (what test_model_reference's 1e-4 bar checks);
-decode is checked token-exact (greedy) against transformers. The packed copy is extra memory (one more copy of the
+decode is checked token-exact (greedy) against transformers. Measured why prefill does not take it even though oneDNN
+also wins there (~200 GFLOP/s vs MKL's 115-165 at 128-2,048 rows): with every prefill linear packed SmolLM2's logits
+differ from transformers' by up to 1.07e-4, and with only the gate/up projection packed by 8.8e-5 on the chat prompt but
+1.05e-4 on a 400-token one; exact prefill logits are worth more than ~7% of prefill time. The packed copy is extra memory (one more copy of the
 linear weights), paid only by CPU float32/bfloat16 runners that enable it."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-# Rows up to this take the packed path: a decode batch (one row per sequence). Above it, F.linear wins.
+# Rows up to this take the packed path: a decode batch (one row per sequence). Larger inputs are prefill: F.linear.
 PACKED_MAX_ROWS = 32
 # The batch size oneDNN tunes the packed layout for; measured best for batches 1..16 on SmolLM2 shapes.
 _PACK_HINT = 8

@@ -62,20 +62,21 @@ class Attention(nn.Module):
         t = x.shape[0]
         packed = not meta.is_prefill  # prefill stays on F.linear: bit-identical to transformers' logits there
         qkv = plinear.linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, -1, self.head_dim)
-        k = k.view(t, -1, self.head_dim)
-        q, k = apply_rope(cos_sin, q, k)
-        write_kv(kv_layer, k, v.view(t, -1, self.head_dim), meta.slot_mapping)
-        out = self._attend(q, kv_layer, meta)
+        qk = apply_rope(cos_sin, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
+        nq = self.q_size // self.head_dim
+        q, k = qk[:, :nq], qk[:, nq:]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, -1, self.head_dim)
+        write_kv(kv_layer, k, v, meta.slot_mapping)
+        out = self._attend(q, k, v, kv_layer, meta)
         out = plinear.linear(out.reshape(t, self.q_size), self.o_weight, self.o_packed if packed else None)
         out = self.ps.all_reduce(out)
         return out if self.o_bias is None else out + self.o_bias
 
-    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         ps = self.ps
         if ps.dcp_size == 1:
-            return self.backend.forward(q, kv_layer, meta, self.scale)[0]
+            return self.backend.forward(q, kv_layer, meta, self.scale, new_kv=(k, v))[0]
         # DCP: every rank of the group shares this KV head but holds 1/dcp of the tokens. Gather the group's
         # queries, attend over the local tokens, then rescale each partial by exp(lse_local - lse_global) and
         # reduce-scatter, so each rank ends with the exact output for its own heads.
@@ -104,7 +105,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
         gu_p, down_p = (self.gate_up_packed, self.down_packed) if packed else (None, None)
         gate, up = plinear.linear(x, self.gate_up_weight, gu_p, self.gate_up_bias).chunk(2, dim=-1)
-        out = self.ps.all_reduce(plinear.linear(F.silu(gate) * up, self.down_weight, down_p))
+        h = F.silu(gate, inplace=True).mul_(up)  # in place: the [T, 2*inter] buffer is the largest activation
+        out = self.ps.all_reduce(plinear.linear(h, self.down_weight, down_p))
         return out if self.down_bias is None else out + self.down_bias
 
 

@@ -84,11 +84,10 @@ class RotaryEmbedding(torch.nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rope(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [T, Hq, D], k: [T, Hkv, D]
+def apply_rope(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] (query and key heads side by side in one call: half the small ops of two calls, same numbers)."""
     cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

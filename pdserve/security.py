@@ -3,6 +3,8 @@
 - ``TLSConfig``: certificate files from flags / env (``--tls-cert-file`` / ``PDSERVE_TLS_CERT_FILE``, ...), checked
   when built (a missing, unreadable or mismatched file names the flag to fix), turned into gRPC server / channel
   credentials and ``ssl.SSLContext`` s for plain sockets. ``require_client_cert`` = mutual TLS.
+- ``http_server_tls`` / ``add_http_tls_arguments`` (``--http-tls-*``, ``PDSERVE_HTTP_TLS_*``): the OpenAI HTTP front's
+  own serving certificate (HTTPS, mutual TLS), checked like TLSConfig, errors naming those flags.
 - ``bind`` / ``aio_channel`` / ``sync_channel``: the one place servers listen and channels dial, so TLS and the
   message-size limits (``grpc_options``) are the same everywhere.
 - ``ApiKeyInterceptor``: the router's client API key (metadata ``authorization: Bearer KEY`` or ``x-api-key: KEY``).
@@ -14,6 +16,7 @@ import argparse
 import hmac
 import json
 import os
+import re
 import ssl
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
@@ -193,6 +196,73 @@ def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
     """The TLSConfig of parsed --tls-* flags, or None when no TLS flag is set."""
     tls = TLSConfig.from_args(args)
     return tls if tls.enabled or tls.require_client_cert else None
+
+
+# --- HTTPS of the OpenAI HTTP front ------------------------------------------------------------------------------
+# The front is both a server (its own certificate: --http-tls-*) and the router's gRPC client (--tls-*, client side),
+# so its serving certificate has flags of its own. Validation is TLSConfig's; errors name these flags instead.
+HTTP_FLAGS = {"cert_file": "--http-tls-cert-file", "key_file": "--http-tls-key-file",
+              "ca_file": "--http-tls-ca-file", "require_client_cert": "--http-tls-require-client-cert"}
+HTTP_ENV = {"cert_file": "PDSERVE_HTTP_TLS_CERT_FILE", "key_file": "PDSERVE_HTTP_TLS_KEY_FILE",
+            "ca_file": "PDSERVE_HTTP_TLS_CA_FILE", "require_client_cert": "PDSERVE_HTTP_TLS_REQUIRE_CLIENT_CERT"}
+
+
+def add_http_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """--http-tls-* flags: the certificate an HTTP server serves HTTPS with (defaults: PDSERVE_HTTP_TLS_*)."""
+    g = p.add_argument_group("HTTPS (this server's own certificate)")
+    env = os.environ
+    g.add_argument(HTTP_FLAGS["cert_file"], default=env.get(HTTP_ENV["cert_file"]) or None, metavar="PEM",
+                   help=f"serve HTTPS with this certificate (env {HTTP_ENV['cert_file']}); default: plain HTTP")
+    g.add_argument(HTTP_FLAGS["key_file"], default=env.get(HTTP_ENV["key_file"]) or None, metavar="PEM",
+                   help=f"private key of {HTTP_FLAGS['cert_file']} (env {HTTP_ENV['key_file']})")
+    g.add_argument(HTTP_FLAGS["ca_file"], default=env.get(HTTP_ENV["ca_file"]) or None, metavar="PEM",
+                   help=f"CA that signs client certificates, for {HTTP_FLAGS['require_client_cert']} "
+                        f"(env {HTTP_ENV['ca_file']})")
+    g.add_argument(HTTP_FLAGS["require_client_cert"], action="store_true",
+                   default=_truthy(env.get(HTTP_ENV["require_client_cert"], "")),
+                   help=f"mutual TLS: refuse HTTPS clients without a certificate signed by {HTTP_FLAGS['ca_file']} "
+                        f"(env {HTTP_ENV['require_client_cert']})")
+
+
+def _renamed(msg: str, flags: dict[str, str], env: dict[str, str]) -> str:
+    """A TLSConfigError message with the --tls-* flag / PDSERVE_TLS_* names replaced by ``flags`` / ``env``."""
+    names = {FLAGS[f]: flags[f] for f in flags} | {ENV[f]: env[f] for f in env}
+    return re.sub("|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)),
+                  lambda m: names[m.group(0)], msg)
+
+
+def http_server_tls(cert_file: str | None = None, key_file: str | None = None, ca_file: str | None = None,
+                    require_client_cert: bool = False) -> TLSConfig | None:
+    """The checked server-side TLSConfig of an HTTPS front (None: plain HTTP). Errors name the --http-tls-* flags."""
+    if cert_file is None and key_file is None and ca_file is None and not require_client_cert:
+        return None
+    try:
+        tls = TLSConfig(cert_file=cert_file, key_file=key_file, ca_file=ca_file,
+                        require_client_cert=require_client_cert)
+    except TLSConfigError as e:
+        raise TLSConfigError(_renamed(str(e), HTTP_FLAGS, HTTP_ENV)) from None
+    if not tls.serves_tls:
+        raise TLSConfigError(f"{HTTP_FLAGS['ca_file']} ({HTTP_ENV['ca_file']}) only says which client certificates "
+                             f"to trust: serving HTTPS needs {HTTP_FLAGS['cert_file']} and {HTTP_FLAGS['key_file']}")
+    return tls
+
+
+def http_tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
+    """The server-side TLSConfig of parsed --http-tls-* flags (add_http_tls_arguments), or None for plain HTTP."""
+    return http_server_tls(args.http_tls_cert_file, args.http_tls_key_file, args.http_tls_ca_file,
+                           bool(args.http_tls_require_client_cert))
+
+
+def as_http_tls_flags(tls: TLSConfig) -> list[str]:
+    """The --http-tls-* flags that make an HTTP front serve ``tls`` 's certificate (``pdserve up``)."""
+    out: list[str] = []
+    for f in ("cert_file", "key_file", "ca_file"):
+        v = getattr(tls, f)
+        if v is not None:
+            out += [HTTP_FLAGS[f], v]
+    if tls.require_client_cert:
+        out.append(HTTP_FLAGS["require_client_cert"])
+    return out
 
 
 # --- servers and channels ---------------------------------------------------------------------------------------

@@ -9,6 +9,10 @@ The router mounts it with ``await start_openai_http(router, host, port)``; it al
 
     python -m router.openai_http --router 127.0.0.1:50051 --port 8000
 
+HTTPS: ``--http-tls-cert-file`` / ``--http-tls-key-file`` (this server's certificate; add ``--http-tls-ca-file`` and
+``--http-tls-require-client-cert`` for mutual TLS), env ``PDSERVE_HTTP_TLS_*``. The ``--tls-*`` flags are the client
+side: how this front reaches a router that serves TLS.
+
 Supported request fields: model, prompt (text, token ids, or a list of either) / messages (text content or text
 parts), max_tokens / max_completion_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty,
 stream, stream_options.include_usage, n=1, user (ignored), plus vLLM's extras top_k, min_tokens,
@@ -35,7 +39,8 @@ from aiohttp import web
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.client.aio import AsyncGenerateStream
 from pdserve.client.types import GenerateChunk
-from pdserve.security import API_KEY_ENV, TLSConfig, add_tls_arguments, secrets_match, tls_from_args
+from pdserve.security import (API_KEY_ENV, TLSConfig, TLSConfigError, add_http_tls_arguments, add_tls_arguments,
+                              http_tls_from_args, secrets_match, tls_from_args)
 
 log = logging.getLogger("router.openai_http")
 
@@ -282,10 +287,17 @@ def _usage(u: Any) -> dict[str, int]:
 
 
 class OpenAIHttpServer:
-    """The aiohttp application and its listening site. ``await start()`` -> port; ``await stop()``."""
+    """The aiohttp application and its listening site. ``await start()`` -> port; ``await stop()``.
+
+    ``tls``: this server's certificate (server side; None = plain HTTP). With ``tls.require_client_cert`` it is
+    mutual TLS: a client without a certificate signed by ``tls.ca_file`` is refused at the handshake."""
 
     def __init__(self, client: AsyncClient, host: str = "127.0.0.1", port: int = 8000, *,
-                 api_key: str | None = None, own_client: bool = False) -> None:
+                 api_key: str | None = None, own_client: bool = False, tls: TLSConfig | None = None) -> None:
+        if tls is not None and not tls.serves_tls:
+            raise TLSConfigError("serving HTTPS needs a certificate and its key (--http-tls-cert-file / "
+                                 "--http-tls-key-file)")
+        self.tls = tls
         self.client = client
         self.host = host
         self.port = port
@@ -304,18 +316,20 @@ class OpenAIHttpServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{self.host}:{self.port}"
 
     async def start(self) -> int:
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the gRPC call, so the
         # router frees the request's KV.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        ssl_context = self.tls.ssl_server_context() if self.tls is not None else None
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=ssl_context)
         await site.start()
         if self.port == 0:
             self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        log.info("OpenAI-compatible HTTP API on %s/v1", self.url)
+        log.info("OpenAI-compatible HTTP API on %s/v1%s", self.url,
+                 " (mutual TLS)" if self.tls is not None and self.tls.require_client_cert else "")
         return self.port
 
     async def stop(self) -> None:
@@ -578,16 +592,28 @@ def _client_for(router: Any, api_key: str | None = None, tls: TLSConfig | None =
 
 
 async def start_openai_http(router: Any, host: str = "127.0.0.1", port: int = 8000, *,
-                            api_key: str | None = None, router_tls: TLSConfig | None = None) -> OpenAIHttpServer:
+                            api_key: str | None = None, router_tls: TLSConfig | None = None,
+                            tls: TLSConfig | None = None) -> OpenAIHttpServer:
     """Serve the OpenAI-compatible API on ``host:port`` (0: any free port, see ``.port``) in the running event
-    loop, over ``router``'s gRPC Generate path. ``await server.stop()`` to stop it."""
+    loop, over ``router``'s gRPC Generate path. ``await server.stop()`` to stop it.
+
+    ``router_tls``: how to reach a router serving TLS (client side). ``tls``: this server's own certificate, to
+    serve HTTPS (mutual TLS with ``require_client_cert``; see pdserve.security.http_server_tls)."""
+    if tls is not None and not tls.serves_tls:
+        raise TLSConfigError("serving HTTPS needs a certificate and its key (--http-tls-cert-file / "
+                             "--http-tls-key-file)")
     client, own = _client_for(router, api_key, router_tls)
-    server = OpenAIHttpServer(client, host, port, api_key=api_key, own_client=own)
-    await server.start()
+    server = OpenAIHttpServer(client, host, port, api_key=api_key, own_client=own, tls=tls)
+    try:
+        await server.start()
+    except BaseException:
+        await server.stop()
+        raise
     return server
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The ``python -m router.openai_http`` command line."""
     ap = argparse.ArgumentParser(prog="python -m router.openai_http",
                                  description="OpenAI-compatible HTTP API in front of a pdserve router")
     ap.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address (host:port)")
@@ -597,14 +623,26 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"require 'Authorization: Bearer KEY' (env {API_KEY_ENV}); also sent to the router")
     ap.add_argument("--log-level", default="INFO")
     add_tls_arguments(ap, client_only=True)  # how to reach a router that serves TLS / mutual TLS
+    add_http_tls_arguments(ap)  # this server's own certificate: serve HTTPS
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # every certificate file is read now: a bad one fails here, naming its flag
+        http_tls = http_tls_from_args(args)
+        router_tls = tls_from_args(args)
+    except TLSConfigError as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2
 
     async def run() -> None:
         import signal
 
         server = await start_openai_http(args.router, args.host, args.port, api_key=args.api_key,
-                                         router_tls=tls_from_args(args))
+                                         router_tls=router_tls, tls=http_tls)
         print(f"pdserve OpenAI-compatible API on {server.url}/v1 (router {args.router})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -76,7 +76,7 @@ class Service:
 @dataclass
 class Endpoints:
     router: str  # gRPC host:port
-    http: str | None  # "http://host:port" of the OpenAI-compatible API, or None
+    http: str | None  # "http://host:port" (https:// under TLS) of the OpenAI-compatible API, or None
     pods: list[dict] = field(default_factory=list)
     log_dir: str = ""
     model: str = ""
@@ -174,6 +174,12 @@ class LocalCluster:
             self.env["PDSERVE_CLUSTER_TOKEN"] = cluster_token
         if api_key:
             self.env["PDSERVE_API_KEY"] = api_key
+        # The HTTP front's HTTPS follows --tls-* (passed as --http-tls-* flags); a stray PDSERVE_HTTP_TLS_* in the
+        # environment must not make it serve something else than what the health check and the printed URL say.
+        from pdserve.security import HTTP_ENV
+
+        for name in HTTP_ENV.values():
+            self.env.pop(name, None)
         self.echo = echo or (lambda s: None)
         if log_dir is None:
             from pdserve.default_model import cache_dir
@@ -211,6 +217,10 @@ class LocalCluster:
         services.append(Service("router", "router", router, router_addr, self.log_dir / "router.log"))
         if t.http_port is not None and http_field is None:
             front_tls = [a for a in tls if a != "--tls-require-client-cert"]  # the front is the router's client
+            if self.tls is not None and self.tls.serves_tls:  # and serves HTTPS with the same certificate (+ mTLS)
+                from pdserve.security import as_http_tls_flags
+
+                front_tls += as_http_tls_flags(self.tls)
             services.append(Service("openai-http", "http",
                                     [*py, "router.openai_http", "--router", router_addr, "--host", h,
                                      "--port", str(t.http_port), *front_tls],
@@ -276,7 +286,7 @@ class LocalCluster:
         t = self.topology
         self.endpoints = Endpoints(
             router=f"{t.host}:{t.router_port}",
-            http=None if t.http_port is None else f"http://{t.host}:{t.http_port}",
+            http=None if t.http_port is None else f"{self.http_scheme}://{t.host}:{t.http_port}",
             pods=[{"name": s.name, "role": s.kind, "address": s.address, "pid": s.pid,
                    "tensor_parallel_size": s.spec.tensor_parallel_size,
                    "decode_context_parallel_size": s.spec.decode_context_parallel_size}
@@ -364,9 +374,9 @@ class LocalCluster:
                 self._check_alive()
                 for name, s in list(pending.items()):
                     if s.kind == "http":
-                        if _http_ok(f"http://{s.address}/health"):
+                        if _http_ok(f"{self.http_scheme}://{s.address}/health", self._front_tls()):
                             del pending[name]
-                            self.echo(f"{name} is up on http://{s.address}")
+                            self.echo(f"{name} is up on {self.http_scheme}://{s.address}")
                         continue
                     ch = channels.get(name) or channels.setdefault(name, sync_channel(s.address, self.tls))
                     try:
@@ -386,6 +396,14 @@ class LocalCluster:
         finally:
             for ch in channels.values():
                 ch.close()
+
+    @property
+    def http_scheme(self) -> str:
+        """"https" when the services serve TLS (the HTTP front then serves HTTPS with the same certificate)."""
+        return "https" if self._front_tls() is not None else "http"
+
+    def _front_tls(self) -> "TLSConfig | None":
+        return self.tls if self.tls is not None and self.tls.serves_tls else None
 
     def _wait_router_http(self, deadline: float) -> None:
         """When the router serves the OpenAI HTTP API itself, wait for it too."""
@@ -526,7 +544,7 @@ class LocalCluster:
             return "cluster not started"
         lines = [f"  router     grpc  {e.router}"]
         if e.http:
-            lines.append(f"  openai     http  {e.http}/v1")
+            lines.append(f"  openai     {e.http.split(':', 1)[0]:<5} {e.http}/v1")
         for s in self.services:
             if s.spec is not None:
                 lines.append(f"  {s.name:<10} grpc  {s.address:<21} {s.spec.describe():<22} pid {s.pid}")
@@ -545,11 +563,33 @@ class LocalCluster:
         os.replace(tmp, path)
 
 
-def _http_ok(url: str) -> bool:
-    import urllib.request
+def _http_ok(url: str, tls: "TLSConfig | None" = None) -> bool:
+    """GET ``url`` answers 200. ``tls``: for https URLs, the CA to trust (else the system roots) and the client
+    certificate to present (the supervisor's own, as to the gRPC services under mutual TLS), checking the server's
+    name against ``tls.server_name`` when set, else the host dialed."""
+    import http.client
+    import urllib.parse
 
+    u = urllib.parse.urlsplit(url)
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
-            return r.status == 200
+        if u.scheme == "https":
+            import ssl
+
+            ctx = tls.ssl_client_context() if tls is not None else ssl.create_default_context()
+            name = (tls.server_name if tls is not None else None) or u.hostname
+
+            class _Conn(http.client.HTTPSConnection):
+                def connect(self) -> None:
+                    http.client.HTTPConnection.connect(self)
+                    self.sock = ctx.wrap_socket(self.sock, server_hostname=name)
+
+            conn: http.client.HTTPConnection = _Conn(u.hostname, u.port, timeout=1.0, context=ctx)
+        else:
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=1.0)
+        try:
+            conn.request("GET", u.path or "/")
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
     except Exception:  # noqa: BLE001 - not up yet
         return False

@@ -4,6 +4,7 @@ the key is served, by the SDK, `pdserve status` and the OpenAI HTTP front alike.
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -73,15 +74,25 @@ def test_pdserve_status_needs_tls_flags_and_the_key(up, pki):
     assert plain.returncode == 1, plain.stdout
 
 
-def test_http_front_requires_the_key_and_reaches_the_mtls_router(up):
-    """The OpenAI front `pdserve up` starts: 401 without the key; with it a completion comes back (the front is the
-    router's mTLS client and forwards the same key)."""
+def test_http_front_serves_mtls_requires_the_key_and_reaches_the_mtls_router(up, pki):
+    """The OpenAI front `pdserve up` starts serves HTTPS with the cluster's certificate under mutual TLS (the URL
+    `pdserve up` reports says https): a client without a certificate is refused at the handshake; with our client
+    certificate, 401 without the key; with it a completion comes back (the front is the router's mTLS client and
+    forwards the same key)."""
+    assert up.http.startswith("https://")
     body = json.dumps({"prompt": "Hello", "max_tokens": 3, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{up.http}/v1/completions", body, {"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{up.http}/v1/completions", body, {"Content-Type": "application/json",
+                                                                     "Authorization": f"Bearer {KEY}"})
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)) as refused:
+        urllib.request.urlopen(req, timeout=120, context=ssl.create_default_context(cafile=str(pki.ca)))
+    assert not isinstance(refused.value, urllib.error.HTTPError)  # no HTTP answer at all: refused at the handshake
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    ctx.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    req.remove_header("Authorization")
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=120)
+        urllib.request.urlopen(req, timeout=120, context=ctx)
     assert e.value.code == 401
     req.add_header("Authorization", f"Bearer {KEY}")
-    with urllib.request.urlopen(req, timeout=300) as r:
+    with urllib.request.urlopen(req, timeout=300, context=ctx) as r:
         out = json.loads(r.read())
     assert out["usage"]["completion_tokens"] == 3

@@ -81,6 +81,22 @@ async def models(url: str, ssl_ctx: ssl.SSLContext | bool | None = None) -> list
             return [m["id"] for m in (await r.json())["data"]]
 
 
+def test_without_a_certificate_the_front_stays_plain_http():
+    """The default is unchanged: no TLS config, plain HTTP (``url`` says http), /v1/models answers, and the
+    supervisor's health check of a plain front passes."""
+    async def body():
+        async with router_with_a_pod() as addr:
+            front = await start_openai_http(addr, "127.0.0.1", 0)
+            try:
+                assert front.url == f"http://127.0.0.1:{front.port}"
+                assert await models(front.url) == [MODEL]
+                assert await asyncio.to_thread(_http_ok, f"{front.url}/health")
+            finally:
+                await front.stop()
+
+    asyncio.run(body())
+
+
 def test_https_front_serves_a_client_that_trusts_our_ca(pki):
     """With a server certificate the front serves HTTPS (``url`` says https): a client trusting our CA gets a real
     /v1/models answer, which went through the front's gRPC client to the router (it lists the registered pod's

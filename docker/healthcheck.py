@@ -6,8 +6,10 @@
 Asks grpc.health.v1.Health/Check on host:port (default 127.0.0.1 and the port the entrypoint recorded in
 $PDSERVE_RUN_DIR/health.json, else $PDSERVE_HEALTH_PORT, else 50051). The empty service name (the default) is the
 server's overall health. With PDSERVE_TLS_CERT_FILE set (the service serves TLS) the probe uses TLS, trusting
-PDSERVE_TLS_CA_FILE (else the certificate itself) and checking the name PDSERVE_TLS_SERVER_NAME (default localhost);
-with PDSERVE_TLS_REQUIRE_CLIENT_CERT (mutual TLS) it presents PDSERVE_TLS_CERT_FILE / _KEY_FILE as client certificate.
+PDSERVE_TLS_CA_FILE (else the certificate itself) and checking the name PDSERVE_TLS_SERVER_NAME (default localhost),
+and presents PDSERVE_TLS_CERT_FILE / _KEY_FILE as its client certificate, as the services do to each other: a service
+under mutual TLS (PDSERVE_TLS_REQUIRE_CLIENT_CERT, or tls_require_client_cert in the config file, which this probe
+cannot see) refuses a caller without one, and a service without mutual TLS does not mind it.
 Exit status 0: SERVING; 1: anything else (the reason on stderr).
 """
 from __future__ import annotations
@@ -36,11 +38,11 @@ def channel(target: str):
         return grpc.insecure_channel(target)
     ca = os.environ.get("PDSERVE_TLS_CA_FILE") or cert
     key = os.environ.get("PDSERVE_TLS_KEY_FILE")
-    mtls = (os.environ.get("PDSERVE_TLS_REQUIRE_CLIENT_CERT") or "").strip().lower() in ("1", "true", "yes", "on")
-    # Under mutual TLS the service refuses certificate-less callers: present the container's own certificate.
+    # Always present the container's own certificate: under mutual TLS the service refuses certificate-less callers,
+    # and whether it requires one may come from its config file rather than PDSERVE_TLS_REQUIRE_CLIENT_CERT.
     creds = grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes(),
-                                         private_key=Path(key).read_bytes() if mtls and key else None,
-                                         certificate_chain=Path(cert).read_bytes() if mtls and key else None)
+                                         private_key=Path(key).read_bytes() if key else None,
+                                         certificate_chain=Path(cert).read_bytes() if key else None)
     name = os.environ.get("PDSERVE_TLS_SERVER_NAME") or "localhost"
     return grpc.secure_channel(target, creds, options=[("grpc.ssl_target_name_override", name)])
 

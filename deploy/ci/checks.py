@@ -6,7 +6,8 @@
 
 Checks:
   * compose: `docker compose config` (Docker Compose v2.40.3, the real parser and the compose-spec rules it embeds)
-    and check-jsonschema against the compose specification's JSON schema (vendor.compose-spec);
+    and check-jsonschema against the compose specification's JSON schema (vendor.compose-spec), for compose.yaml
+    and for compose.yaml + the TLS overlay compose.tls.yaml (the overlay alone against the schema too);
   * dockerfile: hadolint with docker/.hadolint.yaml (every finding down to style fails);
   * helm: `helm lint --strict` and `helm template` of the chart with its default values and every example values file
     in deploy/helm/examples/, then every rendered manifest validated strictly against the Kubernetes JSON schemas for
@@ -31,6 +32,7 @@ K8S_VALIDATE = REPO / "deploy" / "ci" / "k8s_validate.py"
 CHART = REPO / "deploy" / "helm" / "pdserve"
 EXAMPLES_DIR = REPO / "deploy" / "helm" / "examples"
 COMPOSE_FILE = REPO / "docker" / "compose.yaml"
+COMPOSE_TLS_FILE = REPO / "docker" / "compose.tls.yaml"  # opt-in TLS / mTLS overlay on COMPOSE_FILE
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 HADOLINT_CONFIG = REPO / "docker" / ".hadolint.yaml"
 KUBE_VERSIONS = ("1.27", "1.37")  # Chart.yaml's kubeVersion floor, and the newest schemas kubernetes-validate ships
@@ -38,6 +40,7 @@ KUBE_VERSIONS = ("1.27", "1.37")  # Chart.yaml's kubeVersion floor, and the newe
 EXAMPLE_API_VERSIONS: dict[str, tuple[str, ...]] = {
     "multi-node": ("leaderworkerset.x-k8s.io/v1/LeaderWorkerSet", "monitoring.coreos.com/v1/ServiceMonitor"),
     "gpu-1node": ("monitoring.coreos.com/v1/ServiceMonitor",),
+    "mtls": ("monitoring.coreos.com/v1/ServiceMonitor",),
 }
 
 
@@ -120,11 +123,15 @@ def _run(tools: Tools, name: str, cmd: Sequence[str | os.PathLike[str]], stdin: 
 
 # --- compose ------------------------------------------------------------------------------------------------------
 
-def compose_config(tools: Tools, path: Path = COMPOSE_FILE, fmt: str | None = None) -> Result:
-    """`docker compose config`: parses, interpolates and validates the file as Compose itself does."""
-    cmd: list[str | Path] = [tools.compose, "-f", path, "config"]
-    cmd += ["--format", fmt] if fmt else ["--quiet"]
-    return _run(tools, f"docker compose config {path.name}", cmd)
+def compose_config(tools: Tools, path: Path | Sequence[Path] = COMPOSE_FILE, fmt: str | None = None) -> Result:
+    """`docker compose config`: parses, interpolates, merges (several files: later ones override, as with
+    `docker compose -f a -f b`) and validates the files as Compose itself does."""
+    paths = [path] if isinstance(path, Path) else list(path)
+    cmd: list[str | Path] = [tools.compose]
+    for p in paths:
+        cmd += ["-f", p]
+    cmd += ["config", *(["--format", fmt] if fmt else ["--quiet"])]
+    return _run(tools, f"docker compose config {' + '.join(p.name for p in paths)}", cmd)
 
 
 def compose_schema(tools: Tools, path: Path = COMPOSE_FILE) -> Result:
@@ -200,7 +207,8 @@ def render_and_validate(tools: Tools, values: Sequence[Path] = (), api_versions:
 # --- driver -------------------------------------------------------------------------------------------------------
 
 def check_compose(tools: Tools) -> list[Result]:
-    return [compose_config(tools), compose_schema(tools)]
+    return [compose_config(tools), compose_schema(tools),
+            compose_config(tools, (COMPOSE_FILE, COMPOSE_TLS_FILE)), compose_schema(tools, COMPOSE_TLS_FILE)]
 
 
 def check_dockerfile(tools: Tools) -> list[Result]:

@@ -122,3 +122,49 @@ def test_compose_environment_overrides_the_yaml(tools, monkeypatch):
     assert r.ok, r.output
     svc = json.loads(r.output)["services"]["decode"]
     assert svc["environment"]["PDSERVE_ARG_TENSOR_PARALLEL_SIZE"] == "4"
+
+
+@pytest.fixture(scope="module")
+def compose_tls(tools) -> dict:
+    r = checks.compose_config(tools, (checks.COMPOSE_FILE, checks.COMPOSE_TLS_FILE), fmt="json")
+    assert r.ok, r.output
+    return json.loads(r.output)
+
+
+def test_compose_tls_overlay_sets_mutual_tls_on_every_service(compose_tls):
+    """docker compose -f compose.yaml -f compose.tls.yaml: every service gets the certificate directory (read-only,
+    next to its config file) and PDSERVE_TLS_*, mutual TLS by default; the rest is compose.yaml's."""
+    services = compose_tls["services"]
+    assert set(services) == {"router", "prefill", "decode"}
+    for name, svc in services.items():
+        env = svc["environment"]
+        assert env["PDSERVE_TLS_CERT_FILE"] == "/etc/pdserve/tls/tls.crt"
+        assert env["PDSERVE_TLS_KEY_FILE"] == "/etc/pdserve/tls/tls.key"
+        assert env["PDSERVE_TLS_CA_FILE"] == "/etc/pdserve/tls/ca.crt"
+        assert env["PDSERVE_TLS_SERVER_NAME"] == "pdserve.internal"
+        assert env["PDSERVE_TLS_REQUIRE_CLIENT_CERT"] == "true"
+        targets = {v["target"]: v for v in svc["volumes"]}
+        assert env["PDSERVE_CONFIG"] in targets  # compose.yaml's config mount is kept (merged by target)
+        tls = targets["/etc/pdserve/tls"]
+        assert tls["type"] == "bind" and tls["read_only"] and tls["source"] == str(REPO / "docker" / "tls")
+        assert svc["healthcheck"]["test"] == ["CMD", "pdserve-healthcheck"]  # reads the same env, presents tls.crt
+        assert svc["command"] == [name] and svc["user"] == "10001:10001"
+        s = entrypoint.resolve(name, {}, {k: str(v) for k, v in env.items() if v is not None})
+        assert s["tls_cert_file"] == "/etc/pdserve/tls/tls.crt" and s["tls_ca_file"] == "/etc/pdserve/tls/ca.crt"
+
+
+def test_compose_tls_overlay_settings_from_the_environment(tools, monkeypatch, tmp_path):
+    monkeypatch.setenv("PDSERVE_TLS_DIR", str(tmp_path))
+    monkeypatch.setenv("PDSERVE_TLS_REQUIRE_CLIENT_CERT", "false")
+    monkeypatch.setenv("PDSERVE_TLS_SERVER_NAME", "pdserve.example")
+    r = checks.compose_config(tools, (checks.COMPOSE_FILE, checks.COMPOSE_TLS_FILE), fmt="json")
+    assert r.ok, r.output
+    for svc in json.loads(r.output)["services"].values():
+        assert svc["environment"]["PDSERVE_TLS_REQUIRE_CLIENT_CERT"] == "false"
+        assert svc["environment"]["PDSERVE_TLS_SERVER_NAME"] == "pdserve.example"
+        assert any(v["target"] == "/etc/pdserve/tls" and v["source"] == str(tmp_path) for v in svc["volumes"])
+
+
+def test_tls_material_stays_out_of_git_and_the_build_context():
+    assert "/docker/tls/" in (REPO / ".gitignore").read_text().splitlines()
+    assert "docker/tls" in (REPO / "docker" / "Dockerfile.dockerignore").read_text().splitlines()

@@ -115,7 +115,7 @@ def test_multi_node(render):
     assert pdbs["pdserve-router"].get("minAvailable") == 1 and "maxUnavailable" not in pdbs["pdserve-router"]
 
 
-@pytest.mark.parametrize("example", ["default", "cpu-dev", "gpu-1node", "multi-node"])
+@pytest.mark.parametrize("example", ["default", "cpu-dev", "gpu-1node", "multi-node", "mtls"])
 def test_configmap_becomes_service_flags(render, example):
     values = [] if example == "default" else [EX / f"{example}.yaml"]
     docs = _rendered(render, values, api_versions=checks.EXAMPLE_API_VERSIONS.get(example, ()))
@@ -152,3 +152,88 @@ def test_tls_without_secret_name_is_refused(render):
 def test_grpc_probes_with_tls_are_refused(render):
     r = render(sets=["tls.enabled=true", "tls.secretName=x", "probes.mode=grpc"])
     assert not r.ok and "probes.mode grpc" in r.output
+
+
+# --- TLS / mutual TLS (issue 9) ------------------------------------------------------------------------------------
+
+def _workloads(docs: list[dict]) -> list[dict]:
+    return [*find(docs, "Deployment"), *find(docs, "StatefulSet"), *find(docs, "LeaderWorkerSet")]
+
+
+def _env(workload: dict) -> dict:
+    return {e["name"]: e.get("value") for e in _container(workload)["env"]}
+
+
+def test_default_render_has_no_tls_env(render):
+    for w in _workloads(_rendered(render)):
+        assert not [k for k in _env(w) if k.startswith(("PDSERVE_TLS_", "PDSERVE_HTTP_TLS_"))], w["metadata"]["name"]
+
+
+def test_mtls_example_sets_mutual_tls_on_every_service(render):
+    docs = _rendered(render, [EX / "mtls.yaml"], api_versions=checks.EXAMPLE_API_VERSIONS["mtls"])
+    workloads = _workloads(docs)
+    assert {w["metadata"]["labels"]["app.kubernetes.io/component"] for w in workloads} == \
+        {"router", "prefill", "decode"}
+    for w in workloads:
+        env = _env(w)
+        assert env["PDSERVE_TLS_CERT_FILE"] == "/etc/pdserve/tls/tls.crt"
+        assert env["PDSERVE_TLS_KEY_FILE"] == "/etc/pdserve/tls/tls.key"
+        assert env["PDSERVE_TLS_CA_FILE"] == "/etc/pdserve/tls/ca.crt"
+        assert env["PDSERVE_TLS_SERVER_NAME"] == "pdserve.internal"
+        assert env["PDSERVE_TLS_REQUIRE_CLIENT_CERT"] == "true"
+        c = _container(w)
+        port = str(c["ports"][0]["containerPort"])
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            # exec: docker/healthcheck.py presents tls.crt (tests/deploy/test_deploy_healthcheck_tls.py)
+            assert c[probe]["exec"]["command"] == ["pdserve-healthcheck", "--port", port]
+        assert {"name": "tls", "mountPath": "/etc/pdserve/tls", "readOnly": True} in c["volumeMounts"]
+        tls = next(v for v in _pod_spec(w)["volumes"] if v["name"] == "tls")
+        assert tls["secret"]["secretName"] == "pdserve-tls"
+    # Metrics stay plain HTTP: the services' Prometheus servers do not serve TLS.
+    (sm,) = find(docs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["scheme"] == "http"
+
+
+def test_tls_without_mtls_says_so(render):
+    docs = _rendered(render, [EX / "multi-node.yaml"], api_versions=checks.EXAMPLE_API_VERSIONS["multi-node"])
+    for w in _workloads(docs):
+        assert _env(w)["PDSERVE_TLS_REQUIRE_CLIENT_CERT"] == "false"
+
+
+def test_mtls_without_tls_is_refused(render):
+    r = render(sets=["tls.requireClientCert=true"])
+    assert not r.ok
+    assert "tls.requireClientCert (mutual TLS) needs tls.enabled: true and tls.secretName" in r.output
+    r = render(sets=["tls.requireClientCert=true", "tls.secretName=pdserve-tls"])  # a secret alone is not TLS
+    assert not r.ok and "tls.requireClientCert" in r.output
+
+
+def test_require_client_cert_must_be_a_boolean(render):
+    r = render(sets=["tls.enabled=true", "tls.secretName=x", "tls.requireClientCert=yes"])
+    assert not r.ok and "requireClientCert" in r.output
+
+
+@pytest.mark.parametrize("role", ["router", "prefill", "decode"])
+def test_rendered_tls_env_reaches_the_services_as_mutual_tls(render, role, monkeypatch, tmp_path):
+    """The services' own parsers, built in the rendered environment (the Secret's files replaced by a test PKI),
+    make a server-side mutual-TLS config of it."""
+    from deploy_helpers import _load
+
+    from pdserve.security import tls_from_args
+
+    pki = _load("pdserve_security_helpers", REPO / "tests" / "security" / "security_helpers.py").make_pki(tmp_path)
+    files = {"/etc/pdserve/tls/tls.crt": str(pki.server_cert), "/etc/pdserve/tls/tls.key": str(pki.server_key),
+             "/etc/pdserve/tls/ca.crt": str(pki.ca)}
+    docs = _rendered(render, [EX / "mtls.yaml"], api_versions=checks.EXAMPLE_API_VERSIONS["mtls"])
+    (w,) = [w for w in _workloads(docs) if w["metadata"]["labels"]["app.kubernetes.io/component"] == role]
+    env = {k: files.get(v, v) for k, v in _env(w).items() if k.startswith("PDSERVE_TLS_")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    mod = __import__(entrypoint.ROLES[role] + ".__main__", fromlist=["x"])
+    parser = next(getattr(mod, n) for n in ("build_parser", "_parser") if hasattr(mod, n))()
+    tls = tls_from_args(parser.parse_args([]))
+    assert tls is not None and tls.serves_tls and tls.require_client_cert
+    assert (tls.cert_file, tls.ca_file, tls.server_name) == (str(pki.server_cert), str(pki.ca), "pdserve.internal")
+    # The entrypoint also passes the files as flags (a service without --tls-* flags is refused, not plaintext).
+    settings = entrypoint.resolve(role, {}, env)
+    assert settings["tls_cert_file"] == str(pki.server_cert) and settings["tls_ca_file"] == str(pki.ca)

@@ -19,6 +19,12 @@ def test_compose_spec_schema(tools):
     _ok(checks.compose_schema(tools))
 
 
+def test_compose_with_the_tls_overlay(tools):
+    _ok(checks.compose_config(tools, (checks.COMPOSE_FILE, checks.COMPOSE_TLS_FILE)))
+    _ok(checks.compose_schema(tools, checks.COMPOSE_TLS_FILE))
+    assert any("compose.tls.yaml" in r.name for r in checks.check_compose(tools))
+
+
 def test_hadolint(tools):
     _ok(checks.hadolint(tools))
 
@@ -29,10 +35,10 @@ def test_values_schema_is_a_valid_json_schema(tools):
 
 def test_examples_present():
     names = {p.stem for p in checks.examples()}
-    assert {"cpu-dev", "gpu-1node", "multi-node"} <= names, names
+    assert {"cpu-dev", "gpu-1node", "multi-node", "mtls"} <= names, names
 
 
-@pytest.mark.parametrize("example", [None, "cpu-dev", "gpu-1node", "multi-node"])
+@pytest.mark.parametrize("example", [None, "cpu-dev", "gpu-1node", "multi-node", "mtls"])
 def test_helm_lint_template_and_kubernetes_schemas(tools, render, example):
     values = [] if example is None else [REPO / "deploy" / "helm" / "examples" / f"{example}.yaml"]
     _ok(checks.helm_lint(tools, values))

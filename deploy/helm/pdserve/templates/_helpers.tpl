@@ -134,6 +134,8 @@ livenessProbe:
   value: /etc/pdserve/tls/ca.crt
 - name: PDSERVE_TLS_SERVER_NAME
   value: {{ .Values.tls.serverName | default "localhost" | quote }}
+- name: PDSERVE_TLS_REQUIRE_CLIENT_CERT
+  value: {{ ternary "true" "false" (.Values.tls.requireClientCert | default false) | quote }}
 {{- end }}
 {{- end -}}
 

@@ -13,9 +13,15 @@ pull concurrently from threads of this one process, so on a small CPU box they s
 rows are staged reads (whole source blocks, scattered locally: kv_transfer.staging), the nixl_direct rows one
 NIXL descriptor per 256-byte segment.
 
+KV regions on both sides are allocated as the engine allocates its KV cache (pdserve.engine.hugepages: on
+transparent huge pages where THP allows; the result's "transparent_hugepages" says the mode), and the NIXL
+puller runs with its defaults: on CPU a READ of 4 MiB or more is split in 2 parts posted from 2 threads. The
+contiguous-table rows are the ones that approach memcpy (few large descriptors); shuffled 12 KB block
+descriptors stay far below it (per-descriptor cost).
+
 GB/s = bytes landed in decode regions / wall time of the pull (best of N). memcpy = torch ``copy_`` of one
-contiguous buffer of the same size (best of N, each timed right after a pull): the ceiling for moving those
-bytes on this machine.
+contiguous buffer of the same size on ordinary 4 KB pages (best of N, each timed right after a pull): the
+ceiling for moving those bytes on this machine.
 
 Streaming rows: a real SmolLM2 prefill (the engine with prefill_svc's publisher hook) of 2,048 and 8,191 tokens
 (--quick: 1,024) in a spawned process, one decode puller here reading behind it. "on": published after layer 0,
@@ -38,6 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.engine.hugepages import empty_kv, thp_mode
+
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 
 
@@ -52,7 +60,9 @@ def _layout(tokens: int, tp: int = 1, dcp: int = 1):
 def _pattern_region(layout, rank: int) -> torch.Tensor:
     """int32 element i of the region holds i + rank * 2**28: any landed byte range is checkable anywhere."""
     n = int(np.prod(layout.region_shape()))
-    return (torch.arange(n, dtype=torch.int32) + rank * (1 << 28)).view(torch.float32).view(layout.region_shape())
+    t = empty_kv(n, dtype=torch.int32)  # on huge pages where THP allows, as the engine's KV cache
+    torch.arange(n, dtype=torch.int32, out=t).add_(rank * (1 << 28))
+    return t.view(torch.float32).view(layout.region_shape())
 
 
 def _prefill_main(conn: Any, layout_dict: dict, backend: str) -> None:
@@ -239,7 +249,7 @@ def _streaming(
             raise RuntimeError("bench prefill engine did not start")
         layout_d, transport = conn.recv()
         layout = KVLayout.from_dict(layout_d)
-        region = torch.zeros(layout.region_shape(), dtype=torch.float32)
+        region = empty_kv(*layout.region_shape(), dtype=torch.float32)
         puller = make_puller(layout, 0, region, backend=backend, io_timeout_s=60)
         rng = np.random.default_rng(2)
 
@@ -312,7 +322,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         dst_cases = [(1, 1), (9, 3)]
         for tp, dcp in dst_cases:
             dst = _layout(max(token_counts), tp, dcp)
-            regions = [torch.zeros(dst.region_shape(), dtype=torch.float32) for _ in range(tp)]
+            regions = [empty_kv(*dst.region_shape(), dtype=torch.float32) for _ in range(tp)]
             # nixl rows never fall back to TCP (min_segment_bytes=0): they measure the NIXL path as the puller
             # runs it (staged for head-sliced plans); "nixl_direct" turns staging off (one descriptor per segment).
             variants = [(b, b, {"min_segment_bytes": 0} if b == "nixl" else {}) for b in backends]
@@ -387,6 +397,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "streaming": {"what": "real SmolLM2 prefill (engine + prefill_svc.kv publisher) with a decode puller "
                       "reading behind it; share = (last layer landed - prefill step returned) / prefill step time",
                       **{k: v for k, v in s_raw.items()}},
+        "transparent_hugepages": thp_mode() or "unavailable",  # KV regions advised onto them unless "never"
         "cpu_count": os.cpu_count(),
         "quick": quick,
     }

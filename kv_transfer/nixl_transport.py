@@ -4,7 +4,9 @@
   * handshake over the control channel: prefill's agent metadata and its serialized descriptor list
     (one descriptor per hosted region, in rank order) travel as bytes in the ``hello`` answer;
   * per layer group, decode asks for a read pin over the control channel (the lease check), then
-    posts one NIXL READ whose descriptors are exactly its plan segments;
+    posts one NIXL READ whose descriptors are exactly its plan segments (a big READ is split into
+    ``parallel_reads`` parts of equal bytes, posted and polled from as many threads over as many UCX workers;
+    the pin covers them all, and a failed part fails the READ only once every part has ended);
   * once the READ is DONE, decode releases the pin with ``unpin verify=true``: prefill confirms only if the
     pin was still live, i.e. the blocks were held from the grant until after the data was read. A READ that
     ran late (stalled decode, pin TTL passed, lease freed, blocks reused) is refused with LeaseExpired and
@@ -22,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +39,7 @@ from kv_transfer.publisher import Publisher
 from kv_transfer.staging import StagedPlan, plan_staging, scatter
 from kv_transfer.puller import Session, _Source
 from kv_transfer.transport import BadTransferRequest, KVHandoff, KVTransferError, TransferUnavailable
+from pdserve.engine.hugepages import advise_hugepages
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +57,25 @@ def import_nixl() -> Any:
     return nixl
 
 
-def _new_agent(prefix: str, backends: Sequence[str]) -> Any:
+def _new_agent(prefix: str, backends: Sequence[str], *, sync: str = "STRICT", ucx_workers: int = 1) -> Any:
     nixl = import_nixl()
     name = f"{prefix}-{uuid.uuid4().hex[:12]}"
     # Why no NIXL progress thread: the Python API runs it with no delay, and each one then burns about
     # half a core even when idle (measured here); on CPU boxes and next to a GPU worker that is waste.
     # We drive progress ourselves instead: decode by polling its transfer, prefill by polling
     # notifications often while a read may be in flight (NixlPublisher._tick_interval).
-    # STRICT: a puller may serve concurrent pulls from several threads.
+    # sync: STRICT (one agent-wide mutex around every call) on the prefill side; the puller passes RW, see
+    # NixlPuller.__init__.
+    extra = ucx_workers > 1 and "UCX" in backends
     conf = nixl.nixl_agent_config(
-        enable_prog_thread=False, backends=list(backends), sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        enable_prog_thread=False,
+        backends=[b for b in backends if not (extra and b == "UCX")],
+        sync_mode=getattr(nixl.nixl_thread_sync_t, f"NIXL_THREAD_SYNC_{sync}"),
     )
-    return nixl.nixl_agent(name, conf)
+    agent = nixl.nixl_agent(name, conf)
+    if extra:  # more UCX workers: the backend must be created with its init params, not from the config
+        agent.create_backend("UCX", {"num_workers": str(ucx_workers)})
+    return agent
 
 
 def _mem_of(t: torch.Tensor) -> tuple[str, int]:
@@ -146,6 +157,12 @@ class NixlPublisher(Publisher):
         self._reg_descs = []
 
 
+def _cancelled(msg: str) -> TransferUnavailable:
+    e = TransferUnavailable(msg)
+    e.cancelled_part = True  # type: ignore[attr-defined]
+    return e
+
+
 @dataclass
 class _NixlPeer:
     agent: str
@@ -171,10 +188,34 @@ class NixlPuller(TcpPuller):
         stage_below_segment_bytes: int = 4096,
         stage_min_fanin: int = 4,
         stage_max_amplification: float = 16.0,
+        parallel_reads: int | None = None,
+        split_min_bytes: int = 4 << 20,
         **kwargs: Any,
     ) -> None:
         super().__init__(layout, rank, region, **kwargs)
         self.max_read_bytes = max_read_bytes
+        # Split READs: a READ of split_min_bytes or more is cut into parallel_reads parts of equal bytes, part i
+        # posted and polled from lane i (a persistent thread of this puller) over UCX worker i. Why: over CMA
+        # one READ is one process_vm_readv stream; two in parallel overlapped and, with the source on huge
+        # pages and few large descriptors, reached 8.4-12.5 GB/s = 0.53-1.01x memcpy here (one stream: about
+        # half). Plans of many small (12 KB block) descriptors stay ~0.3x whatever the settings (per-descriptor
+        # cost). Default 2 on CPU; 1 on CUDA (not measured there). Small READs stay one request, posted from the
+        # caller's thread: a thread hand-off costs more than it saves.
+        # Why lanes and not "the caller + a pool helper": NIXL's UCX backend binds a thread to a worker the first
+        # time that thread prepares a transfer, round robin over the workers (nixlUcxEngine::getWorkerId), and
+        # a transfer then runs on its thread's worker. Caller threads come and go, so with the caller posting
+        # one part, both parts landed on the same worker every other pull (measured: 6-7 vs 9-10 GB/s
+        # alternating). The lanes are bound once, one after the other, at the first handshake (_bind_lanes):
+        # distinct workers whatever threads call pull.
+        if parallel_reads is None:
+            parallel_reads = 1 if region.is_cuda else 2
+        self.parallel_reads = max(1, int(parallel_reads))
+        self.split_min_bytes = split_min_bytes
+        self._lanes = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-read{rank}.{i}") for i in range(self.parallel_reads)
+        ] if self.parallel_reads > 1 else []
+        self._lanes_bound = False
+        self._lanes_lock = threading.Lock()
         # Staged reads (kv_transfer.staging): whole source blocks in big runs into a registered buffer, then a
         # local scatter. Used for plans of small segments (mean below stage_below_segment_bytes: head-sliced
         # re-shards) when that cuts the descriptor count by stage_min_fanin or more while reading at most
@@ -196,7 +237,13 @@ class NixlPuller(TcpPuller):
         if min_segment_bytes is None:
             min_segment_bytes = 0 if region.is_cuda else 1024
         self.min_segment_bytes = min_segment_bytes
-        self._agent = _new_agent(f"pdkv-decode{rank}", nixl_backends)
+        # RW: NIXL's agent lock is then a reader/writer lock: the data-path calls (createXferReq, postXferReq,
+        # getXferStatus, releaseXferReq) take it shared, so transfers on *different* handles proceed at once,
+        # while metadata changes (register/deregister memory, add/remove a remote agent, connect) take it
+        # exclusively. STRICT takes one mutex around every call, and the two parts of a split READ then
+        # serialize (measured). What RW does not cover is one handle from two threads at once (per-handle
+        # state is unlocked, NIXL src/core/nixl_agent.cpp): every handle here lives in one thread only.
+        self._agent = _new_agent(f"pdkv-decode{rank}", nixl_backends, sync="RW", ucx_workers=self.parallel_reads)
         self._reg = self._agent.register_memory(region)  # once; every read lands inside it
         self._mem, self._dev = _mem_of(region)
         self._base = region.data_ptr()
@@ -225,6 +272,30 @@ class NixlPuller(TcpPuller):
         except Exception as e:
             raise TransferUnavailable(f"NIXL connection to {session.endpoint} failed: {e!r}") from e
         session.peer = _NixlPeer(name, info["mem"], regions)
+        self._bind_lanes(session.peer)
+
+    def _bind_lanes(self, peer: _NixlPeer) -> None:
+        """Once: bind each lane thread to its own UCX worker, in order (see __init__), by preparing (never
+        posting) a 1-byte READ from it. Only speed depends on it: a failure is logged and ignored."""
+        with self._lanes_lock:
+            if self._lanes_bound or not self._lanes or not peer.regions:
+                return
+            addr, _length, dev = next(iter(peer.regions.values()))
+            local = np.array([[self._base, 1, self._dev]], dtype=np.uint64)
+            remote = np.array([[addr, 1, dev]], dtype=np.uint64)
+
+            def bind() -> None:
+                self._agent.initialize_xfer(
+                    "READ", self._agent.get_xfer_descs(local, self._mem),
+                    self._agent.get_xfer_descs(remote, peer.mem), peer.agent,
+                ).release()
+
+            try:
+                for lane in self._lanes:
+                    lane.submit(bind).result(timeout=10.0)
+                self._lanes_bound = True
+            except Exception:
+                log.debug("kv puller: binding read lanes to UCX workers failed", exc_info=True)
 
     def _forget_peer(self, session: Session) -> None:
         if session.peer is not None:
@@ -269,6 +340,7 @@ class NixlPuller(TcpPuller):
                 self._agent.deregister_memory(self._stage_reg)
                 self._stage_reg = None
             self._stage = torch.empty(max(nbytes, self.stage_bytes), dtype=torch.uint8, device=self.region.device)
+            advise_hugepages(self._stage)  # before the first READ faults it in (CPU; a no-op elsewhere)
             self._stage_reg = self._agent.register_memory(self._stage)
         return self._stage
 
@@ -294,42 +366,103 @@ class NixlPuller(TcpPuller):
         else:
             stage = self._staging(len(planes) * staged.stage_plane_nbytes)
             local, remote = self._staged_descs(staged, stage, peer, rp, planes)
-        handle = None
-        try:
-            handle = self._agent.initialize_xfer(
-                "READ",
-                self._agent.get_xfer_descs(local, self._mem),
-                self._agent.get_xfer_descs(remote, peer.mem),
-                peer.agent,
-            )
-            # Bounds a hung READ only; whether the data is good is decided by the verified unpin below.
-            read_deadline = min(deadline, time.monotonic() + 0.8 * float(reply["ttl_s"]))
-            state = self._agent.transfer(handle)
-            spins = 0
-            while state == "PROC":  # polling is what progresses our side (no progress thread)
-                if time.monotonic() > read_deadline:
-                    raise TransferUnavailable(f"lease {handoff.lease_id}: NIXL READ from {peer.agent} timed out")
-                spins += 1
-                time.sleep(0 if spins < 20 else min(5e-5 * (spins - 19), 1e-3))
-                state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferUnavailable(f"lease {handoff.lease_id}: NIXL READ from {peer.agent} failed ({state})")
-        except KVTransferError:
-            raise
-        except Exception as e:  # nixlRemoteDisconnectError & co: the peer is gone
-            raise TransferUnavailable(f"lease {handoff.lease_id}: NIXL READ from {peer.agent}: {e!r}") from e
-        finally:
-            if handle is not None:
-                try:
-                    handle.release()  # cancels a READ still in flight (timeout path)
-                except Exception:
-                    log.warning("NIXL: could not release a transfer handle", exc_info=True)
+        self._read_parts(self._split(local, remote), peer, handoff.lease_id, deadline, 0.8 * float(reply["ttl_s"]))
         # Lease check after the fact (a one-sided READ cannot be refused while it runs): LeaseExpired here
         # means the blocks may have been reused under the READ, and the pull fails instead of serving it.
         src.client.call(self._msg("unpin", handoff, pin=reply["pin"], verify=True))
         if staged is not None:  # only confirmed data reaches the region
             scatter(staged, stage, self.region, planes, rp.dst_plane_nbytes)
         return int(base.nbytes.sum()) * 2 * len(layers)
+
+    def _split(self, local: np.ndarray, remote: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``parallel_reads`` parts of equal bytes (cuts on 4 KB multiples, a descriptor straddling a cut is cut
+        in two), or the whole list when the READ is under split_min_bytes."""
+        lens = local[:, 1].astype(np.int64)
+        total = int(lens.sum())
+        parts = self.parallel_reads
+        if parts <= 1 or total < max(self.split_min_bytes, 1) or total < parts * 4096:
+            return [(local, remote)]
+        ends = np.cumsum(lens)
+        starts = ends - lens
+        cuts = [0] + [(total * i // parts) & ~4095 for i in range(1, parts)] + [total]
+        out = []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            i0, i1 = int(np.searchsorted(ends, a, side="right")), int(np.searchsorted(starts, b, side="left"))
+            head = np.maximum(starts[i0:i1], a) - starts[i0:i1]  # bytes of each descriptor before the cut
+            n = np.minimum(ends[i0:i1], b) - starts[i0:i1] - head
+            part = []
+            for d in (local, remote):
+                x = d[i0:i1].astype(np.int64)
+                x[:, 0] += head
+                x[:, 1] = n
+                part.append(x.astype(np.uint64))
+            out.append((part[0], part[1]))
+        return out
+
+    def _read_parts(
+        self, parts: list[tuple[np.ndarray, np.ndarray]], peer: _NixlPeer, lease_id: str, deadline: float,
+        max_read_s: float,
+    ) -> None:
+        """Post every part (one part: from this thread; more: part i from lane i) and wait for all of them.
+        The first failure cancels the others; nothing is raised while any part may still be in flight."""
+        abort = threading.Event()
+        if len(parts) == 1:
+            self._read_part(parts[0], peer, lease_id, deadline, max_read_s, abort)
+            return
+        futures = [
+            lane.submit(self._read_part, p, peer, lease_id, deadline, max_read_s, abort)
+            for lane, p in zip(self._lanes, parts)
+        ]
+        errors: list[BaseException] = []
+        for f in futures:  # each ends by itself: DONE, failed, cancelled by `abort`, or its read deadline
+            try:
+                f.result()
+            except BaseException as e:
+                errors.append(e)
+        if errors:  # the cause, not a part that was only cancelled because of it
+            raise next((e for e in errors if not getattr(e, "cancelled_part", False)), errors[0])
+
+    def _read_part(
+        self, part: tuple[np.ndarray, np.ndarray], peer: _NixlPeer, lease_id: str, deadline: float,
+        max_read_s: float, abort: threading.Event,
+    ) -> None:
+        local, remote = part
+        handle = None
+        try:
+            if abort.is_set():
+                raise _cancelled(f"lease {lease_id}: NIXL READ part from {peer.agent} not posted: another failed")
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, self._mem),
+                self._agent.get_xfer_descs(remote, peer.mem),
+                peer.agent,
+            )
+            # Bounds a hung READ only; whether the data is good is decided by the verified unpin after it.
+            read_deadline = min(deadline, time.monotonic() + max_read_s)
+            state = self._agent.transfer(handle)
+            spins = 0
+            while state == "PROC":  # polling is what progresses our side (no progress thread)
+                if abort.is_set():
+                    raise _cancelled(f"lease {lease_id}: NIXL READ part from {peer.agent} cancelled: another failed")
+                if time.monotonic() > read_deadline:
+                    raise TransferUnavailable(f"lease {lease_id}: NIXL READ from {peer.agent} timed out")
+                spins += 1
+                time.sleep(0 if spins < 20 else min(5e-5 * (spins - 19), 1e-3))
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferUnavailable(f"lease {lease_id}: NIXL READ from {peer.agent} failed ({state})")
+        except KVTransferError:
+            abort.set()
+            raise
+        except Exception as e:  # nixlRemoteDisconnectError & co: the peer is gone
+            abort.set()
+            raise TransferUnavailable(f"lease {lease_id}: NIXL READ from {peer.agent}: {e!r}") from e
+        finally:
+            if handle is not None:
+                try:
+                    handle.release()  # cancels a READ still in flight (timeout / abort path)
+                except Exception:
+                    log.warning("NIXL: could not release a transfer handle", exc_info=True)
 
     def _staged_descs(
         self, staged: StagedPlan, stage: torch.Tensor, peer: _NixlPeer, rp: RankPlan, planes: range
@@ -378,6 +511,9 @@ class NixlPuller(TcpPuller):
 
     def close(self) -> None:
         super().close()
+        for lane in self._lanes:
+            lane.shutdown(wait=True)
+        self._lanes = []
         if self._stage_reg is not None:
             try:
                 self._agent.deregister_memory(self._stage_reg)

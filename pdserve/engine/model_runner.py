@@ -12,6 +12,7 @@ import torch
 
 from pdserve.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.block_manager import dcp_local_count, dcp_slot
+from pdserve.engine.hugepages import empty_kv
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import CausalLM
@@ -88,9 +89,10 @@ class ModelRunner:
             self.model = CausalLM(cfg, ps, backend, max_positions=max_model_len).to(dtype)
         load_weights(self.model, model_path)
         self.model.pack_for_decode()  # no-op off CPU
-        # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once.
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, self.model.num_local_kv_heads,
-                                    cfg.head_dim, dtype=dtype, device=self.device)
+        # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once; on CPU on
+        # transparent huge pages where the OS allows (NIXL's CMA reads pin source pages: 2 MB pages ~2x faster).
+        self.kv_cache = empty_kv(cfg.num_layers, 2, num_blocks, block_size, self.model.num_local_kv_heads,
+                                 cfg.head_dim, dtype=dtype, device=self.device)
         # layer_hook(step, layer_idx) runs after each layer's KV write (set per rank, e.g. to publish KV layer by
         # layer); None costs nothing.
         self.layer_hook: Callable[[StepInput, int], None] | None = None

@@ -398,16 +398,18 @@ def test_tcp_puller_reads_a_nixl_publisher(workers):
         dec.close()
 
 
-def test_late_nixl_read_is_refused_not_served(workers):
+@pytest.mark.parametrize("split", [False, True], ids=["one_read", "split_read"])
+def test_late_nixl_read_is_refused_not_served(workers, split):
     """A decode rank that stalls between its read pin and its one-sided NIXL READ (pin TTL and lease run
     out, prefill frees the blocks and they are reused for other data) really does READ the reused bytes,
     and the pull fails with LeaseExpired instead of returning them; a prompt reader of the same kind still
-    gets byte-exact KV. Proves the after-READ lease check, not a timeout."""
+    gets byte-exact KV. Proves the after-READ lease check, not a timeout. split_read: the same with the READ
+    split into two parts posted from two threads (both stall, both read the reused bytes, one refusal)."""
     if not nixl_available()[0]:
         pytest.skip("needs NIXL")
     from kv_transfer.nixl_transport import NixlPuller
 
-    pre = PrefillSide(workers, "nixl", 2, 1, tag="late", lease_timeout_s=0.6, pin_ttl_s=0.3)
+    pre = PrefillSide(workers, "nixl", 2, 1, tag=f"late{int(split)}", lease_timeout_s=0.6, pin_ttl_s=0.3)
     scribble = 12345.0
     stalled: dict = {}
 
@@ -417,32 +419,39 @@ def test_late_nixl_read_is_refused_not_served(workers):
 
         def __init__(self, agent):
             self._agent = agent
+            self._lock = threading.Lock()
 
         def __getattr__(self, name):
             return getattr(self._agent, name)
 
         def initialize_xfer(self, *args, **kwargs):
             lease_id = stalled["lease"]
-            _wait_for(lambda: [x for x in pre.freed() if x[0] == lease_id], 10.0, "prefill to free the lease")
-            workers[0].call("scribble", key=pre.key, value=scribble)
-            stalled["freed_before_read"] = True
+            with self._lock:  # one worker pipe: one caller at a time
+                _wait_for(lambda: [x for x in pre.freed() if x[0] == lease_id], 10.0, "prefill to free the lease")
+                workers[0].call("scribble", key=pre.key, value=scribble)
+                stalled["freed_before_read"] = True
+                stalled["posts"] = stalled.get("posts", 0) + 1
             return self._agent.initialize_xfer(*args, **kwargs)
 
     dec = DecodeSide("nixl", 2, 1, 1)
-    late = NixlPuller(dec.layout, 0, dec.regions[0], min_segment_bytes=0, handshake_timeout_s=5.0, io_timeout_s=5.0)
-    late._agent = StallingAgent(late._agent)
+    late = NixlPuller(dec.layout, 0, dec.regions[0], min_segment_bytes=0, handshake_timeout_s=5.0, io_timeout_s=5.0,
+                      **({"split_min_bytes": 0, "parallel_reads": 2} if split else {}))
     try:
         handoff = pre.publish()
         res = dec.pull_all(handoff)  # a prompt reader: fine
         want = empty_region(dec.layout, 500)
         write_rank(dec.layout, 0, pre.full(), dec.tables[0], want)
         assert torch.equal(dec.regions[0], want) and res[0].transport == "nixl"
+        with pytest.raises(LeaseExpired):  # that lease is done: what counts is the handshake it makes first
+            late.renew(handoff)  # (the handshake prepares, never posts, a READ per lane): only READs stall below
+        late._agent = StallingAgent(late._agent)
 
         handoff = pre.publish()
         stalled["lease"] = handoff.lease_id
         with pytest.raises(LeaseExpired, match="discarded"):
             late.pull(handoff, dec.tables[0], timeout_s=30)
         assert stalled.get("freed_before_read")
+        assert stalled["posts"] == (2 if split else 1)
         assert [x for x in pre.freed() if x[0] == handoff.lease_id] == [(handoff.lease_id, "expired")]
         # The READ did run after the reuse: the destination blocks hold the reused bytes. Only the
         # refusal keeps them from becoming this request's KV (the caller frees those blocks).
@@ -451,3 +460,137 @@ def test_late_nixl_read_is_refused_not_served(workers):
     finally:
         late.close()
         dec.close()
+
+
+# ---- split READs (parts of equal bytes from several threads) ---------------------------------------
+class TracingAgent:
+    """A puller's real NIXL agent, recording which thread posted each READ part and which handles are still
+    unreleased; ``on_post(n)`` runs before the n-th post, ``state(n, real)`` may replace part n's state."""
+
+    def __init__(self, agent, on_post=None, state=None):
+        self._agent, self.on_post, self.state = agent, on_post, state
+        self._lock = threading.Lock()
+        self.posts: list[int] = []  # thread ident per post
+        self.live: set[int] = set()
+        self._n = 0
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    def initialize_xfer(self, *args, **kwargs):
+        h = _Traced(self._agent.initialize_xfer(*args, **kwargs), self)
+        with self._lock:
+            self.live.add(id(h))
+        return h
+
+    def transfer(self, h, *args):
+        with self._lock:
+            h.n, self._n = self._n, self._n + 1
+            self.posts.append(threading.get_ident())
+        if self.on_post is not None:
+            self.on_post(h.n)
+        real = self._agent.transfer(h.h, *args)
+        return real if self.state is None else self.state(h.n, real)
+
+    def check_xfer_state(self, h):
+        real = self._agent.check_xfer_state(h.h)
+        return real if self.state is None else self.state(h.n, real)
+
+
+class _Traced:
+    def __init__(self, h, tracer):
+        self.h, self.tracer, self.n = h, tracer, -1
+
+    def release(self):
+        self.h.release()
+        with self.tracer._lock:
+            self.tracer.live.discard(id(self))
+
+
+def _nixl_only():
+    if not nixl_available()[0]:
+        pytest.skip("needs NIXL")
+
+
+@pytest.mark.parametrize(
+    "kvh,src_tp,tp,dcp,parts", [(2, 2, 1, 1, 2), (2, 2, 1, 1, 3), (2, 2, 4, 2, 2), (1, 1, 2, 2, 2)]
+)
+def test_split_read_byte_identical(sides, kvh, src_tp, tp, dcp, parts):
+    """A READ split into parts of equal bytes (forced: split_min_bytes=0), posted from as many threads,
+    lands exactly the bytes of an unsplit one; every part's handle is released."""
+    _nixl_only()
+    get_prefill, _ = sides
+    pre = get_prefill("nixl", kvh, src_tp)
+    dec = DecodeSide("nixl", kvh, tp, dcp, split_min_bytes=0, parallel_reads=parts)
+    try:
+        tracers = [TracingAgent(p._agent) for p in dec.pullers]
+        for p, t in zip(dec.pullers, tracers):
+            p._agent = t
+        handoff = pre.publish()
+        full = pre.full()
+        results = dec.pull_all(handoff)
+        for r in range(tp):
+            want = empty_region(dec.layout, 500 + r)
+            write_rank(dec.layout, r, full, dec.tables[r], want)
+            assert torch.equal(dec.regions[r], want), f"decode rank {r} differs"
+            assert results[r].transport == "nixl"
+            t = tracers[r]
+            # one READ per prefill endpoint this rank reads from, each in `parts` parts
+            assert len(t.posts) >= parts and len(t.posts) % parts == 0, f"rank {r}: {len(t.posts)} posts"
+            assert len(set(t.posts)) == parts, "the parts were not posted from separate threads"
+            assert not t.live, "a READ handle was left unreleased"
+    finally:
+        dec.close()
+
+
+def test_split_read_one_part_failing_cancels_the_other(workers):
+    """One part fails while the other is still in flight: the other is cancelled and released before the pull
+    raises (TransferUnavailable naming the failure, not the cancellation), well before any READ timeout."""
+    _nixl_only()
+    pre = PrefillSide(workers, "nixl", 2, 1, tag="splitfail", pin_ttl_s=1.0)  # an abort frees after the pin
+    dec = DecodeSide("nixl", 2, 1, 1, split_min_bytes=0, parallel_reads=2)
+    try:
+        posted_1 = threading.Event()
+
+        def state(n, real):  # part 1 never ends by itself; part 0 fails once part 1 is in flight
+            if n == 1:
+                posted_1.set()
+                return "PROC"
+            posted_1.wait(5.0)
+            return "ERR"
+
+        t = TracingAgent(dec.pullers[0]._agent, state=state)
+        dec.pullers[0]._agent = t
+        t0 = time.monotonic()
+        with pytest.raises(TransferUnavailable, match=r"failed \(ERR\)"):
+            dec.pullers[0].pull(pre.publish(), dec.tables[0], timeout_s=30)
+        assert time.monotonic() - t0 < 3.0
+        assert len(t.posts) == 2 and not t.live, "a READ part was left in flight"
+        freed = _wait_for(pre.freed, 5.0, "prefill to free the lease")
+        assert [why for _, why in freed] == ["aborted"], freed
+    finally:
+        dec.close()
+
+
+def test_split_read_prefill_killed_mid_read():
+    """The prefill process dies between the two parts' posts: the pull fails with TransferUnavailable, with
+    both parts ended and released, promptly."""
+    _nixl_only()
+    w = PrefillWorker()
+    try:
+        pre = PrefillSide([w], "nixl", 2, 1, tag="splitkill")
+        dec = DecodeSide("nixl", 2, 1, 1, split_min_bytes=0, parallel_reads=2, io_timeout_s=3.0)
+        try:
+            handoff = pre.publish()
+            dec.pullers[0].renew(handoff)  # handshake and connect first: the kill then hits the READ itself
+            t = TracingAgent(dec.pullers[0]._agent, on_post=lambda n: w.kill() if n == 1 else None)
+            dec.pullers[0]._agent = t
+            t0 = time.monotonic()
+            with pytest.raises(TransferUnavailable):
+                dec.pullers[0].pull(handoff, dec.tables[0], timeout_s=30)
+            assert time.monotonic() - t0 < 10.0
+            assert len(t.posts) == 2 and not t.live, "a READ part was left in flight"
+        finally:
+            dec.close()
+    finally:
+        w.close()

@@ -11,14 +11,6 @@ from pdserve.engine import hugepages
 from pdserve.engine.hugepages import HUGE_PAGE, advise_hugepages, empty_kv, thp_mode
 
 
-def _anon_huge_kb() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("AnonHugePages"):
-                return int(line.split()[1])
-    return -1
-
-
 def test_advice_keeps_contents_and_shape():
     t = torch.arange(6 * HUGE_PAGE // 4, dtype=torch.int32).view(6, -1)
     before = t.clone()
@@ -37,13 +29,35 @@ def test_empty_kv_is_zeros_of_the_shape():
     assert advise_hugepages(small) is False
 
 
+def _vma_of(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping that holds addr: its fields, VmFlags included."""
+    entry: dict[str, str] | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if entry is not None:
+                    break
+                entry = {} if lo <= addr < hi else None
+            elif entry is not None:
+                key, _, value = line.partition(":")
+                entry[key] = value.strip()
+    assert entry is not None, f"no mapping holds {addr:#x}"
+    return entry
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("always", "madvise"),
                     reason="transparent huge pages unavailable here")
-def test_region_lands_on_huge_pages():
-    before = _anon_huge_kb()
+def test_region_is_advised_for_huge_pages():
+    """The region's own mapping carries the huge-page advice (VmFlags "hg"), so the kernel backs it with 2 MB pages
+    whenever it has them free. Whether it does depends on physical-memory fragmentation, not on this code, so the
+    AnonHugePages figure is reported, not asserted (in a long test run it can be 0)."""
     t = empty_kv(32 * HUGE_PAGE, dtype=torch.uint8)
-    grown = _anon_huge_kb() - before
-    assert grown >= 16 * HUGE_PAGE // 1024, f"only {grown} kB on huge pages"  # allow for fragmentation
+    vma = _vma_of(t.data_ptr() + 16 * HUGE_PAGE)
+    assert "hg" in vma["VmFlags"].split(), vma["VmFlags"]
+    print("AnonHugePages of the region's mapping:", vma.get("AnonHugePages"))
+    assert not t.any()
     del t
 
 

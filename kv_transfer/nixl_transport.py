@@ -157,10 +157,8 @@ class NixlPublisher(Publisher):
         self._reg_descs = []
 
 
-def _cancelled(msg: str) -> TransferUnavailable:
-    e = TransferUnavailable(msg)
-    e.cancelled_part = True  # type: ignore[attr-defined]
-    return e
+class _PartCancelled(TransferUnavailable):
+    """A split READ's part stopped because another part failed: the pull raises that other part's error."""
 
 
 @dataclass
@@ -420,7 +418,7 @@ class NixlPuller(TcpPuller):
             except BaseException as e:
                 errors.append(e)
         if errors:  # the cause, not a part that was only cancelled because of it
-            raise next((e for e in errors if not getattr(e, "cancelled_part", False)), errors[0])
+            raise next((e for e in errors if not isinstance(e, _PartCancelled)), errors[0])
 
     def _read_part(
         self, part: tuple[np.ndarray, np.ndarray], peer: _NixlPeer, lease_id: str, deadline: float,
@@ -430,7 +428,7 @@ class NixlPuller(TcpPuller):
         handle = None
         try:
             if abort.is_set():
-                raise _cancelled(f"lease {lease_id}: NIXL READ part from {peer.agent} not posted: another failed")
+                raise _PartCancelled(f"lease {lease_id}: NIXL READ part from {peer.agent} not posted: another failed")
             handle = self._agent.initialize_xfer(
                 "READ",
                 self._agent.get_xfer_descs(local, self._mem),
@@ -443,7 +441,8 @@ class NixlPuller(TcpPuller):
             spins = 0
             while state == "PROC":  # polling is what progresses our side (no progress thread)
                 if abort.is_set():
-                    raise _cancelled(f"lease {lease_id}: NIXL READ part from {peer.agent} cancelled: another failed")
+                    raise _PartCancelled(
+                        f"lease {lease_id}: NIXL READ part from {peer.agent} cancelled: another failed")
                 if time.monotonic() > read_deadline:
                     raise TransferUnavailable(f"lease {lease_id}: NIXL READ from {peer.agent} timed out")
                 spins += 1

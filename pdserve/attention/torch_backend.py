@@ -38,18 +38,16 @@ class TorchAttentionBackend:
                 continue
             qb = qi.transpose(0, 1).unsqueeze(0)
             plain = meta.sliding_window is None and meta.dcp_size == 1
-            if start == 0 and n == ctx and plain and new_kv is not None:  # a whole prompt (or its first chunk)
+            whole = start == 0 and n == ctx and plain  # a whole prompt (or its first chunk)
+            if whole and new_kv is not None:  # its K/V are exactly this step's rows
                 kb, vb = (x[a:b].transpose(0, 1).unsqueeze(0) for x in new_kv)
-                o, lse = _flash(qb, kb, vb, 0.0, True, scale=scale)
-                outs.append(o[0].transpose(0, 1))
-                lses.append(lse[0].transpose(0, 1))
-                continue
-            nblk = (ctx + bs - 1) // bs
-            table = meta.block_tables[i, :nblk]
-            # kv_layer[0][table], not kv_layer[0, table]: the mixed int/tensor index is ~400x slower on a big cache
-            kb, vb = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
-                      for j in (0, 1))
-            if start == 0 and n == ctx and plain:
+            else:
+                nblk = (ctx + bs - 1) // bs
+                table = meta.block_tables[i, :nblk]
+                # kv_layer[0][table], not kv_layer[0, table]: the mixed int/tensor index is ~400x slower on a big cache
+                kb, vb = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
+                          for j in (0, 1))
+            if whole:
                 o, lse = _flash(qb, kb, vb, 0.0, True, scale=scale)
                 outs.append(o[0].transpose(0, 1))
                 lses.append(lse[0].transpose(0, 1))

@@ -55,7 +55,7 @@ def advise_hugepages(t: torch.Tensor) -> bool:
 
     Changes neither contents nor shape; pages already faulted in stay small until khugepaged collapses them,
     so call it before the first touch (see ``empty_kv``)."""
-    if t.is_cuda or t.device.type != "cpu":
+    if t.device.type != "cpu":
         return False
     mode = thp_mode()
     if mode not in ("always", "madvise"):

@@ -9,8 +9,8 @@ while prefill keeps F.linear and so stays bit-identical to transformers (what te
 decode is checked token-exact (greedy) against transformers. Measured why prefill does not take it even though oneDNN
 also wins there (~200 GFLOP/s vs MKL's 115-165 at 128-2,048 rows): with every prefill linear packed SmolLM2's logits
 differ from transformers' by up to 1.07e-4, and with only the gate/up projection packed by 8.8e-5 on the chat prompt but
-1.05e-4 on a 400-token one; exact prefill logits are worth more than ~7% of prefill time. The packed copy is extra memory (one more copy of the
-linear weights), paid only by CPU float32/bfloat16 runners that enable it."""
+1.05e-4 on a 400-token one; exact prefill logits are worth more than ~7% of prefill time. The packed copy is extra
+memory (one more copy of the linear weights), paid only by CPU float32/bfloat16 runners that enable it."""
 from __future__ import annotations
 
 import torch

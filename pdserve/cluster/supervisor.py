@@ -217,10 +217,11 @@ class LocalCluster:
         services.append(Service("router", "router", router, router_addr, self.log_dir / "router.log"))
         if t.http_port is not None and http_field is None:
             front_tls = [a for a in tls if a != "--tls-require-client-cert"]  # the front is the router's client
-            if self.tls is not None and self.tls.serves_tls:  # and serves HTTPS with the same certificate (+ mTLS)
+            serving = self._front_tls()
+            if serving is not None:  # and serves HTTPS with the same certificate (+ mTLS)
                 from pdserve.security import as_http_tls_flags
 
-                front_tls += as_http_tls_flags(self.tls)
+                front_tls += as_http_tls_flags(serving)
             services.append(Service("openai-http", "http",
                                     [*py, "router.openai_http", "--router", router_addr, "--host", h,
                                      "--port", str(t.http_port), *front_tls],

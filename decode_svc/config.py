@@ -33,6 +33,7 @@ class DecodeConfig:
     max_num_batched_tokens: int = 4096  # only used to recompute preempted sequences
     device: str = "cpu"
     attention_backend: str | None = None
+    exact_prefill: bool = False  # EngineConfig.exact_prefill (this pod recomputes preempted sequences' prompts)
     host: str = "127.0.0.1"
     port: int = 50061
     metrics_port: int = 0  # Prometheus HTTP endpoint; 0: no endpoint
@@ -124,7 +125,7 @@ class DecodeConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
             dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size,
-            device=self.device, attention_backend=self.attention_backend)
+            device=self.device, attention_backend=self.attention_backend, exact_prefill=self.exact_prefill)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--device", default=d.device)
+    p.add_argument("--exact-prefill", action="store_true",
+                   help="CPU: compute prompts with transformers' GEMM (bit-identical logits) instead of oneDNN-packed "
+                        "weights (faster, logits within ~1e-4)")
     p.add_argument("--kv-transport", choices=KV_TRANSPORTS, default=d.kv_transport)
     p.add_argument("--kv-host", default=None, help="listen host of the per-rank KV endpoints (default: advertise host)")
     p.add_argument("--lease-ttl", dest="lease_ttl_s", type=float, default=d.lease_ttl_s)

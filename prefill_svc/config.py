@@ -39,6 +39,7 @@ class PrefillConfig:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     attention_backend: str | None = None
+    exact_prefill: bool = False  # EngineConfig.exact_prefill: transformers-exact logits, slower CPU prefill
     # --- serving ---
     host: str = "127.0.0.1"  # where the gRPC server listens
     port: int = 0  # 0: pick a free port
@@ -127,4 +128,4 @@ class PrefillConfig:
                             prefill_chunk_size=self.prefill_chunk_size,
                             enable_prefix_caching=self.enable_prefix_caching,
                             tensor_parallel_size=self.tensor_parallel_size, device=self.device,
-                            attention_backend=self.attention_backend)
+                            attention_backend=self.attention_backend, exact_prefill=self.exact_prefill)

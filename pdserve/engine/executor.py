@@ -42,6 +42,7 @@ class RankSpec:
     timeout_s: float  # of each collective
     threads_per_rank: int
     init_timeout_s: float = 600.0  # rendezvous: rank processes start slowly on a loaded host
+    exact_prefill: bool = False  # EngineConfig.exact_prefill
 
 
 def _free_port() -> int:
@@ -73,7 +74,7 @@ def _build_rank(spec: RankSpec, rank: int) -> ModelRunner:
         torch.cuda.set_device(device)
     backend = select_backend(device, spec.attention_backend)
     return ModelRunner(spec.model_path, cfg, ps, backend, spec.num_blocks, spec.block_size, spec.max_model_len,
-                       device=device)
+                       device=device, exact_prefill=spec.exact_prefill)
 
 
 # Sent by an idle driver now and then (Executor.keepalive); ranks ignore it.
@@ -130,11 +131,12 @@ class Executor:
     @classmethod
     def create(cls, model_path: str, tp_size: int, dcp_size: int, interleave: int, num_blocks: int, block_size: int,
                max_model_len: int, device: str = "cpu", attention_backend: str | None = None,
-               timeout_s: float = 120.0) -> "Executor":
+               timeout_s: float = 120.0, exact_prefill: bool = False) -> "Executor":
         cores = os.cpu_count() or 1
         spec = RankSpec(model_path, tp_size, dcp_size, interleave, num_blocks, block_size, max_model_len, device,
                         attention_backend, f"tcp://127.0.0.1:{_free_port()}", timeout_s,
-                        threads_per_rank=max(1, torch.get_num_threads() if tp_size == 1 else cores // tp_size))
+                        threads_per_rank=max(1, torch.get_num_threads() if tp_size == 1 else cores // tp_size),
+                        exact_prefill=exact_prefill)
         return cls(spec)
 
     @property

@@ -83,12 +83,13 @@ class ModelRunner:
 
     def __init__(self, model_path: str, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend,
                  num_blocks: int, block_size: int, max_model_len: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, exact_prefill: bool = False) -> None:
         self.cfg, self.ps, self.block_size, self.device = cfg, ps, block_size, torch.device(device)
         with torch.device(self.device):
             self.model = CausalLM(cfg, ps, backend, max_positions=max_model_len).to(dtype)
         load_weights(self.model, model_path)
-        self.model.pack_for_decode()  # no-op off CPU
+        self.model.pack_weights()  # no-op off CPU
+        self.model.exact_prefill = exact_prefill
         # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once; on CPU on
         # transparent huge pages where the OS allows (NIXL's CMA reads pin source pages: 2 MB pages ~2x faster).
         self.kv_cache = empty_kv(cfg.num_layers, 2, num_blocks, block_size, self.model.num_local_kv_heads,

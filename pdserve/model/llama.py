@@ -52,15 +52,14 @@ class Attention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
         self.o_weight = _param(cfg.hidden_size, self.q_size)
         self.o_bias = _param(cfg.hidden_size) if cfg.o_bias else None
-        self.qkv_packed: torch.Tensor | None = None  # set by CausalLM.pack_for_decode()
+        self.qkv_packed: torch.Tensor | None = None  # set by CausalLM.pack_weights()
         self.o_packed: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, packed: bool,
     ) -> torch.Tensor:
         t = x.shape[0]
-        packed = not meta.is_prefill  # prefill stays on F.linear: bit-identical to transformers' logits there
         qkv = plinear.linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias)
         qk = apply_rope(cos_sin, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
         nq = self.q_size // self.head_dim
@@ -99,7 +98,7 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * self.inter) if cfg.mlp_bias else None
         self.down_weight = _param(cfg.hidden_size, self.inter)
         self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
-        self.gate_up_packed: torch.Tensor | None = None  # set by CausalLM.pack_for_decode()
+        self.gate_up_packed: torch.Tensor | None = None  # set by CausalLM.pack_weights()
         self.down_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
@@ -118,9 +117,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, ps)
 
-    def forward(self, x, cos_sin, kv_layer, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x), packed=not meta.is_prefill)
+    def forward(self, x, cos_sin, kv_layer, meta, packed: bool):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_layer, meta, packed)
+        return x + self.mlp(self.post_attention_layernorm(x), packed)
 
 
 class CausalLM(nn.Module):
@@ -135,13 +134,16 @@ class CausalLM(nn.Module):
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.lm_head_packed: torch.Tensor | None = None
+        # Prefill runs on the packed weights too unless this is set: then prefill keeps F.linear, whose logits are
+        # bit-identical to transformers' (linear.py: what the packed path gains and costs).
+        self.exact_prefill = False
 
     @property
     def num_local_kv_heads(self) -> int:
         return len(self.layers[0].self_attn.kv_heads)
 
-    def pack_for_decode(self) -> None:
-        """Prepack every linear weight for small-batch decode (see linear.py); call after the weights are loaded."""
+    def pack_weights(self) -> None:
+        """Prepack every linear weight for oneDNN (see linear.py); call after the weights are loaded."""
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             a.qkv_packed, a.o_packed = plinear.pack(a.qkv_weight), plinear.pack(a.o_weight)
@@ -154,11 +156,12 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor, on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """on_layer_done(i), when given, runs right after layer i wrote its KV (prefill pods publish it)."""
+        packed = not (meta.is_prefill and self.exact_prefill)
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, kv_cache[i], meta)
+            x = layer(x, cos_sin, kv_cache[i], meta, packed)
             if on_layer_done is not None:
                 on_layer_done(i)
         x = self.norm(x[logits_indices])
-        return plinear.linear(x, self.lm_head, None if meta.is_prefill else self.lm_head_packed).float()
+        return plinear.linear(x, self.lm_head, self.lm_head_packed if packed else None).float()

@@ -1,5 +1,6 @@
-"""The oneDNN-prepacked decode linear (pdserve/model/linear.py): same result as F.linear at decode batch sizes,
-exactly F.linear above PACKED_MAX_ROWS, and actually engaged by the CPU model runner."""
+"""The oneDNN-prepacked linear (pdserve/model/linear.py): F.linear's result up to fp32 rounding at decode and prefill
+row counts, exactly F.linear without a packed weight, and engaged by the CPU model runner in both phases unless
+exact_prefill keeps prefill on F.linear."""
 from __future__ import annotations
 
 import pytest
@@ -13,10 +14,11 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, plinear.PACKED_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 128, 777])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_matches_f_linear_at_decode_sizes(rows, with_bias):
-    """Packed weights give F.linear's answer (fp32 rounding only) for every decode-sized batch, bias included."""
+def test_packed_linear_matches_f_linear(rows, with_bias):
+    """Packed weights give F.linear's answer (fp32 rounding only) for decode batches and prefill chunks, bias
+    included, though the weight was packed for a batch of 8."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(300, 576, generator=g)
     b = torch.randn(300, generator=g) if with_bias else None
@@ -28,10 +30,10 @@ def test_packed_linear_matches_f_linear_at_decode_sizes(rows, with_bias):
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-def test_prefill_sized_inputs_take_f_linear():
-    """Above PACKED_MAX_ROWS the result is bit-identical to F.linear (prefill keeps MKL's compute-bound path)."""
-    w, x = torch.randn(64, 96), torch.randn(plinear.PACKED_MAX_ROWS + 1, 96)
-    assert torch.equal(plinear.linear(x, w, plinear.pack(w)), F.linear(x, w))
+def test_without_packed_weight_is_f_linear():
+    """No packed weight (exact_prefill, or a runtime that cannot pack): bit-identical to F.linear."""
+    w, x, b = torch.randn(64, 96), torch.randn(200, 96), torch.randn(64)
+    assert torch.equal(plinear.linear(x, w, None, b), F.linear(x, w, b))
 
 
 def test_cpu_runner_packs_every_linear(tiny_factory):
@@ -43,3 +45,21 @@ def test_cpu_runner_packs_every_linear(tiny_factory):
     for layer in m.layers:
         a, mlp = layer.self_attn, layer.mlp
         assert all(t is not None for t in (a.qkv_packed, a.o_packed, mlp.gate_up_packed, mlp.down_packed))
+
+
+@pytest.mark.parametrize("exact_prefill", [False, True])
+def test_prefill_takes_packed_weights_unless_exact(tiny_factory, monkeypatch, exact_prefill):
+    """A prefill step multiplies by the packed weights by default, and only by the stored ones under exact_prefill."""
+    from tests.pdserve.test_model_reference import full_logits
+
+    used: list[bool] = []
+    real = plinear.linear
+
+    def spy(x, weight, packed, bias=None):
+        used.append(packed is not None)
+        return real(x, weight, packed, bias)
+
+    monkeypatch.setattr(plinear, "linear", spy)
+    path = tiny_factory("llama", num_heads=4, num_kv_heads=2)
+    full_logits(path, list(range(3, 60)), exact_prefill=exact_prefill)
+    assert used and set(used) == {not exact_prefill}

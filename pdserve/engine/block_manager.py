@@ -104,8 +104,9 @@ class BlockManager:
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.ranks]
         for r, n in enumerate(need):
-            for _ in range(n):
-                seq.block_tables[r].append(self.ranks[r].allocate())
+            # The n blocks LRU order picks, in ascending order: blocks freed together (free() releases tail first)
+            # come back as one consecutive range, which a KV transfer moves as one segment instead of n.
+            seq.block_tables[r].extend(sorted(self.ranks[r].allocate() for _ in range(n)))
 
     def free(self, seq: Sequence) -> None:
         for r, table in enumerate(seq.block_tables):

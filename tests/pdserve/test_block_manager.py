@@ -34,6 +34,26 @@ def test_random_allocate_free_returns_every_block():
     assert bm.num_free() == 64
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_blocks_freed_together_come_back_as_one_ascending_run(prefix_caching):
+    """free() releases a table tail first (so a prompt's leading blocks stay cached longest); whoever takes those
+    blocks next gets them in ascending order: one consecutive range, which a KV transfer moves as one segment."""
+    bm = BlockManager(20, 4, enable_prefix_caching=prefix_caching)
+    a, b = _seq(0, 40), _seq(1, 40)
+    for s in (a, b):
+        bm.allocate(s, s.num_tokens)
+    assert a.block_tables == [list(range(10))] and b.block_tables == [list(range(10, 20))]
+    bm.free(a)
+    c = _seq(2, 40)  # other tokens than a's: no prefix hits
+    bm.allocate(c, c.num_tokens)
+    assert c.block_tables == [list(range(10))]
+    bm.free(b)
+    bm.free(c)
+    d = _seq(3, 80)
+    bm.allocate(d, d.num_tokens)
+    assert d.block_tables == [list(range(20))]
+
+
 @pytest.mark.parametrize("dcp,interleave", [(2, 1), (3, 1), (2, 4), (4, 2)])
 def test_dcp_ranks_hold_ceil_share_of_tokens(dcp, interleave):
     bs = 4

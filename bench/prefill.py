@@ -4,18 +4,20 @@ pdserve side: the prefill pod's engine loop (prefill_svc.worker.PrefillWorker) e
 it (chunked as configured), sample the first token, hold the KV under a lease published layer by layer to a kv_transfer
 TCP publisher; timed from submission to the answer, then the lease is released. transformers side: one forward pass of
 the prompt building its KV cache, logits of the last position only (``logits_to_keep=1``, as generate() does).
-Best of N runs each, alternating which side goes first, so a shared machine's noise hits both alike. The pod runs twice,
-one config after the other: as deployed (prefill GEMMs on oneDNN-packed weights) and with exact_prefill (F.linear,
-logits bit-identical to transformers), the "exact" columns: what that exactness costs, in the same run.
 
-Each side has a process to itself, as in production: the pod's engine thread is the only thread of this process that
-computes, and transformers runs in a child process. Why: with libgomp (torch's OpenMP on Linux), a second thread that
-runs parallel ops gets its own OpenMP pool; once a process holds more pool threads than CPUs, libgomp throttles the
-spin-wait of every pool to ~100 iterations, so each small op pays a futex wake-up (measured here: a 128x576 add goes
-from 9 us to 65 us, and a 128-token SmolLM2 prefill from ~270 ms to ~360 ms). Running transformers on this process's
-main thread beside the engine thread measured that artefact, not either engine. Both sides use
-the same torch thread count: torch's default, or PDSERVE_BENCH_THREADS (on a small CPU shared with other work, 1 thread
-avoids intra-op threads spinning against other processes and gives far steadier numbers). The "cpu-time ratio"
+Three sides, each in a process of its own: the pod as deployed (prefill GEMMs on oneDNN-packed weights), the pod with
+exact_prefill (F.linear, logits bit-identical to transformers: the "exact" columns, what that exactness costs), and
+transformers. Best of N runs each; every repeat runs all three back to back, each going first in turn, so a shared
+machine's noise hits all alike.
+
+Why a process each: with libgomp (torch's OpenMP on Linux), a second thread that runs parallel ops gets its own
+OpenMP pool; once a process holds more pool threads than CPUs, libgomp throttles the spin-wait of every pool to ~100
+iterations, so each small op pays a futex wake-up (measured here: a 128x576 add goes from 9 us to 65 us, and a
+128-token SmolLM2 prefill from ~270 ms to ~360 ms). Running transformers on the main thread beside a pod's engine
+thread measured that artefact, not either engine; running one pod config after the other let the machine's load
+change between them. All sides use the same torch thread count: torch's default, or PDSERVE_BENCH_THREADS (on a
+small CPU shared with other work, 1 thread avoids intra-op threads spinning against other processes and gives far
+steadier numbers). The "cpu-time ratio"
 column compares process CPU seconds (best of N) instead of wall time: on a busy machine it tracks the work done more
 closely; with more than one thread it also counts intra-op threads' spinning.
 
@@ -78,89 +80,97 @@ def _hf_side(conn, path: str, threads: int | None) -> None:
     conn.close()
 
 
-class _HFSide:
-    def __init__(self, path: str, threads: int | None) -> None:
+def _pod_side(conn, cfg, threads: int | None) -> None:
+    """Child process: a prefill pod's engine loop (PrefillWorker) over each prompt sent, answering (cpu s, wall s)."""
+    from prefill_svc.worker import PrefillWorker
+
+    if threads:
+        torch.set_num_threads(threads)
+    worker = PrefillWorker(cfg)
+    worker.start()
+    conn.send(worker.engine.model_config.vocab_size)
+    counter = iter(range(10**9))
+    try:
+        while (ids := conn.recv()) is not None:
+            conn.send(_pod_prefill_s(worker, ids, f"r{next(counter)}"))
+    finally:
+        worker.stop()
+        conn.close()
+
+
+class _Side:
+    """One side of the comparison in a process of its own (see the module docstring for why)."""
+
+    def __init__(self, target, *args: Any) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_hf_side, args=(child, path, threads), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.proc.start()
         child.close()
-        self.vocab_size: int = self.conn.recv()
+
+    def ready(self) -> int:
+        """Waits until the side has loaded its model; returns the vocabulary size."""
+        return self.conn.recv()
 
     def prefill_s(self, ids: list[int]) -> tuple[float, float]:
         self.conn.send(ids)
         return self.conn.recv()
 
     def close(self) -> None:
-        self.conn.send(None)
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
         self.proc.join(timeout=60)
-
-
-def _measure(cfg, hf: _HFSide, lengths: list[int], repeats: dict[int, int], vocab: int,
-             best_hf: dict[int, list[float]]) -> dict[int, list[float]]:
-    """One pod config against transformers: best [cpu s, wall s] per prompt length for the pod (returned) and, folded
-    into best_hf, for transformers; the two alternate which goes first."""
-    from prefill_svc.worker import PrefillWorker
-
-    worker = PrefillWorker(cfg)
-    worker.start()
-    counter = iter(range(10**6))
-    best_pod: dict[int, list[float]] = {}
-    try:
-        _pod_prefill_s(worker, _prompt(64, 0, vocab), "warmup")
-        hf.prefill_s(_prompt(64, 0, vocab))
-        for n in lengths:
-            ids = _prompt(n, n, vocab)
-            pod, ref = [float("inf")] * 2, best_hf.setdefault(n, [float("inf")] * 2)
-            for rep in range(repeats[n]):
-                for side in ("pod", "hf") if rep % 2 == 0 else ("hf", "pod"):
-                    if side == "pod":
-                        pod[:] = map(min, pod, _pod_prefill_s(worker, ids, f"r{next(counter)}"))
-                    else:
-                        ref[:] = map(min, ref, hf.prefill_s(ids))
-            best_pod[n] = pod
-    finally:
-        worker.stop()
-    return best_pod
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     from prefill_svc.config import PrefillConfig
 
     threads = int(os.environ["PDSERVE_BENCH_THREADS"]) if os.environ.get("PDSERVE_BENCH_THREADS") else None
-    if threads:
-        torch.set_num_threads(threads)
     path = ensure_default_model()
     lengths = [128, 2048] if quick else [128, 2048, 8191]
     # A 128-token prefill takes a quarter second: many repeats cost little and steady its best-of.
     repeats = {128: 6, 2048: 2, 8191: 2} if quick else {128: 12, 2048: 3, 8191: 2}
-    exact_repeats = {**repeats, 2048: 1} if quick else repeats
     chunk = 2048
     cfg = PrefillConfig(model=str(path), kv_transport="tcp", enable_prefix_caching=False, prefill_chunk_size=chunk,
                         max_num_batched_tokens=8192, num_kv_blocks=8192 // 16 + 16)
-    hf = _HFSide(str(path), threads)
-    best_hf: dict[int, list[float]] = {}  # [cpu s, wall s]
+    sides = {"pod": _Side(_pod_side, cfg, threads), "exact": _Side(_pod_side, replace(cfg, exact_prefill=True), threads),
+             "hf": _Side(_hf_side, str(path), threads)}
+    best = {name: {} for name in sides}  # name -> length -> [cpu s, wall s]
     try:
-        # One pod at a time (an engine thread each: two at once would share this process's CPU-time and OpenMP).
-        best_pod = _measure(cfg, hf, lengths, repeats, hf.vocab_size, best_hf)
-        best_exact = _measure(replace(cfg, exact_prefill=True), hf, lengths, exact_repeats, hf.vocab_size, best_hf)
+        vocab = min(side.ready() for side in sides.values())
+        for side in sides.values():
+            side.prefill_s(_prompt(64, 0, vocab))  # warm-up
+        names = list(sides)
+        for n in lengths:
+            ids = _prompt(n, n, vocab)
+            for name in names:
+                best[name][n] = [float("inf")] * 2
+            for rep in range(repeats[n]):
+                for name in names[rep % 3:] + names[: rep % 3]:  # each side goes first in turn
+                    best[name][n] = [min(a, b) for a, b in zip(best[name][n], sides[name].prefill_s(ids))]
     finally:
-        hf.close()
+        for side in sides.values():
+            side.close()
     rows, ratios = [], {}
-    raw: dict[str, Any] = {"chunk_size": chunk, "threads": torch.get_num_threads(), "repeats": repeats, "tok_s": {}}
+    raw: dict[str, Any] = {"chunk_size": chunk, "threads": threads or torch.get_num_threads(), "repeats": repeats,
+                           "tok_s": {}}
     for n in lengths:
-        pod_tps, exact_tps, hf_tps = n / best_pod[n][1], n / best_exact[n][1], n / best_hf[n][1]
-        cpu_ratio = best_hf[n][0] / best_pod[n][0]
+        (pod_cpu, pod_wall), (_, exact_wall), (hf_cpu, hf_wall) = best["pod"][n], best["exact"][n], best["hf"][n]
+        pod_tps, exact_tps, hf_tps = n / pod_wall, n / exact_wall, n / hf_wall
         label = 8192 if n == 8191 else n
         rows.append({"prompt tokens": n, "pdserve prefill tok/s": pod_tps, "transformers tok/s": hf_tps,
-                     "ratio": pod_tps / hf_tps, "cpu-time ratio": cpu_ratio,
+                     "ratio": pod_tps / hf_tps, "cpu-time ratio": hf_cpu / pod_cpu,
                      "exact-prefill tok/s": exact_tps, "exact ratio": exact_tps / hf_tps, "chunks": -(-n // chunk)})
         ratios[f"prefill_{label}_vs_transformers"] = pod_tps / hf_tps
         ratios[f"prefill_exact_{label}_vs_transformers"] = exact_tps / hf_tps
         raw["tok_s"][str(n)] = {"pdserve": pod_tps, "pdserve_exact_prefill": exact_tps, "transformers": hf_tps,
-                                "pdserve_wall_s": best_pod[n][1], "pdserve_exact_prefill_wall_s": best_exact[n][1],
-                                "transformers_wall_s": best_hf[n][1], "pdserve_cpu_s": best_pod[n][0],
-                                "transformers_cpu_s": best_hf[n][0], "cpu_time_ratio": cpu_ratio}
+                                "pdserve_wall_s": pod_wall, "pdserve_exact_prefill_wall_s": exact_wall,
+                                "transformers_wall_s": hf_wall, "pdserve_cpu_s": pod_cpu,
+                                "transformers_cpu_s": hf_cpu, "cpu_time_ratio": hf_cpu / pod_cpu}
     return {"benchmark": "prefill", "quick": quick, "model": path.name, "table": rows, "ratios": ratios, **raw}
 
 

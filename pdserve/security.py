@@ -241,10 +241,16 @@ def http_server_tls(cert_file: str | None = None, key_file: str | None = None, c
                         require_client_cert=require_client_cert)
     except TLSConfigError as e:
         raise TLSConfigError(_renamed(str(e), HTTP_FLAGS, HTTP_ENV)) from None
-    if not tls.serves_tls:
+    check_https_serving(tls)
+    return tls
+
+
+def check_https_serving(tls: TLSConfig | None) -> None:
+    """Refuses a TLSConfig an HTTPS server cannot serve: a checked one without a certificate and key has only a CA
+    (require_client_cert alone already fails in TLSConfig). None (plain HTTP) passes."""
+    if tls is not None and not tls.serves_tls:
         raise TLSConfigError(f"{HTTP_FLAGS['ca_file']} ({HTTP_ENV['ca_file']}) only says which client certificates "
                              f"to trust: serving HTTPS needs {HTTP_FLAGS['cert_file']} and {HTTP_FLAGS['key_file']}")
-    return tls
 
 
 def http_tls_from_args(args: argparse.Namespace) -> TLSConfig | None:

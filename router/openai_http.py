@@ -40,7 +40,7 @@ from pdserve.client import AsyncClient, PdserveError
 from pdserve.client.aio import AsyncGenerateStream
 from pdserve.client.types import GenerateChunk
 from pdserve.security import (API_KEY_ENV, TLSConfig, TLSConfigError, add_http_tls_arguments, add_tls_arguments,
-                              http_tls_from_args, secrets_match, tls_from_args)
+                              check_https_serving, http_tls_from_args, secrets_match, tls_from_args)
 
 log = logging.getLogger("router.openai_http")
 
@@ -286,12 +286,6 @@ def _usage(u: Any) -> dict[str, int]:
     return d
 
 
-def _check_serving_tls(tls: TLSConfig | None) -> None:
-    if tls is not None and not tls.serves_tls:
-        raise TLSConfigError("serving HTTPS needs a certificate and its key (--http-tls-cert-file / "
-                             "--http-tls-key-file)")
-
-
 class OpenAIHttpServer:
     """The aiohttp application and its listening site. ``await start()`` -> port; ``await stop()``.
 
@@ -300,7 +294,7 @@ class OpenAIHttpServer:
 
     def __init__(self, client: AsyncClient, host: str = "127.0.0.1", port: int = 8000, *,
                  api_key: str | None = None, own_client: bool = False, tls: TLSConfig | None = None) -> None:
-        _check_serving_tls(tls)
+        check_https_serving(tls)
         self.tls = tls
         self.client = client
         self.host = host
@@ -603,7 +597,7 @@ async def start_openai_http(router: Any, host: str = "127.0.0.1", port: int = 80
 
     ``router_tls``: how to reach a router serving TLS (client side). ``tls``: this server's own certificate, to
     serve HTTPS (mutual TLS with ``require_client_cert``; see pdserve.security.http_server_tls)."""
-    _check_serving_tls(tls)  # before a client is made that would then need closing
+    check_https_serving(tls)  # before a client is made that would then need closing
     client, own = _client_for(router, api_key, router_tls)
     server = OpenAIHttpServer(client, host, port, api_key=api_key, own_client=own, tls=tls)
     try:

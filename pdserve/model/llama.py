@@ -101,7 +101,7 @@ class MLP(nn.Module):
         self.gate_up_packed: torch.Tensor | None = None  # set by CausalLM.pack_weights()
         self.down_packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
         gu_p, down_p = (self.gate_up_packed, self.down_packed) if packed else (None, None)
         gate, up = plinear.linear(x, self.gate_up_weight, gu_p, self.gate_up_bias).chunk(2, dim=-1)
         h = F.silu(gate, inplace=True).mul_(up)  # in place: the [T, 2*inter] buffer is the largest activation

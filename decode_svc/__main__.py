@@ -14,6 +14,7 @@ import sys
 from pdserve.security import add_tls_arguments
 from decode_svc.config import DecodeConfig, DecodeConfigError
 from pdserve.parallel_config import ParallelConfigError
+from pdserve.engine.executor import CPU_COLLECTIVES, CPU_PINNING
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact-prefill", action="store_true",
                    help="CPU: recompute preempted prompts with transformers' GEMM (bit-identical logits) instead of "
                         "oneDNN-packed weights")
+    p.add_argument("--cpu-collectives", choices=CPU_COLLECTIVES, default="auto",
+                   help="how CPU ranks of this pod talk: shm (shared memory, the auto choice on Linux) or gloo")
+    p.add_argument("--cpu-pinning", choices=CPU_PINNING, default="auto",
+                   help="pin each rank to one core (auto: when the pod's ranks outnumber its cores)")
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--port", type=int, default=d["port"].default, help="gRPC port (0: pick a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: no metrics endpoint)")
@@ -60,7 +65,7 @@ def config_from_args(a: argparse.Namespace) -> DecodeConfig:
         decode_context_parallel_size=a.decode_context_parallel_size,
         dcp_kv_cache_interleave_size=a.dcp_kv_cache_interleave_size, block_size=a.block_size,
         num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, device=a.device,
-        exact_prefill=a.exact_prefill,
+        exact_prefill=a.exact_prefill, cpu_collectives=a.cpu_collectives, cpu_pinning=a.cpu_pinning,
         host=a.host, port=a.port, metrics_port=a.metrics_port, reservation_ttl_s=a.reservation_ttl_s,
         admission_timeout_s=a.admission_timeout_s, drain_timeout_s=a.drain_timeout_s, allow_file_kv=a.allow_file_kv,
         kv_transfer_backend=a.kv_transfer_backend, kv_transfer_timeout_s=a.kv_transfer_timeout_s, pod_id=a.pod_id,

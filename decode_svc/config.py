@@ -34,6 +34,8 @@ class DecodeConfig:
     device: str = "cpu"
     attention_backend: str | None = None
     exact_prefill: bool = False  # EngineConfig.exact_prefill (this pod recomputes preempted sequences' prompts)
+    cpu_collectives: str = "auto"  # EngineConfig.cpu_collectives
+    cpu_pinning: str = "auto"  # EngineConfig.cpu_pinning
     host: str = "127.0.0.1"
     port: int = 50061
     metrics_port: int = 0  # Prometheus HTTP endpoint; 0: no endpoint
@@ -125,7 +127,8 @@ class DecodeConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
             dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size,
-            device=self.device, attention_backend=self.attention_backend, exact_prefill=self.exact_prefill)
+            device=self.device, attention_backend=self.attention_backend, exact_prefill=self.exact_prefill,
+            cpu_collectives=self.cpu_collectives, cpu_pinning=self.cpu_pinning)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -17,6 +17,7 @@ from decode_svc.config import DecodeConfig
 from decode_svc.pod import DecodePod, Failure
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
+from pdserve.engine.shm import RankFailure
 
 log = logging.getLogger("decode_svc.engine")
 
@@ -158,7 +159,7 @@ class EngineLoop:
             log.error("decode engine failed: %s", e, exc_info=not isinstance(e, RankDied))
             self._error = e
             # UNAVAILABLE: the request may succeed on another pod; this one is not coming back.
-            code = "UNAVAILABLE" if isinstance(e, RankDied) else "INTERNAL"
+            code = "UNAVAILABLE" if isinstance(e, (RankDied, RankFailure)) else "INTERNAL"
             for rid in list(self._sinks):
                 self.emit(Failure(rid, code, f"decode engine failed: {e}"))
             if self.on_failure is not None:

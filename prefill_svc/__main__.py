@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from pdserve.engine.executor import CPU_COLLECTIVES, CPU_PINNING
 from pdserve.security import add_tls_arguments
 from prefill_svc.config import KV_TRANSPORTS, PrefillConfig, PrefillConfigError
 
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact-prefill", action="store_true",
                    help="CPU: compute prompts with transformers' GEMM (bit-identical logits) instead of oneDNN-packed "
                         "weights (faster, logits within ~1e-4)")
+    p.add_argument("--cpu-collectives", choices=CPU_COLLECTIVES, default="auto",
+                   help="how CPU ranks of this pod talk: shm (shared memory, the auto choice on Linux) or gloo")
+    p.add_argument("--cpu-pinning", choices=CPU_PINNING, default="auto",
+                   help="pin each rank to one core (auto: when the pod's ranks outnumber its cores)")
     p.add_argument("--kv-transport", choices=KV_TRANSPORTS, default=d.kv_transport)
     p.add_argument("--kv-host", default=None, help="listen host of the per-rank KV endpoints (default: advertise host)")
     p.add_argument("--lease-ttl", dest="lease_ttl_s", type=float, default=d.lease_ttl_s)

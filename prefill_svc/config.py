@@ -40,6 +40,8 @@ class PrefillConfig:
     device: str = "cpu"
     attention_backend: str | None = None
     exact_prefill: bool = False  # EngineConfig.exact_prefill: transformers-exact logits, slower CPU prefill
+    cpu_collectives: str = "auto"  # EngineConfig.cpu_collectives
+    cpu_pinning: str = "auto"  # EngineConfig.cpu_pinning
     # --- serving ---
     host: str = "127.0.0.1"  # where the gRPC server listens
     port: int = 0  # 0: pick a free port
@@ -128,4 +130,5 @@ class PrefillConfig:
                             prefill_chunk_size=self.prefill_chunk_size,
                             enable_prefix_caching=self.enable_prefix_caching,
                             tensor_parallel_size=self.tensor_parallel_size, device=self.device,
-                            attention_backend=self.attention_backend, exact_prefill=self.exact_prefill)
+                            attention_backend=self.attention_backend, exact_prefill=self.exact_prefill,
+                            cpu_collectives=self.cpu_collectives, cpu_pinning=self.cpu_pinning)

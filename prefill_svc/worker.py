@@ -25,6 +25,7 @@ from kv_transfer.lease import new_lease_id
 from kv_transfer.transport import KVHandoff
 from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.scheduler import ScheduledStep
+from pdserve.engine.shm import RankFailure
 from pdserve.sampling import SamplingParams
 from prefill_svc.config import PrefillConfig
 from prefill_svc.convert import ClientParams
@@ -282,6 +283,12 @@ class PrefillWorker:
                 try:
                     outputs = eng.step()
                     self._num_steps += 1
+                except RankFailure as e:  # a rank died, stopped or stopped answering: the group is broken for good
+                    self.failed = (f"{e}; this prefill pod cannot prefill until it is restarted (retry on another "
+                                   "pod)")
+                    log.error("%s", self.failed)
+                    self._fail_all(RankDied(self.failed))
+                    continue
                 except Exception as e:
                     log.exception("prefill step failed; failing the requests in flight")
                     self._fail_all(e)

@@ -14,9 +14,3 @@ def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Ten
     out = (outs * weights.unsqueeze(-1)).sum(dim=0)
     return out, lse
 
-
-def correction_weights(local_lse: torch.Tensor, all_lses: torch.Tensor) -> torch.Tensor:
-    """The factor exp(lse_local - lse_global) that rescales one rank's partial output before the group sum."""
-    global_lse = torch.logsumexp(all_lses, dim=0)
-    safe = torch.where(torch.isinf(global_lse), torch.zeros_like(global_lse), global_lse)
-    return torch.exp(local_lse - safe)

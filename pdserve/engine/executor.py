@@ -1,12 +1,15 @@
-"""Executors run a StepInput on every rank of a pod: in-process for TP 1, a gloo/NCCL group of processes otherwise.
+"""Executors run a StepInput on every rank of a pod: in-process for TP 1, a group of processes otherwise.
 
 The engine's process is rank 0 (the driver): it schedules, broadcasts each step, runs its own slice and samples.
-Ranks 1..N-1 are spawned processes that loop on the broadcast."""
+Ranks 1..N-1 are spawned processes that loop on the broadcast. Between ranks on one CPU host the collectives and
+the step broadcast go through shared memory (pdserve/engine/comm.py, ``cpu_collectives="shm"``, the default);
+``"gloo"`` keeps torch.distributed's gloo; CUDA ranks use NCCL."""
 from __future__ import annotations
 
 import datetime
 import logging
 import os
+import pickle
 import signal
 import socket
 import time
@@ -18,11 +21,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pdserve.attention import select_backend
+from pdserve.engine.comm import ShmComm, ShmGroupSpec, TorchComm, init_groups, plan_groups
 from pdserve.engine.model_runner import ModelRunner, StepInput
+from pdserve.engine.shm import RankFailure, ShmRegion, shm_supported
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 
 log = logging.getLogger("pdserve.executor")
+
+CPU_COLLECTIVES = ("auto", "shm", "gloo")
+CPU_PINNING = ("auto", "on", "off")
+# A world slot holds one rank's share of a TP all-reduce; larger tensors go through in pieces.
+_SLOT_CAP = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,30 @@ class RankSpec:
     threads_per_rank: int
     init_timeout_s: float = 600.0  # rendezvous: rank processes start slowly on a loaded host
     exact_prefill: bool = False  # EngineConfig.exact_prefill
+    collectives: str = "gloo"  # "shm" | "gloo" | "nccl" (resolved by Executor.create)
+    shm: ShmRegion | None = None  # the pod's shared region (collectives == "shm")
+    shm_world: ShmGroupSpec | None = None
+    shm_dcp: tuple[ShmGroupSpec, ...] = ()
+    cpus: tuple[int, ...] | None = None  # pin rank r to cpus[r % len(cpus)] (None: no pinning)
+
+
+def resolve_collectives(requested: str, device: str, tp_size: int) -> tuple[str, str]:
+    """(backend, why) for a pod's ranks: NCCL on GPU; on CPU shared memory unless gloo is asked for or the host
+    cannot do it."""
+    if requested not in CPU_COLLECTIVES:
+        raise ValueError(f"cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, got {requested!r}")
+    if device.startswith("cuda"):
+        return "nccl", "CUDA ranks"
+    if tp_size == 1:
+        return "none", "TP 1"
+    problem = shm_supported()
+    if requested == "shm" and problem:
+        raise ValueError(f"cpu_collectives=shm {problem}; use cpu_collectives=gloo")
+    if requested == "gloo":
+        return "gloo", "asked for (cpu_collectives=gloo)"
+    if problem:
+        return "gloo", f"shared memory unavailable: {problem}"
+    return "shm", "CPU ranks on one host"
 
 
 def _free_port() -> int:
@@ -51,30 +85,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _build_rank(spec: RankSpec, rank: int) -> ModelRunner:
+def resolve_pinning(requested: str, device: str, tp_size: int, cores: int) -> tuple[bool, str]:
+    """Pin rank r to one core when ranks outnumber cores: a rank woken by a collective otherwise tends to be queued
+    on the waker's core (wake-affine) while another core idles."""
+    if requested not in CPU_PINNING:
+        raise ValueError(f"cpu_pinning must be one of {', '.join(CPU_PINNING)}, got {requested!r}")
+    if device.startswith("cuda") or tp_size == 1:
+        return False, "not a multi-rank CPU pod"
+    if requested != "auto":
+        return requested == "on", f"cpu_pinning={requested}"
+    if tp_size > cores:
+        return True, f"{tp_size} ranks > {cores} cores"
+    return False, f"{tp_size} ranks <= {cores} cores"
+
+
+def _pin(spec: RankSpec, rank: int) -> None:
+    if spec.cpus:
+        os.sched_setaffinity(0, {spec.cpus[rank % len(spec.cpus)]})
+
+
+def _build_rank(spec: RankSpec, rank: int) -> tuple[ModelRunner, "_Channel | None"]:
     torch.set_num_threads(spec.threads_per_rank)
+    _pin(spec, rank)
     cfg = ModelConfig.from_path(spec.model_path)
     ps = ParallelState(tp_size=spec.tp_size, tp_rank=rank, dcp_size=spec.dcp_size, dcp_rank=rank % spec.dcp_size,
                        dcp_interleave=spec.interleave)
-    if spec.tp_size > 1:
-        backend_name = "nccl" if spec.device.startswith("cuda") else "gloo"
+    channel: _Channel | None = None
+    if spec.collectives == "shm":
+        assert spec.shm is not None and spec.shm_world is not None
+        world = ShmComm(spec.shm, spec.shm_world, rank, spec.timeout_s)
+        ps.tp_comm = world
+        for g in spec.shm_dcp:
+            if rank in g.ranks:
+                ps.dcp_comm = ShmComm(spec.shm, g, rank, spec.timeout_s)
+        channel = _ShmChannel(world)
+    elif spec.tp_size > 1:
         host, _, port = spec.init_method.removeprefix("tcp://").rpartition(":")
         store = dist.TCPStore(host, int(port), spec.tp_size, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=spec.init_timeout_s))
-        dist.init_process_group(backend_name, store=store, world_size=spec.tp_size, rank=rank,
+        dist.init_process_group(spec.collectives, store=store, world_size=spec.tp_size, rank=rank,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
-        ps.tp_group = dist.group.WORLD
+        ps.tp_comm = TorchComm(dist.group.WORLD, spec.tp_size, rank)
         # Every rank must create every group, in the same order.
         for first in range(0, spec.tp_size, spec.dcp_size):
             group = dist.new_group(list(range(first, first + spec.dcp_size)))
             if first <= rank < first + spec.dcp_size:
-                ps.dcp_group = group
+                ps.dcp_comm = TorchComm(group, spec.dcp_size, rank - first)
+        channel = _DistChannel(spec.tp_size)
     device = spec.device if not spec.device.startswith("cuda") else f"cuda:{rank}"
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     backend = select_backend(device, spec.attention_backend)
-    return ModelRunner(spec.model_path, cfg, ps, backend, spec.num_blocks, spec.block_size, spec.max_model_len,
-                       device=device, exact_prefill=spec.exact_prefill)
+    runner = ModelRunner(spec.model_path, cfg, ps, backend, spec.num_blocks, spec.block_size, spec.max_model_len,
+                         device=device, exact_prefill=spec.exact_prefill)
+    return runner, channel
 
 
 # Sent by an idle driver now and then (Executor.keepalive); ranks ignore it.
@@ -89,28 +153,104 @@ class RankCall:
     args: tuple = ()
 
 
+class _DistChannel:
+    """Driver -> ranks messages over torch.distributed (pickled objects)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def send(self, msg: Any, timeout_s: float | None = None) -> None:
+        dist.broadcast_object_list([msg], src=0)
+
+    def recv(self) -> Any:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.size if dist.get_rank() == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def close(self) -> None:
+        dist.destroy_process_group()
+
+
+_STEP, _OBJ = b"S", b"O"
+
+
+class _ShmChannel:
+    """Driver -> ranks messages through the world group's shared slots: a step as its flat int64 encoding, anything
+    else pickled. Idle ranks sleep in the barrier for as long as the driver lives (no keepalive needed)."""
+
+    def __init__(self, world: ShmComm) -> None:
+        self.world = world
+
+    def send(self, msg: Any, timeout_s: float | None = None) -> None:
+        data = _STEP + msg.encode() if isinstance(msg, StepInput) else _OBJ + pickle.dumps(msg)
+        self.world.broadcast_bytes(data, "the step broadcast", timeout_s or self.world.timeout_s)
+
+    def recv(self) -> Any:
+        data = self.world.broadcast_bytes(None, "waiting for the driver", None)
+        return StepInput.decode(data[1:]) if data[:1] == _STEP else pickle.loads(data[1:])
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        parts = self.world.gather_bytes(pickle.dumps(obj), "gathering rank results")
+        return None if parts is None else [pickle.loads(p) for p in parts]
+
+    def started(self, timeout_s: float) -> None:
+        """Every rank, once its slice is built: the pod is up when all are (as gloo's rendezvous)."""
+        self.world.barrier.wait(timeout_s, "the ranks' start-up")
+
+    def abort(self) -> None:
+        self.world.barrier.abort()
+
+    def wait_for_shutdown(self) -> None:
+        """A rank whose group broke waits to be stopped, so the pod names the rank that really failed."""
+        b = self.world.barrier
+        while not b.aborted:
+            try:
+                b.check_peers("waiting to be stopped", watch=(0,))
+            except RankFailure:
+                return
+            time.sleep(b.SLICE_S)
+
+    def close(self) -> None:
+        pass
+
+
+_Channel = _DistChannel | _ShmChannel
+
+
 def _worker_main(spec: RankSpec, rank: int) -> None:
     # Ctrl-C reaches the whole foreground process group; it is the driver's to handle: it drains (the ranks still
     # compute its in-flight steps) and then stops them. (SIGTERM still ends a rank: multiprocessing's exit uses it.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    runner = _build_rank(spec, rank)
-    box: list = [None]
-    while True:
-        dist.broadcast_object_list(box, src=0)
-        msg = box[0]
-        if msg is None:
-            break
-        if isinstance(msg, str):  # _PING: the driver is idle, nothing to run
-            continue
-        if isinstance(msg, RankCall):
-            try:
-                result: Any = msg.fn(runner, *msg.args)
-            except Exception as e:  # reported to the driver, never kills the rank
-                result = e
-            dist.gather_object(result, None, dst=0)
-        else:
-            runner.execute(msg)
-    dist.destroy_process_group()
+    runner, channel = _build_rank(spec, rank)
+    assert channel is not None
+    try:
+        if isinstance(channel, _ShmChannel):
+            channel.started(spec.init_timeout_s)
+        while True:
+            msg = channel.recv()
+            if msg is None:
+                break
+            if isinstance(msg, str):  # _PING: the driver is idle, nothing to run
+                continue
+            if isinstance(msg, RankCall):
+                try:
+                    result: Any = msg.fn(runner, *msg.args)
+                except Exception as e:  # reported to the driver, never kills the rank
+                    result = e
+                channel.gather(result)
+            else:
+                runner.execute(msg)
+    except RankFailure as e:  # the driver or a peer is gone: nothing left to serve
+        log.error("TP rank %d stops: %s", rank, e)
+        if isinstance(channel, _ShmChannel):
+            channel.wait_for_shutdown()
+        raise SystemExit(3) from None
+    channel.close()
 
 
 class Executor:
@@ -125,29 +265,66 @@ class Executor:
                 p = ctx.Process(target=_worker_main, args=(spec, rank), daemon=True, name=f"pdserve-rank{rank}")
                 p.start()
                 self.procs.append(p)
-        self.runner = _build_rank(spec, 0)
+        try:
+            self.runner, self.channel = _build_rank(spec, 0)
+            if isinstance(self.channel, _ShmChannel):
+                self.channel.started(spec.init_timeout_s)
+        except BaseException:
+            self._stop_procs(kill=True)
+            raise
         self._last_broadcast = time.monotonic()
 
     @classmethod
     def create(cls, model_path: str, tp_size: int, dcp_size: int, interleave: int, num_blocks: int, block_size: int,
                max_model_len: int, device: str = "cpu", attention_backend: str | None = None,
-               timeout_s: float = 120.0, exact_prefill: bool = False) -> "Executor":
-        cores = os.cpu_count() or 1
+               timeout_s: float = 120.0, exact_prefill: bool = False, cpu_collectives: str = "auto",
+               cpu_pinning: str = "auto") -> "Executor":
+        allowed = sorted(os.sched_getaffinity(0))
+        cores = len(allowed)
+        collectives, why = resolve_collectives(cpu_collectives, device, tp_size)
+        threads = max(1, torch.get_num_threads() if tp_size == 1 else cores // tp_size)
+        shm = world = None
+        dcp_groups: tuple[ShmGroupSpec, ...] = ()
+        if collectives == "shm":
+            cfg = ModelConfig.from_path(model_path)
+            heads = -(-cfg.num_heads // tp_size) * dcp_size
+            world_slot = min(_SLOT_CAP, 4 * cfg.hidden_size * 1024)
+            dcp_slot = min(_SLOT_CAP, 4 * 1024 * heads * (cfg.head_dim + 1))
+            world, dcp_list, size = plan_groups(tp_size, dcp_size, world_slot, dcp_slot)
+            dcp_groups = tuple(dcp_list)
+            shm = ShmRegion(size)
+            init_groups(shm, [world, *dcp_groups])
+        pin, pin_why = resolve_pinning(cpu_pinning, device, tp_size, cores)
+        cpus = tuple(allowed) if pin else None
+        if tp_size > 1:
+            log.info("TP %d x DCP %d ranks: collectives %s (%s); %d thread(s) per rank on %d core(s); %s (%s)",
+                     tp_size, dcp_size, collectives, why, threads, cores,
+                     f"rank r pinned to core {list(allowed)}[r % {cores}]" if pin else "no CPU pinning", pin_why)
         spec = RankSpec(model_path, tp_size, dcp_size, interleave, num_blocks, block_size, max_model_len, device,
-                        attention_backend, f"tcp://127.0.0.1:{_free_port()}", timeout_s,
-                        threads_per_rank=max(1, torch.get_num_threads() if tp_size == 1 else cores // tp_size),
-                        exact_prefill=exact_prefill)
-        return cls(spec)
+                        attention_backend, f"tcp://127.0.0.1:{_free_port()}", timeout_s, threads_per_rank=threads,
+                        exact_prefill=exact_prefill, collectives=collectives, shm=shm, shm_world=world,
+                        shm_dcp=dcp_groups, cpus=cpus)
+        try:
+            return cls(spec)
+        finally:
+            if shm is not None:  # the spawned ranks hold their own fds now
+                shm.close_fd()
+
+    @property
+    def collectives(self) -> str:
+        return self.spec.collectives
 
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        if self.spec.tp_size > 1:
-            dist.broadcast_object_list([step], src=0)
+        if self.channel is not None:
+            self.channel.send(step)
             self._last_broadcast = time.monotonic()
-        return self.runner.execute(step)
+        logits = self.runner.execute(step)
+        assert logits is not None
+        return logits
 
     def call_all_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """fn(runner, *args) on every rank, rank 0 included; returns results in rank order (exceptions as values)."""
@@ -155,34 +332,52 @@ class Executor:
             mine: Any = fn(self.runner, *args)
         except Exception as e:
             mine = e
-        if self.spec.tp_size == 1:
+        if self.channel is None:
             return [mine]
-        dist.broadcast_object_list([RankCall(fn, args)], src=0)
+        self.channel.send(RankCall(fn, args))
         self._last_broadcast = time.monotonic()
-        out: list[Any] = [None] * self.spec.tp_size
-        dist.gather_object(mine, out, dst=0)
+        out = self.channel.gather(mine)
+        assert out is not None
         return out
 
     def keepalive(self) -> None:
-        """Call from the driver's loop while it is idle: now and then broadcast a no-op. Ranks 1..N-1 wait for the
-        next step inside a collective, which the process group aborts after ``timeout_s`` (gloo: "Timed out waiting
-        for recv"), killing the rank: without this, a TP pod idle for ``timeout_s`` loses its ranks."""
-        if self.spec.tp_size > 1 and time.monotonic() - self._last_broadcast > self.spec.timeout_s / 4:
-            dist.broadcast_object_list([_PING], src=0)
+        """Call from the driver's loop while it is idle: now and then broadcast a no-op. Over gloo, ranks 1..N-1
+        wait for the next step inside a collective, which the process group aborts after ``timeout_s`` ("Timed out
+        waiting for recv"), killing the rank: without this, a TP pod idle for ``timeout_s`` loses its ranks. Over
+        shared memory ranks wait as long as the driver lives, so there is nothing to do."""
+        if isinstance(self.channel, _DistChannel) and \
+                time.monotonic() - self._last_broadcast > self.spec.timeout_s / 4:
+            self.channel.send(_PING)
             self._last_broadcast = time.monotonic()
 
     def workers_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
     def shutdown(self) -> None:
-        if self.spec.tp_size > 1 and dist.is_initialized():
-            try:
-                if self.workers_alive():
-                    dist.broadcast_object_list([None], src=0)
-            finally:
-                dist.destroy_process_group()
+        try:
+            if isinstance(self.channel, _DistChannel) and dist.is_initialized():
+                try:
+                    if self.workers_alive():
+                        self.channel.send(None)
+                finally:
+                    self.channel.close()
+            elif isinstance(self.channel, _ShmChannel):
+                try:
+                    if self.workers_alive():
+                        self.channel.send(None, timeout_s=10.0)
+                except RankFailure as e:
+                    log.warning("stopping the TP ranks: %s", e)
+                self.channel.abort()  # a rank stuck in a collective gives up at once
+        finally:
+            self.channel = None
+            self._stop_procs()
+
+    def _stop_procs(self, kill: bool = False) -> None:
         for p in self.procs:
+            if kill:
+                p.kill()
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
         self.procs = []

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.executor import Executor
+from pdserve.engine.executor import CPU_COLLECTIVES, CPU_PINNING, Executor
 from pdserve.engine.model_runner import build_step_input
 from pdserve.engine.scheduler import ScheduledStep, Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
@@ -47,6 +47,10 @@ class EngineConfig:
     # CPU: prompts computed on F.linear like transformers (logits bit-identical to it) instead of oneDNN-packed
     # weights (1.4-1.7x the GEMM throughput here, logits within ~1e-4, see pdserve/model/linear.py).
     exact_prefill: bool = False
+    # CPU ranks of one pod: "auto" = shared memory (gloo where the host cannot), or "shm" / "gloo" (executor.py).
+    cpu_collectives: str = "auto"
+    # "auto" pins rank r to one core when a pod's ranks outnumber its cores; "on" / "off".
+    cpu_pinning: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -58,6 +62,12 @@ class EngineConfig:
         if self.prefill_chunk_size > self.max_num_batched_tokens:
             raise ValueError("prefill_chunk_size must not exceed max_num_batched_tokens "
                              f"({self.prefill_chunk_size} > {self.max_num_batched_tokens})")
+        if self.cpu_collectives not in CPU_COLLECTIVES:
+            raise ValueError(f"EngineConfig.cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, "
+                             f"got {self.cpu_collectives!r}")
+        if self.cpu_pinning not in CPU_PINNING:
+            raise ValueError(f"EngineConfig.cpu_pinning must be one of {', '.join(CPU_PINNING)}, "
+                             f"got {self.cpu_pinning!r}")
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -108,7 +118,8 @@ class LLMEngine:
         self.executor = Executor.create(cfg.model, cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
                                         cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, cfg.block_size,
                                         self.max_model_len, cfg.device, cfg.attention_backend,
-                                        exact_prefill=cfg.exact_prefill)
+                                        exact_prefill=cfg.exact_prefill, cpu_collectives=cfg.cpu_collectives,
+                                        cpu_pinning=cfg.cpu_pinning)
         self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.decode_context_parallel_size,
                                    cfg.dcp_kv_cache_interleave_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size)

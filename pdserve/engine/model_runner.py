@@ -1,9 +1,11 @@
 """Turns a scheduled step into model inputs, runs the model on this rank's slice, returns logits.
 
 StepInput is a plain picklable object: the driver builds it once for every DCP rank and broadcasts it, so every
-rank of a pod runs the same step on its own share of the KV."""
+rank of a pod runs the same step on its own share of the KV. Over shared memory it travels as one flat int64 array
+(``encode`` / ``decode``), not as a pickled object graph."""
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -34,6 +36,40 @@ class StepInput:
     context_lens: list[torch.Tensor]
     block_tables: list[torch.Tensor]
     extra: Any = None  # LLMEngine.before_execute's value for this step, seen by every rank's layer_hook
+
+    def encode(self) -> bytes:
+        """[is_prefill, T, B, L, dcp, extra bytes, table widths...] then every array, then pickled extra."""
+        dcp = len(self.slot_mappings)
+        extra = b"" if self.extra is None else pickle.dumps(self.extra)
+        t, b, n_logits = self.input_ids.numel(), len(self.query_start_pos), self.logits_indices.numel()
+        head = [int(self.is_prefill), t, b, n_logits, dcp, len(extra), *(bt.shape[1] for bt in self.block_tables)]
+        parts = [torch.tensor(head + self.cu_seqlens_q + self.query_start_pos + self.sample_rows, dtype=torch.int64),
+                 self.input_ids, self.positions, self.logits_indices, *self.slot_mappings, *self.context_lens,
+                 *(bt.reshape(-1) for bt in self.block_tables)]
+        return torch.cat([p.to(torch.int64) for p in parts]).numpy().tobytes() + extra
+
+    @staticmethod
+    def decode(data: bytes) -> "StepInput":
+        head = torch.frombuffer(bytearray(data[:6 * 8]), dtype=torch.int64).tolist()
+        is_prefill, t, b, n_logits, dcp, n_extra = head
+        n_ints = (len(data) - n_extra) // 8
+        a = torch.frombuffer(bytearray(data[:n_ints * 8]), dtype=torch.int64)
+        widths = a[6:6 + dcp].tolist()
+        at = 6 + dcp
+
+        def take(n: int) -> torch.Tensor:
+            nonlocal at
+            at += n
+            return a[at - n:at]
+
+        lists = take(b + 1 + b + n_logits).tolist()
+        ids, pos, logits = take(t), take(t), take(n_logits)
+        slots = [take(t) for _ in range(dcp)]
+        ctx = [take(b) for _ in range(dcp)]
+        tables = [take(b * w).view(b, w) for w in widths]
+        extra = pickle.loads(data[n_ints * 8:]) if n_extra else None
+        return StepInput(bool(is_prefill), ids, pos, lists[:b + 1], lists[b + 1:2 * b + 1], logits,
+                         lists[2 * b + 1:], slots, ctx, tables, extra)
 
 
 def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave: int) -> StepInput:
@@ -98,7 +134,8 @@ class ModelRunner:
         # layer); None costs nothing.
         self.layer_hook: Callable[[StepInput, int], None] | None = None
 
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Logits of the rows to sample on TP rank 0; None on the other ranks."""
         r = self.ps.dcp_rank
         dev = self.device
         meta = AttentionMetadata(
@@ -114,5 +151,5 @@ class ModelRunner:
             dcp_interleave=self.ps.dcp_interleave,
         )
         hook = None if self.layer_hook is None else partial(self.layer_hook, step)
-        return self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_cache, meta,
-                          step.logits_indices.to(dev), hook)
+        logits_indices = step.logits_indices.to(dev) if self.ps.tp_rank == 0 else None
+        return self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_cache, meta, logits_indices, hook)

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.attention import AttentionBackend, AttentionMetadata, write_kv
-from pdserve.attention.merge import correction_weights
 from pdserve.model import linear as plinear
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
@@ -42,15 +41,21 @@ class Attention(nn.Module):
         super().__init__()
         self.ps, self.backend = ps, backend
         self.q_heads = q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, ps.tp_rank)
+        # Under DCP every rank of a group attends with the whole group's queries over its share of the tokens, so
+        # it projects them all itself (a few extra rows of weights) instead of gathering them from its peers.
+        first = ps.tp_rank - ps.dcp_rank
+        self.q_group_heads = [h for r in range(first, first + ps.dcp_size)
+                              for h in q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, r)]
         self.kv_heads = kv_heads_for_tp_rank(cfg.num_kv_heads, ps.tp_size, ps.tp_rank)
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
-        nq, nkv, d = len(self.q_heads), len(self.kv_heads), cfg.head_dim
+        nq, nkv, d = len(self.q_group_heads), len(self.kv_heads), cfg.head_dim
         self.q_size, self.kv_size = nq * d, nkv * d
+        self.o_size = len(self.q_heads) * d
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
-        self.o_weight = _param(cfg.hidden_size, self.q_size)
+        self.o_weight = _param(cfg.hidden_size, self.o_size)
         self.o_bias = _param(cfg.hidden_size) if cfg.o_bias else None
         self.qkv_packed: torch.Tensor | None = None  # set by CausalLM.pack_weights()
         self.o_packed: torch.Tensor | None = None
@@ -67,7 +72,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, -1, self.head_dim)
         write_kv(kv_layer, k, v, meta.slot_mapping)
         out = self._attend(q, k, v, kv_layer, meta)
-        out = plinear.linear(out.reshape(t, self.q_size), self.o_weight, self.o_packed if packed else None)
+        out = plinear.linear(out.reshape(t, self.o_size), self.o_weight, self.o_packed if packed else None)
         out = self.ps.all_reduce(out)
         return out if self.o_bias is None else out + self.o_bias
 
@@ -76,14 +81,10 @@ class Attention(nn.Module):
         ps = self.ps
         if ps.dcp_size == 1:
             return self.backend.forward(q, kv_layer, meta, self.scale, new_kv=(k, v))[0]
-        # DCP: every rank of the group shares this KV head but holds 1/dcp of the tokens. Gather the group's
-        # queries, attend over the local tokens, then rescale each partial by exp(lse_local - lse_global) and
-        # reduce-scatter, so each rank ends with the exact output for its own heads.
-        q_all = ps.dcp_all_gather(q, dim=1)
-        out, lse = self.backend.forward(q_all, kv_layer, meta, self.scale)
-        all_lse = ps.dcp_all_gather(lse.unsqueeze(0), dim=0)
-        w = correction_weights(lse, all_lse)
-        return ps.dcp_reduce_scatter(out * w.unsqueeze(-1), dim=1)
+        # DCP: every rank of the group shares this KV head but holds 1/dcp of the tokens. Attend with the group's
+        # queries over the local tokens, then merge the partials of this rank's heads by their LSE.
+        out, lse = self.backend.forward(q, kv_layer, meta, self.scale)
+        return ps.dcp_merge(out, lse)
 
 
 class MLP(nn.Module):
@@ -153,9 +154,10 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        logits_indices: torch.Tensor, on_layer_done: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """on_layer_done(i), when given, runs right after layer i wrote its KV (prefill pods publish it)."""
+        logits_indices: torch.Tensor | None, on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor | None:
+        """on_layer_done(i), when given, runs right after layer i wrote its KV (prefill pods publish it).
+        logits_indices None: no logits (TP ranks other than the driver, which alone samples)."""
         packed = not (meta.is_prefill and self.exact_prefill)
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
@@ -163,5 +165,7 @@ class CausalLM(nn.Module):
             x = layer(x, cos_sin, kv_cache[i], meta, packed)
             if on_layer_done is not None:
                 on_layer_done(i)
+        if logits_indices is None:
+            return None
         x = self.norm(x[logits_indices])
         return plinear.linear(x, self.lm_head, self.lm_head_packed if packed else None).float()

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from pdserve.attention.merge import merge_attn_states
+from pdserve.engine.comm import Communicator
 
 
 @dataclass
@@ -15,33 +16,25 @@ class ParallelState:
     dcp_size: int = 1
     dcp_rank: int = 0
     dcp_interleave: int = 1
-    tp_group: Any = None  # torch.distributed ProcessGroup, None when tp_size == 1
-    dcp_group: Any = None  # ProcessGroup of the consecutive TP ranks that share KV heads
+    tp_comm: Communicator | None = None  # None when tp_size == 1
+    dcp_comm: Communicator | None = None  # the consecutive TP ranks that share KV heads
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            dist.all_reduce(x, group=self.tp_group)
-        return x
-
-    def dcp_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Concatenate x from every DCP rank along dim, in DCP-rank order."""
-        if self.dcp_size == 1:
+        if self.tp_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.dcp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.dcp_group)
-        return torch.cat(parts, dim=dim)
+        assert self.tp_comm is not None
+        return self.tp_comm.all_reduce(x)
 
-    def dcp_reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Sum x over the DCP group and keep this rank's 1/dcp slice along dim.
+    def dcp_merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Exact attention for this rank's heads from every DCP rank's partial over its own tokens.
 
-        gloo has no reduce_scatter, so on CPU this is an all_reduce followed by a local slice: same result."""
-        if self.dcp_size == 1:
-            return x
-        x = x.contiguous()
-        if dist.get_backend(self.dcp_group) == "nccl":
-            chunks = list(x.chunk(self.dcp_size, dim=dim))
-            out = torch.empty_like(chunks[self.dcp_rank].contiguous())
-            dist.reduce_scatter(out, [c.contiguous() for c in chunks], group=self.dcp_group)
-            return out
-        dist.all_reduce(x, group=self.dcp_group)
-        return x.chunk(self.dcp_size, dim=dim)[self.dcp_rank].contiguous()
+        out [T, H, D] and lse [T, H] cover the whole group's H query heads (this rank's are the dcp_rank-th
+        1/dcp of them). One all-gather of (out, lse) and a local log-sum-exp merge: every rank reads only its
+        heads' partials, where AG(lse) + reduce-scatter(out * weight) would take two collectives."""
+        t, h, d = out.shape
+        mine = slice(self.dcp_rank * h // self.dcp_size, (self.dcp_rank + 1) * h // self.dcp_size)
+        assert self.dcp_comm is not None
+        parts = self.dcp_comm.all_gather(torch.cat([out.reshape(-1), lse.reshape(-1)]))
+        outs = parts[:, :t * h * d].view(-1, t, h, d)[:, :, mine]
+        lses = parts[:, t * h * d:].view(-1, t, h)[:, :, mine]
+        return merge_attn_states(outs, lses)[0]

@@ -31,7 +31,7 @@ def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, ...], 
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        q_rows, kv_rows = _rows(attn.q_heads, d), _rows(attn.kv_heads, d)
+        q_rows, kv_rows, o_cols = _rows(attn.q_group_heads, d), _rows(attn.kv_heads, d), _rows(attn.q_heads, d)
         qs, ks = attn.q_size, attn.kv_size
         out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, (h,), whole)
         out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, (h,), whole)
@@ -41,7 +41,7 @@ def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, ...], 
             out[p + f"self_attn.{name}_proj.weight"] = (attn.qkv_weight[a:b], (shapes[name], h), lambda t, r=rows: t[r])
             if attn.qkv_bias is not None:
                 out[p + f"self_attn.{name}_proj.bias"] = (attn.qkv_bias[a:b], (shapes[name],), lambda t, r=rows: t[r])
-        out[p + "self_attn.o_proj.weight"] = (attn.o_weight, (h, cfg.num_heads * d), lambda t, r=q_rows: t[:, r])
+        out[p + "self_attn.o_proj.weight"] = (attn.o_weight, (h, cfg.num_heads * d), lambda t, r=o_cols: t[:, r])
         if attn.o_bias is not None:
             out[p + "self_attn.o_proj.bias"] = (attn.o_bias, (h,), whole)
         inter, r0 = mlp.inter, mlp.inter_start

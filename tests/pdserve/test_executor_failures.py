@@ -1,0 +1,115 @@
+"""A pod's ranks over shared memory when one of them fails: a killed or stopped rank is named within seconds (not
+after the 120 s collective timeout), and a SIGKILLed driver takes its ranks and their shared memory with it."""
+from __future__ import annotations
+
+import operator
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.shm import RankFailure, proc_state, shm_supported
+from pdserve.sampling import SamplingParams
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}")]
+
+NOTICE_S = 30.0  # far below the collective timeout (120 s): only the liveness checks can explain an answer this fast
+
+
+@pytest.fixture
+def engine(tiny_factory):
+    model = tiny_factory("llama", num_heads=6, num_kv_heads=3, hidden_size=96)
+    eng = LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=3, num_kv_blocks=32, max_model_len=128))
+    assert eng.executor.collectives == "shm"
+    try:
+        yield eng
+    finally:
+        for p in eng.executor.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+        eng.shutdown()
+
+
+def _generate(eng: LLMEngine) -> list:
+    return eng.generate([[1, 5, 9, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
+
+def test_ranks_answer_steps_over_shared_memory(engine):
+    """The healthy case the failure tests start from: generation works and every rank answers a call."""
+    assert len(_generate(engine)[0]["token_ids"]) == 4
+    assert engine.executor.call_all_ranks(operator.attrgetter("ps.tp_rank")) == [0, 1, 2]
+
+
+def test_a_killed_rank_is_named(engine):
+    victim = engine.executor.procs[1]  # TP rank 2
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as ei:
+        _generate(engine)
+    assert time.monotonic() - t0 < NOTICE_S
+    assert ei.value.rank == 2 and "TP rank 2" in str(ei.value) and "exited" in str(ei.value)
+
+
+def test_a_stopped_rank_is_named(engine):
+    """A frozen rank (SIGSTOP, a debugger) would hang every collective: it is reported once stopped a few seconds."""
+    _generate(engine)
+    victim = engine.executor.procs[0]  # TP rank 1
+    os.kill(victim.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as ei:
+        _generate(engine)
+    assert time.monotonic() - t0 < NOTICE_S
+    assert ei.value.rank == 1 and "stopped" in str(ei.value)
+
+
+def test_shutdown_after_a_failure_stops_every_rank(engine):
+    os.kill(engine.executor.procs[0].pid, signal.SIGKILL)
+    with pytest.raises(RankFailure):
+        _generate(engine)
+    procs = list(engine.executor.procs)
+    engine.shutdown()
+    assert all(not p.is_alive() for p in procs)
+
+
+DRIVER = textwrap.dedent("""
+    import sys, time
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    if __name__ == "__main__":
+        eng = LLMEngine(EngineConfig(model=sys.argv[1], tensor_parallel_size=3, num_kv_blocks=16, max_model_len=64))
+        print(" ".join(str(p.pid) for p in eng.executor.procs), flush=True)
+        time.sleep(600)
+""")
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_sigkilled_driver_leaves_no_rank_and_no_shared_segment(tiny_factory, tmp_path):
+    model = tiny_factory("llama", num_heads=6, num_kv_heads=3, hidden_size=96)
+    before = _shm_names()
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script), str(model)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2
+        mapped = [open(f"/proc/{pid}/maps").read() for pid in pids]
+        assert all("memfd:pdserve-ranks" in m for m in mapped), "the ranks do not share the pod's memfd region"
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + NOTICE_S
+        while any(proc_state(p) not in (None, "Z") for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(proc_state(p) in (None, "Z") for p in pids), "a rank outlived its SIGKILLed driver"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert _shm_names() - before == set(), "shared memory left behind in /dev/shm"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -20,9 +21,26 @@ def timed(fn: Callable[[], Any], repeat: int = 1) -> float:
     return best
 
 
+def cpu_info() -> dict[str, Any]:
+    """What to tune for (machines change between runs): model, cores, SIMD flags and torch's CPU capability."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+    return {"model": model, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+            os.cpu_count(), "flags": wanted, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def machine() -> dict[str, Any]:
     return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine()}
+            "cpu": cpu_info()}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

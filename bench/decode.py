@@ -1,14 +1,15 @@
 """Decode pod benchmark (`pdserve bench decode`), in one run:
 
-1. Decode tokens/s of a decode pod serving SmolLM2-135M at TP 9 with DCP 1 and DCP 3, at batch 1, 8 and 32 (prompt KV
-   handed over through a KVSource from a TP 1 reference engine, as a prefill pod would), against transformers'
-   generate at the same batch and prompt length.
+1. Decode tokens/s of a decode pod serving SmolLM2-135M at TP 9 (DCP 3, and DCP 1 in the full run), its ranks
+   talking through shared memory (the default) and through gloo, at batch 1 and 32 (and 8 in the full run), against
+   the in-process engine (TP 1) on the same prompts, and against transformers' generate. The prompt KV reaches the
+   pod through a KVSource from a TP 1 reference engine, as from a prefill pod. Decode = tokens after the first over
+   the time after the first token, on every side.
 2. KV capacity: for a fixed per-rank KV budget, how many 2,048-token sequences AllocateKV admits at DCP 1, 2 and 3
    (SmolLM2 at TP 9 where the parallel rules allow it; a tiny 12-query / 1-KV-head checkpoint at TP 6 for all three).
    Target: count(DCP d) >= 0.95 * d * count(DCP 1).
 
-Quick mode (under a minute on a small CPU): fewer tokens and batches, and a TP 3 SmolLM2 pod (DCP 1 only, since
-DCP needs TP > KV heads) instead of the two TP 9 pods; the capacity part is the same."""
+Quick mode: fewer tokens, batches 1 and 32, and the TP 9 x DCP 3 pod only (shared memory and gloo)."""
 from __future__ import annotations
 
 import itertools
@@ -63,6 +64,21 @@ def _hf_decode_tok_s(model, prompts: list[list[int]], new_tokens: int, repeat: i
     return len(prompts) * (new_tokens - 1) / max(tn - t1, 1e-9)
 
 
+def _engine_decode_tok_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """The in-process engine: prefill every prompt, then time the decode steps (tokens after the first)."""
+    from pdserve.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ids = {engine.add_request(p, sp) for p in prompts}
+    started: set[str] = set()
+    while len(started) < len(ids):  # prefill steps until every request has its first token
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    produced, t0 = 0, time.perf_counter()
+    while engine.has_unfinished():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - t0)
+
+
 def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
@@ -73,61 +89,71 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 
     path = str(ensure_default_model())
-    batches = (1, 8) if quick else (1, 8, 32)
+    batches = (1, 32) if quick else (1, 8, 32)
     prompt_len = 32 if quick else 128
     new_tokens = 8 if quick else 32
-    layouts = [(3, 1)] if quick else [(9, 1), (9, 3)]
+    pods = [(9, 3, "shm"), (9, 3, "gloo")] if quick else [(9, 3, "shm"), (9, 1, "shm"), (9, 3, "gloo")]
     t_start = time.perf_counter()
     tmp = tempfile.TemporaryDirectory(prefix="pdserve-bench-decode-")
-    # The stand-in prefill pod: prompt KV + first token from a TP 1 engine, saved for FileKVSource.
-    prefill = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, enable_prefix_caching=False))
+    # The stand-in prefill pod: prompt KV + first token from a TP 1 engine, saved for FileKVSource. The same engine
+    # is the in-process side of the comparison.
+    blocks = math.ceil((prompt_len + new_tokens) / 16) * max(batches) + 8
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=blocks, max_num_seqs=64, enable_prefix_caching=False))
     try:
-        prompts = _prompts(max(batches), prompt_len, prefill.model_config.vocab_size)
+        prompts = _prompts(max(batches), prompt_len, engine.model_config.vocab_size)
         handed = []
         for i, p in enumerate(prompts):
-            src, first, lp = prompt_kv_from_engine(prefill, p)
+            src, first, lp = prompt_kv_from_engine(engine, p)
             f = Path(tmp.name) / f"p{i}.pt"
             src.save(str(f))
             handed.append((p, FileKVSource(str(f), len(p)), first, lp))
+        _engine_decode_tok_s(engine, prompts[:1], 3)  # warm-up
+        engine_tok_s = {bs: _engine_decode_tok_s(engine, prompts[:bs], new_tokens) for bs in batches}
     finally:
-        prefill.shutdown()
+        engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf_tok_s = {bs: _hf_decode_tok_s(hf, prompts[:bs], new_tokens, 1 if quick else 2) for bs in batches}
     del hf
-    pod_tok_s: dict[tuple[int, int], dict[int, float]] = {}
+    pod_tok_s: dict[tuple[int, int, str], dict[int, float]] = {}
+    startup_s: dict[str, float] = {}
     per_seq = prompt_len + new_tokens
-    for tp, dcp in layouts:
+    for tp, dcp, coll in pods:
         blocks = math.ceil(math.ceil(per_seq / dcp) / 16) * max(batches) + 8
         cfg = DecodeConfig(model=path, tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=16,
-                           num_kv_blocks=blocks, max_model_len=512, max_num_seqs=64)
+                           num_kv_blocks=blocks, max_model_len=512, max_num_seqs=64, cpu_collectives=coll)
+        t0 = time.perf_counter()
         pod = DecodePod(cfg)
+        startup_s[f"tp{tp}_dcp{dcp}_{coll}"] = time.perf_counter() - t0
         try:
             _pod_decode_tok_s(pod, handed[:1], 3)  # warm-up
-            pod_tok_s[(tp, dcp)] = {bs: _pod_decode_tok_s(pod, handed[:bs], new_tokens) for bs in batches}
+            pod_tok_s[(tp, dcp, coll)] = {bs: _pod_decode_tok_s(pod, handed[:bs], new_tokens) for bs in batches}
         finally:
             pod.shutdown()
     tmp.cleanup()
     rows, ratios = [], {}
     for bs in batches:
-        row: dict[str, Any] = {"metric": f"decode tok/s, batch {bs}", "TP": "/".join(str(tp) for tp, _ in layouts)}
-        done = {dcp: pod_tok_s[(tp, dcp)][bs] for tp, dcp in layouts}
-        for dcp in (1, 2, 3):  # same columns as the capacity rows
-            row[f"DCP{dcp}"] = done.get(dcp, "-")
-        row["transformers"] = hf_tok_s[bs]
-        for tp, dcp in layouts:
-            r = pod_tok_s[(tp, dcp)][bs] / hf_tok_s[bs]
-            row[f"DCP{dcp} / transformers"] = r
-            ratios[f"decode_bs{bs}_tp{tp}_dcp{dcp}_vs_transformers"] = r
+        row: dict[str, Any] = {"metric": f"decode tok/s, batch {bs}", "engine TP1": engine_tok_s[bs],
+                               "transformers": hf_tok_s[bs]}
+        for (tp, dcp, coll), d in pod_tok_s.items():
+            row[f"TP{tp} DCP{dcp} {coll}"] = d[bs]
+        for (tp, dcp, coll), d in pod_tok_s.items():
+            r = d[bs] / engine_tok_s[bs]
+            row[f"TP{tp} DCP{dcp} {coll} / engine"] = r
+            suffix = "" if coll == "shm" else f"_{coll}"
+            ratios[f"decode_pod_tp{tp}_dcp{dcp}{suffix}_bs{bs}_vs_engine"] = r
+            ratios[f"decode_bs{bs}_tp{tp}_dcp{dcp}{suffix}_vs_transformers"] = d[bs] / hf_tok_s[bs]
         rows.append(row)
-    # The headline names the brief uses: the DCP 3 pod (DCP 1 in quick mode) against transformers.
-    main_layout = layouts[-1]
-    for bs in batches:
-        ratios[f"decode_bs{bs}_vs_transformers"] = pod_tok_s[main_layout][bs] / hf_tok_s[bs]
+    for bs in batches:  # the headline names: the shared-memory TP 9 x DCP 3 pod against transformers
+        ratios[f"decode_bs{bs}_vs_transformers"] = pod_tok_s[(9, 3, "shm")][bs] / hf_tok_s[bs]
     raw = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": prompt_len, "new_tokens": new_tokens,
            "batches": list(batches),
-           "decode_tok_s": {f"tp{tp}_dcp{dcp}": {str(b): v for b, v in d.items()} for (tp, dcp), d in pod_tok_s.items()},
+           "decode_tok_s": {f"tp{tp}_dcp{dcp}_{c}": {str(b): v for b, v in d.items()}
+                            for (tp, dcp, c), d in pod_tok_s.items()},
+           "engine_decode_tok_s": {str(b): v for b, v in engine_tok_s.items()},
            "transformers_decode_tok_s": {str(b): v for b, v in hf_tok_s.items()},
-           "threads": {"transformers": torch.get_num_threads(), "pod_per_rank": "max(1, cores // tp)"},
+           "pod_startup_seconds": startup_s,
+           "threads": {"engine": torch.get_num_threads(), "transformers": torch.get_num_threads(),
+                       "pod_per_rank": "max(1, cores // tp)"},
            "throughput_seconds": time.perf_counter() - t_start}
     return rows, ratios, raw
 

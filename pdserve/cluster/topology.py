@@ -11,7 +11,7 @@ YAML (every key optional; flags given on the command line override the file):
     prefill:
       - {tp: 1, port: 0}                    # port 0 = any free port
     decode:
-      - {tp: 2, dcp: 2, interleave: 1}      # tp/dcp "auto" = the smallest TP with DCP > 1 the model allows
+      - {tp: 2, dcp: 2, interleave: 1}      # tp/dcp "auto": see Topology._auto_dcp
     # a role may also be a count plus shared settings:  prefill: {count: 2, tp: 1}
 
 The whole topology is checked once, with pdserve.parallel_config (the rules the pods themselves apply), before any
@@ -87,6 +87,7 @@ class Topology:
     decode: list[PodSpec] = field(default_factory=lambda: [default_decode()])
     router_args: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # set by resolve()
+    notes: list[str] = field(default_factory=list)  # set by resolve(): what "auto" chose and why
 
     @property
     def pods(self) -> list[PodSpec]:
@@ -189,8 +190,9 @@ class Topology:
 
         return ensure_default_model()
 
-    def resolve(self, model: ModelParallelInfo | None = None) -> "Topology":
-        """Check everything once and fill in "auto" sizes and pod names; returns self. Raises TopologyError."""
+    def resolve(self, model: ModelParallelInfo | None = None, cores: int | None = None) -> "Topology":
+        """Check everything once and fill in "auto" sizes and pod names; returns self. Raises TopologyError.
+        cores: CPU cores the pods share (default: this process's CPU affinity)."""
         if not self.prefill:
             raise TopologyError("the cluster needs at least one prefill pod")
         if not self.decode:
@@ -206,7 +208,8 @@ class Topology:
                 model = ModelParallelInfo.from_model_path(self.model_path())
             except (OSError, ValueError) as e:
                 raise TopologyError(f"cannot read the model's config: {e}") from None
-        self.warnings = []
+        self.warnings, self.notes = [], []
+        self._cores = cores if cores is not None else len(os.sched_getaffinity(0))
         for role in ("prefill", "decode"):
             for i, p in enumerate(getattr(self, role)):
                 p.role = role
@@ -240,7 +243,9 @@ class Topology:
             raise TopologyError(f"{p.name} ({p.describe()}): {verdict.message}{fix}")
 
     def _auto_dcp(self, p: PodSpec, model: ModelParallelInfo, tp: int | str, dcp: int | str) -> tuple[int, int]:
-        """The smallest TP (then the smallest DCP > 1) that the model allows, honouring whichever is fixed."""
+        """The smallest TP (then the smallest DCP > 1) that the model allows, honouring whichever is fixed. With both
+        left to auto on CPU, DCP only where its ranks get a core each: more ranks than cores decode slower than one
+        rank using every core (pdserve bench decode), so the pod then runs TP 1 and says how to ask for DCP."""
         tps = [tp] if tp != AUTO else [t for t in range(1, MAX_AUTO_TP + 1)]
         dcps = [dcp] if dcp != AUTO else list(range(2, MAX_AUTO_TP + 1))
         for t in tps:
@@ -251,7 +256,7 @@ class Topology:
                                      dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
                                      block_size=self.block_size)
                 if check_parallel_config(model, cfg).valid:
-                    return t, d
+                    return self._fit_cores(p, model, tp, dcp, t, d)
         # No DCP > 1 layout exists for this model (e.g. MHA): run without DCP and say so.
         t = 1 if tp == AUTO else tp
         if dcp != AUTO:
@@ -262,6 +267,21 @@ class Topology:
                              f"{model.num_kv_heads} KV heads) allows no DCP > 1"
                              + (f" at tp={tp}" if tp != AUTO else "") + f"; running {p.name} with tp={t} dcp=1")
         return int(t), 1
+
+    def _fit_cores(self, p: PodSpec, model: ModelParallelInfo, tp: int | str, dcp: int | str, t: int,
+                   d: int) -> tuple[int, int]:
+        shape = f"{model.num_attention_heads} heads, {model.num_kv_heads} KV heads"
+        on_gpu = (self.device or "cpu").startswith("cuda")
+        if on_gpu or tp != AUTO or dcp != AUTO or t <= self._cores:
+            if tp == AUTO and dcp == AUTO:
+                where = "GPUs" if on_gpu else f"{self._cores} cores"
+                self.notes.append(f"{p.name}: tp={t} dcp={d}, the smallest DCP layout this model allows ({shape}); "
+                                  f"{t} ranks on {where}")
+            return t, d
+        self.notes.append(f"{p.name}: tp=1 dcp=1: DCP for this model ({shape}) needs tp={t}, more ranks than this "
+                          f"machine's {self._cores} cores, and ranks sharing cores decode slower than one rank on "
+                          f"all of them; for DCP anyway pass --decode-tp {t} --decode-dcp {d}")
+        return 1, 1
 
     def _check_ports(self) -> None:
         seen: dict[int, str] = {}

@@ -5,7 +5,7 @@ import argparse
 import importlib
 import json
 
-BENCHMARKS = ("engine", "decode", "kv_transfer", "prefill", "router", "soak")
+BENCHMARKS = ("engine", "decode", "cluster", "kv_transfer", "prefill", "router", "soak")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,6 +1,6 @@
-"""`pdserve up`: start the embedded local cluster (router, a prefill pod and a decode pod with DCP) on loopback.
+"""`pdserve up`: start the embedded local cluster (router, a prefill pod and a decode pod) on loopback.
 
-    pdserve up                                  # default model, 1 prefill pod, 1 decode pod with DCP
+    pdserve up                                  # default model, 1 prefill pod, 1 decode pod (DCP where it fits)
     pdserve up --model ./ckpt --decode-tp 2 --decode-dcp 2
     pdserve up --config cluster.yaml --http-port 8080
 
@@ -48,7 +48,8 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tp", type=int, metavar="N", help="tensor-parallel size of each prefill pod")
     p.add_argument("--decode-pods", type=int, metavar="N", help="number of decode pods (default 1)")
     p.add_argument("--decode-tp", type=_size, metavar="N|auto",
-                   help="tensor-parallel size of each decode pod (default auto: the smallest that allows DCP)")
+                   help="tensor-parallel size of each decode pod (default auto: the smallest that allows DCP, or 1 "
+                        "on CPU when that needs more ranks than cores)")
     p.add_argument("--decode-dcp", type=_size, metavar="N|auto",
                    help="decode context-parallel size (default auto: the smallest > 1 the model allows)")
     p.add_argument("--dcp-interleave", type=int, metavar="N", help="DCP KV interleave size in tokens (default 1)")
@@ -131,6 +132,9 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     for w in topo.warnings:
         print(f"pdserve up: warning: {w}", file=sys.stderr, flush=True)
+    if not args.quiet and not args.dry_run:
+        for n in topo.notes:
+            print(f"pdserve up: {n}", flush=True)
 
     def echo(line: str) -> None:
         if not args.quiet:
@@ -154,7 +158,7 @@ def run_up(args: argparse.Namespace) -> int:
         topo.assign_ports()
         plan = cluster._plan()
         print(json.dumps({"model": str(topo.model_path()), "router": f"{topo.host}:{topo.router_port}",
-                          "http_port": topo.http_port,
+                          "http_port": topo.http_port, "notes": topo.notes,
                           "pods": [{"name": p.name, "role": p.role, "port": p.port, "tp": p.tensor_parallel_size,
                                     "dcp": p.decode_context_parallel_size,
                                     "interleave": p.dcp_kv_cache_interleave_size} for p in topo.pods],

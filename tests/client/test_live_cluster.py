@@ -9,8 +9,9 @@ TP 2 x DCP 2, the OpenAI HTTP front; tiny random checkpoint with 1 KV head and S
 - the official `openai` client against the HTTP endpoint, streaming and not, returns the gRPC path's outputs;
 - Ctrl-C (SIGINT) to `pdserve up` stops everything: no process it started is left (checked with psutil).
 
-One slow test runs the default topology with the default model (SmolLM2, decode at TP 9 x DCP 3) and asks it for
-the capital of France.
+Two slow tests run the default model (SmolLM2): the default topology (its decode layout chosen for this machine's
+cores) asks for the capital of France, and a decode pod at TP 9 x DCP 3 (nine shared-memory ranks) gives the same
+answer token for token.
 """
 from __future__ import annotations
 
@@ -306,19 +307,41 @@ def test_zz_ctrl_c_leaves_no_process(up):
     assert left == [], left
 
 
+def _ask_france(up: UpProcess) -> str:
+    with Client(up.router, timeout=300) as c:
+        r = c.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=24, temperature=0)
+    assert "Paris" in r.text, r.text
+    oa = openai.OpenAI(base_url=up.http + "/v1", api_key="unused", timeout=300)
+    name = oa.models.list().data[0].id
+    r2 = oa.chat.completions.create(model=name, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                    max_tokens=24, temperature=0)
+    assert r2.choices[0].message.content == r.text
+    return r.text
+
+
 @pytest.mark.slow
 def test_default_model_answers_the_capital_of_france(tmp_path):
-    """`pdserve up` with no topology flags: SmolLM2-135M-Instruct, decode with DCP."""
+    """`pdserve up` with no topology flags: SmolLM2-135M-Instruct, decode laid out as Topology chooses here."""
+    from pdserve.cluster.topology import Topology
+
+    want = Topology().resolve().decode[0]
     with UpProcess(["--port", "0", "--http-port", "0"], log_dir=tmp_path / "logs", startup_timeout=900) as up:
         pods = {p["name"]: p for p in up.info["pods"]}
-        assert pods["decode-0"]["decode_context_parallel_size"] > 1
-        with Client(up.router, timeout=300) as c:
-            r = c.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=24, temperature=0)
-        assert "Paris" in r.text, r.text
-        oa = openai.OpenAI(base_url=up.http + "/v1", api_key="unused", timeout=300)
-        name = oa.models.list().data[0].id
-        r2 = oa.chat.completions.create(model=name, messages=[{"role": "user",
-                                                               "content": "What is the capital of France?"}],
-                                        max_tokens=24, temperature=0)
-        assert r2.choices[0].message.content == r.text
+        got = pods["decode-0"]
+        assert (got["tensor_parallel_size"], got["decode_context_parallel_size"]) == \
+            (want.tensor_parallel_size, want.decode_context_parallel_size)
+        _ask_france(up)
     assert up.wait_all_gone(10) == []
+
+
+@pytest.mark.slow
+def test_dcp_decode_pod_gives_the_same_answer(tmp_path):
+    """TP 9 x DCP 3 (each rank holds a third of the tokens) against a TP 1 decode pod: the same greedy text."""
+    texts = []
+    for tp, dcp in ((1, 1), (9, 3)):
+        with UpProcess(["--port", "0", "--http-port", "0", "--decode-tp", str(tp), "--decode-dcp", str(dcp)],
+                       log_dir=tmp_path / f"logs-{tp}", startup_timeout=900) as up:
+            assert {p["name"]: p for p in up.info["pods"]}["decode-0"]["decode_context_parallel_size"] == dcp
+            texts.append(_ask_france(up))
+        assert up.wait_all_gone(10) == []
+    assert texts[0] == texts[1]

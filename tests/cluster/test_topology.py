@@ -27,7 +27,7 @@ def _ckpt(tmp_path: Path, heads: int = 8, kv: int = 1) -> Path:
 
 
 def test_default_topology_has_a_decode_pod_with_dcp():
-    t = Topology().resolve(GQA_1KV)
+    t = Topology().resolve(GQA_1KV, cores=2)
     assert [p.name for p in t.prefill] == ["prefill-0"] and [p.name for p in t.decode] == ["decode-0"]
     d = t.decode[0]
     assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (2, 2)
@@ -36,8 +36,11 @@ def test_default_topology_has_a_decode_pod_with_dcp():
 
 
 def test_auto_dcp_for_smollm2_shape_and_mha_fallback():
-    d = Topology().resolve(SMOLLM2).decode[0]
+    t = Topology().resolve(SMOLLM2, cores=16)
+    d = t.decode[0]
     assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (9, 3)  # 9 heads, 3 KV heads
+    assert t.notes == ["decode-0: tp=9 dcp=3, the smallest DCP layout this model allows (9 heads, 3 KV heads); "
+                       "9 ranks on 16 cores"]
     t = Topology().resolve(MHA)  # MHA allows no DCP > 1: runs without, and says so
     assert (t.decode[0].tensor_parallel_size, t.decode[0].decode_context_parallel_size) == (1, 1)
     assert t.warnings and "allows no DCP > 1" in t.warnings[0]
@@ -46,6 +49,21 @@ def test_auto_dcp_for_smollm2_shape_and_mha_fallback():
     assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (4, 2)
     d = Topology().with_overrides(decode_dcp=4).resolve(GQA_1KV).decode[0]
     assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (4, 4)
+
+
+def test_auto_on_fewer_cores_than_the_dcp_ranks_runs_tp1_and_says_how_to_get_dcp():
+    t = Topology().resolve(SMOLLM2, cores=2)
+    d = t.decode[0]
+    assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (1, 1)
+    assert t.warnings == [] and len(t.notes) == 1
+    assert "needs tp=9, more ranks than this machine's 2 cores" in t.notes[0]
+    assert t.notes[0].endswith("pass --decode-tp 9 --decode-dcp 3")
+    # Either size given: honoured as asked, whatever the cores.
+    d = Topology().with_overrides(decode_dcp=3).resolve(SMOLLM2, cores=2).decode[0]
+    assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (9, 3)
+    # GPUs: the core count does not apply.
+    d = Topology(device="cuda").resolve(SMOLLM2, cores=2).decode[0]
+    assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (9, 3)
 
 
 def test_invalid_parallel_config_is_refused_with_the_rule_and_fix():

@@ -272,6 +272,9 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
 
         # A reservation that is cancelled frees its blocks.
         pod.stub.AllocateKV(decode_pb2.AllocateKVRequest(request_id="r", num_tokens=30))
+        deadline = time.time() + 20  # the gauges follow the engine loop's next stats refresh
+        while pod.free_blocks() == [NUM_BLOCKS, NUM_BLOCKS] and time.time() < deadline:
+            time.sleep(0.02)
         assert pod.free_blocks() != [NUM_BLOCKS, NUM_BLOCKS]
         assert pod.stub.CancelDecode(decode_pb2.CancelDecodeRequest(request_id="r")).found
         pod.wait_free([NUM_BLOCKS, NUM_BLOCKS])

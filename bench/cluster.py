@@ -1,8 +1,8 @@
 """The local cluster end to end (``pdserve bench cluster``): what a user of ``pdserve up`` waits for.
 
-``pdserve up`` with its default topology for this machine (router, a prefill pod, a decode pod, as a user starts
-it, in a subprocess), one streamed request at a time through the router with the SDK, against the in-process engine
-(TP 1, this process) on the same prompt, alternating sides round by round:
+``pdserve up``'s default topology for this machine (router, a prefill pod, a decode pod: the same supervisor,
+LocalCluster, started from this process), one streamed request at a time through the router with the SDK, against
+the in-process engine (TP 1, this process) on the same prompt, alternating sides round by round:
 
 - ms per token: time from the first streamed token to the last over the tokens after the first (the decode rate a
   user sees), greedy, ``ignore_eos`` so both sides produce the same number of tokens;
@@ -48,16 +48,16 @@ def _cluster_request(router: str, prompt: str, new_tokens: int) -> tuple[float, 
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from pdserve.cluster.testing import UpProcess
+    from pdserve.cluster.supervisor import LocalCluster
     from pdserve.cluster.topology import Topology
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 
     t_start = time.perf_counter()
     new_tokens = 24 if quick else 64
     rounds = 3 if quick else 5
-    layouts: list[tuple[str, list[str]]] = [("default", [])]
+    layouts: list[tuple[str, dict[str, int]]] = [("default", {})]
     if not quick:
-        layouts.append(("tp9_dcp3", ["--decode-tp", "9", "--decode-dcp", "3"]))
+        layouts.append(("tp9_dcp3", {"decode_tp": 9, "decode_dcp": 3}))
     default = Topology().resolve().decode[0]
     engine = LLMEngine(EngineConfig(num_kv_blocks=256))
     rows, ratios, raw = [], {}, {"prompt": PROMPT, "new_tokens": new_tokens, "rounds": rounds, "layouts": {}}
@@ -66,28 +66,33 @@ def run(quick: bool = False) -> dict[str, Any]:
         eng: list[tuple[float, float]] = []
         for name, flags in layouts:
             with tempfile.TemporaryDirectory(prefix="pdserve-bench-cluster-") as logs:
+                topo = Topology(router_port=0, http_port=None).with_overrides(**flags).resolve()
+                cluster = LocalCluster(topo, log_dir=logs, echo=lambda line: None)
                 t0 = time.perf_counter()
-                with UpProcess(["--port", "0", "--http-port", "-1", *flags], log_dir=logs) as up:
-                    startup = time.perf_counter() - t0
-                    pod = {p["name"]: p for p in up.info["pods"]}["decode-0"]
-                    _cluster_request(up.router, PROMPT, 4)  # warm-up
+                endpoints = cluster.start()
+                startup = time.perf_counter() - t0
+                try:
+                    pod = topo.decode[0]
+                    _cluster_request(endpoints.router, PROMPT, 4)  # warm-up
                     clu: list[tuple[float, float]] = []
                     for _ in range(rounds):  # alternate, so both sides see the same machine
-                        clu.append(_cluster_request(up.router, PROMPT, new_tokens))
+                        clu.append(_cluster_request(endpoints.router, PROMPT, new_tokens))
                         eng.append(_engine_request(engine, PROMPT, new_tokens))
+                finally:
+                    cluster.stop(grace=10.0)
             c_ms = statistics.median(t for _, t in clu) * 1e3
             c_ttft = statistics.median(t for t, _ in clu) * 1e3
             e_ms = statistics.median(t for _, t in eng) * 1e3
             e_ttft = statistics.median(t for t, _ in eng) * 1e3
-            layout = f"TP{pod['tensor_parallel_size']} DCP{pod['decode_context_parallel_size']}"
+            layout = f"TP{pod.tensor_parallel_size} DCP{pod.decode_context_parallel_size}"
             key = "cluster" if name == "default" else f"cluster_{name}"
             ratios[f"{key}_ms_per_token_vs_engine"] = c_ms / e_ms
             ratios[f"{key}_ttft_vs_engine"] = c_ttft / e_ttft
             rows.append({"cluster": f"{name} (decode {layout})", "cluster ms/token": c_ms, "engine ms/token": e_ms,
                          "ms/token ratio": c_ms / e_ms, "target <= 1.5": "ok" if c_ms / e_ms <= 1.5 else "MISSED",
                          "cluster TTFT ms": c_ttft, "engine TTFT ms": e_ttft, "startup s": startup})
-            raw["layouts"][name] = {"decode_tp": pod["tensor_parallel_size"],
-                                    "decode_dcp": pod["decode_context_parallel_size"], "startup_seconds": startup,
+            raw["layouts"][name] = {"decode_tp": pod.tensor_parallel_size,
+                                    "decode_dcp": pod.decode_context_parallel_size, "startup_seconds": startup,
                                     "cluster_ttft_s": [t for t, _ in clu], "cluster_s_per_token": [t for _, t in clu],
                                     "engine_ttft_s": [t for t, _ in eng], "engine_s_per_token": [t for _, t in eng]}
     finally:

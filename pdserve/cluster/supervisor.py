@@ -308,18 +308,21 @@ class LocalCluster:
             except (BrokenPipeError, OSError, ValueError):
                 pass
 
-    def _threads_per_rank(self) -> int:
-        """Share the CPU cores among every rank of the cluster (unless OMP_NUM_THREADS is set): on a small machine
-        oversubscribed intra-op threads make every rank crawl."""
-        ranks = 1 + sum(p.tensor_parallel_size if isinstance(p.tensor_parallel_size, int) else 1
-                        for p in self.topology.pods)
-        return max(1, (os.cpu_count() or 1) // ranks)
+    def _threads_per_rank(self, s: Service) -> int:
+        """Each pod's ranks share the cores (unless OMP_NUM_THREADS is set): a TP 1 pod gets them all, a pod of more
+        ranks than cores one thread per rank. Per pod, not per cluster: a request's prefill and decode run one after
+        the other, and a decode pod held to a share of the cores is slower per token for every user (bench
+        cluster). The router and the HTTP front compute no tensors: one thread."""
+        if s.spec is None:
+            return 1
+        tp = s.spec.tensor_parallel_size if isinstance(s.spec.tensor_parallel_size, int) else 1
+        return max(1, len(os.sched_getaffinity(0)) // tp)
 
     def _spawn(self, s: Service) -> None:
         self.echo(f"starting {s.name}: {' '.join(s.argv[1:])}")
         env = self.env
         if "OMP_NUM_THREADS" not in env:
-            env = {**env, "OMP_NUM_THREADS": str(self._threads_per_rank())}
+            env = {**env, "OMP_NUM_THREADS": str(self._threads_per_rank(s))}
         logf = open(s.log_path, "ab")
         self._critical += 1  # a Ctrl-C now must not leave a started child unrecorded
         try:

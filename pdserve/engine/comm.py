@@ -182,7 +182,8 @@ class ShmComm:
         """Rank 0 passes data, the others None; everyone returns rank 0's bytes. timeout_s: of the first piece;
         None: wait as long as rank 0 lives (idle ranks waiting for the driver's next message)."""
         piece = self.slot_bytes - _LEN.size
-        mm, out, sent, total = self._mm, [], 0, 0
+        mm, sent, total = self._mm, 0, 0
+        out: list[bytes] = []
         while True:
             at = self._slot_at(0)
             if self.rank == 0:
@@ -205,7 +206,8 @@ class ShmComm:
     def gather_bytes(self, data: bytes, what: str) -> list[bytes] | None:
         """Every rank passes its bytes; rank 0 gets all of them in rank order, the others None."""
         piece = self.slot_bytes - _LEN.size
-        mm, parts, sent = self._mm, [[] for _ in range(self.size)], 0
+        mm, sent = self._mm, 0
+        parts: list[list[bytes]] = [[] for _ in range(self.size)]
         while True:
             ats = [self._slot_at(r) for r in range(self.size)]
             chunk = data[sent:sent + piece]

@@ -117,7 +117,8 @@ class Barrier:
 
     def __init__(self, region: ShmRegion, offset: int, n: int, rank: int, ranks: list[int], spin: int = 0,
                  stall_s: float = 3.0) -> None:
-        assert _libc is not None
+        assert _libc is not None, shm_supported()
+        self._lib: ctypes.CDLL = _libc
         self.n, self.rank, self.ranks, self.spin, self.stall_s = n, rank, ranks, spin, stall_s
         base = region.address + offset
         self._gen_addr = base
@@ -145,7 +146,7 @@ class Barrier:
         self._gen.value = 0
         self._abort.value = 0
         for s in (*self._sems, self._sleepers, self._fence):
-            if _libc.sem_init(s, 1, 0) != 0:
+            if self._lib.sem_init(s, 1, 0) != 0:
                 raise OSError(ctypes.get_errno(), "sem_init failed")
 
     def register(self) -> None:
@@ -154,7 +155,7 @@ class Barrier:
 
     def abort(self) -> None:
         self._abort.value = 1
-        _libc.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        self._lib.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
     @property
     def aborted(self) -> bool:
@@ -167,22 +168,22 @@ class Barrier:
         seq = self._seq & 0xFFFFFFFF
         sem = self._sems[self._seq & 1]
         self._arrived[self.rank] = self._seq  # only to name the late ranks on a timeout
-        _libc.sem_post(sem)
-        _libc.sem_getvalue(sem, self._val_ref)
+        self._lib.sem_post(sem)
+        self._lib.sem_getvalue(sem, self._val_ref)
         if self._val.value >= self.n:
             self._release(seq)
         elif self._gen.value != seq:
             self._sleep_until(seq, timeout_s, what, watch)
-        _libc.sem_trywait(sem)
+        self._lib.sem_trywait(sem)
 
     def _release(self, seq: int) -> None:
         self._gen.value = seq
         # A locked instruction orders the store above before the load below (a sleeper does the mirror image).
-        _libc.sem_post(self._fence)
-        _libc.sem_trywait(self._fence)
-        _libc.sem_getvalue(self._sleepers, self._val_ref)
+        self._lib.sem_post(self._fence)
+        self._lib.sem_trywait(self._fence)
+        self._lib.sem_getvalue(self._sleepers, self._val_ref)
         if self._val.value:
-            _libc.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+            self._lib.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
     def _sleep_until(self, seq: int, timeout_s: float | None, what: str, watch: tuple[int, ...] | None) -> None:
         gen = self._gen
@@ -191,12 +192,12 @@ class Barrier:
                 return
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            _libc.sem_post(self._sleepers)
+            self._lib.sem_post(self._sleepers)
             cur = gen.value
             if cur != seq:
-                _libc.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAIT, cur,
+                self._lib.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAIT, cur,
                               self._slice_ref, None, 0)
-            _libc.sem_trywait(self._sleepers)
+            self._lib.sem_trywait(self._sleepers)
             if gen.value == seq:
                 return
             if self._abort.value:

@@ -313,8 +313,8 @@ def _ask_france(up: UpProcess) -> str:
     assert "Paris" in r.text, r.text
     oa = openai.OpenAI(base_url=up.http + "/v1", api_key="unused", timeout=300)
     name = oa.models.list().data[0].id
-    r2 = oa.chat.completions.create(model=name, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                    max_tokens=24, temperature=0)
+    r2 = oa.chat.completions.create(model=name, max_tokens=24, temperature=0,
+                                    messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert r2.choices[0].message.content == r.text
     return r.text
 

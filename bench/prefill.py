@@ -52,7 +52,7 @@ def _cpu_and_wall(fn) -> tuple[float, float]:
 
 def _pod_prefill_s(worker, ids: list[int], rid: str) -> tuple[float, float]:
     from pdserve_api.v1 import common_pb2 as pb
-    from prefill_svc.convert import sampling_from_proto
+    from prefill_svc.sampling import sampling_from_proto
 
     params, client = sampling_from_proto(pb.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,9 +24,13 @@ from decode_svc.pod import DecodePod, Failure, RequestExists
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestError, RequestOutput
 from pdserve.engine.sequence import FinishReason
+from pdserve.pod.convert import kv_handle_to_handoff, model_shape_to_proto, parallel_to_proto
+from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
+from pdserve.pod.registrar import Registrar
+from pdserve.pod.sampling import engine_params, refuse_unsupported
 from pdserve.sampling import SamplingParams, SamplingParamsError
 from pdserve.security import bind, export_kv_auth_token, export_kv_tls, grpc_options
-from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
 
 log = logging.getLogger("decode_svc")
 
@@ -51,26 +54,10 @@ class _Refused(Exception):
 
 def sampling_params_from_proto(p: common_pb2.SamplingParams, max_model_len: int) -> SamplingParams:
     """Decode applies EOS, stop_token_ids and max_tokens; stop strings belong to whoever detokenizes (the router).
-    Parameters this pod does not implement are refused rather than ignored (common.proto's rule)."""
-    if p.top_logprobs > 0:
-        raise SamplingParamsError("top_logprobs is not supported by this decode pod")
-    if p.min_tokens > 1:
-        raise SamplingParamsError("min_tokens > 1 is not supported by this decode pod")
-    if p.HasField("repetition_penalty") and p.repetition_penalty != 1.0:
-        raise SamplingParamsError("repetition_penalty is not supported by this decode pod")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if p.HasField(name) and getattr(p, name) != 0.0:
-            raise SamplingParamsError(f"{name} is not supported by this decode pod")
-    return SamplingParams(
-        temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_k=p.top_k,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
-        seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else max_model_len,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-    )
+    Parameters the pods do not implement are refused rather than ignored (common.proto's rule)."""
+    refuse_unsupported(p, "this decode pod")
+    return engine_params(p, max_tokens=p.max_tokens if p.HasField("max_tokens") else max_model_len,
+                         ignore_eos=p.ignore_eos, logprobs=p.logprobs)
 
 
 class DecodeServer:
@@ -90,7 +77,7 @@ class DecodeServer:
         self._layout: common_pb2.KVLayout | None = None
         self.max_model_len = 0
         self._puller_factory: PullerFactory | None = None
-        self.registrar: Any = None
+        self.registrar: Registrar | None = None
         self._model_shape: common_pb2.ModelShape | None = None
         self._last_rate = (time.monotonic(), 0)
         self._rate = 0.0
@@ -120,12 +107,9 @@ class DecodeServer:
             collector = DecodeCollector(lambda: self.engine.stats, self.config.pod_id, lambda: self.draining)
             _, self._metrics_http = start_metrics_server(self.config.metrics_port, self.config.host, collector)
             self.metrics_port = self._metrics_http.server_port
-        for svc in ("", SERVICE_NAME):
-            await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        await set_health(self._health, SERVICE_NAME, serving=True)
         self._model_shape = await self.call(self._model_shape_of)
         if self.config.router_address:
-            from prefill_svc.registration import Registrar  # the shared register / heartbeat / deregister loop
-
             self.registrar = Registrar(self.config.router_address, self.config.cluster_token,
                                        self.config.heartbeat_interval_s, self.register_request,
                                        self.heartbeat_request, self._on_desired_state, tls=self.config.tls)
@@ -140,8 +124,7 @@ class DecodeServer:
         self.draining = True
         if self.registrar is not None:
             self.registrar.poke()  # the router stops placing requests here at once
-        for svc in ("", SERVICE_NAME):
-            await self._health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(self._health, SERVICE_NAME, serving=False)
         deadline = time.monotonic() + self.config.drain_timeout_s
         while time.monotonic() < deadline:
             idle = self.active_streams == 0 and (not self.engine.alive or await self.call(lambda pod: pod.idle()))
@@ -166,8 +149,7 @@ class DecodeServer:
         NOT_SERVING and the next heartbeat (sent now) says UNHEALTHY, so the router stops placing requests here;
         the process stays up so an operator / orchestrator sees why (the log and the health status)."""
         log.error("decode pod %s is unhealthy: %s", self.config.pod_id, error)
-        for svc in ("", SERVICE_NAME):
-            asyncio.ensure_future(self._health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING))
+        asyncio.ensure_future(set_health(self._health, SERVICE_NAME, serving=False))
         if self.registrar is not None:
             self.registrar.poke()
 
@@ -198,12 +180,7 @@ class DecodeServer:
 
     # --- registry messages (router) ---
     def _model_shape_of(self, pod: DecodePod) -> common_pb2.ModelShape:
-        mc = pod.engine.model_config
-        return common_pb2.ModelShape(architecture=mc.architecture, num_layers=mc.num_layers,
-                                     hidden_size=mc.hidden_size, num_attention_heads=mc.num_heads,
-                                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
-                                     max_model_len=pod.max_model_len, sliding_window=mc.sliding_window or 0,
-                                     dtype=self._layout.dtype)
+        return model_shape_to_proto(pod.engine.model_config, pod.max_model_len, self._layout.dtype)
 
     @property
     def address(self) -> str:
@@ -214,30 +191,24 @@ class DecodeServer:
         total = self._layout.num_blocks
         return [common_pb2.RankKVStats(rank=r, free_blocks=f, total_blocks=total) for r, f in enumerate(st.blocks_free)]
 
-    def register_request(self) -> Any:
-        from pdserve_api.v1 import registry_pb2
-
+    def register_request(self) -> registry_pb2.RegisterWorkerRequest | None:
         if self.draining or self.engine.error is not None:  # a pod going away / broken does not (re-)register
             return None
         cfg = self.config
         return registry_pb2.RegisterWorkerRequest(
             pod_id=cfg.pod_id, role=common_pb2.ROLE_DECODE, address=self.address, kv_transfer_address="",
             model=cfg.served_model_name or Path(cfg.model).name, model_shape=self._model_shape,
-            parallel=common_pb2.ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=1,
-                                               decode_context_parallel_size=cfg.decode_context_parallel_size,
-                                               dcp_kv_cache_interleave_size=cfg.dcp_kv_cache_interleave_size,
-                                               data_parallel_size=1),
+            parallel=parallel_to_proto(cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
+                                       cfg.dcp_kv_cache_interleave_size),
             kv_layout=self._layout,
             capacity=common_pb2.WorkerCapacity(max_num_seqs=cfg.max_num_seqs,
                                                max_num_batched_tokens=cfg.max_num_batched_tokens,
                                                max_model_len=self.max_model_len,
                                                max_concurrent_transfers=cfg.max_num_seqs,
                                                transfer_modes=self.transfer_modes),
-            cluster_token=cfg.cluster_token, version=_version(), state=common_pb2.POD_STATE_READY, kv=self._kv_stats())
+            cluster_token=cfg.cluster_token, version=version(), state=common_pb2.POD_STATE_READY, kv=self._kv_stats())
 
-    def heartbeat_request(self) -> Any:
-        from pdserve_api.v1 import registry_pb2
-
+    def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:
         st = self.engine.stats
         now = time.monotonic()
         t0, n0 = self._last_rate
@@ -270,8 +241,6 @@ class DecodeServer:
             return self.kv_source_factory(req)
         if not addr:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "kv_handle.kv_transfer_address is empty")
-        from prefill_svc.convert import kv_handle_to_handoff  # the one KVHandle <-> KVHandoff mapping
-
         try:
             handoff = kv_handle_to_handoff(req.kv_handle, req.request_id)
         except (ValueError, KeyError) as e:
@@ -284,15 +253,6 @@ class DecodeServer:
                                 self.config.kv_transfer_timeout_s)
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("pdserve")
-    except Exception:
-        return "unknown"
-
-
 def _transfer_modes(backend: str) -> list[int]:
     nixl = backend == "nixl"
     if backend == "auto":
@@ -303,16 +263,13 @@ def _transfer_modes(backend: str) -> list[int]:
     return ([common_pb2.TRANSFER_MODE_NIXL_PULL] if nixl else []) + grpc_mode
 
 
-MAX_ID_LEN = 256  # request ids travel into logs and metric labels
 MAX_TTL_S = 86400.0  # a reservation held longer than a day is a mistake (and keeps expires_at_unix_ms in int64)
 
 
 def _request_id_problem(rid: str) -> str | None:
     if not rid:
         return "request_id is empty"
-    if len(rid) > MAX_ID_LEN or not rid.isprintable():
-        return f"request_id must be at most {MAX_ID_LEN} printable characters, got {rid[:40]!r}"
-    return None
+    return id_problem("request_id", rid)
 
 
 def allocate_request_problem(req: decode_pb2.AllocateKVRequest) -> str | None:
@@ -511,15 +468,13 @@ async def serve(config: DecodeConfig, ready: Callable[[DecodeServer], None] | No
     """Run until SIGTERM/SIGINT, then drain and stop."""
     server = DecodeServer(config)
     await server.start()
-    loop = asyncio.get_running_loop()
 
     async def _shutdown(signame: str) -> None:
         log.info("%s: draining", signame)
         await server.drain()
         await server.stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda n=sig.name: asyncio.ensure_future(_shutdown(n)))
+    on_stop_signals(_shutdown)
     if ready is not None:
         ready(server)
     await server.wait_stopped()

@@ -27,7 +27,7 @@ from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.sampling import SamplingParams
 from prefill_svc.config import PrefillConfig
-from prefill_svc.convert import ClientParams
+from prefill_svc.sampling import ClientParams
 from prefill_svc.kv import KVHost, LeaseStart
 
 log = logging.getLogger("prefill_svc.worker")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import grpc
 
+from pdserve.pod.sampling import unsupported_fields
 from pdserve.security import aio_channel
 from pdserve.tokenizer import Tokenizer
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
@@ -341,14 +342,10 @@ def _check_sampling(sp: common_pb2.SamplingParams) -> None:
         v = finite(name)
         if v is not None and not -2 <= v <= 2:
             bad(f"{name} must be in [-2, 2], got {v}")
-    # Well-formed but not implemented by pdserve's pods (prefill_svc.convert / decode_svc.server refuse them). Refused
+    # Well-formed but not implemented by pdserve's pods (they refuse the same list, pdserve/pod/sampling.py). Refused
     # here, before any pod is contacted: a pod refusing them mid-journey would cost KV round trips, or, at decode,
     # end a stream that already sent its first token in an error instead of a clean INVALID_ARGUMENT.
-    unsupported = [name for name, on in (
-        ("top_logprobs", sp.top_logprobs > 0), ("min_tokens", sp.min_tokens > 0),
-        ("repetition_penalty", rp is not None and rp != 1.0),
-        ("presence_penalty", sp.HasField("presence_penalty") and sp.presence_penalty != 0.0),
-        ("frequency_penalty", sp.HasField("frequency_penalty") and sp.frequency_penalty != 0.0)) if on]
+    unsupported = unsupported_fields(sp)
     if unsupported:
         bad(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not implemented by this cluster's "
             "pods: leave unset (or at the neutral value)")

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsvc_helpers import PROMPTS, hf_greedy, prefill_and_publish, tcp_publisher
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2, registry_pb2_grpc
-from prefill_svc.convert import handoff_to_kv_handle
+from pdserve.pod.convert import handoff_to_kv_handle
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 64

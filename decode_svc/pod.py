@@ -24,7 +24,7 @@ from decode_svc.config import DecodeConfig
 from decode_svc.kv_source import KVDeliveryError, KVSource, close_rank_pullers, deliver
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
-from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.engine.sequence import Sequence
 from pdserve.sampling import SamplingParams
 
 
@@ -108,13 +108,11 @@ class DecodePod:
         res = self.reservations.get(request_id)
         if res is not None:
             return self.tp_tables(res.seq.block_tables)
-        tr = self.engine._tracked.get(request_id)
-        if tr is None or not tr.seq.block_tables:
-            return None
-        return self.tp_tables(tr.seq.block_tables)
+        tables = self.engine.block_tables_of(request_id)
+        return None if tables is None else self.tp_tables(tables)
 
     def knows(self, request_id: str) -> bool:
-        return (request_id in self.reservations or request_id in self.engine._tracked
+        return (request_id in self.reservations or self.engine.knows(request_id)
                 or any(q.request_id == request_id for q in self.queue))
 
     @property
@@ -153,13 +151,9 @@ class DecodePod:
             raise RequestExists(f"request {request_id!r} already has a reservation or is decoding on this pod")
         if self._num_admitted() >= self.config.max_num_seqs:
             return None
-        eng = self.engine
-        seq = Sequence(request_id, [0] * num_tokens, SamplingParams(), next(eng._arrival))
-        want = min(num_tokens + extra_tokens, self.max_model_len)
-        if not eng.blocks.can_allocate(seq, want):
+        seq = self.engine.reserve(request_id, num_tokens, min(num_tokens + extra_tokens, self.max_model_len))
+        if seq is None:
             return None
-        eng.blocks.allocate(seq, want)
-        seq.status = SeqStatus.WAITING_FOR_KV
         ttl = ttl_s if ttl_s and ttl_s > 0 else self.config.reservation_ttl_s
         self.reservations[request_id] = Reservation(seq, num_tokens, self.clock() + ttl,
                                                     int((time.time() + ttl) * 1000))
@@ -179,7 +173,7 @@ class DecodePod:
     def _release_reservation(self, request_id: str) -> Reservation | None:
         res = self.reservations.pop(request_id, None)
         if res is not None:
-            self.engine.blocks.free(res.seq)
+            self.engine.free_reserved(res.seq)
         return res
 
     # --- Decode ---
@@ -203,12 +197,8 @@ class DecodePod:
             if res.num_tokens != len(prompt_ids):
                 raise RequestError(f"request {request_id!r} reserved KV for {res.num_tokens} tokens but the prompt "
                                    f"has {len(prompt_ids)}")
+            seq = eng.adopt(res.seq, prompt_ids, params)
             del self.reservations[request_id]
-            seq = eng._new_sequence(prompt_ids, params, request_id)
-            seq.arrival = res.seq.arrival
-            seq.block_tables, res.seq.block_tables = res.seq.block_tables, []
-            seq.status = SeqStatus.WAITING_FOR_KV
-            eng.scheduler.awaiting_kv[request_id] = seq
             return self._deliver_and_land(seq, first_token, first_logprob, source)
         if self.knows(request_id):
             raise RequestExists(f"request {request_id!r} is already decoding on this pod")
@@ -226,11 +216,9 @@ class DecodePod:
         eng = self.engine
         if self._num_admitted() >= self.config.max_num_seqs:
             return None
-        seq = eng._new_sequence(q.prompt_ids, q.params, q.request_id)
         # Keep a block per rank in hand for the running sequences, as the scheduler does for new prompts.
-        headroom = 1 if eng.scheduler.running else 0
-        if not eng.blocks.can_allocate(seq, seq.num_tokens, reserve=headroom) or not eng.scheduler.reserve_for_kv(seq):
-            del eng._tracked[q.request_id]
+        seq = eng.add_awaiting_kv(q.prompt_ids, q.params, q.request_id, headroom=1 if eng.scheduler.running else 0)
+        if seq is None:
             return None
         return self._deliver_and_land(seq, q.first_token, q.first_logprob, q.source)
 
@@ -244,13 +232,7 @@ class DecodePod:
             raise
         self.kv_bytes_received += sum(nbytes)
         self.kv_seconds[seq.request_id] = secs
-        # LLMEngine's decode-pod hooks: the scheduler starts the sequence; _append_token does stop checks and
-        # detokenization for the first token exactly as for every later one.
-        eng.scheduler.kv_landed(seq, first_token, first_logprob)
-        seq.output_ids.pop()
-        seq.output_logprobs.pop()
-        out = eng._append_token(seq, first_token, first_logprob)
-        eng.num_generated_tokens -= 1  # prefill sampled it, not this pod
+        out = eng.start_decoding(seq, first_token, first_logprob)
         if out.finished:
             self.kv_seconds.pop(seq.request_id, None)
         return out

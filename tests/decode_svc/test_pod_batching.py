@@ -151,7 +151,7 @@ def test_reservation_accounting_takeover_and_expiry(pod, prefilled, solo, clock)
         pod.submit("take", PROMPTS[3][:-1], greedy(MAX_TOKENS[3]), first, lp, DenseKVSource(src.kv[:, :, :-1]))
     res, fin = {}, {}
     record([pod.submit("take", PROMPTS[3], greedy(MAX_TOKENS[3]), first, lp, src)], res, fin)
-    assert [t[:len(tables[r])] for r, t in enumerate(pod.engine._tracked["take"].seq.block_tables)] == tables
+    assert [t[:len(tables[r])] for r, t in enumerate(pod.engine.block_tables_of("take"))] == tables
     drain_pod(pod, res, fin)
     assert res["take"] == solo[3]
     # an unused reservation expires after its TTL

@@ -20,27 +20,30 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import grpc
+
 from decode_svc.config import DecodeConfig
 from decode_svc.kv_source import KVDeliveryError, KVSource, close_rank_pullers, deliver
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.errors import AlreadyExists
 from pdserve.sampling import SamplingParams
 
 
 log = logging.getLogger("decode_svc.pod")
 
 
-class RequestExists(Exception):
-    """The request id is already reserved, queued or decoding here (gRPC ALREADY_EXISTS)."""
+class RequestExists(AlreadyExists):
+    """The request id is already reserved, queued or decoding here."""
 
 
 @dataclass
 class Failure:
-    """A queued request that could not start (reported instead of a RequestOutput)."""
+    """A request that could not start or go on (reported instead of a RequestOutput)."""
 
     request_id: str
-    code: str  # grpc.StatusCode name
+    code: grpc.StatusCode
     message: str
     finished: bool = True
 
@@ -254,7 +257,7 @@ class DecodePod:
             q = self.queue[0]
             if q.deadline <= now:
                 self.queue.popleft()
-                events.append(Failure(q.request_id, "RESOURCE_EXHAUSTED",
+                events.append(Failure(q.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       "no free KV blocks on this decode pod within the admission timeout"))
                 continue
             if self.engine.scheduler.waiting:
@@ -263,11 +266,11 @@ class DecodePod:
                 out = self._try_admit(q)
             except KVDeliveryError as e:
                 self.queue.popleft()
-                events.append(Failure(q.request_id, e.grpc_code, str(e)))
+                events.append(Failure(q.request_id, e.code, e.message))
                 continue
             except RequestError as e:
                 self.queue.popleft()
-                events.append(Failure(q.request_id, "INVALID_ARGUMENT", str(e)))
+                events.append(Failure(q.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)))
                 continue
             if out is None:
                 break

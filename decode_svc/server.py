@@ -18,17 +18,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine_loop import EngineLoop, EngineStopped
-from decode_svc.kv_source import FileKVSource, KVDeliveryError, KVSource, PullerFactory, TransferKVSource
+from decode_svc.kv_source import FileKVSource, KVSource, PullerFactory, TransferKVSource
 from decode_svc.metrics import DecodeCollector, start_metrics_server
 from decode_svc.pod import DecodePod, Failure, RequestExists
 from pdserve.engine.block_manager import dcp_local_count
-from pdserve.engine.llm_engine import RequestError, RequestOutput
+from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
+from pdserve.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, grpc_errors
 from pdserve.pod.convert import kv_handle_to_handoff, model_shape_to_proto, parallel_to_proto
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
 from pdserve.pod.registrar import Registrar
 from pdserve.pod.sampling import engine_params, refuse_unsupported
-from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve.sampling import SamplingParams
 from pdserve.security import bind, export_kv_auth_token, export_kv_tls, grpc_options
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
 
@@ -44,12 +45,6 @@ _FINISH = {
 
 # Builds the KVSource for a DecodeRequest whose handle is not a file:// one (the kv_transfer puller, once wired).
 KVSourceFactory = Callable[[decode_pb2.DecodeRequest], KVSource]
-
-
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 def sampling_params_from_proto(p: common_pb2.SamplingParams, max_model_len: int) -> SamplingParams:
@@ -234,21 +229,20 @@ class DecodeServer:
         addr = req.kv_handle.kv_transfer_address
         if addr.startswith("file://"):
             if not self.config.allow_file_kv:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                               "file:// KV handles are disabled on this decode pod (start it with --allow-file-kv)")
+                raise InvalidArgument("file:// KV handles are disabled on this decode pod (start it with "
+                                      "--allow-file-kv)")
             return FileKVSource(addr[len("file://"):], len(req.prompt_token_ids))
         if self.kv_source_factory is not None:
             return self.kv_source_factory(req)
         if not addr:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "kv_handle.kv_transfer_address is empty")
+            raise InvalidArgument("kv_handle.kv_transfer_address is empty")
         try:
             handoff = kv_handle_to_handoff(req.kv_handle, req.request_id)
         except (ValueError, KeyError) as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"bad kv_handle: {e}") from e
+            raise InvalidArgument(f"bad kv_handle: {e}") from e
         if handoff.num_tokens != len(req.prompt_token_ids):
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"kv_handle covers {handoff.num_tokens} tokens but the prompt has "
-                           f"{len(req.prompt_token_ids)}")
+            raise InvalidArgument(f"kv_handle covers {handoff.num_tokens} tokens but the prompt has "
+                                  f"{len(req.prompt_token_ids)}")
         return TransferKVSource(handoff.to_json(), handoff.num_tokens, self._puller_factory,
                                 self.config.kv_transfer_timeout_s)
 
@@ -303,17 +297,16 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, server: DecodeServer) -> None:
         self.s = server
 
+    @grpc_errors
     async def AllocateKV(self, request: decode_pb2.AllocateKVRequest, context: grpc.aio.ServicerContext):
         s = self.s
         rid = request.request_id
         if s.unavailable_reason():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, s.unavailable_reason())
-        problem = allocate_request_problem(request)
+            raise Unavailable(s.unavailable_reason())
+        problem = allocate_request_problem(request) or (
+            _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None)
         if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        mismatch = _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None
-        if mismatch:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, mismatch)
+            raise InvalidArgument(problem)
 
         def reserve(pod: DecodePod):
             tables = pod.reserve(rid, request.num_tokens, request.num_reserved_output_tokens, request.ttl_s or None)
@@ -321,17 +314,9 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 return None
             return pod.tp_tables(tables), pod.reservations[rid].expires_at_unix_ms
 
-        try:
-            got = await s.call(reserve)
-        except RequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RequestExists as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        except EngineStopped as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        got = await s.call(reserve)
         if got is None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"not enough free KV blocks for {request.num_tokens} tokens on this decode pod")
+            raise ResourceExhausted(f"not enough free KV blocks for {request.num_tokens} tokens on this decode pod")
         tables, expires = got
         cfg = s.config
         return decode_pb2.AllocateKVResponse(
@@ -343,38 +328,59 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 for r, t in enumerate(tables)],
             agent_name="", transfer_modes=s.transfer_modes, expires_at_unix_ms=expires)
 
+    @grpc_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        """Check -> KV source -> start on the engine thread -> stream the tokens; the blocks are freed at once if
+        the stream ends early (client gone, error)."""
         s = self.s
-        rid = request.request_id
         t_start = time.monotonic()
+        params, source = self._prepare(request)
+        events: asyncio.Queue[RequestOutput | Failure] = asyncio.Queue()
+        s.active_streams += 1
+        started = done = False
+        try:
+            await self._start(request, params, source, events)
+            started = True
+            stream = _TokenStream(params.logprobs, t_start)
+            while not done:
+                chunk, done = stream.chunk(await _drain(events))
+                if chunk is not None:
+                    yield chunk
+        finally:
+            s.active_streams -= 1
+            if started and not done:  # the client went away (or we failed): free the blocks now
+                engine = s.engine
+                engine.call(lambda pod: engine.cancel(pod, request.request_id))
+
+    def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, KVSource]:
+        """Field checks, sampling params and the KV source, before the engine is involved."""
+        s = self.s
         problem = decode_request_problem(request)
         if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise InvalidArgument(problem)
         if s.engine.error is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, s.unavailable_reason())
+            raise Unavailable(s.unavailable_reason())
         try:
-            params = sampling_params_from_proto(request.sampling_params, s.max_model_len)
-            source = s.make_source(request)
-        except (SamplingParamsError, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except _Refused as e:
-            await context.abort(e.code, e.message)
-        except KVDeliveryError as e:
-            await context.abort(getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.ABORTED), str(e))
+            return sampling_params_from_proto(request.sampling_params, s.max_model_len), s.make_source(request)
+        except ValueError as e:  # SamplingParamsError, or a KV source that cannot be built from the handle
+            raise InvalidArgument(str(e)) from e
 
-        aloop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+    async def _start(self, request: decode_pb2.DecodeRequest, params: SamplingParams, source: KVSource,
+                     events: asyncio.Queue[RequestOutput | Failure]) -> None:
+        """Take the reservation over (or queue) on the engine thread, subscribed to the request's events."""
+        s = self.s
+        rid = request.request_id
         engine = s.engine
-
-        def sink(ev: RequestOutput | Failure) -> None:
-            aloop.call_soon_threadsafe(q.put_nowait, ev)
-
+        aloop = asyncio.get_running_loop()
         draining = s.draining
 
-        def start(pod: DecodePod) -> bool:
+        def sink(ev: RequestOutput | Failure) -> None:
+            aloop.call_soon_threadsafe(events.put_nowait, ev)
+
+        def start(pod: DecodePod) -> None:
             reserved = rid in pod.reservations
             if draining and not reserved:
-                raise _Refused(grpc.StatusCode.UNAVAILABLE, "decode pod is draining")
+                raise Unavailable("decode pod is draining")
             if pod.knows(rid) and not reserved:
                 raise RequestExists(f"request {rid!r} is already decoding on this pod")
             engine.subscribe(rid, sink)
@@ -386,64 +392,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 raise
             if out is not None:
                 engine.emit(out)
-            return out is not None
 
-        s.active_streams += 1
-        done = started = False
-        try:
-            try:
-                await s.call(start)
-                started = True
-            except _Refused as e:
-                await context.abort(e.code, e.message)
-            except RequestError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RequestExists as e:
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-            except KVDeliveryError as e:
-                await context.abort(getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.ABORTED), str(e))
-            except EngineStopped as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            t_landed: float | None = None
-            seen_first = False
-            while not done:
-                evs = [await q.get()]
-                while not q.empty():
-                    evs.append(q.get_nowait())
-                chunk = decode_pb2.TokenChunk()
-                for ev in evs:
-                    if isinstance(ev, Failure):
-                        done = True
-                        if not seen_first:  # nothing streamed yet: a gRPC status, as decode.proto says
-                            await context.abort(getattr(grpc.StatusCode, ev.code, grpc.StatusCode.INTERNAL),
-                                                ev.message)
-                        chunk.finish_reason = common_pb2.FINISH_REASON_ERROR
-                        chunk.error_message = ev.message
-                        break
-                    if ev.new_token_ids:
-                        if not seen_first:
-                            # The first output is prefill's first token (KV landed): not repeated in the stream.
-                            seen_first = True
-                            t_landed = time.monotonic()
-                        else:
-                            chunk.token_ids.extend(ev.new_token_ids)
-                            if params.logprobs:
-                                chunk.logprobs.extend(ev.new_logprobs)
-                        chunk.num_output_tokens = ev.completion_tokens
-                    if ev.finished:
-                        done = True
-                        chunk.finish_reason = _FINISH[ev.finish_reason]
-                        break
-                if done:
-                    now = time.monotonic()
-                    chunk.kv_transfer_s = (t_landed or now) - t_start
-                    chunk.decode_s = now - (t_landed or now)
-                if chunk.token_ids or done:
-                    yield chunk
-        finally:
-            s.active_streams -= 1
-            if started and not done:  # the client went away (or we failed): free the blocks now
-                engine.call(lambda pod: engine.cancel(pod, rid))
+        await s.call(start)
 
     async def CancelDecode(self, request: decode_pb2.CancelDecodeRequest, context: grpc.aio.ServicerContext):
         engine = self.s.engine
@@ -452,6 +402,56 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         except EngineStopped:  # the engine (and every block it held) is gone: nothing left to free
             found = False
         return decode_pb2.CancelDecodeResponse(found=found)
+
+
+async def _drain(q: asyncio.Queue[RequestOutput | Failure]) -> list[RequestOutput | Failure]:
+    """The next event and every one already queued behind it (one chunk per batch of events)."""
+    evs = [await q.get()]
+    while not q.empty():
+        evs.append(q.get_nowait())
+    return evs
+
+
+class _TokenStream:
+    """Turns a request's engine events into TokenChunks. The first output is prefill's first token (its KV
+    landed): not repeated in the stream. A Failure before it is the call's gRPC status (decode.proto); after it,
+    a final chunk with FINISH_REASON_ERROR."""
+
+    def __init__(self, logprobs: bool, t_start: float) -> None:
+        self.logprobs = logprobs
+        self.t_start = t_start
+        self.t_landed: float | None = None
+
+    def chunk(self, evs: list[RequestOutput | Failure]) -> tuple[decode_pb2.TokenChunk | None, bool]:
+        """(the chunk to send, or None; whether the stream is done)."""
+        chunk = decode_pb2.TokenChunk()
+        done = False
+        for ev in evs:
+            if isinstance(ev, Failure):
+                if self.t_landed is None:
+                    raise ServiceError(ev.code, ev.message)
+                done = True
+                chunk.finish_reason = common_pb2.FINISH_REASON_ERROR
+                chunk.error_message = ev.message
+                break
+            if ev.new_token_ids:
+                if self.t_landed is None:
+                    self.t_landed = time.monotonic()
+                else:
+                    chunk.token_ids.extend(ev.new_token_ids)
+                    if self.logprobs:
+                        chunk.logprobs.extend(ev.new_logprobs)
+                chunk.num_output_tokens = ev.completion_tokens
+            if ev.finished:
+                done = True
+                chunk.finish_reason = _FINISH[ev.finish_reason]
+                break
+        if done:
+            now = time.monotonic()
+            landed = self.t_landed or now
+            chunk.kv_transfer_s = landed - self.t_start
+            chunk.decode_s = now - landed
+        return (chunk if chunk.token_ids or done else None), done
 
 
 def _layout_mismatch(prefill: common_pb2.KVLayout, mine: common_pb2.KVLayout) -> str | None:

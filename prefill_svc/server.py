@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.errors import InvalidArgument, ServiceError, Unavailable, grpc_errors
 from pdserve.pod.convert import (endpoints_address, handoff_to_kv_handle, layout_from_proto, layout_to_proto,
                                  model_shape_to_proto, parallel_to_proto)
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, run_loop, set_health, version
@@ -25,7 +26,7 @@ from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2
 from prefill_svc.config import PrefillConfig
 from prefill_svc.metrics import PrefillMetrics
 from prefill_svc.sampling import sampling_from_proto
-from prefill_svc.worker import PrefillError, PrefillResult, PrefillWorker
+from prefill_svc.worker import PrefillResult, PrefillWorker
 
 log = logging.getLogger("prefill_svc.server")
 
@@ -64,46 +65,46 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, server: "PrefillServer") -> None:
         self.s = server
 
+    @grpc_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        s = self.s
-        metrics = s.metrics
-        code = "OK"
+        code = grpc.StatusCode.OK
         try:
-            if s.worker.draining:
-                code = "UNAVAILABLE"
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    "this prefill pod is draining and takes no new requests; retry on another pod")
-            problem = prefill_request_problem(request)
-            if problem:
-                code = "INVALID_ARGUMENT"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-            try:
-                params, client = sampling_from_proto(request.sampling_params)
-            except SamplingParamsError as e:
-                code = "INVALID_ARGUMENT"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {e}")
-            mode, problem = s.choose_mode(request)
-            if problem:
-                code = "INVALID_ARGUMENT"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-            try:
-                res = await s.worker.prefill(request.request_id, list(request.prompt_token_ids), params, client,
-                                             lease_id=request.lease_id or None, ttl_s=request.lease_ttl_s or None)
-            except PrefillError as e:
-                code = e.code
-                await context.abort(getattr(grpc.StatusCode, e.code), str(e))
-            metrics.queue_seconds.observe(res.queue_s)
-            metrics.compute_seconds.observe(res.compute_s)
-            return s.response(res, mode)
+            return await self._prefill(request)
+        except ServiceError as e:
+            code = e.code
+            raise
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            metrics.requests.labels(code=code).inc()
+            self.s.metrics.requests.labels(code=code.name).inc()
 
+    async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        """Checks (pod state, fields, sampling, transfer mode), then the prefill itself on the engine thread."""
+        s = self.s
+        if s.worker.draining:
+            raise Unavailable("this prefill pod is draining and takes no new requests; retry on another pod")
+        problem = prefill_request_problem(request)
+        if problem:
+            raise InvalidArgument(problem)
+        try:
+            params, client = sampling_from_proto(request.sampling_params)
+        except SamplingParamsError as e:
+            raise InvalidArgument(f"sampling_params: {e}") from e
+        mode, problem = s.choose_mode(request)
+        if problem:
+            raise InvalidArgument(problem)
+        res = await s.worker.prefill(request.request_id, list(request.prompt_token_ids), params, client,
+                                     lease_id=request.lease_id or None, ttl_s=request.lease_ttl_s or None)
+        s.metrics.queue_seconds.observe(res.queue_s)
+        s.metrics.compute_seconds.observe(res.compute_s)
+        return s.response(res, mode)
+
+    @grpc_errors
     async def CancelPrefill(self, request, context):
         return prefill_pb2.CancelPrefillResponse(found=await self.s.worker.cancel(request.request_id))
 
+    @grpc_errors
     async def ReleaseKV(self, request, context):
         return prefill_pb2.ReleaseKVResponse(released=await self.s.worker.release(request.lease_id))
 

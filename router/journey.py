@@ -24,8 +24,9 @@ from typing import Any, AsyncIterator
 import grpc
 
 from pdserve_api.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2
-from router.admission import AdmissionError, Admitted
-from router.core import Prepared, Rejected, RouterCore
+from pdserve.errors import ServiceError
+from router.admission import Admitted
+from router.core import Prepared, RouterCore
 from router.detok import OutputAssembler
 
 log = logging.getLogger("router.journey")
@@ -116,7 +117,7 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
     # 1. Validate: prompt -> token ids, sampling parameters, model, request id.
     try:
         prep = await core.prepare(request)
-    except Rejected as e:
+    except ServiceError as e:
         m.count_request(e.code.name)
         _set_status(context, e.code, e.message)
         return
@@ -271,7 +272,7 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
             else:
                 stream.cancel()
 
-    except Rejected as e:  # before the first token: the call's status
+    except ServiceError as e:  # before the first token: the call's status
         outcome = e.code.name
         _set_status(context, e.code, e.message)
     except Cancelled:
@@ -348,7 +349,7 @@ def _ended(out: OutputAssembler, piece: Any, sent: int, max_tokens: int | None, 
 
 def _need_prefill_pods(core: RouterCore) -> None:
     if not core.registry.prefill_views():
-        raise Rejected(grpc.StatusCode.UNAVAILABLE,
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                        "no READY prefill pod: start prefill pods (python -m prefill_svc ... --router ...) or wait "
                        "until they register")
 
@@ -358,7 +359,7 @@ def _place_prefill(core: RouterCore, prep: Prepared) -> str:
     pod = core.pick_prefill(prep, set())
     if pod is None:
         _need_prefill_pods(core)  # the clearer message when there is none at all
-        raise Rejected(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
     return pod
 
 
@@ -378,8 +379,8 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
         try:
             admitted = await core.admission.admit(prep.kv_tokens, left, frozenset(exclude),
                                                   on_wait=lambda f: flight.set_pending(f))
-        except AdmissionError as e:
-            raise Rejected(e.code, e.message + (f" (earlier: {'; '.join(failures)})" if failures else ""))
+        except ServiceError as e:
+            raise ServiceError(e.code, e.message + (f" (earlier: {'; '.join(failures)})" if failures else ""))
         except asyncio.CancelledError:
             if flight.cancelled:
                 raise Cancelled() from None
@@ -391,7 +392,7 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
         flight.decode_pod = pod
         prefill_pod = core.pick_prefill(prep, set())  # books the prompt on it; _prefill gives it back
         if prefill_pod is None:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
         try:
             t = time.monotonic()
             alloc = await flight.call(pod, core.decode_stub(pod).AllocateKV(decode_pb2.AllocateKVRequest(
@@ -407,11 +408,11 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
             code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
             detail = _describe(e)
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise Rejected(code, f"decode pod {pod!r} refused the request: {detail}")
+                raise ServiceError(code, f"decode pod {pod!r} refused the request: {detail}")
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
-                raise Rejected(code, f"deadline passed while decode pod {pod!r} reserved KV")
+                raise ServiceError(code, f"deadline passed while decode pod {pod!r} reserved KV")
             if code == grpc.StatusCode.ALREADY_EXISTS:
-                raise Rejected(code, f"decode pod {pod!r}: {detail}")
+                raise ServiceError(code, f"decode pod {pod!r}: {detail}")
             failures.append(f"{pod}: {detail}")
             # Gone from this request: the clean-up of a possible half-made reservation returns the booking.
             flight.decode_pod, flight.admitted = None, None
@@ -421,7 +422,7 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
                 failures = failures[-2:]  # a long wait must not grow the message without bound
                 waited = time.monotonic() - t_first
                 if waited >= core.config.max_queue_wait_s:
-                    raise Rejected(code, f"decode pods kept refusing KV for {len(prep.prompt_ids)} prompt tokens for "
+                    raise ServiceError(code, f"decode pods kept refusing KV for {len(prep.prompt_ids)} prompt tokens for "
                                          f"{waited:.1f}s (max_queue_wait_s {core.config.max_queue_wait_s}): retry "
                                          f"later or add decode pods (last: {'; '.join(failures)})")
             else:
@@ -429,7 +430,7 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
                 exclude.add(pod)
                 if code == grpc.StatusCode.UNAVAILABLE:
                     core.registry.suspect(pod)
-    raise Rejected(grpc.StatusCode.UNAVAILABLE, f"no decode pod could reserve KV: {'; '.join(failures)}")
+    raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no decode pod could reserve KV: {'; '.join(failures)}")
 
 
 async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: decode_pb2.AllocateKVResponse | None,
@@ -459,9 +460,9 @@ async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: deco
             detail = _describe(e)
             if code in _PREFILL_FINAL:
                 flight.prefill_pod = None
-                raise Rejected(code, f"prefill pod {pod!r} refused the request: {detail}")
+                raise ServiceError(code, f"prefill pod {pod!r} refused the request: {detail}")
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
-                raise Rejected(code, f"deadline passed during prefill on pod {pod!r}")
+                raise ServiceError(code, f"deadline passed during prefill on pod {pod!r}")
             # The pod may still be working on it (timeouts): tell it to stop and drop any lease.
             core.spawn(core.cancel_prefill(pod, prep.request_id))
             if code == grpc.StatusCode.UNAVAILABLE:
@@ -474,7 +475,7 @@ async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: deco
             core.registry.end_prefill(pod, n)
         nxt = core.pick_prefill(prep, set(tried)) if len(tried) < 2 else None
         if nxt is None:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE,
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                            f"prefill failed ({'; '.join(failures)})" + ("" if len(tried) >= 2 else
                                                                        "; no other READY prefill pod to retry on"))
         core.metrics.prefill_retries.inc()

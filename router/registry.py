@@ -17,15 +17,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import grpc
-
+from pdserve.errors import InvalidArgument, ServiceError, Unauthenticated
 from pdserve.parallel_config import ParallelConfig
 from pdserve.security import secrets_match
 from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
 from router.config import RouterConfig
 from router.placement import DecodeView, PrefillView, blocks_needed
-from router.registry_checks import InvalidRequest, heartbeat_problem, kv_stats_problem, register_problem
-from router.validation import BadConfigRequest, check_for_role, facts_from_shape, parallel_from_proto, \
+from router.registry_checks import heartbeat_problem, kv_stats_problem, register_problem
+from router.validation import check_for_role, facts_from_shape, parallel_from_proto, \
     shape_mismatch
 
 log = logging.getLogger("router.registry")
@@ -36,10 +35,6 @@ DRAINING = common_pb2.POD_STATE_DRAINING
 UNHEALTHY = common_pb2.POD_STATE_UNHEALTHY
 PREFILL = common_pb2.ROLE_PREFILL
 DECODE = common_pb2.ROLE_DECODE
-
-
-class Unauthenticated(Exception):
-    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 @dataclass
@@ -136,7 +131,7 @@ class Registry:
         self._check_token(req.cluster_token)
         problem = self._malformed(req)
         if problem:
-            raise InvalidRequest(f"RegisterWorker: {problem}")
+            raise InvalidArgument(f"RegisterWorker: {problem}")
         reason, parallel = self._refusal(req)
         resp = registry_pb2.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_interval_s,
                                                    router_id=self.router_id)
@@ -193,7 +188,7 @@ class Registry:
                     "it unset)"), None
         try:
             facts = facts_from_shape(req.model_shape, "model_shape")
-        except BadConfigRequest as e:
+        except ServiceError as e:
             return f"invalid model_shape: {e.message}", None
         block = req.kv_layout.block_size
         parallel = parallel_from_proto(req.parallel, block)
@@ -232,7 +227,7 @@ class Registry:
             return registry_pb2.HeartbeatResponse(known=False)
         problem = heartbeat_problem(req, entry.tp)
         if problem:  # refused whole: the entry keeps its last good report
-            raise InvalidRequest(f"heartbeat of pod {req.pod_id!r}: {problem}")
+            raise InvalidArgument(f"heartbeat of pod {req.pod_id!r}: {problem}")
         entry.last_heartbeat = self.clock()
         entry.load.CopyFrom(req.load)
         self._apply_kv(entry, req.kv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import pytest
 
 from decode_svc.config import DecodeConfig
@@ -234,7 +235,7 @@ def test_kv_pulled_through_kv_transfer(pod, prefill_standins, solo, clock):
         src = TransferKVSource(handoff.to_json(), len(PROMPTS[4]), factory, timeout_s=10)
         with pytest.raises(KVDeliveryError) as ei:
             pod.submit("gone", PROMPTS[4], greedy(4), first, lp, src)
-        assert ei.value.grpc_code == "FAILED_PRECONDITION"
+        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert not pod.knows("gone")
         assert pod.idle() and pod.free_blocks_per_rank() == [pod.num_blocks] * TP
     finally:

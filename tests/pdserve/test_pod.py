@@ -8,11 +8,12 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.transport import Endpoint, KVHandoff
 from pdserve.pod.convert import handoff_to_kv_handle, kv_handle_to_handoff, layout_from_proto, layout_to_proto
 from pdserve.pod.lifecycle import MAX_ID_LEN, id_problem
+from pdserve.errors import ServiceError
 from pdserve.pod.sampling import refuse_unsupported, unsupported_fields
 from pdserve.sampling import SamplingParamsError
 from pdserve_api.v1 import common_pb2 as pb
 from prefill_svc.sampling import sampling_from_proto
-from router.core import Rejected, _check_sampling
+from router.core import _check_sampling
 
 UNSUPPORTED = [
     ("top_logprobs", pb.SamplingParams(top_logprobs=2)),
@@ -27,7 +28,7 @@ NEUTRAL = pb.SamplingParams(repetition_penalty=1.0, presence_penalty=0.0, freque
 @pytest.mark.parametrize("name,sp", UNSUPPORTED, ids=[n for n, _ in UNSUPPORTED])
 def test_router_prefill_and_decode_refuse_the_same_fields(name, sp):
     assert unsupported_fields(sp) == [name]
-    with pytest.raises(Rejected, match=name):
+    with pytest.raises(ServiceError, match=name):
         _check_sampling(sp)
     with pytest.raises(SamplingParamsError, match=f"{name} is not implemented by this prefill pod"):
         sampling_from_proto(sp)

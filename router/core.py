@@ -12,7 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 
@@ -23,12 +23,10 @@ from pdserve.tokenizer import Tokenizer
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
 from router.admission import Admission, Admitted
 from router.config import RouterConfig
+from router.flight import Flight
 from router.metrics import RouterMetrics
 from router.placement import PrefixIndex, block_hashes, pick_prefill
 from router.registry import Registry
-
-if TYPE_CHECKING:
-    from router.journey import Flight
 
 log = logging.getLogger("router")
 
@@ -71,7 +69,7 @@ class RouterCore:
         self.admission = Admission(self.registry, config)
         self.prefix = PrefixIndex(config.prefix_block_size, config.prefix_index_capacity)
         self.metrics = RouterMetrics()
-        self.flights: dict[str, "Flight"] = {}
+        self.flights: dict[str, Flight] = {}
         self.draining = False
         self.eos_token_ids = self._eos_ids()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -188,34 +186,37 @@ class RouterCore:
     # ------------------------------------------------------------------------------------------------------------
 
     async def prepare(self, req: router_pb2.GenerateRequest) -> Prepared:
-        """Validate a GenerateRequest; raises ServiceError (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ALREADY_EXISTS)."""
+        """Validate a GenerateRequest; raises ServiceError (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE,
+        ALREADY_EXISTS)."""
         if self.draining:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "router is shutting down: send the request to another router")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               "router is shutting down: send the request to another router")
         if req.model and req.model not in self.registry.model_aliases:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                           f"model {req.model!r} is not served here; this cluster serves {self.model_name!r} "
-                           "(or leave model empty)")
+                               f"model {req.model!r} is not served here; this cluster serves {self.model_name!r} "
+                               "(or leave model empty)")
         if req.request_id:
             _check_request_id(req.request_id)
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.flights:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
-                           f"request_id {rid!r} is already in flight: use a unique id per request (or leave it "
-                           "empty and the router assigns one)")
+                               f"request_id {rid!r} is already in flight: use a unique id per request (or leave it "
+                               "empty and the router assigns one)")
         prompt_ids = await self._prompt_ids(req)
         vocab = self.registry.vocab_size() or self.tokenizer.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt token id {bad} is out of range for the model's vocabulary [0, {vocab})")
+                               f"prompt token id {bad} is out of range for the model's vocabulary [0, {vocab})")
         max_len = self.registry.max_model_len()
         if max_len and len(prompt_ids) >= max_len:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten it to at "
-                           f"most {max_len - 1} tokens")
+                               f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten it to at "
+                               f"most {max_len - 1} tokens")
         sp = req.sampling_params
         _check_sampling(sp)
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
+        max_tokens_eff: int | None
         if max_len and max_tokens is not None and len(prompt_ids) + max_tokens > max_len:
             max_tokens_eff = max_len - len(prompt_ids)  # decode stops at the context length (LENGTH)
         else:
@@ -250,7 +251,7 @@ class RouterCore:
             for i, m in enumerate(msgs):
                 if m.role not in ("system", "user", "assistant", "tool"):
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"chat message {i} has role {m.role!r}; use system, user, assistant or tool")
+                                       f"chat message {i} has role {m.role!r}; use system, user, assistant or tool")
             add_gen = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
             try:
                 text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs],
@@ -278,11 +279,11 @@ def _check_request_id(rid: str) -> None:
     """Client ids travel to every pod and into logs and metric labels: bounded, printable."""
     if len(rid) > MAX_REQUEST_ID_LEN:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"request_id has {len(rid)} characters; use at most {MAX_REQUEST_ID_LEN} (or leave it empty "
-                       "and the router assigns one)")
+                           f"request_id has {len(rid)} characters; use at most {MAX_REQUEST_ID_LEN} (or leave it empty "
+                           "and the router assigns one)")
     if not rid.isprintable():
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"request_id {rid!r} contains control characters; use printable characters only")
+                           f"request_id {rid!r} contains control characters; use printable characters only")
 
 
 def _check_sampling(sp: common_pb2.SamplingParams) -> None:

@@ -118,13 +118,14 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
             row[f"DCP{dcp} / transformers"] = r
             ratios[f"decode_bs{bs}_tp{tp}_dcp{dcp}_vs_transformers"] = r
         rows.append(row)
-    # The headline names the brief uses: the DCP 3 pod (DCP 1 in quick mode) against transformers.
+    # The headline ratios: the DCP 3 pod (DCP 1 in quick mode) against transformers.
     main_layout = layouts[-1]
     for bs in batches:
         ratios[f"decode_bs{bs}_vs_transformers"] = pod_tok_s[main_layout][bs] / hf_tok_s[bs]
     raw = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": prompt_len, "new_tokens": new_tokens,
            "batches": list(batches),
-           "decode_tok_s": {f"tp{tp}_dcp{dcp}": {str(b): v for b, v in d.items()} for (tp, dcp), d in pod_tok_s.items()},
+           "decode_tok_s": {f"tp{tp}_dcp{dcp}": {str(b): v for b, v in d.items()}
+                            for (tp, dcp), d in pod_tok_s.items()},
            "transformers_decode_tok_s": {str(b): v for b, v in hf_tok_s.items()},
            "threads": {"transformers": torch.get_num_threads(), "pod_per_rank": "max(1, cores // tp)"},
            "throughput_seconds": time.perf_counter() - t_start}
@@ -175,8 +176,8 @@ def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
     for name, path, tp in models:
         res = {dcp: _admitted(path, tp, dcp, budget) for dcp in (1, 2, 3)}
         base = res[1]["admitted"]
-        row: dict[str, Any] = {"metric": f"{CAPACITY_SEQ_LEN}-token seqs admitted, {CAPACITY_BUDGET_MIB} MiB/rank, {name}",
-                               "TP": tp}
+        row: dict[str, Any] = {
+            "metric": f"{CAPACITY_SEQ_LEN}-token seqs admitted, {CAPACITY_BUDGET_MIB} MiB/rank, {name}", "TP": tp}
         checks = []
         for dcp, r in res.items():
             if not r["allowed"]:

@@ -153,7 +153,8 @@ class EngineLoop:
                 if now - last_stats > 0.05 or not pod.has_work():
                     self._refresh_stats()
                     last_stats = now
-        except BaseException as e:
+        except BaseException as exc:
+            e = exc
             try:  # a collective that failed because a peer died says so only vaguely: name the rank
                 _check_ranks(pod, grace_s=2.0)
             except RankDied as dead:

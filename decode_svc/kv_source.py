@@ -43,7 +43,8 @@ class KVSource(Protocol):
         ...
 
 
-def rank_token_slots(runner: "ModelRunner", num_tokens: int, block_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_token_slots(runner: "ModelRunner", num_tokens: int,
+                     block_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(absolute positions this rank stores, their flat cache slots) for the first num_tokens tokens."""
     ps, bs = runner.ps, runner.block_size
     pos, slots = [], []
@@ -144,7 +145,8 @@ class TransferKVSource:
 
         puller = self._puller(runner)
         try:
-            return int(puller.pull(KVHandoff.from_json(self.handoff_json), block_table, timeout_s=self.timeout_s).nbytes)
+            handoff = KVHandoff.from_json(self.handoff_json)
+            return int(puller.pull(handoff, block_table, timeout_s=self.timeout_s).nbytes)
         except Exception as e:
             code = grpc_status_code(e) if isinstance(e, KVTransferError) else grpc.StatusCode.ABORTED
             raise KVDeliveryError(f"KV transfer failed on rank {runner.ps.tp_rank}: {e}", code) from e

@@ -80,8 +80,8 @@ class Admission:
         views = [v for v in self.registry.decode_views() if v.pod_id not in exclude]
         if not views:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                 "no READY decode pod: start decode pods (python -m decode_svc ... --router ...) "
-                                 "or wait until they register")
+                               "no READY decode pod: start decode pods (python -m decode_svc ... --router ...) "
+                               "or wait until they register")
         if all(never_fits(v, num_tokens) for v in views):
             v = max(views, key=lambda v: min(v.total_blocks) if v.total_blocks else 0)
             raise ServiceError(
@@ -102,8 +102,8 @@ class Admission:
                 return got
         if self.depth >= self.config.max_queue_len:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"router queue is full ({self.depth} requests waiting for decode KV, bound "
-                                 f"{self.config.max_queue_len}): retry with backoff, or add decode pods")
+                               f"router queue is full ({self.depth} requests waiting for decode KV, bound "
+                               f"{self.config.max_queue_len}): retry with backoff, or add decode pods")
         t0 = time.monotonic()
         w = _Waiter(num_tokens, exclude)
         self._queue.append(w)
@@ -125,10 +125,10 @@ class Admission:
             waited = time.monotonic() - t0
             if timeout is not None and limit >= timeout:
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"deadline passed after {waited:.2f}s waiting in the router queue for decode KV")
+                                   f"deadline passed after {waited:.2f}s waiting in the router queue for decode KV")
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"no decode pod had room for {num_tokens} tokens of KV within {waited:.1f}s "
-                                 f"(max_queue_wait_s {self.config.max_queue_wait_s}): retry later or add decode pods")
+                               f"no decode pod had room for {num_tokens} tokens of KV within {waited:.1f}s "
+                               f"(max_queue_wait_s {self.config.max_queue_wait_s}): retry later or add decode pods")
         got = w.fut.result()
         got.queue_s = time.monotonic() - t0
         return got

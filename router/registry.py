@@ -40,7 +40,7 @@ DECODE = common_pb2.ROLE_DECODE
 @dataclass
 class PodEntry:
     pod_id: str
-    role: int
+    role: common_pb2.Role
     model: str
     address: str
     kv_transfer_address: str
@@ -48,7 +48,7 @@ class PodEntry:
     registration: registry_pb2.RegisterWorkerRequest
     registered_at: float
     last_heartbeat: float
-    state: int = READY
+    state: common_pb2.PodState = READY
     load: common_pb2.LoadStats = field(default_factory=common_pb2.LoadStats)
     kv_free: list[int] = field(default_factory=list)  # per TP rank, as last reported
     kv_total: list[int] = field(default_factory=list)
@@ -57,7 +57,7 @@ class PodEntry:
     inflight_prompt_tokens: int = 0  # prefill: prompt tokens of Prefill calls in flight
     pending_blocks: list[int] = field(default_factory=list)  # decode: reserved by the router since last report
     routed_total: int = 0  # requests ever placed here
-    desired_state: int = common_pb2.POD_STATE_UNSPECIFIED
+    desired_state: common_pb2.PodState = common_pb2.POD_STATE_UNSPECIFIED
 
     @property
     def layout(self) -> common_pb2.KVLayout:

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import signal
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -96,7 +96,7 @@ class RouterServer:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._watchdog: asyncio.Task | None = None
-        self._metrics_http = None
+        self._metrics_http: Any = None  # prometheus_client's (server, thread)
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:

@@ -69,8 +69,8 @@ def facts_from_path(path: str) -> ModelFacts:
     cfg_path = os.path.join(p, "config.json") if os.path.isdir(p) else p
     if not os.path.isfile(cfg_path):
         raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"model_path {path!r}: no config.json at {cfg_path}; give a model directory "
-                               "the router can read, or send the model's shape instead")
+                           f"model_path {path!r}: no config.json at {cfg_path}; give a model directory "
+                           "the router can read, or send the model's shape instead")
     try:
         with open(cfg_path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -78,8 +78,8 @@ def facts_from_path(path: str) -> ModelFacts:
         raise ServiceError(grpc.StatusCode.NOT_FOUND, f"model_path {path!r}: cannot read {cfg_path}: {e}")
     if not isinstance(raw, dict):
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"model_path {path!r}: {cfg_path} must hold a JSON object (a HF config), got "
-                               f"{type(raw).__name__}")
+                           f"model_path {path!r}: {cfg_path} must hold a JSON object (a HF config), got "
+                           f"{type(raw).__name__}")
     try:
         return _facts_from_config(raw)
     except (ValueError, TypeError, AttributeError, ArithmeticError) as e:  # fields of the wrong type / value
@@ -114,21 +114,21 @@ def _facts_from_config(raw: dict) -> ModelFacts:
 def facts_from_shape(shape: common_pb2.ModelShape, what: str = "shape") -> ModelFacts:
     if shape.num_attention_heads <= 0:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{what}.num_attention_heads must be a positive integer, got "
-                               f"{shape.num_attention_heads}")
+                           f"{what}.num_attention_heads must be a positive integer, got "
+                           f"{shape.num_attention_heads}")
     if shape.num_kv_heads < 0:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{what}.num_kv_heads must be >= 1 (or 0 for MHA: same as num_attention_heads), "
-                               f"got {shape.num_kv_heads}")
+                           f"{what}.num_kv_heads must be >= 1 (or 0 for MHA: same as num_attention_heads), "
+                           f"got {shape.num_kv_heads}")
     for name in ("num_layers", "head_dim", "hidden_size", "vocab_size", "max_model_len", "sliding_window",
                  "kv_lora_rank", "qk_rope_head_dim"):
         if getattr(shape, name) < 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"{what}.{name} must be >= 0, got {getattr(shape, name)}")
+                               f"{what}.{name} must be >= 0, got {getattr(shape, name)}")
     if shape.use_mla and shape.kv_lora_rank + shape.qk_rope_head_dim >= 2**31:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{what}: kv_lora_rank + qk_rope_head_dim (the MLA cache head size) must be below "
-                               f"2**31, got {shape.kv_lora_rank + shape.qk_rope_head_dim}")
+                           f"{what}: kv_lora_rank + qk_rope_head_dim (the MLA cache head size) must be below "
+                           f"2**31, got {shape.kv_lora_rank + shape.qk_rope_head_dim}")
     kv = shape.num_kv_heads or shape.num_attention_heads
     try:
         info = ModelParallelInfo(num_attention_heads=shape.num_attention_heads, num_kv_heads=kv,
@@ -234,12 +234,12 @@ def validate_config_rpc(req: router_pb2.ValidateConfigRequest) -> router_pb2.Val
     """Router.ValidateConfig. Raises ServiceError (INVALID_ARGUMENT / NOT_FOUND) for malformed requests only."""
     if req.role not in common_pb2.Role.values():
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"role {req.role} is not a Role: use ROLE_PREFILL, ROLE_DECODE or leave it unset")
+                           f"role {req.role} is not a Role: use ROLE_PREFILL, ROLE_DECODE or leave it unset")
     source = req.WhichOneof("model_source")
     if source is None:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "set exactly one of model_path (a model directory) or shape (the model's head "
-                               "counts) in ValidateConfigRequest")
+                           "set exactly one of model_path (a model directory) or shape (the model's head "
+                           "counts) in ValidateConfigRequest")
     if source == "model_path":
         if not req.model_path:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "model_path is empty")

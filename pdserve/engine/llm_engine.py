@@ -7,10 +7,9 @@ import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
+import collections.abc
 from typing import Any, Callable
 
-import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.executor import Executor
@@ -234,7 +233,8 @@ class LLMEngine:
         """A request whose prompt KV someone else writes: its prompt's blocks now, keeping headroom blocks per rank
         free; None (nothing kept) when they do not fit. Raises RequestError for a bad prompt or a used id."""
         seq = self._new_sequence(prompt_ids, params, request_id)
-        if not self.blocks.can_allocate(seq, seq.num_tokens, reserve=headroom) or not self.scheduler.reserve_for_kv(seq):
+        fits = self.blocks.can_allocate(seq, seq.num_tokens, reserve=headroom)
+        if not fits or not self.scheduler.reserve_for_kv(seq):
             del self._tracked[request_id]
             return None
         return seq
@@ -318,12 +318,12 @@ class LLMEngine:
         return out
 
     # --- convenience for offline use, tests and benchmarks ---
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[dict]:
+    def generate(self, prompts: collections.abc.Sequence[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[dict[str, Any]]:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        results = {r: {"request_id": r, "token_ids": [], "logprobs": [], "text": "", "finish_reason": None}
-                   for r in rids}
+        results: dict[str, dict[str, Any]] = {
+            r: {"request_id": r, "token_ids": [], "logprobs": [], "text": "", "finish_reason": None} for r in rids}
         while any(results[r]["finish_reason"] is None for r in rids):
             for out in self.step():
                 res = results.get(out.request_id)

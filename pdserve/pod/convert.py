@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kv_transfer.layout import KVLayout
@@ -30,7 +31,7 @@ def layout_from_proto(p: pb.KVLayout) -> KVLayout:
                     interleave=p.dcp_kv_cache_interleave_size or 1, num_blocks=p.num_blocks)
 
 
-def endpoints_address(endpoints: list[Endpoint]) -> str:
+def endpoints_address(endpoints: Sequence[Endpoint | None]) -> str:
     """The per-rank kv_transfer endpoints as one address string: "host:port", or "h:p0,h:p1,..." by rank."""
     eps = [str(e) for e in endpoints]
     return eps[0] if len(set(eps)) == 1 else ",".join(eps)
@@ -53,7 +54,7 @@ def handoff_to_kv_handle(h: KVHandoff, pod_id: str, ttl_s: float) -> pb.KVHandle
 def kv_handle_to_handoff(kh: pb.KVHandle, request_id: str) -> KVHandoff:
     """Inverse of handoff_to_kv_handle (what a decode pod needs to pull)."""
     layout = layout_from_proto(kh.layout)
-    eps = [Endpoint.parse(a) for a in kh.kv_transfer_address.split(",") if a]
+    eps: list[Endpoint | None] = [Endpoint.parse(a) for a in kh.kv_transfer_address.split(",") if a]
     if len(eps) == 1:
         eps = eps * layout.tp_size
     if len(eps) != layout.tp_size:

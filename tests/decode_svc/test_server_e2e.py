@@ -1,7 +1,8 @@
 """The decode service end to end, in a subprocess started the way operators start it (python -m decode_svc, TP 2,
-DCP 2): AllocateKV -> KV delivered (file handle, and pulled over kv_transfer from a prefill engine) -> Decode stream (token-identical to transformers) -> CancelDecode frees blocks;
-grpc.health.v1; Prometheus gauges; SIGTERM drains (in-flight streams finish, new calls get UNAVAILABLE); an invalid
-parallel config refuses to start with the rule's message."""
+DCP 2): AllocateKV -> KV delivered (file handle, and pulled over kv_transfer from a prefill engine) -> Decode
+stream (token-identical to transformers) -> CancelDecode frees blocks; grpc.health.v1; Prometheus gauges; SIGTERM
+drains (in-flight streams finish, new calls get UNAVAILABLE); an invalid parallel config refuses to start with the
+rule's message."""
 from __future__ import annotations
 
 import os

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
-from router.fuzz_testing import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING, UNSUPPORTED_SAMPLING,
+from fuzz_helpers import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING, UNSUPPORTED_SAMPLING,
                                  VOCAB, assert_refused, idle, ok_ids, settled_snapshot, tiny_cluster)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

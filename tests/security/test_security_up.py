@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pdserve.client import Client
-from pdserve.cluster.testing import UpProcess
+from up_helpers import UpProcess
 from security_helpers import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(900)

@@ -1,4 +1,4 @@
-"""Test / benchmark helper: ``pdserve up`` in a subprocess, exactly as a user runs it.
+"""Test helper: ``pdserve up`` in a subprocess, exactly as a user runs it.
 
     with UpProcess(["--model", path, "--port", "0", "--http-port", "0"], log_dir=tmp) as up:
         client = Client(up.router)

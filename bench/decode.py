@@ -12,7 +12,6 @@
 Quick mode: fewer tokens, batches 1 and 32, and the TP 9 x DCP 3 pod only (shared memory and gloo)."""
 from __future__ import annotations
 
-import itertools
 import math
 import tempfile
 import time
@@ -159,28 +158,10 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
 
 
 # --- KV capacity: the AllocateKV admission path (DecodePod.reserve) over the engine's block manager ---
-class _BookkeepingEngine:
-    """The parts of LLMEngine that DecodePod.reserve touches (block manager, scheduler), without model ranks:
-    admission is pure block accounting, so this counts exactly what a live pod would admit."""
-
-    def __init__(self, cfg, max_model_len: int) -> None:
-        from pdserve.engine.block_manager import BlockManager
-        from pdserve.engine.scheduler import Scheduler
-
-        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.decode_context_parallel_size,
-                                   cfg.dcp_kv_cache_interleave_size, False)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, 4096, 1024)
-        self.max_model_len = max_model_len
-        self._arrival = itertools.count()
-        self._tracked: dict = {}
-
-    def has_unfinished(self) -> bool:
-        return False
-
-
 def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int) -> dict[str, Any]:
     from decode_svc.config import DecodeConfig
     from decode_svc.pod import DecodePod
+    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.model.config import ModelConfig
     from pdserve.parallel_config import ParallelConfigError
 
@@ -193,7 +174,8 @@ def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int) -> dict[str
                            block_size=CAPACITY_BLOCK, num_kv_blocks=num_blocks, max_num_seqs=1_000_000)
     except ParallelConfigError as e:
         return {"allowed": False, "refusal": e.message, "blocks_per_rank": num_blocks}
-    pod = DecodePod(cfg, engine=_BookkeepingEngine(cfg, CAPACITY_SEQ_LEN + 1))
+    # Admission is pure block accounting: an engine without model ranks counts exactly what a live pod admits.
+    pod = DecodePod(cfg, engine=LLMEngine.bookkeeping(cfg.engine_config(), CAPACITY_SEQ_LEN + 1))
     n = 0
     while pod.reserve(f"cap{n}", CAPACITY_SEQ_LEN) is not None:
         n += 1
@@ -219,8 +201,8 @@ def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
     for name, path, tp in models:
         res = {dcp: _admitted(path, tp, dcp, budget) for dcp in (1, 2, 3)}
         base = res[1]["admitted"]
-        row: dict[str, Any] = {"metric": f"{CAPACITY_SEQ_LEN}-token seqs admitted, {CAPACITY_BUDGET_MIB} MiB/rank, {name}",
-                               "TP": tp}
+        row: dict[str, Any] = {
+            "metric": f"{CAPACITY_SEQ_LEN}-token seqs admitted, {CAPACITY_BUDGET_MIB} MiB/rank, {name}", "TP": tp}
         checks = []
         for dcp, r in res.items():
             if not r["allowed"]:

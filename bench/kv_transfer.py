@@ -4,8 +4,9 @@ Shape: SmolLM2-135M's KV (30 layers, 3 kv heads, head_dim 64, fp32, block 16), 2
 (46,080 bytes per token: 94 MB and 377 MB). Prefill TP 1 runs in a spawned process holding a NIXL publisher
 (which also serves the TCP path); decode pullers run here. Block tables are shuffled (a cache after some churn),
 so every block is its own segment; the "(contiguous tables)" rows move the same bytes with consecutive block
-tables on both sides (one segment per plane), which separates per-segment cost from the data path's bandwidth. All layers are ready before the pull starts: this measures the data path,
-not the overlap with prefill compute (the streaming rows below measure that).
+tables on both sides (one segment per plane), which separates per-segment cost from the data path's bandwidth.
+All layers are ready before the pull starts: this measures the data path, not the overlap with prefill compute
+(the streaming rows below measure that).
 
 Layouts: decode tp=1/dcp=1 (same layout, one 12 KB segment per block and plane), and tp=9/dcp=3 (each decode
 rank takes one kv head of every third token: 256-byte segments, the worst case for a re-shard; the 9 ranks
@@ -181,8 +182,8 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
     eng = LLMEngine(EngineConfig(max_num_batched_tokens=max_tokens, prefill_chunk_size=max_tokens, max_num_seqs=1,
                                  num_kv_blocks=blocks, enable_prefix_caching=False, block_size=BLOCK))
     mc = eng.model_config
-    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, str(eng.executor.kv_cache.dtype).replace("torch.", ""),
-                      BLOCK, tp_size=1, num_blocks=blocks)
+    dtype = str(eng.executor.kv_cache.dtype).replace("torch.", "")
+    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, BLOCK, tp_size=1, num_blocks=blocks)
     host = KVHost(eng, layout, backend, "127.0.0.1", 120.0, wake=lambda: None)
     publish_hook = eng.executor.runner.layer_hook  # prefill_svc.kv.RankKV.on_layer_done
     conn.send((layout.to_dict(), host.transport))

@@ -52,7 +52,7 @@ def _cpu_and_wall(fn) -> tuple[float, float]:
 
 def _pod_prefill_s(worker, ids: list[int], rid: str) -> tuple[float, float]:
     from pdserve_api.v1 import common_pb2 as pb
-    from prefill_svc.convert import sampling_from_proto
+    from prefill_svc.sampling import sampling_from_proto
 
     params, client = sampling_from_proto(pb.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
 
@@ -137,7 +137,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     chunk = 2048
     cfg = PrefillConfig(model=str(path), kv_transport="tcp", enable_prefix_caching=False, prefill_chunk_size=chunk,
                         max_num_batched_tokens=8192, num_kv_blocks=8192 // 16 + 16)
-    sides = {"pod": _Side(_pod_side, cfg, threads), "exact": _Side(_pod_side, replace(cfg, exact_prefill=True), threads),
+    sides = {"pod": _Side(_pod_side, cfg, threads),
+             "exact": _Side(_pod_side, replace(cfg, exact_prefill=True), threads),
              "hf": _Side(_hf_side, str(path), threads)}
     best = {name: {} for name in sides}  # name -> length -> [cpu s, wall s]
     try:

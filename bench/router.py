@@ -88,7 +88,7 @@ def _start_echo() -> tuple[Any, int]:
 
     proc = subprocess.Popen([sys.executable, "-m", "bench.router", "--echo-server"], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[1])
-    return proc, int(proc.stdout.readline())  # type: ignore[union-attr]
+    return proc, int(proc.stdout.readline())
 
 
 async def _echo_once(stub, req) -> float:
@@ -110,7 +110,7 @@ def _echo_server() -> None:
     from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 
     class Echo(router_pb2_grpc.RouterServicer):
-        async def Generate(self, request, context):  # noqa: N802
+        async def Generate(self, request, context):
             yield router_pb2.GenerateResponse(request_id="echo", token_ids=[1], text="x",
                                               finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
@@ -127,7 +127,7 @@ def _echo_server() -> None:
 
 def _run_loop(coro: Any) -> Any:
     try:
-        import uvloop  # type: ignore[import-not-found]
+        import uvloop
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)

@@ -199,7 +199,7 @@ class RssSampler:
         for name, p in self._procs.items():
             try:
                 self.samples.setdefault(name, []).append((now, p.memory_info().rss))
-            except Exception:  # noqa: BLE001 - a process that died shows up as missing samples (and in outcomes)
+            except Exception:  # a process that died shows up as missing samples (and in outcomes)
                 pass
 
     def halves(self, t0: float, t1: float) -> dict[str, dict[str, float]]:
@@ -220,7 +220,7 @@ class RssSampler:
 def _cmdline(p: Any) -> list[str]:
     try:
         return p.cmdline()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return []
 
 

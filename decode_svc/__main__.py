@@ -6,7 +6,6 @@ SIGTERM, then drains. An invalid parallel config is refused before anything star
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -90,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from decode_svc.server import serve
+    from pdserve.pod.lifecycle import run_loop
 
     def ready(server) -> None:
         metrics = f", metrics on {cfg.host}:{server.metrics_port}" if server.metrics_port else ""
@@ -97,14 +97,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(tp={cfg.tensor_parallel_size} dcp={cfg.decode_context_parallel_size} "
               f"interleave={cfg.dcp_kv_cache_interleave_size})", flush=True)
 
-    try:
-        import uvloop
-    except ImportError:
-        uvloop = None
-    if uvloop is not None:
-        uvloop.run(serve(cfg, ready))
-    else:
-        asyncio.run(serve(cfg, ready))
+    run_loop(serve(cfg, ready))
     print("decode_svc stopped", flush=True)
     return 0
 

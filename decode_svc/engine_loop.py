@@ -13,18 +13,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import grpc
+
 from decode_svc.config import DecodeConfig
 from decode_svc.pod import DecodePod, Failure
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.engine.shm import RankFailure
+from pdserve.errors import Unavailable
 
 log = logging.getLogger("decode_svc.engine")
 
 Sink = Callable[[RequestOutput | Failure], None]
 
 
-class EngineStopped(RuntimeError):
+class EngineStopped(Unavailable):
     """The engine thread is gone (a rank died, or the pod is stopping): the pod cannot take this call."""
 
 
@@ -151,7 +154,8 @@ class EngineLoop:
                 if now - last_stats > 0.05 or not pod.has_work():
                     self._refresh_stats()
                     last_stats = now
-        except BaseException as e:
+        except BaseException as exc:
+            e = exc
             try:  # a collective that failed because a peer died says so only vaguely: name the rank
                 _check_ranks(pod, grace_s=2.0)
             except RankDied as dead:
@@ -159,7 +163,7 @@ class EngineLoop:
             log.error("decode engine failed: %s", e, exc_info=not isinstance(e, RankDied))
             self._error = e
             # UNAVAILABLE: the request may succeed on another pod; this one is not coming back.
-            code = "UNAVAILABLE" if isinstance(e, (RankDied, RankFailure)) else "INTERNAL"
+            code = grpc.StatusCode.UNAVAILABLE if isinstance(e, (RankDied, RankFailure)) else grpc.StatusCode.INTERNAL
             for rid in list(self._sinks):
                 self.emit(Failure(rid, code, f"decode engine failed: {e}"))
             if self.on_failure is not None:

@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
+import grpc
 import torch
 
 from pdserve.engine.block_manager import dcp_slot
+from pdserve.errors import ServiceError
 
 if TYPE_CHECKING:  # pragma: no cover
     from pdserve.engine.executor import Executor
@@ -25,12 +27,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from pdserve.engine.model_runner import ModelRunner
 
 
-class KVDeliveryError(RuntimeError):
-    """Some rank could not write its share of the prompt KV; ``grpc_code`` names the status to answer with."""
+class KVDeliveryError(ServiceError):
+    """Some rank could not write its share of the prompt KV (ABORTED unless the cause says otherwise)."""
 
-    def __init__(self, message: str, grpc_code: str = "ABORTED") -> None:
-        super().__init__(message)
-        self.grpc_code = grpc_code
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> None:
+        super().__init__(code, message)
 
 
 @runtime_checkable
@@ -42,7 +43,8 @@ class KVSource(Protocol):
         ...
 
 
-def rank_token_slots(runner: "ModelRunner", num_tokens: int, block_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_token_slots(runner: "ModelRunner", num_tokens: int,
+                     block_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(absolute positions this rank stores, their flat cache slots) for the first num_tokens tokens."""
     ps, bs = runner.ps, runner.block_size
     pos, slots = [], []
@@ -65,10 +67,11 @@ def write_dense(runner: "ModelRunner", kv: torch.Tensor, block_table: list[int])
     layers, _, nb, bs, h_local, d = cache.shape
     if kv.dim() != 5 or kv.shape[0] != layers or kv.shape[1] != 2 or kv.shape[4] != d:
         raise KVDeliveryError(f"prompt KV has shape {tuple(kv.shape)}, this pod's cache needs "
-                              f"[{layers}, 2, tokens, {runner.cfg.num_kv_heads}, {d}]", "INVALID_ARGUMENT")
+                              f"[{layers}, 2, tokens, {runner.cfg.num_kv_heads}, {d}]",
+                              grpc.StatusCode.INVALID_ARGUMENT)
     if kv.shape[3] != runner.cfg.num_kv_heads:
         raise KVDeliveryError(f"prompt KV has {kv.shape[3]} KV heads, the model has {runner.cfg.num_kv_heads}",
-                              "INVALID_ARGUMENT")
+                              grpc.StatusCode.INVALID_ARGUMENT)
     pos, slots = rank_token_slots(runner, kv.shape[2], block_table)
     heads = torch.tensor(rank_kv_heads(runner), dtype=torch.int64)
     part = kv.index_select(2, pos).index_select(3, heads).to(cache.device, cache.dtype)
@@ -103,10 +106,10 @@ class FileKVSource:
         try:
             kv = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)["kv"]
         except (OSError, RuntimeError, KeyError) as e:
-            raise KVDeliveryError(f"cannot read prompt KV from {self.path}: {e}", "NOT_FOUND") from e
+            raise KVDeliveryError(f"cannot read prompt KV from {self.path}: {e}", grpc.StatusCode.NOT_FOUND) from e
         if kv.shape[2] != self.num_tokens:
             raise KVDeliveryError(f"{self.path} holds KV for {kv.shape[2]} tokens, the prompt has {self.num_tokens}",
-                                  "INVALID_ARGUMENT")
+                                  grpc.StatusCode.INVALID_ARGUMENT)
         return write_dense(runner, kv, block_table)
 
 
@@ -117,7 +120,7 @@ _PULLERS: dict[Any, Any] = {}
 @dataclass(frozen=True)
 class TransferKVSource:
     """``puller_factory(runner)`` builds the rank's KVPuller once per process (it registers runner.kv_cache);
-    ``handoff_json`` is a kv_transfer KVHandoff. Any kv_transfer error is raised with its grpc_code."""
+    ``handoff_json`` is a kv_transfer KVHandoff. Any kv_transfer error is raised with its status code."""
 
     handoff_json: str
     num_tokens: int
@@ -138,14 +141,15 @@ class TransferKVSource:
         self._puller(runner).renew(KVHandoff.from_json(self.handoff_json))
 
     def write_rank(self, runner: "ModelRunner", block_table: list[int]) -> int:
-        from kv_transfer.transport import KVHandoff
+        from kv_transfer.transport import KVHandoff, KVTransferError, grpc_status_code
 
         puller = self._puller(runner)
         try:
-            return int(puller.pull(KVHandoff.from_json(self.handoff_json), block_table, timeout_s=self.timeout_s).nbytes)
+            handoff = KVHandoff.from_json(self.handoff_json)
+            return int(puller.pull(handoff, block_table, timeout_s=self.timeout_s).nbytes)
         except Exception as e:
-            raise KVDeliveryError(f"KV transfer failed on rank {runner.ps.tp_rank}: {e}",
-                                  getattr(e, "grpc_code", "ABORTED")) from e
+            code = grpc_status_code(e) if isinstance(e, KVTransferError) else grpc.StatusCode.ABORTED
+            raise KVDeliveryError(f"KV transfer failed on rank {runner.ps.tp_rank}: {e}", code) from e
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ class DecodeCollector(Collector):
                               labels=["pod"])
         g.add_metric([pod], s.reserved)
         yield g
-        used = GaugeMetricFamily("pdserve_decode_kv_blocks_used", "KV blocks in use, per TP rank", labels=["pod", "rank"])
+        used = GaugeMetricFamily("pdserve_decode_kv_blocks_used", "KV blocks in use, per TP rank",
+                                 labels=["pod", "rank"])
         free = GaugeMetricFamily("pdserve_decode_kv_blocks_free", "Free KV blocks, per TP rank", labels=["pod", "rank"])
         for r, (u, f) in enumerate(zip(s.blocks_used, s.blocks_free)):
             used.add_metric([pod, str(r)], u)

@@ -20,27 +20,30 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import grpc
+
 from decode_svc.config import DecodeConfig
 from decode_svc.kv_source import KVDeliveryError, KVSource, close_rank_pullers, deliver
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
-from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.engine.sequence import Sequence
+from pdserve.errors import AlreadyExists
 from pdserve.sampling import SamplingParams
 
 
 log = logging.getLogger("decode_svc.pod")
 
 
-class RequestExists(Exception):
-    """The request id is already reserved, queued or decoding here (gRPC ALREADY_EXISTS)."""
+class RequestExists(AlreadyExists):
+    """The request id is already reserved, queued or decoding here."""
 
 
 @dataclass
 class Failure:
-    """A queued request that could not start (reported instead of a RequestOutput)."""
+    """A request that could not start or go on (reported instead of a RequestOutput)."""
 
     request_id: str
-    code: str  # grpc.StatusCode name
+    code: grpc.StatusCode
     message: str
     finished: bool = True
 
@@ -108,13 +111,11 @@ class DecodePod:
         res = self.reservations.get(request_id)
         if res is not None:
             return self.tp_tables(res.seq.block_tables)
-        tr = self.engine._tracked.get(request_id)
-        if tr is None or not tr.seq.block_tables:
-            return None
-        return self.tp_tables(tr.seq.block_tables)
+        tables = self.engine.block_tables_of(request_id)
+        return None if tables is None else self.tp_tables(tables)
 
     def knows(self, request_id: str) -> bool:
-        return (request_id in self.reservations or request_id in self.engine._tracked
+        return (request_id in self.reservations or self.engine.knows(request_id)
                 or any(q.request_id == request_id for q in self.queue))
 
     @property
@@ -153,13 +154,9 @@ class DecodePod:
             raise RequestExists(f"request {request_id!r} already has a reservation or is decoding on this pod")
         if self._num_admitted() >= self.config.max_num_seqs:
             return None
-        eng = self.engine
-        seq = Sequence(request_id, [0] * num_tokens, SamplingParams(), next(eng._arrival))
-        want = min(num_tokens + extra_tokens, self.max_model_len)
-        if not eng.blocks.can_allocate(seq, want):
+        seq = self.engine.reserve(request_id, num_tokens, min(num_tokens + extra_tokens, self.max_model_len))
+        if seq is None:
             return None
-        eng.blocks.allocate(seq, want)
-        seq.status = SeqStatus.WAITING_FOR_KV
         ttl = ttl_s if ttl_s and ttl_s > 0 else self.config.reservation_ttl_s
         self.reservations[request_id] = Reservation(seq, num_tokens, self.clock() + ttl,
                                                     int((time.time() + ttl) * 1000))
@@ -179,7 +176,7 @@ class DecodePod:
     def _release_reservation(self, request_id: str) -> Reservation | None:
         res = self.reservations.pop(request_id, None)
         if res is not None:
-            self.engine.blocks.free(res.seq)
+            self.engine.free_reserved(res.seq)
         return res
 
     # --- Decode ---
@@ -203,12 +200,8 @@ class DecodePod:
             if res.num_tokens != len(prompt_ids):
                 raise RequestError(f"request {request_id!r} reserved KV for {res.num_tokens} tokens but the prompt "
                                    f"has {len(prompt_ids)}")
+            seq = eng.adopt(res.seq, prompt_ids, params)
             del self.reservations[request_id]
-            seq = eng._new_sequence(prompt_ids, params, request_id)
-            seq.arrival = res.seq.arrival
-            seq.block_tables, res.seq.block_tables = res.seq.block_tables, []
-            seq.status = SeqStatus.WAITING_FOR_KV
-            eng.scheduler.awaiting_kv[request_id] = seq
             return self._deliver_and_land(seq, first_token, first_logprob, source)
         if self.knows(request_id):
             raise RequestExists(f"request {request_id!r} is already decoding on this pod")
@@ -226,11 +219,9 @@ class DecodePod:
         eng = self.engine
         if self._num_admitted() >= self.config.max_num_seqs:
             return None
-        seq = eng._new_sequence(q.prompt_ids, q.params, q.request_id)
         # Keep a block per rank in hand for the running sequences, as the scheduler does for new prompts.
-        headroom = 1 if eng.scheduler.running else 0
-        if not eng.blocks.can_allocate(seq, seq.num_tokens, reserve=headroom) or not eng.scheduler.reserve_for_kv(seq):
-            del eng._tracked[q.request_id]
+        seq = eng.add_awaiting_kv(q.prompt_ids, q.params, q.request_id, headroom=1 if eng.scheduler.running else 0)
+        if seq is None:
             return None
         return self._deliver_and_land(seq, q.first_token, q.first_logprob, q.source)
 
@@ -244,13 +235,7 @@ class DecodePod:
             raise
         self.kv_bytes_received += sum(nbytes)
         self.kv_seconds[seq.request_id] = secs
-        # LLMEngine's decode-pod hooks: the scheduler starts the sequence; _append_token does stop checks and
-        # detokenization for the first token exactly as for every later one.
-        eng.scheduler.kv_landed(seq, first_token, first_logprob)
-        seq.output_ids.pop()
-        seq.output_logprobs.pop()
-        out = eng._append_token(seq, first_token, first_logprob)
-        eng.num_generated_tokens -= 1  # prefill sampled it, not this pod
+        out = eng.start_decoding(seq, first_token, first_logprob)
         if out.finished:
             self.kv_seconds.pop(seq.request_id, None)
         return out
@@ -272,7 +257,7 @@ class DecodePod:
             q = self.queue[0]
             if q.deadline <= now:
                 self.queue.popleft()
-                events.append(Failure(q.request_id, "RESOURCE_EXHAUSTED",
+                events.append(Failure(q.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       "no free KV blocks on this decode pod within the admission timeout"))
                 continue
             if self.engine.scheduler.waiting:
@@ -281,11 +266,11 @@ class DecodePod:
                 out = self._try_admit(q)
             except KVDeliveryError as e:
                 self.queue.popleft()
-                events.append(Failure(q.request_id, e.grpc_code, str(e)))
+                events.append(Failure(q.request_id, e.code, e.message))
                 continue
             except RequestError as e:
                 self.queue.popleft()
-                events.append(Failure(q.request_id, "INVALID_ARGUMENT", str(e)))
+                events.append(Failure(q.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)))
                 continue
             if out is None:
                 break

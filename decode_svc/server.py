@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,15 +18,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine_loop import EngineLoop, EngineStopped
-from decode_svc.kv_source import FileKVSource, KVDeliveryError, KVSource, PullerFactory, TransferKVSource
+from decode_svc.kv_source import FileKVSource, KVSource, PullerFactory, TransferKVSource
 from decode_svc.metrics import DecodeCollector, start_metrics_server
 from decode_svc.pod import DecodePod, Failure, RequestExists
 from pdserve.engine.block_manager import dcp_local_count
-from pdserve.engine.llm_engine import RequestError, RequestOutput
+from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
-from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, grpc_errors
+from pdserve.pod.convert import kv_handle_to_handoff, model_shape_to_proto, parallel_to_proto
+from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
+from pdserve.pod.registrar import Registrar
+from pdserve.pod.sampling import engine_params, refuse_unsupported
+from pdserve.sampling import SamplingParams
 from pdserve.security import bind, export_kv_auth_token, export_kv_tls, grpc_options
-from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
 
 log = logging.getLogger("decode_svc")
 
@@ -43,34 +47,12 @@ _FINISH = {
 KVSourceFactory = Callable[[decode_pb2.DecodeRequest], KVSource]
 
 
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 def sampling_params_from_proto(p: common_pb2.SamplingParams, max_model_len: int) -> SamplingParams:
     """Decode applies EOS, stop_token_ids and max_tokens; stop strings belong to whoever detokenizes (the router).
-    Parameters this pod does not implement are refused rather than ignored (common.proto's rule)."""
-    if p.top_logprobs > 0:
-        raise SamplingParamsError("top_logprobs is not supported by this decode pod")
-    if p.min_tokens > 1:
-        raise SamplingParamsError("min_tokens > 1 is not supported by this decode pod")
-    if p.HasField("repetition_penalty") and p.repetition_penalty != 1.0:
-        raise SamplingParamsError("repetition_penalty is not supported by this decode pod")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if p.HasField(name) and getattr(p, name) != 0.0:
-            raise SamplingParamsError(f"{name} is not supported by this decode pod")
-    return SamplingParams(
-        temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_k=p.top_k,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
-        seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else max_model_len,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-    )
+    Parameters the pods do not implement are refused rather than ignored (common.proto's rule)."""
+    refuse_unsupported(p, "this decode pod")
+    return engine_params(p, max_tokens=p.max_tokens if p.HasField("max_tokens") else max_model_len,
+                         ignore_eos=p.ignore_eos, logprobs=p.logprobs)
 
 
 class DecodeServer:
@@ -90,7 +72,7 @@ class DecodeServer:
         self._layout: common_pb2.KVLayout | None = None
         self.max_model_len = 0
         self._puller_factory: PullerFactory | None = None
-        self.registrar: Any = None
+        self.registrar: Registrar | None = None
         self._model_shape: common_pb2.ModelShape | None = None
         self._last_rate = (time.monotonic(), 0)
         self._rate = 0.0
@@ -120,12 +102,9 @@ class DecodeServer:
             collector = DecodeCollector(lambda: self.engine.stats, self.config.pod_id, lambda: self.draining)
             _, self._metrics_http = start_metrics_server(self.config.metrics_port, self.config.host, collector)
             self.metrics_port = self._metrics_http.server_port
-        for svc in ("", SERVICE_NAME):
-            await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        await set_health(self._health, SERVICE_NAME, serving=True)
         self._model_shape = await self.call(self._model_shape_of)
         if self.config.router_address:
-            from prefill_svc.registration import Registrar  # the shared register / heartbeat / deregister loop
-
             self.registrar = Registrar(self.config.router_address, self.config.cluster_token,
                                        self.config.heartbeat_interval_s, self.register_request,
                                        self.heartbeat_request, self._on_desired_state, tls=self.config.tls)
@@ -140,8 +119,7 @@ class DecodeServer:
         self.draining = True
         if self.registrar is not None:
             self.registrar.poke()  # the router stops placing requests here at once
-        for svc in ("", SERVICE_NAME):
-            await self._health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(self._health, SERVICE_NAME, serving=False)
         deadline = time.monotonic() + self.config.drain_timeout_s
         while time.monotonic() < deadline:
             idle = self.active_streams == 0 and (not self.engine.alive or await self.call(lambda pod: pod.idle()))
@@ -166,8 +144,7 @@ class DecodeServer:
         NOT_SERVING and the next heartbeat (sent now) says UNHEALTHY, so the router stops placing requests here;
         the process stays up so an operator / orchestrator sees why (the log and the health status)."""
         log.error("decode pod %s is unhealthy: %s", self.config.pod_id, error)
-        for svc in ("", SERVICE_NAME):
-            asyncio.ensure_future(self._health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING))
+        asyncio.ensure_future(set_health(self._health, SERVICE_NAME, serving=False))
         if self.registrar is not None:
             self.registrar.poke()
 
@@ -198,12 +175,7 @@ class DecodeServer:
 
     # --- registry messages (router) ---
     def _model_shape_of(self, pod: DecodePod) -> common_pb2.ModelShape:
-        mc = pod.engine.model_config
-        return common_pb2.ModelShape(architecture=mc.architecture, num_layers=mc.num_layers,
-                                     hidden_size=mc.hidden_size, num_attention_heads=mc.num_heads,
-                                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
-                                     max_model_len=pod.max_model_len, sliding_window=mc.sliding_window or 0,
-                                     dtype=self._layout.dtype)
+        return model_shape_to_proto(pod.engine.model_config, pod.max_model_len, self._layout.dtype)
 
     @property
     def address(self) -> str:
@@ -214,30 +186,24 @@ class DecodeServer:
         total = self._layout.num_blocks
         return [common_pb2.RankKVStats(rank=r, free_blocks=f, total_blocks=total) for r, f in enumerate(st.blocks_free)]
 
-    def register_request(self) -> Any:
-        from pdserve_api.v1 import registry_pb2
-
+    def register_request(self) -> registry_pb2.RegisterWorkerRequest | None:
         if self.draining or self.engine.error is not None:  # a pod going away / broken does not (re-)register
             return None
         cfg = self.config
         return registry_pb2.RegisterWorkerRequest(
             pod_id=cfg.pod_id, role=common_pb2.ROLE_DECODE, address=self.address, kv_transfer_address="",
             model=cfg.served_model_name or Path(cfg.model).name, model_shape=self._model_shape,
-            parallel=common_pb2.ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=1,
-                                               decode_context_parallel_size=cfg.decode_context_parallel_size,
-                                               dcp_kv_cache_interleave_size=cfg.dcp_kv_cache_interleave_size,
-                                               data_parallel_size=1),
+            parallel=parallel_to_proto(cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
+                                       cfg.dcp_kv_cache_interleave_size),
             kv_layout=self._layout,
             capacity=common_pb2.WorkerCapacity(max_num_seqs=cfg.max_num_seqs,
                                                max_num_batched_tokens=cfg.max_num_batched_tokens,
                                                max_model_len=self.max_model_len,
                                                max_concurrent_transfers=cfg.max_num_seqs,
                                                transfer_modes=self.transfer_modes),
-            cluster_token=cfg.cluster_token, version=_version(), state=common_pb2.POD_STATE_READY, kv=self._kv_stats())
+            cluster_token=cfg.cluster_token, version=version(), state=common_pb2.POD_STATE_READY, kv=self._kv_stats())
 
-    def heartbeat_request(self) -> Any:
-        from pdserve_api.v1 import registry_pb2
-
+    def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:
         st = self.engine.stats
         now = time.monotonic()
         t0, n0 = self._last_rate
@@ -263,34 +229,22 @@ class DecodeServer:
         addr = req.kv_handle.kv_transfer_address
         if addr.startswith("file://"):
             if not self.config.allow_file_kv:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                               "file:// KV handles are disabled on this decode pod (start it with --allow-file-kv)")
+                raise InvalidArgument("file:// KV handles are disabled on this decode pod (start it with "
+                                      "--allow-file-kv)")
             return FileKVSource(addr[len("file://"):], len(req.prompt_token_ids))
         if self.kv_source_factory is not None:
             return self.kv_source_factory(req)
         if not addr:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "kv_handle.kv_transfer_address is empty")
-        from prefill_svc.convert import kv_handle_to_handoff  # the one KVHandle <-> KVHandoff mapping
-
+            raise InvalidArgument("kv_handle.kv_transfer_address is empty")
         try:
             handoff = kv_handle_to_handoff(req.kv_handle, req.request_id)
         except (ValueError, KeyError) as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"bad kv_handle: {e}") from e
+            raise InvalidArgument(f"bad kv_handle: {e}") from e
         if handoff.num_tokens != len(req.prompt_token_ids):
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"kv_handle covers {handoff.num_tokens} tokens but the prompt has "
-                           f"{len(req.prompt_token_ids)}")
+            raise InvalidArgument(f"kv_handle covers {handoff.num_tokens} tokens but the prompt has "
+                                  f"{len(req.prompt_token_ids)}")
         return TransferKVSource(handoff.to_json(), handoff.num_tokens, self._puller_factory,
                                 self.config.kv_transfer_timeout_s)
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("pdserve")
-    except Exception:
-        return "unknown"
 
 
 def _transfer_modes(backend: str) -> list[int]:
@@ -303,16 +257,13 @@ def _transfer_modes(backend: str) -> list[int]:
     return ([common_pb2.TRANSFER_MODE_NIXL_PULL] if nixl else []) + grpc_mode
 
 
-MAX_ID_LEN = 256  # request ids travel into logs and metric labels
 MAX_TTL_S = 86400.0  # a reservation held longer than a day is a mistake (and keeps expires_at_unix_ms in int64)
 
 
 def _request_id_problem(rid: str) -> str | None:
     if not rid:
         return "request_id is empty"
-    if len(rid) > MAX_ID_LEN or not rid.isprintable():
-        return f"request_id must be at most {MAX_ID_LEN} printable characters, got {rid[:40]!r}"
-    return None
+    return id_problem("request_id", rid)
 
 
 def allocate_request_problem(req: decode_pb2.AllocateKVRequest) -> str | None:
@@ -346,17 +297,16 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, server: DecodeServer) -> None:
         self.s = server
 
+    @grpc_errors
     async def AllocateKV(self, request: decode_pb2.AllocateKVRequest, context: grpc.aio.ServicerContext):
         s = self.s
         rid = request.request_id
         if s.unavailable_reason():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, s.unavailable_reason())
-        problem = allocate_request_problem(request)
+            raise Unavailable(s.unavailable_reason())
+        problem = allocate_request_problem(request) or (
+            _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None)
         if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        mismatch = _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None
-        if mismatch:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, mismatch)
+            raise InvalidArgument(problem)
 
         def reserve(pod: DecodePod):
             tables = pod.reserve(rid, request.num_tokens, request.num_reserved_output_tokens, request.ttl_s or None)
@@ -364,17 +314,9 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 return None
             return pod.tp_tables(tables), pod.reservations[rid].expires_at_unix_ms
 
-        try:
-            got = await s.call(reserve)
-        except RequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RequestExists as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        except EngineStopped as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        got = await s.call(reserve)
         if got is None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"not enough free KV blocks for {request.num_tokens} tokens on this decode pod")
+            raise ResourceExhausted(f"not enough free KV blocks for {request.num_tokens} tokens on this decode pod")
         tables, expires = got
         cfg = s.config
         return decode_pb2.AllocateKVResponse(
@@ -386,38 +328,59 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 for r, t in enumerate(tables)],
             agent_name="", transfer_modes=s.transfer_modes, expires_at_unix_ms=expires)
 
+    @grpc_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        """Check -> KV source -> start on the engine thread -> stream the tokens; the blocks are freed at once if
+        the stream ends early (client gone, error)."""
         s = self.s
-        rid = request.request_id
         t_start = time.monotonic()
+        params, source = self._prepare(request)
+        events: asyncio.Queue[RequestOutput | Failure] = asyncio.Queue()
+        s.active_streams += 1
+        started = done = False
+        try:
+            await self._start(request, params, source, events)
+            started = True
+            stream = _TokenStream(params.logprobs, t_start)
+            while not done:
+                chunk, done = stream.chunk(await _drain(events))
+                if chunk is not None:
+                    yield chunk
+        finally:
+            s.active_streams -= 1
+            if started and not done:  # the client went away (or we failed): free the blocks now
+                engine = s.engine
+                engine.call(lambda pod: engine.cancel(pod, request.request_id))
+
+    def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, KVSource]:
+        """Field checks, sampling params and the KV source, before the engine is involved."""
+        s = self.s
         problem = decode_request_problem(request)
         if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise InvalidArgument(problem)
         if s.engine.error is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, s.unavailable_reason())
+            raise Unavailable(s.unavailable_reason())
         try:
-            params = sampling_params_from_proto(request.sampling_params, s.max_model_len)
-            source = s.make_source(request)
-        except (SamplingParamsError, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except _Refused as e:
-            await context.abort(e.code, e.message)
-        except KVDeliveryError as e:
-            await context.abort(getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.ABORTED), str(e))
+            return sampling_params_from_proto(request.sampling_params, s.max_model_len), s.make_source(request)
+        except ValueError as e:  # SamplingParamsError, or a KV source that cannot be built from the handle
+            raise InvalidArgument(str(e)) from e
 
-        aloop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+    async def _start(self, request: decode_pb2.DecodeRequest, params: SamplingParams, source: KVSource,
+                     events: asyncio.Queue[RequestOutput | Failure]) -> None:
+        """Take the reservation over (or queue) on the engine thread, subscribed to the request's events."""
+        s = self.s
+        rid = request.request_id
         engine = s.engine
-
-        def sink(ev: RequestOutput | Failure) -> None:
-            aloop.call_soon_threadsafe(q.put_nowait, ev)
-
+        aloop = asyncio.get_running_loop()
         draining = s.draining
 
-        def start(pod: DecodePod) -> bool:
+        def sink(ev: RequestOutput | Failure) -> None:
+            aloop.call_soon_threadsafe(events.put_nowait, ev)
+
+        def start(pod: DecodePod) -> None:
             reserved = rid in pod.reservations
             if draining and not reserved:
-                raise _Refused(grpc.StatusCode.UNAVAILABLE, "decode pod is draining")
+                raise Unavailable("decode pod is draining")
             if pod.knows(rid) and not reserved:
                 raise RequestExists(f"request {rid!r} is already decoding on this pod")
             engine.subscribe(rid, sink)
@@ -429,64 +392,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 raise
             if out is not None:
                 engine.emit(out)
-            return out is not None
 
-        s.active_streams += 1
-        done = started = False
-        try:
-            try:
-                await s.call(start)
-                started = True
-            except _Refused as e:
-                await context.abort(e.code, e.message)
-            except RequestError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RequestExists as e:
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-            except KVDeliveryError as e:
-                await context.abort(getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.ABORTED), str(e))
-            except EngineStopped as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            t_landed: float | None = None
-            seen_first = False
-            while not done:
-                evs = [await q.get()]
-                while not q.empty():
-                    evs.append(q.get_nowait())
-                chunk = decode_pb2.TokenChunk()
-                for ev in evs:
-                    if isinstance(ev, Failure):
-                        done = True
-                        if not seen_first:  # nothing streamed yet: a gRPC status, as decode.proto says
-                            await context.abort(getattr(grpc.StatusCode, ev.code, grpc.StatusCode.INTERNAL),
-                                                ev.message)
-                        chunk.finish_reason = common_pb2.FINISH_REASON_ERROR
-                        chunk.error_message = ev.message
-                        break
-                    if ev.new_token_ids:
-                        if not seen_first:
-                            # The first output is prefill's first token (KV landed): not repeated in the stream.
-                            seen_first = True
-                            t_landed = time.monotonic()
-                        else:
-                            chunk.token_ids.extend(ev.new_token_ids)
-                            if params.logprobs:
-                                chunk.logprobs.extend(ev.new_logprobs)
-                        chunk.num_output_tokens = ev.completion_tokens
-                    if ev.finished:
-                        done = True
-                        chunk.finish_reason = _FINISH[ev.finish_reason]
-                        break
-                if done:
-                    now = time.monotonic()
-                    chunk.kv_transfer_s = (t_landed or now) - t_start
-                    chunk.decode_s = now - (t_landed or now)
-                if chunk.token_ids or done:
-                    yield chunk
-        finally:
-            s.active_streams -= 1
-            if started and not done:  # the client went away (or we failed): free the blocks now
-                engine.call(lambda pod: engine.cancel(pod, rid))
+        await s.call(start)
 
     async def CancelDecode(self, request: decode_pb2.CancelDecodeRequest, context: grpc.aio.ServicerContext):
         engine = self.s.engine
@@ -495,6 +402,56 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         except EngineStopped:  # the engine (and every block it held) is gone: nothing left to free
             found = False
         return decode_pb2.CancelDecodeResponse(found=found)
+
+
+async def _drain(q: asyncio.Queue[RequestOutput | Failure]) -> list[RequestOutput | Failure]:
+    """The next event and every one already queued behind it (one chunk per batch of events)."""
+    evs = [await q.get()]
+    while not q.empty():
+        evs.append(q.get_nowait())
+    return evs
+
+
+class _TokenStream:
+    """Turns a request's engine events into TokenChunks. The first output is prefill's first token (its KV
+    landed): not repeated in the stream. A Failure before it is the call's gRPC status (decode.proto); after it,
+    a final chunk with FINISH_REASON_ERROR."""
+
+    def __init__(self, logprobs: bool, t_start: float) -> None:
+        self.logprobs = logprobs
+        self.t_start = t_start
+        self.t_landed: float | None = None
+
+    def chunk(self, evs: list[RequestOutput | Failure]) -> tuple[decode_pb2.TokenChunk | None, bool]:
+        """(the chunk to send, or None; whether the stream is done)."""
+        chunk = decode_pb2.TokenChunk()
+        done = False
+        for ev in evs:
+            if isinstance(ev, Failure):
+                if self.t_landed is None:
+                    raise ServiceError(ev.code, ev.message)
+                done = True
+                chunk.finish_reason = common_pb2.FINISH_REASON_ERROR
+                chunk.error_message = ev.message
+                break
+            if ev.new_token_ids:
+                if self.t_landed is None:
+                    self.t_landed = time.monotonic()
+                else:
+                    chunk.token_ids.extend(ev.new_token_ids)
+                    if self.logprobs:
+                        chunk.logprobs.extend(ev.new_logprobs)
+                chunk.num_output_tokens = ev.completion_tokens
+            if ev.finished:
+                done = True
+                chunk.finish_reason = _FINISH[ev.finish_reason]
+                break
+        if done:
+            now = time.monotonic()
+            landed = self.t_landed or now
+            chunk.kv_transfer_s = landed - self.t_start
+            chunk.decode_s = now - landed
+        return (chunk if chunk.token_ids or done else None), done
 
 
 def _layout_mismatch(prefill: common_pb2.KVLayout, mine: common_pb2.KVLayout) -> str | None:
@@ -511,15 +468,13 @@ async def serve(config: DecodeConfig, ready: Callable[[DecodeServer], None] | No
     """Run until SIGTERM/SIGINT, then drain and stop."""
     server = DecodeServer(config)
     await server.start()
-    loop = asyncio.get_running_loop()
 
     async def _shutdown(signame: str) -> None:
         log.info("%s: draining", signame)
         await server.drain()
         await server.stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda n=sig.name: asyncio.ensure_future(_shutdown(n)))
+    on_stop_signals(_shutdown)
     if ready is not None:
         ready(server)
     await server.wait_stopped()

@@ -156,7 +156,7 @@ def service_flags(role: str) -> set[str] | None:
     """The long flags the role's ``python -m`` parser accepts, or None when it cannot be read."""
     try:
         mod = importlib.import_module(ROLES[role] + ".__main__")
-    except Exception as e:  # noqa: BLE001 - any import problem: pass every key and let the service speak
+    except Exception as e:  # any import problem: pass every key and let the service speak
         warn(f"cannot read {ROLES[role]}'s flags ({type(e).__name__}: {e}); passing every setting")
         return None
     for name in ("build_parser", "_parser", "parser", "make_parser"):
@@ -165,7 +165,7 @@ def service_flags(role: str) -> set[str] | None:
             try:
                 parser = fn()
                 return {s for s in parser._option_string_actions if s.startswith("--")}
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 warn(f"cannot build {ROLES[role]}'s parser ({type(e).__name__}: {e}); passing every setting")
                 return None
     return None

@@ -202,7 +202,8 @@ class ControlClient:
             try:
                 if self._ssl is not None:
                     sock.settimeout(max(deadline - time.monotonic(), 1.0))
-                    sock = self._ssl.wrap_socket(sock, server_hostname=self._tls.server_name or self.endpoint.host)
+                    name = self._tls.server_name if self._tls is not None else None
+                    sock = self._ssl.wrap_socket(sock, server_hostname=name or self.endpoint.host)
                 if self._auth_token:
                     self._authenticate(sock, max(deadline, time.monotonic() + 1.0))
             except KVAuthError:
@@ -296,13 +297,13 @@ class ControlClient:
                 if isinstance(self._sock, ssl.SSLSocket):  # no MSG_PEEK through TLS: anything readable is unusable
                     if not select.select([self._sock], [], [], 0)[0] and not self._sock.pending():
                         return True
-                    data = self._sock.recv(1)
+                    self._sock.recv(1)
                 else:
-                    data = self._sock.recv(1, socket.MSG_PEEK)
+                    self._sock.recv(1, socket.MSG_PEEK)
             except (BlockingIOError, ssl.SSLWantReadError):
                 return True  # nothing to read: still open
             except OSError:
-                data = b""
+                pass  # reset by the peer: as unusable as closed
             finally:
                 if self._sock is not None:
                     self._sock.setblocking(True)

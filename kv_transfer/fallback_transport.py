@@ -56,7 +56,7 @@ class TcpPuller(BasePuller):
         buf = getattr(self._tls, "staging", None)
         if buf is None or buf.nbytes < total:
             buf = self._tls.staging = np.empty(total, np.uint8)
-        staging = memoryview(buf)
+        staging = buf.data
         pos = 0
 
         def on_frame(msg, sock, plen, frame_deadline) -> None:

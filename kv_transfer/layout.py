@@ -156,7 +156,7 @@ class KVLayout:
         kv: IntOrArray,
         block: IntOrArray,
         slot: IntOrArray,
-        local_head: IntOrArray = 0,
+        local_head: int | IntOrArray = 0,
         num_blocks: int | None = None,
     ) -> IntOrArray:
         """Offset of row (layer, k/v, block, slot-in-block, local head) inside a rank's region."""

@@ -137,7 +137,8 @@ class LeaseTable:
             self._renew(lease)
             return lease.expires_at - self._clock()
 
-    def wait_layers(self, lease_id: str, after: int, timeout_s: float, dst_rank: int | None = None, dst_world: int | None = None) -> int:
+    def wait_layers(self, lease_id: str, after: int, timeout_s: float, dst_rank: int | None = None,
+                    dst_world: int | None = None) -> int:
         """Block until more than ``after`` layers are ready (or timeout); returns layers ready.
 
         Raises LeaseExpired if the lease is (or becomes) retired while waiting."""

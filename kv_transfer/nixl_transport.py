@@ -257,7 +257,10 @@ class NixlPuller(TcpPuller):
             remote = self._agent.add_remote_agent(meta)
             dl = self._agent.deserialize_descs(descs)
             ranks = session.hello["ranks"]
-            regions = {r: tuple(int(x) for x in dl[i]) for i, r in enumerate(ranks)}
+            regions: dict[int, tuple[int, int, int]] = {}
+            for i, r in enumerate(ranks):
+                addr, length, dev = (int(x) for x in dl[i])
+                regions[r] = (addr, length, dev)
         except KVTransferError:
             raise
         except Exception as e:

@@ -182,7 +182,8 @@ def _plan_rank_plane0(
             m = src_dcp == sd
             sli = src_li[m]
             src_rank[m] = r
-            src_slot_off[m] = (src_tables[r][sli // src.block_size] * src.block_size + sli % src.block_size) * src.token_nbytes
+            src_slot = src_tables[r][sli // src.block_size] * src.block_size + sli % src.block_size
+            src_slot_off[m] = src_slot * src.token_nbytes
             head_off[m] = (h - src.kv_heads_of_rank(r).start) * src.head_nbytes
         parts.append(
             Segments(

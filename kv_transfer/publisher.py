@@ -178,7 +178,8 @@ class Publisher(KVPublisher):
     def _handle(self, conn: ServerConn, msg: dict[str, Any], payload: bytearray) -> None:
         op = msg.get("op")
         lease_id = msg.get("lease", "")
-        rank, world = msg.get("dst_rank"), msg.get("dst_world")
+        rank: Any = msg.get("dst_rank")  # wire data: checked by the lease table
+        world: Any = msg.get("dst_world")
         if op == "hello":
             extra, blob = self._hello_extra()
             conn.send(
@@ -256,7 +257,7 @@ class Publisher(KVPublisher):
                 # the blocks may already be reused, so nothing more is sent.
                 if not self.leases.touch_pin(lease_id, pin):
                     raise LeaseExpired(f"lease {lease_id}: read pin lost mid-stream")
-                conn.send({"n": fill}, memoryview(buf)[:fill])
+                conn.send({"n": fill}, buf.data[:fill])
                 fill = 0
 
         rank_list, nb_list = ranks.tolist(), nbs.tolist()

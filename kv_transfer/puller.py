@@ -180,6 +180,8 @@ class BasePuller(KVPuller):
 
     def renew(self, handoff: KVHandoff) -> None:
         for ep in dict.fromkeys(handoff.endpoints):
+            if ep is None:  # a rank without an endpoint holds no lease to renew
+                continue
             session = self._session(ep)
             client = session.borrow()
             try:

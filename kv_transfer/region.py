@@ -72,4 +72,4 @@ class RegionBytes:
 
     def view(self, offset: int, n: int) -> memoryview:
         """Zero-copy bytes of a CPU region range (for sending without a staging copy)."""
-        return memoryview(self.numpy()[offset : offset + n])
+        return self.numpy()[offset : offset + n].data

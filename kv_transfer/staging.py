@@ -78,7 +78,8 @@ def plan_staging(base: Segments, src_block_nbytes: int, dst_plane_nbytes: int) -
                       stage_plane, unit, rows_t, dst_t)
 
 
-def scatter(plan: StagedPlan, staging: torch.Tensor, region: torch.Tensor, planes: range, dst_plane_nbytes: int) -> None:
+def scatter(plan: StagedPlan, staging: torch.Tensor, region: torch.Tensor, planes: range,
+            dst_plane_nbytes: int) -> None:
     """Copy staged planes ``planes`` (staged back to back from the buffer's start) into the region."""
     unit, n = plan.unit, len(planes)
     stg = staging[: n * plan.stage_plane_nbytes].view(n, plan.stage_plane_nbytes // unit, unit)

@@ -9,12 +9,11 @@ Rules are checked in the order vLLM hits them when it starts an engine, and the 
   * ``tp_size=... must be divisible by dcp_size=...`` -- vllm/config/parallel.py
     ``ParallelConfig._validate_parallel_config`` (read at vllm-project/vllm@00193b82b0e2d4faea5d3b4ea4f6c4c2bd9d057a).
   * ``Total number of attention heads ...`` -- vllm/config/model.py ``ModelConfig.verify_with_parallel_config``
-    (same text in every vLLM version seen, e.g. the stored copy of vllm/config/model.py).
+    (the same text in every vLLM version read).
   * The three DCP GQA/MQA messages -- vllm/config/model.py ``verify_with_parallel_config`` at
-    vllm-project/vllm@c794754062 (model.py:1390; quoted verbatim by the seed
-    /work/shared/seeds/000_ea7d94e788a3cf63.txt). The third ("The model's number of query heads per KV head ...")
-    is truncated in the seed; its tail is reconstructed from a third-party copy of the text (the exact source line
-    was not in the searchable index), with backticks around the flag as in its two sibling messages.
+    vllm-project/vllm@c794754062 (model.py:1390). The third ("The model's number of query heads per KV head ...")
+    is quoted from its start; its tail follows a third-party copy of the text, with backticks around the flag as in
+    its two sibling messages.
   * ``Block_size(...) should be greater than or equal to and divisible by cp_kv_cache_interleave_size (...)`` --
     vllm/config/vllm.py ``VllmConfig.__post_init__`` (only checked when DCP > 1, as in vLLM).
   * ``DCP not support sliding window.`` -- vllm/v1/kv_cache_interface.py

@@ -27,7 +27,8 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise SamplingParamsError(msg)
 
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             bad(f"top_k must be an integer >= 1, or 0/-1 to disable, got {self.top_k!r}")

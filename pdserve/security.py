@@ -152,7 +152,7 @@ class TLSConfig:
     def ssl_client_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
         if self.cert_file is not None:
-            ctx.load_cert_chain(self.cert_file, self.key_file)  # type: ignore[arg-type]
+            ctx.load_cert_chain(self.cert_file, self.key_file)
         return ctx
 
 

@@ -90,7 +90,8 @@ class PrefillConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise PrefillConfigError(f"{name} must be a positive number of seconds, got {v!r}")
         if self.kv_transport not in KV_TRANSPORTS:
-            raise PrefillConfigError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
+            raise PrefillConfigError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got "
+                                     f"{self.kv_transport!r}")
         if self.router_address is not None:
             _host_port(self.router_address, "router_address")
         if self.model is not None and not os.path.isdir(self.model):

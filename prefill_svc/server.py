@@ -8,22 +8,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 import time
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.errors import InvalidArgument, ServiceError, Unavailable, grpc_errors
+from pdserve.pod.convert import (endpoints_address, handoff_to_kv_handle, layout_from_proto, layout_to_proto,
+                                 model_shape_to_proto, parallel_to_proto)
+from pdserve.pod.lifecycle import id_problem, on_stop_signals, run_loop, set_health, version
+from pdserve.pod.registrar import Registrar
 from pdserve.sampling import SamplingParamsError
 from pdserve.security import bind, export_kv_auth_token, export_kv_tls, grpc_options
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2
 from prefill_svc.config import PrefillConfig
-from prefill_svc.convert import endpoints_address, handoff_to_kv_handle, layout_from_proto, layout_to_proto, sampling_from_proto
 from prefill_svc.metrics import PrefillMetrics
-from prefill_svc.registration import Registrar
-from prefill_svc.worker import PrefillError, PrefillResult, PrefillWorker
+from prefill_svc.sampling import sampling_from_proto
+from prefill_svc.worker import PrefillResult, PrefillWorker
 
 log = logging.getLogger("prefill_svc.server")
 
@@ -32,23 +35,7 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _MODES = {"nixl": [pb.TRANSFER_MODE_NIXL_PULL, pb.TRANSFER_MODE_GRPC], "tcp": [pb.TRANSFER_MODE_GRPC]}
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("pdserve")
-    except Exception:
-        return "unknown"
-
-
-MAX_ID_LEN = 256  # request / lease ids travel to decode pods, logs and metric labels
 _TRANSFER_MODES = set(pb.TransferMode.values())
-
-
-def _id_problem(name: str, value: str) -> str | None:
-    if len(value) > MAX_ID_LEN or not value.isprintable():
-        return f"{name} must be at most {MAX_ID_LEN} printable characters, got {value[:40]!r}"
-    return None
 
 
 def prefill_request_problem(req: prefill_pb2.PrefillRequest) -> str | None:
@@ -56,7 +43,7 @@ def prefill_request_problem(req: prefill_pb2.PrefillRequest) -> str | None:
     engine, the decode layout by choose_mode). A message naming the field and the allowed values, or None."""
     if not req.request_id:
         return "request_id must not be empty"
-    problem = _id_problem("request_id", req.request_id) or _id_problem("lease_id", req.lease_id)
+    problem = id_problem("request_id", req.request_id) or id_problem("lease_id", req.lease_id)
     if problem:
         return problem
     if not math.isfinite(req.lease_ttl_s) or req.lease_ttl_s < 0:
@@ -78,46 +65,46 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, server: "PrefillServer") -> None:
         self.s = server
 
+    @grpc_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        s = self.s
-        metrics = s.metrics
-        code = "OK"
+        code = grpc.StatusCode.OK
         try:
-            if s.worker.draining:
-                code = "UNAVAILABLE"
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    "this prefill pod is draining and takes no new requests; retry on another pod")
-            problem = prefill_request_problem(request)
-            if problem:
-                code = "INVALID_ARGUMENT"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-            try:
-                params, client = sampling_from_proto(request.sampling_params)
-            except SamplingParamsError as e:
-                code = "INVALID_ARGUMENT"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {e}")
-            mode, problem = s.choose_mode(request)
-            if problem:
-                code = "INVALID_ARGUMENT"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-            try:
-                res = await s.worker.prefill(request.request_id, list(request.prompt_token_ids), params, client,
-                                             lease_id=request.lease_id or None, ttl_s=request.lease_ttl_s or None)
-            except PrefillError as e:
-                code = e.code
-                await context.abort(getattr(grpc.StatusCode, e.code), str(e))
-            metrics.queue_seconds.observe(res.queue_s)
-            metrics.compute_seconds.observe(res.compute_s)
-            return s.response(res, mode)
+            return await self._prefill(request)
+        except ServiceError as e:
+            code = e.code
+            raise
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            metrics.requests.labels(code=code).inc()
+            self.s.metrics.requests.labels(code=code.name).inc()
 
+    async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        """Checks (pod state, fields, sampling, transfer mode), then the prefill itself on the engine thread."""
+        s = self.s
+        if s.worker.draining:
+            raise Unavailable("this prefill pod is draining and takes no new requests; retry on another pod")
+        problem = prefill_request_problem(request)
+        if problem:
+            raise InvalidArgument(problem)
+        try:
+            params, client = sampling_from_proto(request.sampling_params)
+        except SamplingParamsError as e:
+            raise InvalidArgument(f"sampling_params: {e}") from e
+        mode, problem = s.choose_mode(request)
+        if problem:
+            raise InvalidArgument(problem)
+        res = await s.worker.prefill(request.request_id, list(request.prompt_token_ids), params, client,
+                                     lease_id=request.lease_id or None, ttl_s=request.lease_ttl_s or None)
+        s.metrics.queue_seconds.observe(res.queue_s)
+        s.metrics.compute_seconds.observe(res.compute_s)
+        return s.response(res, mode)
+
+    @grpc_errors
     async def CancelPrefill(self, request, context):
         return prefill_pb2.CancelPrefillResponse(found=await self.s.worker.cancel(request.request_id))
 
+    @grpc_errors
     async def ReleaseKV(self, request, context):
         return prefill_pb2.ReleaseKVResponse(released=await self.s.worker.release(request.lease_id))
 
@@ -161,8 +148,7 @@ class PrefillServer:
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.host)
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await set_health(self.health, SERVICE_NAME, serving=True)
         if self.config.router_address:
             self.registrar = Registrar(self.config.router_address, self.config.cluster_token,
                                        self.config.heartbeat_interval_s, self.register_request,
@@ -183,8 +169,7 @@ class PrefillServer:
         log.info("draining: no new prefills; waiting for %d in flight and %d KV leases",
                  self.worker.stats.num_inflight, self.worker.stats.num_leases)
         self.worker.begin_drain()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(self.health, SERVICE_NAME, serving=False)
         if self.registrar is not None:
             self.registrar.poke()
         deadline = time.monotonic() + self.config.drain_timeout_s
@@ -217,8 +202,7 @@ class PrefillServer:
         while True:
             if self.worker.failed and not unhealthy:  # a dead rank: NOT_SERVING, and tell the router at once
                 unhealthy = True
-                for name in ("", SERVICE_NAME):
-                    await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                await set_health(self.health, SERVICE_NAME, serving=False)
                 if self.registrar is not None:
                     self.registrar.poke()
             self.metrics.update(self.worker.stats)
@@ -291,26 +275,19 @@ class PrefillServer:
         if self.worker.draining or self.worker.failed:  # going away / broken: no (re-)registration
             return None
         eng, cfg = self.worker.engine, self.config
-        mc = eng.model_config
         kv = self.worker.kv
         return registry_pb2.RegisterWorkerRequest(
             pod_id=self.pod_id, role=pb.ROLE_PREFILL, address=self.address,
             kv_transfer_address=endpoints_address(kv.endpoints) if kv else "",
             model=self.model_name,
-            model_shape=pb.ModelShape(architecture=mc.architecture, num_layers=mc.num_layers,
-                                      hidden_size=mc.hidden_size, num_attention_heads=mc.num_heads,
-                                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
-                                      max_model_len=eng.max_model_len, sliding_window=mc.sliding_window or 0,
-                                      dtype=self.worker.layout.dtype),
-            parallel=pb.ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=1,
-                                       decode_context_parallel_size=1, dcp_kv_cache_interleave_size=1,
-                                       data_parallel_size=1),
+            model_shape=model_shape_to_proto(eng.model_config, eng.max_model_len, self.worker.layout.dtype),
+            parallel=parallel_to_proto(cfg.tensor_parallel_size),
             kv_layout=layout_to_proto(self.worker.layout),
             capacity=pb.WorkerCapacity(max_num_seqs=cfg.max_num_seqs,
                                        max_num_batched_tokens=cfg.max_num_batched_tokens,
                                        max_model_len=eng.max_model_len, max_concurrent_transfers=cfg.max_leases,
                                        transfer_modes=self.supported_modes()),
-            cluster_token=cfg.cluster_token, version=_version(), state=pb.POD_STATE_READY, kv=self._kv_stats())
+            cluster_token=cfg.cluster_token, version=version(), state=pb.POD_STATE_READY, kv=self._kv_stats())
 
     def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:
         st = self.worker.stats
@@ -328,9 +305,7 @@ async def serve(config: PrefillConfig, on_ready=None) -> None:
     """Run a prefill pod until SIGTERM / SIGINT (graceful drain) finishes it."""
     server = PrefillServer(config)
     await server.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.begin_drain)
+    on_stop_signals(lambda _name: server.begin_drain())
     if on_ready is not None:
         on_ready(server)
     await server.wait_stopped()
@@ -338,9 +313,4 @@ async def serve(config: PrefillConfig, on_ready=None) -> None:
 
 def run(config: PrefillConfig, on_ready=None) -> None:
     """Blocking entry point; uses uvloop when it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(config, on_ready))
-    else:
-        uvloop.run(serve(config, on_ready))
+    run_loop(serve(config, on_ready))

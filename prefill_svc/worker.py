@@ -7,7 +7,7 @@ is out, the request's blocks stay allocated under a KV lease (published layer by
 see prefill_svc/kv.py) until every rank's publisher has let go of it: decode done, ReleaseKV, CancelPrefill or TTL.
 
 All engine access happens on the engine thread; the asyncio side talks to it through a command queue and gets results
-back as futures. Nothing here knows gRPC (server.py maps the exceptions below to status codes)."""
+back as futures. Nothing here serves gRPC; each error below names the status the server answers it with."""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +17,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
 
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import new_lease_id
@@ -26,43 +28,45 @@ from kv_transfer.transport import KVHandoff
 from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.engine.shm import RankFailure
+from pdserve.errors import ServiceError
 from pdserve.sampling import SamplingParams
 from prefill_svc.config import PrefillConfig
-from prefill_svc.convert import ClientParams
+from prefill_svc.sampling import ClientParams
 from prefill_svc.kv import KVHost, LeaseStart
 
 log = logging.getLogger("prefill_svc.worker")
 
 
-# --- errors (server.py maps each to a gRPC status code) ---
-class PrefillError(Exception):
-    code = "INTERNAL"
+# --- errors: each carries the gRPC status the server answers it with (pdserve.errors) ---
+class PrefillError(ServiceError):
+    def __init__(self, message: object) -> None:
+        super().__init__(None, str(message))
 
 
 class InvalidRequest(PrefillError):
-    code = "INVALID_ARGUMENT"
+    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class AlreadyExists(PrefillError):
-    code = "ALREADY_EXISTS"
+    code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class Exhausted(PrefillError):
-    code = "RESOURCE_EXHAUSTED"
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class Cancelled(PrefillError):
-    code = "CANCELLED"
+    code = grpc.StatusCode.CANCELLED
 
 
 class Draining(PrefillError):
-    code = "UNAVAILABLE"
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class RankDied(PrefillError):
     """A TP rank process of this pod exited: its collectives are broken for good (retry on another pod)."""
 
-    code = "UNAVAILABLE"
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass

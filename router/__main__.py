@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from router.server import serve
 
     if config.uses_uvloop:
-        import uvloop  # type: ignore[import-not-found]
+        import uvloop
 
         uvloop.run(serve(config))
     else:

@@ -12,34 +12,25 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 
+from pdserve.errors import ServiceError
+from pdserve.pod.sampling import unsupported_fields
 from pdserve.security import aio_channel
 from pdserve.tokenizer import Tokenizer
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
 from router.admission import Admission, Admitted
 from router.config import RouterConfig
+from router.flight import Flight
 from router.metrics import RouterMetrics
 from router.placement import PrefixIndex, block_hashes, pick_prefill
 from router.registry import Registry
 
-if TYPE_CHECKING:
-    from router.journey import Flight
-
 log = logging.getLogger("router")
 
 _TEXT_TO_THREAD = 4096  # tokenize prompts longer than this (characters) off the event loop
-
-
-class Rejected(Exception):
-    """A request refused before its first token: becomes its gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass
@@ -78,7 +69,7 @@ class RouterCore:
         self.admission = Admission(self.registry, config)
         self.prefix = PrefixIndex(config.prefix_block_size, config.prefix_index_capacity)
         self.metrics = RouterMetrics()
-        self.flights: dict[str, "Flight"] = {}
+        self.flights: dict[str, Flight] = {}
         self.draining = False
         self.eos_token_ids = self._eos_ids()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -195,34 +186,37 @@ class RouterCore:
     # ------------------------------------------------------------------------------------------------------------
 
     async def prepare(self, req: router_pb2.GenerateRequest) -> Prepared:
-        """Validate a GenerateRequest; raises Rejected (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ALREADY_EXISTS)."""
+        """Validate a GenerateRequest; raises ServiceError (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE,
+        ALREADY_EXISTS)."""
         if self.draining:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, "router is shutting down: send the request to another router")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               "router is shutting down: send the request to another router")
         if req.model and req.model not in self.registry.model_aliases:
-            raise Rejected(grpc.StatusCode.NOT_FOUND,
-                           f"model {req.model!r} is not served here; this cluster serves {self.model_name!r} "
-                           "(or leave model empty)")
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"model {req.model!r} is not served here; this cluster serves {self.model_name!r} "
+                               "(or leave model empty)")
         if req.request_id:
             _check_request_id(req.request_id)
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.flights:
-            raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
-                           f"request_id {rid!r} is already in flight: use a unique id per request (or leave it "
-                           "empty and the router assigns one)")
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id {rid!r} is already in flight: use a unique id per request (or leave it "
+                               "empty and the router assigns one)")
         prompt_ids = await self._prompt_ids(req)
         vocab = self.registry.vocab_size() or self.tokenizer.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt token id {bad} is out of range for the model's vocabulary [0, {vocab})")
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"prompt token id {bad} is out of range for the model's vocabulary [0, {vocab})")
         max_len = self.registry.max_model_len()
         if max_len and len(prompt_ids) >= max_len:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten it to at "
-                           f"most {max_len - 1} tokens")
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten it to at "
+                               f"most {max_len - 1} tokens")
         sp = req.sampling_params
         _check_sampling(sp)
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
+        max_tokens_eff: int | None
         if max_len and max_tokens is not None and len(prompt_ids) + max_tokens > max_len:
             max_tokens_eff = max_len - len(prompt_ids)  # decode stops at the context length (LENGTH)
         else:
@@ -243,30 +237,30 @@ class RouterCore:
     async def _prompt_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
         kind = req.WhichOneof("prompt")
         if kind is None:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one prompt: text, token_ids or chat")
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one prompt: text, token_ids or chat")
         if kind == "token_ids":
             ids = list(req.token_ids.ids)
         elif kind == "text":
             if not req.text:
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
             ids = await self._encode(req.text, True)
         else:
             msgs = req.chat.messages
             if not msgs:
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "chat prompt has no messages")
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "chat prompt has no messages")
             for i, m in enumerate(msgs):
                 if m.role not in ("system", "user", "assistant", "tool"):
-                    raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"chat message {i} has role {m.role!r}; use system, user, assistant or tool")
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"chat message {i} has role {m.role!r}; use system, user, assistant or tool")
             add_gen = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
             try:
                 text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs],
                                                           add_generation_prompt=add_gen)
             except Exception as e:  # jinja2 errors, a model without a template
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat template: {e}")
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat template: {e}")
             ids = await self._encode(text, False)  # the template writes the special tokens itself
         if not ids:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: send at least one token")
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: send at least one token")
         return ids
 
     async def _encode(self, text: str, add_special: bool) -> list[int]:
@@ -284,19 +278,19 @@ MAX_STOP_TOKEN_IDS = 1024
 def _check_request_id(rid: str) -> None:
     """Client ids travel to every pod and into logs and metric labels: bounded, printable."""
     if len(rid) > MAX_REQUEST_ID_LEN:
-        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"request_id has {len(rid)} characters; use at most {MAX_REQUEST_ID_LEN} (or leave it empty "
-                       "and the router assigns one)")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"request_id has {len(rid)} characters; use at most {MAX_REQUEST_ID_LEN} (or leave it empty "
+                           "and the router assigns one)")
     if not rid.isprintable():
-        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"request_id {rid!r} contains control characters; use printable characters only")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"request_id {rid!r} contains control characters; use printable characters only")
 
 
 def _check_sampling(sp: common_pb2.SamplingParams) -> None:
     """Range checks of the sampling parameters (the pods reject what they do not implement)."""
 
     def bad(msg: str) -> None:
-        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {msg}")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {msg}")
 
     def finite(name: str) -> float | None:
         if not sp.HasField(name):
@@ -341,14 +335,10 @@ def _check_sampling(sp: common_pb2.SamplingParams) -> None:
         v = finite(name)
         if v is not None and not -2 <= v <= 2:
             bad(f"{name} must be in [-2, 2], got {v}")
-    # Well-formed but not implemented by pdserve's pods (prefill_svc.convert / decode_svc.server refuse them). Refused
+    # Well-formed but not implemented by pdserve's pods (they refuse the same list, pdserve/pod/sampling.py). Refused
     # here, before any pod is contacted: a pod refusing them mid-journey would cost KV round trips, or, at decode,
     # end a stream that already sent its first token in an error instead of a clean INVALID_ARGUMENT.
-    unsupported = [name for name, on in (
-        ("top_logprobs", sp.top_logprobs > 0), ("min_tokens", sp.min_tokens > 0),
-        ("repetition_penalty", rp is not None and rp != 1.0),
-        ("presence_penalty", sp.HasField("presence_penalty") and sp.presence_penalty != 0.0),
-        ("frequency_penalty", sp.HasField("frequency_penalty") and sp.frequency_penalty != 0.0)) if on]
+    unsupported = unsupported_fields(sp)
     if unsupported:
         bad(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not implemented by this cluster's "
             "pods: leave unset (or at the neutral value)")

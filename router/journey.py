@@ -17,16 +17,19 @@ Failure and cancellation rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
 from pdserve_api.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2
-from router.admission import AdmissionError, Admitted
-from router.core import Prepared, Rejected, RouterCore
+from pdserve.errors import ServiceError
+from router.core import Prepared, RouterCore
 from router.detok import OutputAssembler
+from router.flight import Cancelled, Flight, PodLost
 
 log = logging.getLogger("router.journey")
 
@@ -36,267 +39,223 @@ _PREFILL_FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXIS
 _FINISH = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH}
 
 
-class Cancelled(Exception):
-    """The Cancel RPC ended this request."""
-
-
-class PodLost(Exception):
-    """The registry dropped a pod this request was waiting on."""
-
-
-class Flight:
-    """One in-flight request: what to cancel and what to clean up. Owned by its journey; Cancel and pod eviction
-    reach it through RouterCore.flights."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.cancelled = False
-        self.lost: set[str] = set()
-        self._pending: Any = None  # the grpc call or queue future being awaited
-        self._pending_pod: str | None = None
-        # clean-up state
-        self.admitted: Admitted | None = None  # decode KV booked by admission
-        self.decode_pod: str | None = None  # holds a reservation or a decoding request
-        self.decode_done = False  # the decode pod has finished the request on its own
-        self.prefill_pod: str | None = None  # a Prefill call is in flight there
-        self.lease: tuple[str, str] | None = None  # (prefill pod, lease id) until decode has the KV
-        self.kv_consumed = False
-        self.allocate_s = 0.0  # duration of the AllocateKV call that succeeded
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        if self._pending is not None:
-            self._pending.cancel()
-
-    def pod_lost(self, pod_id: str) -> None:
-        if pod_id in (self.decode_pod, self.prefill_pod, self._pending_pod):
-            self.lost.add(pod_id)
-            if self._pending is not None and self._pending_pod == pod_id:
-                self._pending.cancel()
-
-    def set_pending(self, fut: Any, pod_id: str | None = None) -> None:
-        self._pending, self._pending_pod = fut, pod_id
-        if self.cancelled and fut is not None:
-            fut.cancel()
-
-    async def call(self, pod_id: str, call: Any) -> Any:
-        """Await a pod call (or a stream read) so that Cancel and pod eviction can interrupt it."""
-        self.set_pending(call, pod_id)
-        try:
-            return await call
-        except asyncio.CancelledError:
-            if self.cancelled:
-                raise Cancelled() from None
-            if pod_id in self.lost:
-                raise PodLost(f"pod {pod_id!r} was dropped from the registry (missed heartbeats)") from None
-            raise
-        finally:
-            self._pending = self._pending_pod = None
-
-    async def read(self, pod_id: str, stream: Any) -> Any:
-        """Read one message of a server stream, interruptible like ``call``."""
-        self.set_pending(stream, pod_id)
-        try:
-            return await stream.read()
-        except asyncio.CancelledError:
-            if self.cancelled:
-                raise Cancelled() from None
-            if pod_id in self.lost:
-                raise PodLost(f"pod {pod_id!r} was dropped from the registry (missed heartbeats)") from None
-            raise
-        finally:
-            self._pending = self._pending_pod = None
-
-
 async def generate(core: RouterCore, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[router_pb2.GenerateResponse]:
     arrival = time.monotonic()
-    m = core.metrics
-
     # 1. Validate: prompt -> token ids, sampling parameters, model, request id.
     try:
         prep = await core.prepare(request)
-    except Rejected as e:
-        m.count_request(e.code.name)
+    except ServiceError as e:
+        core.metrics.count_request(e.code.name)
         _set_status(context, e.code, e.message)
         return
     rid = prep.request_id
     flight = Flight(rid)
     core.flights[rid] = flight
-    m.inflight.inc()
-
+    core.metrics.inflight.inc()
     deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
-
-    def timeout() -> float:
-        left = core.config.pod_rpc_timeout_s if deadline is None else deadline - time.monotonic()
-        return max(0.001, min(left, core.config.pod_rpc_timeout_s))
-
+    ans = _Answer(core, request, prep, context, arrival)
     out = OutputAssembler(core.tokenizer, stop=list(prep.params.stop), stop_token_ids=prep.params.stop_token_ids,
                           eos_token_ids=core.eos_token_ids, ignore_eos=prep.params.ignore_eos,
                           min_tokens=prep.params.min_tokens,
                           skip_special_tokens=(prep.params.skip_special_tokens
                                                if prep.params.HasField("skip_special_tokens") else True))
-    timing = common_pb2.Timing()
-    routing = router_pb2.RoutingInfo()
-    usage = common_pb2.Usage(prompt_tokens=len(prep.prompt_ids))
-    sent = 0  # tokens streamed to the client
-    t_first = t_last = 0.0
-    pod_time = 0.0  # AllocateKV + Prefill on the path to the first token
-    pod_self = 0.0  # the part of it the prefill pod reports as its own (engine queue + compute)
-    outcome = "error"
-
-    def message(piece_ids: list[int], text: str, logprobs: list[float] = (), top: list[Any] = ()
-                ) -> router_pb2.GenerateResponse:
-        nonlocal sent, t_first, t_last
-        msg = router_pb2.GenerateResponse(request_id=rid, token_ids=piece_ids, text=text)
-        if prep.want_logprobs:
-            msg.logprobs.extend(logprobs[:len(piece_ids)])
-            if prep.params.top_logprobs > 0:
-                msg.top_logprobs.extend(top[:len(piece_ids)])
-        if sent == 0 and request.return_prompt_token_ids:
-            msg.prompt_token_ids.extend(prep.prompt_ids)
-        if piece_ids:
-            now = time.monotonic()
-            if sent == 0:
-                t_first = now
-                timing.ttft_s = now - arrival
-                m.ttft.observe(timing.ttft_s)
-                m.overhead.observe(max(0.0, timing.ttft_s - timing.queue_s - pod_time))
-            t_last = now
-            sent += len(piece_ids)
-            m.tokens.inc(len(piece_ids))
-        return msg
-
-    def finish(msg: router_pb2.GenerateResponse, reason: int, stop_reason: str = "", error: str = ""
-               ) -> router_pb2.GenerateResponse:
-        nonlocal outcome
-        msg.finish_reason = reason
-        msg.stop_reason = stop_reason
-        msg.error_message = error
-        timing.e2e_s = time.monotonic() - arrival
-        if sent > 1:
-            timing.mean_tpot_s = (t_last - t_first) / (sent - 1)
-        usage.completion_tokens = sent
-        msg.usage.CopyFrom(usage)
-        msg.timing.CopyFrom(timing)
-        msg.routing.CopyFrom(routing)
-        m.e2e.observe(timing.e2e_s)
-        outcome = common_pb2.FinishReason.Name(reason)
-        context.set_trailing_metadata((
-            ("pdserve-router-ttft-s", f"{timing.ttft_s:.9f}"),
-            ("pdserve-pod-time-s", f"{pod_time:.9f}"),
-            ("pdserve-queue-s", f"{timing.queue_s:.9f}"),
-            ("pdserve-pod-self-s", f"{pod_self:.9f}"),
-        ))
-        return msg
-
     try:
-        # 2. Book decode KV for the prompt on the decode pod with the most room (wait in the queue if none has).
-        # 3. Place prefill (least queued tokens, prefix affinity), then reserve the blocks: AllocateKV.
-        # (one helper, because a decode pod refusing AllocateKV sends the request back to step 2.)
-        if prep.prefill_only:  # max_tokens=1: the first token is the whole answer, no decode pod needed
-            alloc, prefill_pod = None, _place_prefill(core, prep)
-        else:
-            alloc, prefill_pod = await _book_decode(core, flight, prep, timeout, deadline)
-            timing.queue_s = flight.admitted.queue_s if flight.admitted else 0.0
-            m.queue.observe(timing.queue_s)
-        pod_time += flight.allocate_s
-        routing.decode_pod_id = flight.decode_pod or ""
-
-        # 4. Prefill, with the decode target; retried once on another prefill pod if it fails before handoff.
-        t = time.monotonic()
-        pre, prefill_pod = await _prefill(core, flight, prep, alloc, prefill_pod, timeout, deadline)
-        timing.prefill_s = time.monotonic() - t
-        pod_time += timing.prefill_s
-        pod_self = pre.queue_s + pre.compute_s
-        routing.prefill_pod_id = prefill_pod
-        routing.transfer_mode = pre.kv_handle.transfer_mode if pre.HasField("kv_handle") else 0
-        usage.cached_prompt_tokens = pre.num_cached_tokens
-        if pre.HasField("kv_handle") and pre.kv_handle.lease_id:
-            flight.lease = (prefill_pod, pre.kv_handle.lease_id)
+        # 2-4. Book decode KV, place prefill, AllocateKV, Prefill.
+        pre = await _to_first_token(core, flight, prep, ans, deadline)
 
         # 5. The first token goes to the client now (it came from prefill).
         piece = out.add([pre.first_token_id], final=pre.finished)
-        msg = message(piece.token_ids, piece.text, [pre.first_token_logprob], [pre.first_token_top_logprobs])
-        done = _ended(out, piece, sent, prep.max_tokens, pre.finish_reason if pre.finished else 0)
+        msg = ans.message(piece.token_ids, piece.text, [pre.first_token_logprob], [pre.first_token_top_logprobs])
+        done = _ended(out, piece, ans.sent, prep.max_tokens,
+                      pre.finish_reason if pre.finished else common_pb2.FINISH_REASON_UNSPECIFIED)
         if done is None and pre.finished:  # prefill says it is over even if it gave no known reason
             done = (pre.finish_reason or common_pb2.FINISH_REASON_LENGTH, "")
         if done is not None:
-            yield finish(msg, *done)
+            yield ans.finish(msg, *done)
             return
         yield msg
 
         # 6. Decode: the decode pod pulls the KV under the lease and streams the tokens after the first one.
-        t = time.monotonic()
-        ended_normally = False
-        stream = core.decode_stub(flight.decode_pod).Decode(decode_pb2.DecodeRequest(
-            request_id=rid, prompt_token_ids=prep.prompt_ids, first_token_id=pre.first_token_id,
-            first_token_logprob=pre.first_token_logprob, sampling_params=prep.params, kv_handle=pre.kv_handle,
-            num_cached_tokens=pre.num_cached_tokens),
-            timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
-        try:
-            while True:
-                chunk = await flight.read(flight.decode_pod, stream)
-                if chunk is grpc.aio.EOF:
-                    raise _DecodeFailed("the decode stream ended without a final chunk")
-                if chunk.token_ids or chunk.finish_reason in _FINISH:
-                    flight.kv_consumed = True  # decode streams only once it holds every layer
-                ids = _new_tokens(chunk, sent, rid)
-                if prep.max_tokens is not None:
-                    ids = ids[:max(0, prep.max_tokens - sent)]
-                final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                if final:
-                    timing.kv_transfer_s = chunk.kv_transfer_s
-                    if chunk.finish_reason in _FINISH:
-                        flight.decode_done = ended_normally = True
-                piece = out.add(ids, final=final)
-                msg = message(piece.token_ids, piece.text, list(chunk.logprobs), list(chunk.top_logprobs))
-                if final and chunk.finish_reason not in _FINISH and not out.finished:
-                    if chunk.finish_reason == common_pb2.FINISH_REASON_CANCELLED and flight.cancelled:
-                        raise Cancelled()
-                    what = chunk.error_message or common_pb2.FinishReason.Name(chunk.finish_reason)
-                    if msg.token_ids:
-                        yield msg
-                    raise _DecodeFailed(f"decode pod {flight.decode_pod!r} ended the request: {what}")
-                done = _ended(out, piece, sent, prep.max_tokens, chunk.finish_reason)
-                if done is not None:
-                    timing.decode_s = time.monotonic() - t
-                    yield finish(msg, *done)  # a router-side stop leaves the decode pod to the clean-up
-                    return
-                if msg.token_ids or msg.text:
-                    yield msg
-        finally:
-            if ended_normally:
-                core.spawn(_drain(stream, core.config.cleanup_timeout_s))  # collect the status off the hot path
-            else:
-                stream.cancel()
+        async with contextlib.aclosing(_decode(core, flight, prep, pre, out, ans, deadline)) as tokens:
+            async for msg in tokens:
+                yield msg
 
-    except Rejected as e:  # before the first token: the call's status
-        outcome = e.code.name
+    except ServiceError as e:  # before the first token: the call's status
+        ans.outcome = e.code.name
         _set_status(context, e.code, e.message)
     except Cancelled:
-        yield finish(router_pb2.GenerateResponse(request_id=rid), common_pb2.FINISH_REASON_CANCELLED)
+        yield ans.finish(router_pb2.GenerateResponse(request_id=rid), common_pb2.FINISH_REASON_CANCELLED)
     except (asyncio.CancelledError, GeneratorExit):  # the client went away, or its deadline passed
-        outcome = "CLIENT_GONE"
+        ans.outcome = "CLIENT_GONE"
         raise
     except (_DecodeFailed, PodLost, grpc.aio.AioRpcError, KeyError) as e:
         text = f"decode pod {flight.decode_pod!r} is gone" if isinstance(e, KeyError) else _describe(e)
-        if sent == 0:  # cannot happen after step 5, kept for safety
-            outcome = "UNAVAILABLE"
+        if ans.sent == 0:  # cannot happen after step 5, kept for safety
+            ans.outcome = "UNAVAILABLE"
             _set_status(context, grpc.StatusCode.UNAVAILABLE, text)
         else:
-            log.warning("request %s: decode failed after %d tokens: %s", rid, sent, text)
-            timing.decode_s = time.monotonic() - t
-            yield finish(router_pb2.GenerateResponse(request_id=rid), common_pb2.FINISH_REASON_ERROR, error=text)
-            outcome = "UNAVAILABLE"
+            log.warning("request %s: decode failed after %d tokens: %s", rid, ans.sent, text)
+            ans.timing.decode_s = time.monotonic() - ans.t_decode
+            yield ans.finish(router_pb2.GenerateResponse(request_id=rid), common_pb2.FINISH_REASON_ERROR, error=text)
+            ans.outcome = "UNAVAILABLE"
             context.set_code(grpc.StatusCode.UNAVAILABLE)
-            context.set_details(f"decode failed after {sent} tokens were sent: {text}")
+            context.set_details(f"decode failed after {ans.sent} tokens were sent: {text}")
     finally:
         # 7. Whatever happened: give the pods back every block this request still holds.
-        m.count_request(outcome)
-        m.inflight.dec()
+        core.metrics.count_request(ans.outcome)
+        core.metrics.inflight.dec()
         core.flights.pop(rid, None)
         _clean_up(core, flight)
+
+
+async def _to_first_token(core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer,
+                          deadline: float | None) -> prefill_pb2.PrefillResponse:
+    """Steps 2-4: book decode KV for the prompt on the decode pod with the most room (queue if none has), place
+    prefill (least queued tokens, prefix affinity), reserve the blocks (AllocateKV; a refusal goes back to the
+    booking, hence one helper), then Prefill with the decode target (retried once on another prefill pod if it
+    fails before the handoff)."""
+    def timeout() -> float:
+        left = core.config.pod_rpc_timeout_s if deadline is None else deadline - time.monotonic()
+        return max(0.001, min(left, core.config.pod_rpc_timeout_s))
+
+    timing, routing = ans.timing, ans.routing
+    if prep.prefill_only:  # max_tokens=1: the first token is the whole answer, no decode pod needed
+        alloc, prefill_pod = None, _place_prefill(core, prep)
+    else:
+        alloc, prefill_pod = await _book_decode(core, flight, prep, timeout, deadline)
+        timing.queue_s = flight.admitted.queue_s if flight.admitted else 0.0
+        core.metrics.queue.observe(timing.queue_s)
+    ans.pod_time += flight.allocate_s
+    routing.decode_pod_id = flight.decode_pod or ""
+
+    t = time.monotonic()
+    pre, prefill_pod = await _prefill(core, flight, prep, alloc, prefill_pod, timeout, deadline)
+    timing.prefill_s = time.monotonic() - t
+    ans.pod_time += timing.prefill_s
+    ans.pod_self = pre.queue_s + pre.compute_s
+    routing.prefill_pod_id = prefill_pod
+    routing.transfer_mode = (pre.kv_handle.transfer_mode if pre.HasField("kv_handle")
+                             else common_pb2.TRANSFER_MODE_UNSPECIFIED)
+    ans.usage.cached_prompt_tokens = pre.num_cached_tokens
+    if pre.HasField("kv_handle") and pre.kv_handle.lease_id:
+        flight.lease = (prefill_pod, pre.kv_handle.lease_id)
+    return pre
+
+
+async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill_pb2.PrefillResponse,
+                  out: OutputAssembler, ans: _Answer, deadline: float | None
+                  ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+    """Step 6: the Decode stream, detokenized and cut at stop strings / max_tokens, as client messages."""
+    ans.t_decode = time.monotonic()
+    ended_normally = False
+    pod = flight.decode_pod
+    assert pod is not None  # booked in step 2 (prefill-only requests end at step 5)
+    stream = core.decode_stub(pod).Decode(decode_pb2.DecodeRequest(
+        request_id=prep.request_id, prompt_token_ids=prep.prompt_ids, first_token_id=pre.first_token_id,
+        first_token_logprob=pre.first_token_logprob, sampling_params=prep.params, kv_handle=pre.kv_handle,
+        num_cached_tokens=pre.num_cached_tokens),
+        timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
+    try:
+        while True:
+            chunk = await flight.read(pod, stream)
+            if chunk is grpc.aio.EOF:
+                raise _DecodeFailed("the decode stream ended without a final chunk")
+            if chunk.token_ids or chunk.finish_reason in _FINISH:
+                flight.kv_consumed = True  # decode streams only once it holds every layer
+            ids = _new_tokens(chunk, ans.sent, prep.request_id)
+            if prep.max_tokens is not None:
+                ids = ids[:max(0, prep.max_tokens - ans.sent)]
+            final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+            if final:
+                ans.timing.kv_transfer_s = chunk.kv_transfer_s
+                if chunk.finish_reason in _FINISH:
+                    flight.decode_done = ended_normally = True
+            piece = out.add(ids, final=final)
+            msg = ans.message(piece.token_ids, piece.text, list(chunk.logprobs), list(chunk.top_logprobs))
+            if final and chunk.finish_reason not in _FINISH and not out.finished:
+                if chunk.finish_reason == common_pb2.FINISH_REASON_CANCELLED and flight.cancelled:
+                    raise Cancelled()
+                what = chunk.error_message or common_pb2.FinishReason.Name(chunk.finish_reason)
+                if msg.token_ids:
+                    yield msg
+                raise _DecodeFailed(f"decode pod {flight.decode_pod!r} ended the request: {what}")
+            done = _ended(out, piece, ans.sent, prep.max_tokens, chunk.finish_reason)
+            if done is not None:
+                ans.timing.decode_s = time.monotonic() - ans.t_decode
+                yield ans.finish(msg, *done)  # a router-side stop leaves the decode pod to the clean-up
+                return
+            if msg.token_ids or msg.text:
+                yield msg
+    finally:
+        if ended_normally:
+            core.spawn(_drain(stream, core.config.cleanup_timeout_s))  # collect the status off the hot path
+        else:
+            stream.cancel()
+
+
+class _Answer:
+    """What the client gets for one request: token messages, and the final one with usage, timing and routing;
+    feeds the router's metrics on the way."""
+
+    def __init__(self, core: RouterCore, request: router_pb2.GenerateRequest, prep: Prepared,
+                 context: grpc.aio.ServicerContext, arrival: float) -> None:
+        self.m = core.metrics
+        self.request, self.prep, self.context, self.arrival = request, prep, context, arrival
+        self.timing = common_pb2.Timing()
+        self.routing = router_pb2.RoutingInfo()
+        self.usage = common_pb2.Usage(prompt_tokens=len(prep.prompt_ids))
+        self.sent = 0  # tokens streamed to the client
+        self.t_first = self.t_last = self.t_decode = 0.0
+        self.pod_time = 0.0  # AllocateKV + Prefill on the path to the first token
+        self.pod_self = 0.0  # the part of it the prefill pod reports as its own (engine queue + compute)
+        self.outcome = "error"
+
+    def message(self, piece_ids: list[int], text: str, logprobs: Sequence[float] = (), top: Sequence[Any] = ()
+                ) -> router_pb2.GenerateResponse:
+        prep, timing = self.prep, self.timing
+        msg = router_pb2.GenerateResponse(request_id=prep.request_id, token_ids=piece_ids, text=text)
+        if prep.want_logprobs:
+            msg.logprobs.extend(logprobs[:len(piece_ids)])
+            if prep.params.top_logprobs > 0:
+                msg.top_logprobs.extend(top[:len(piece_ids)])
+        if self.sent == 0 and self.request.return_prompt_token_ids:
+            msg.prompt_token_ids.extend(prep.prompt_ids)
+        if piece_ids:
+            now = time.monotonic()
+            if self.sent == 0:
+                self.t_first = now
+                timing.ttft_s = now - self.arrival
+                self.m.ttft.observe(timing.ttft_s)
+                self.m.overhead.observe(max(0.0, timing.ttft_s - timing.queue_s - self.pod_time))
+            self.t_last = now
+            self.sent += len(piece_ids)
+            self.m.tokens.inc(len(piece_ids))
+        return msg
+
+    def finish(self, msg: router_pb2.GenerateResponse, reason: common_pb2.FinishReason, stop_reason: str = "",
+               error: str = ""
+               ) -> router_pb2.GenerateResponse:
+        timing = self.timing
+        msg.finish_reason = reason
+        msg.stop_reason = stop_reason
+        msg.error_message = error
+        timing.e2e_s = time.monotonic() - self.arrival
+        if self.sent > 1:
+            timing.mean_tpot_s = (self.t_last - self.t_first) / (self.sent - 1)
+        self.usage.completion_tokens = self.sent
+        msg.usage.CopyFrom(self.usage)
+        msg.timing.CopyFrom(timing)
+        msg.routing.CopyFrom(self.routing)
+        self.m.e2e.observe(timing.e2e_s)
+        self.outcome = common_pb2.FinishReason.Name(reason)
+        self.context.set_trailing_metadata((
+            ("pdserve-router-ttft-s", f"{timing.ttft_s:.9f}"),
+            ("pdserve-pod-time-s", f"{self.pod_time:.9f}"),
+            ("pdserve-queue-s", f"{timing.queue_s:.9f}"),
+            ("pdserve-pod-self-s", f"{self.pod_self:.9f}"),
+        ))
+        return msg
 
 
 class _DecodeFailed(Exception):
@@ -332,8 +291,8 @@ def _new_tokens(chunk: decode_pb2.TokenChunk, sent: int, rid: str) -> list[int]:
     return ids
 
 
-def _ended(out: OutputAssembler, piece: Any, sent: int, max_tokens: int | None, pod_reason: int
-           ) -> tuple[int, str] | None:
+def _ended(out: OutputAssembler, piece: Any, sent: int, max_tokens: int | None,
+           pod_reason: common_pb2.FinishReason) -> tuple[common_pb2.FinishReason, str] | None:
     """(finish reason, stop string) when the output is complete, else None."""
     if piece.stop is not None:
         return common_pb2.FINISH_REASON_STOP, piece.stop
@@ -348,9 +307,9 @@ def _ended(out: OutputAssembler, piece: Any, sent: int, max_tokens: int | None, 
 
 def _need_prefill_pods(core: RouterCore) -> None:
     if not core.registry.prefill_views():
-        raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                       "no READY prefill pod: start prefill pods (python -m prefill_svc ... --router ...) or wait "
-                       "until they register")
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                           "no READY prefill pod: start prefill pods (python -m prefill_svc ... --router ...) or wait "
+                           "until they register")
 
 
 def _place_prefill(core: RouterCore, prep: Prepared) -> str:
@@ -358,7 +317,7 @@ def _place_prefill(core: RouterCore, prep: Prepared) -> str:
     pod = core.pick_prefill(prep, set())
     if pod is None:
         _need_prefill_pods(core)  # the clearer message when there is none at all
-        raise Rejected(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
     return pod
 
 
@@ -378,8 +337,8 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
         try:
             admitted = await core.admission.admit(prep.kv_tokens, left, frozenset(exclude),
                                                   on_wait=lambda f: flight.set_pending(f))
-        except AdmissionError as e:
-            raise Rejected(e.code, e.message + (f" (earlier: {'; '.join(failures)})" if failures else ""))
+        except ServiceError as e:
+            raise ServiceError(e.code, e.message + (f" (earlier: {'; '.join(failures)})" if failures else ""))
         except asyncio.CancelledError:
             if flight.cancelled:
                 raise Cancelled() from None
@@ -391,7 +350,7 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
         flight.decode_pod = pod
         prefill_pod = core.pick_prefill(prep, set())  # books the prompt on it; _prefill gives it back
         if prefill_pod is None:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
         try:
             t = time.monotonic()
             alloc = await flight.call(pod, core.decode_stub(pod).AllocateKV(decode_pb2.AllocateKVRequest(
@@ -407,11 +366,11 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
             code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
             detail = _describe(e)
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise Rejected(code, f"decode pod {pod!r} refused the request: {detail}")
+                raise ServiceError(code, f"decode pod {pod!r} refused the request: {detail}")
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
-                raise Rejected(code, f"deadline passed while decode pod {pod!r} reserved KV")
+                raise ServiceError(code, f"deadline passed while decode pod {pod!r} reserved KV")
             if code == grpc.StatusCode.ALREADY_EXISTS:
-                raise Rejected(code, f"decode pod {pod!r}: {detail}")
+                raise ServiceError(code, f"decode pod {pod!r}: {detail}")
             failures.append(f"{pod}: {detail}")
             # Gone from this request: the clean-up of a possible half-made reservation returns the booking.
             flight.decode_pod, flight.admitted = None, None
@@ -421,15 +380,15 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
                 failures = failures[-2:]  # a long wait must not grow the message without bound
                 waited = time.monotonic() - t_first
                 if waited >= core.config.max_queue_wait_s:
-                    raise Rejected(code, f"decode pods kept refusing KV for {len(prep.prompt_ids)} prompt tokens for "
-                                         f"{waited:.1f}s (max_queue_wait_s {core.config.max_queue_wait_s}): retry "
-                                         f"later or add decode pods (last: {'; '.join(failures)})")
+                    raise ServiceError(code, f"decode pods kept refusing KV for {len(prep.prompt_ids)} prompt tokens "
+                                             f"for {waited:.1f}s (max_queue_wait_s {core.config.max_queue_wait_s}): "
+                                             f"retry later or add decode pods (last: {'; '.join(failures)})")
             else:
                 errors += 1
                 exclude.add(pod)
                 if code == grpc.StatusCode.UNAVAILABLE:
                     core.registry.suspect(pod)
-    raise Rejected(grpc.StatusCode.UNAVAILABLE, f"no decode pod could reserve KV: {'; '.join(failures)}")
+    raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no decode pod could reserve KV: {'; '.join(failures)}")
 
 
 async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: decode_pb2.AllocateKVResponse | None,
@@ -459,9 +418,9 @@ async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: deco
             detail = _describe(e)
             if code in _PREFILL_FINAL:
                 flight.prefill_pod = None
-                raise Rejected(code, f"prefill pod {pod!r} refused the request: {detail}")
+                raise ServiceError(code, f"prefill pod {pod!r} refused the request: {detail}")
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
-                raise Rejected(code, f"deadline passed during prefill on pod {pod!r}")
+                raise ServiceError(code, f"deadline passed during prefill on pod {pod!r}")
             # The pod may still be working on it (timeouts): tell it to stop and drop any lease.
             core.spawn(core.cancel_prefill(pod, prep.request_id))
             if code == grpc.StatusCode.UNAVAILABLE:
@@ -474,9 +433,9 @@ async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: deco
             core.registry.end_prefill(pod, n)
         nxt = core.pick_prefill(prep, set(tried)) if len(tried) < 2 else None
         if nxt is None:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                           f"prefill failed ({'; '.join(failures)})" + ("" if len(tried) >= 2 else
-                                                                       "; no other READY prefill pod to retry on"))
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"prefill failed ({'; '.join(failures)})" + ("" if len(tried) >= 2 else
+                                                                           "; no other READY prefill pod to retry on"))
         core.metrics.prefill_retries.inc()
         pod = nxt
 

@@ -360,7 +360,7 @@ class OpenAIHttpServer:
                             "unknown_url" if e.status == 404 else None).response()
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - every failure leaves in OpenAI's shape
+        except Exception as e:  # every failure leaves in OpenAI's shape
             log.exception("unexpected error on %s %s", request.method, request.path)
             return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()
 

@@ -17,15 +17,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import grpc
-
+from pdserve.errors import InvalidArgument, ServiceError, Unauthenticated
 from pdserve.parallel_config import ParallelConfig
 from pdserve.security import secrets_match
 from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
 from router.config import RouterConfig
 from router.placement import DecodeView, PrefillView, blocks_needed
-from router.registry_checks import InvalidRequest, heartbeat_problem, kv_stats_problem, register_problem
-from router.validation import BadConfigRequest, check_for_role, facts_from_shape, parallel_from_proto, \
+from router.registry_checks import heartbeat_problem, kv_stats_problem, register_problem
+from router.validation import check_for_role, facts_from_shape, parallel_from_proto, \
     shape_mismatch
 
 log = logging.getLogger("router.registry")
@@ -38,14 +37,10 @@ PREFILL = common_pb2.ROLE_PREFILL
 DECODE = common_pb2.ROLE_DECODE
 
 
-class Unauthenticated(Exception):
-    code = grpc.StatusCode.UNAUTHENTICATED
-
-
 @dataclass
 class PodEntry:
     pod_id: str
-    role: int
+    role: common_pb2.Role
     model: str
     address: str
     kv_transfer_address: str
@@ -53,7 +48,7 @@ class PodEntry:
     registration: registry_pb2.RegisterWorkerRequest
     registered_at: float
     last_heartbeat: float
-    state: int = READY
+    state: common_pb2.PodState = READY
     load: common_pb2.LoadStats = field(default_factory=common_pb2.LoadStats)
     kv_free: list[int] = field(default_factory=list)  # per TP rank, as last reported
     kv_total: list[int] = field(default_factory=list)
@@ -62,7 +57,7 @@ class PodEntry:
     inflight_prompt_tokens: int = 0  # prefill: prompt tokens of Prefill calls in flight
     pending_blocks: list[int] = field(default_factory=list)  # decode: reserved by the router since last report
     routed_total: int = 0  # requests ever placed here
-    desired_state: int = common_pb2.POD_STATE_UNSPECIFIED
+    desired_state: common_pb2.PodState = common_pb2.POD_STATE_UNSPECIFIED
 
     @property
     def layout(self) -> common_pb2.KVLayout:
@@ -136,7 +131,7 @@ class Registry:
         self._check_token(req.cluster_token)
         problem = self._malformed(req)
         if problem:
-            raise InvalidRequest(f"RegisterWorker: {problem}")
+            raise InvalidArgument(f"RegisterWorker: {problem}")
         reason, parallel = self._refusal(req)
         resp = registry_pb2.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_interval_s,
                                                    router_id=self.router_id)
@@ -193,7 +188,7 @@ class Registry:
                     "it unset)"), None
         try:
             facts = facts_from_shape(req.model_shape, "model_shape")
-        except BadConfigRequest as e:
+        except ServiceError as e:
             return f"invalid model_shape: {e.message}", None
         block = req.kv_layout.block_size
         parallel = parallel_from_proto(req.parallel, block)
@@ -232,7 +227,7 @@ class Registry:
             return registry_pb2.HeartbeatResponse(known=False)
         problem = heartbeat_problem(req, entry.tp)
         if problem:  # refused whole: the entry keeps its last good report
-            raise InvalidRequest(f"heartbeat of pod {req.pod_id!r}: {problem}")
+            raise InvalidArgument(f"heartbeat of pod {req.pod_id!r}: {problem}")
         entry.last_heartbeat = self.clock()
         entry.load.CopyFrom(req.load)
         self._apply_kv(entry, req.kv)

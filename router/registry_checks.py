@@ -14,10 +14,6 @@ _POD_STATES = set(common_pb2.PodState.values())
 _MODES = set(common_pb2.TransferMode.values())
 
 
-class InvalidRequest(Exception):
-    """A malformed Registry request: INVALID_ARGUMENT with this message."""
-
-
 def pod_id_problem(pod_id: str) -> str | None:
     if not pod_id:
         return "pod_id is empty: give every pod a unique, stable id"

@@ -8,20 +8,19 @@ import asyncio
 import logging
 import signal
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from pdserve.errors import grpc_errors
 from pdserve.security import ApiKeyInterceptor, bind, grpc_options
 from pdserve_api.v1 import common_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.core import RouterCore
 from router.journey import generate
-from router.registry import Unauthenticated
-from router.registry_checks import InvalidRequest
-from router.validation import BadConfigRequest, validate_config_rpc
+from router.validation import validate_config_rpc
 
 log = logging.getLogger("router.server")
 
@@ -38,13 +37,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async for msg in generate(self.core, request, context):
             yield msg
 
+    @grpc_errors
     async def ValidateConfig(self, request: router_pb2.ValidateConfigRequest, context: grpc.aio.ServicerContext
                              ) -> router_pb2.ValidateConfigResponse:
-        try:
-            return validate_config_rpc(request)
-        except BadConfigRequest as e:
-            await context.abort(e.code, e.message)
-            raise  # unreachable: abort raises
+        return validate_config_rpc(request)
 
     async def ClusterStatus(self, request: router_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
                             ) -> router_pb2.ClusterStatusResponse:
@@ -77,27 +73,17 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     def __init__(self, core: RouterCore) -> None:
         self.core = core
 
-    async def RegisterWorker(self, request, context):  # noqa: N802 (gRPC names)
-        try:
-            return self.core.registry.register(request)
-        except Unauthenticated as e:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    @grpc_errors
+    async def RegisterWorker(self, request, context):
+        return self.core.registry.register(request)
 
-    async def Heartbeat(self, request, context):  # noqa: N802
-        try:
-            return self.core.registry.heartbeat(request)
-        except Unauthenticated as e:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    @grpc_errors
+    async def Heartbeat(self, request, context):
+        return self.core.registry.heartbeat(request)
 
-    async def DeregisterWorker(self, request, context):  # noqa: N802
-        try:
-            return self.core.registry.deregister(request)
-        except Unauthenticated as e:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+    @grpc_errors
+    async def DeregisterWorker(self, request, context):
+        return self.core.registry.deregister(request)
 
 
 class RouterServer:
@@ -110,7 +96,7 @@ class RouterServer:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._watchdog: asyncio.Task | None = None
-        self._metrics_http = None
+        self._metrics_http: Any = None  # prometheus_client's (server, thread)
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:

@@ -52,6 +52,9 @@ class Proc:
     log: Path
     port: int = 0
 
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
     def tail(self, n: int = 40) -> str:
         try:
             lines = self.log.read_text(errors="replace").splitlines()
@@ -141,7 +144,7 @@ class Cluster:
                 p = self.procs[f"d{i}"]
                 p.port = int(self._wait_for(p, r"DecodeWorker on [\d.]+:(\d+)", timeout).group(1))
                 reg = _StandInRegistrar(router_addr, self._decode_registration(f"d{i}", p.port), interval,
-                                        alive=lambda p=p: p.popen.poll() is None)
+                                        alive=p.running)
                 reg.start()
                 self._stand_ins.append(reg)
         self.wait_ready(timeout)

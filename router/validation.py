@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.errors import ServiceError
 from pdserve.parallel_config import (
     Fix,
     ModelParallelInfo,
@@ -26,15 +27,6 @@ DEFAULT_BLOCK_SIZE = 16
 
 _ELEMENT_SIZE = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8,
                  "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
-
-
-class BadConfigRequest(Exception):
-    """The request itself is malformed or names an unreadable model: a gRPC error, not a verdict."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -76,22 +68,22 @@ def facts_from_path(path: str) -> ModelFacts:
     p = os.fspath(path)
     cfg_path = os.path.join(p, "config.json") if os.path.isdir(p) else p
     if not os.path.isfile(cfg_path):
-        raise BadConfigRequest(grpc.StatusCode.NOT_FOUND,
-                               f"model_path {path!r}: no config.json at {cfg_path}; give a model directory "
-                               "the router can read, or send the model's shape instead")
+        raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                           f"model_path {path!r}: no config.json at {cfg_path}; give a model directory "
+                           "the router can read, or send the model's shape instead")
     try:
         with open(cfg_path, encoding="utf-8") as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
-        raise BadConfigRequest(grpc.StatusCode.NOT_FOUND, f"model_path {path!r}: cannot read {cfg_path}: {e}")
+        raise ServiceError(grpc.StatusCode.NOT_FOUND, f"model_path {path!r}: cannot read {cfg_path}: {e}")
     if not isinstance(raw, dict):
-        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"model_path {path!r}: {cfg_path} must hold a JSON object (a HF config), got "
-                               f"{type(raw).__name__}")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"model_path {path!r}: {cfg_path} must hold a JSON object (a HF config), got "
+                           f"{type(raw).__name__}")
     try:
         return _facts_from_config(raw)
     except (ValueError, TypeError, AttributeError, ArithmeticError) as e:  # fields of the wrong type / value
-        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT, f"model_path {path!r}: {cfg_path}: {e}")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"model_path {path!r}: {cfg_path}: {e}")
 
 
 def _facts_from_config(raw: dict) -> ModelFacts:
@@ -121,28 +113,28 @@ def _facts_from_config(raw: dict) -> ModelFacts:
 
 def facts_from_shape(shape: common_pb2.ModelShape, what: str = "shape") -> ModelFacts:
     if shape.num_attention_heads <= 0:
-        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{what}.num_attention_heads must be a positive integer, got "
-                               f"{shape.num_attention_heads}")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{what}.num_attention_heads must be a positive integer, got "
+                           f"{shape.num_attention_heads}")
     if shape.num_kv_heads < 0:
-        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{what}.num_kv_heads must be >= 1 (or 0 for MHA: same as num_attention_heads), "
-                               f"got {shape.num_kv_heads}")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{what}.num_kv_heads must be >= 1 (or 0 for MHA: same as num_attention_heads), "
+                           f"got {shape.num_kv_heads}")
     for name in ("num_layers", "head_dim", "hidden_size", "vocab_size", "max_model_len", "sliding_window",
                  "kv_lora_rank", "qk_rope_head_dim"):
         if getattr(shape, name) < 0:
-            raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"{what}.{name} must be >= 0, got {getattr(shape, name)}")
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{what}.{name} must be >= 0, got {getattr(shape, name)}")
     if shape.use_mla and shape.kv_lora_rank + shape.qk_rope_head_dim >= 2**31:
-        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{what}: kv_lora_rank + qk_rope_head_dim (the MLA cache head size) must be below "
-                               f"2**31, got {shape.kv_lora_rank + shape.qk_rope_head_dim}")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{what}: kv_lora_rank + qk_rope_head_dim (the MLA cache head size) must be below "
+                           f"2**31, got {shape.kv_lora_rank + shape.qk_rope_head_dim}")
     kv = shape.num_kv_heads or shape.num_attention_heads
     try:
         info = ModelParallelInfo(num_attention_heads=shape.num_attention_heads, num_kv_heads=kv,
                                  use_mla=shape.use_mla, sliding_window=shape.sliding_window or None)
     except ValueError as e:
-        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
     head_dim = shape.head_dim or (shape.hidden_size // shape.num_attention_heads if shape.hidden_size else 0)
     return ModelFacts(info=info, num_layers=shape.num_layers, head_dim=head_dim, dtype=shape.dtype,
                       kv_lora_rank=shape.kv_lora_rank, qk_rope_head_dim=shape.qk_rope_head_dim)
@@ -239,18 +231,18 @@ def kv_layout_for(facts: ModelFacts, cfg: ParallelConfig, role: int) -> common_p
 
 
 def validate_config_rpc(req: router_pb2.ValidateConfigRequest) -> router_pb2.ValidateConfigResponse:
-    """Router.ValidateConfig. Raises BadConfigRequest (INVALID_ARGUMENT / NOT_FOUND) for malformed requests only."""
+    """Router.ValidateConfig. Raises ServiceError (INVALID_ARGUMENT / NOT_FOUND) for malformed requests only."""
     if req.role not in common_pb2.Role.values():
-        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"role {req.role} is not a Role: use ROLE_PREFILL, ROLE_DECODE or leave it unset")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"role {req.role} is not a Role: use ROLE_PREFILL, ROLE_DECODE or leave it unset")
     source = req.WhichOneof("model_source")
     if source is None:
-        raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                               "set exactly one of model_path (a model directory) or shape (the model's head "
-                               "counts) in ValidateConfigRequest")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "set exactly one of model_path (a model directory) or shape (the model's head "
+                           "counts) in ValidateConfigRequest")
     if source == "model_path":
         if not req.model_path:
-            raise BadConfigRequest(grpc.StatusCode.INVALID_ARGUMENT, "model_path is empty")
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "model_path is empty")
         facts = facts_from_path(req.model_path)
     else:
         facts = facts_from_shape(req.shape)

@@ -83,7 +83,8 @@ def load_docs(path: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kube-version", action="append", dest="versions",
-                   help=f"Kubernetes version to validate against (repeatable; default {' and '.join(DEFAULT_VERSIONS)})")
+                   help="Kubernetes version to validate against (repeatable; default "
+                        f"{' and '.join(DEFAULT_VERSIONS)})")
     p.add_argument("files", nargs="+")
     args = p.parse_args(argv)
     versions = args.versions or list(DEFAULT_VERSIONS)
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for doc in docs:
             total += 1
-            name = f"{doc.get('kind', '?')}/{(doc.get('metadata') or {}).get('name', '?')}" if isinstance(doc, dict) else "?"
+            meta = (doc.get("metadata") or {}) if isinstance(doc, dict) else {}
+            name = f"{doc.get('kind', '?')}/{meta.get('name', '?')}" if isinstance(doc, dict) else "?"
             problems = [(v, msg) for v in versions for msg in validate_doc(doc, v)]
             if problems:
                 failed += 1

@@ -55,7 +55,8 @@ class AttentionBackend(Protocol):
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's K, V rows [T, Hkv, D], as written
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (out [T, Hq, D], lse [T, Hq]) with natural-log LSE; a sequence with no local KV gives out 0, lse -inf.
+        """Returns (out [T, Hq, D], lse [T, Hq]) with natural-log LSE; a sequence with no local KV gives out 0,
+        lse -inf.
 
         new_kv lets a backend attend a prompt's first chunk straight from the step's K/V instead of gathering the same
         rows back out of the paged cache; a backend may ignore it."""

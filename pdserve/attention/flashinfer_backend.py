@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-import flashinfer  # noqa: F401  (ImportError here makes select_backend fall back to torch)
+import flashinfer  # ImportError here makes select_backend fall back to torch
 import torch
 
 from pdserve.attention.base import AttentionMetadata

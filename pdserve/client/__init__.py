@@ -11,7 +11,7 @@ Both clients: ``generate`` / ``chat`` (whole text), ``generate_stream`` / ``chat
 UNAVAILABLE with exponential backoff before the first token, and typed exceptions (:mod:`pdserve.client.errors`).
 """
 from pdserve.client.aio import AsyncClient, AsyncGenerateStream
-from pdserve.client.errors import *  # noqa: F401,F403
+from pdserve.client.errors import *  # noqa: F403
 from pdserve.client.errors import __all__ as _errors_all
 from pdserve.client.retry import NO_RETRY, RetryPolicy
 from pdserve.client.sync import Client, GenerateStream

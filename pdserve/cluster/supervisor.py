@@ -134,7 +134,7 @@ def _supports_flag(module: str, flag: str) -> bool:
 def _router_has_field(name: str) -> bool:
     try:
         from router.config import RouterConfig
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
     return name in {f.name for f in dataclasses.fields(RouterConfig)}
 
@@ -143,7 +143,7 @@ def _router_http_field() -> str | None:
     """The RouterConfig field that makes the router serve the OpenAI HTTP API itself, if it has one."""
     try:
         from router.config import RouterConfig
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     names = {f.name for f in dataclasses.fields(RouterConfig)}
     for candidate in ("http_port", "openai_http_port", "openai_port"):
@@ -595,5 +595,5 @@ def _http_ok(url: str, tls: "TLSConfig | None" = None) -> bool:
             return conn.getresponse().status == 200
         finally:
             conn.close()
-    except Exception:  # noqa: BLE001 - not up yet
+    except Exception:  # not up yet
         return False

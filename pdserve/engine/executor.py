@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
 import torch
@@ -258,7 +259,7 @@ class Executor:
 
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
-        self.procs: list[mp.Process] = []
+        self.procs: list[BaseProcess] = []
         if spec.tp_size > 1:
             ctx = mp.get_context("spawn")
             for rank in range(1, spec.tp_size):

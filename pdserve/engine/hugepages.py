@@ -2,7 +2,7 @@
 
 Why: a NIXL (UCX over CMA, i.e. process_vm_readv) READ pins the *source* pages page by page; with 4 KB pages
 that pinning was the bottleneck, and the prefill-side region on 2 MB huge pages roughly doubled CMA
-throughput (measured here, /tmp/nixl_mt experiment: see docs/DESIGN.md, KV transfer). The advice must come
+throughput (docs/DESIGN.md, "KV transfer: leases, one-sided reads, staging"). The advice must come
 before the pages are first touched, hence ``torch.empty`` + ``madvise(MADV_HUGEPAGE)`` + ``zero_()``.
 
 Linux only, CPU tensors only; anywhere else (other OS, THP ``never``, a CUDA tensor, a region under 2 MB,

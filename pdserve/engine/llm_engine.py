@@ -3,14 +3,12 @@
 Used directly for offline generation and benchmarks, and inside the prefill and decode services."""
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
-
-import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.executor import CPU_COLLECTIVES, CPU_PINNING, Executor
@@ -120,13 +118,27 @@ class LLMEngine:
                                         self.max_model_len, cfg.device, cfg.attention_backend,
                                         exact_prefill=cfg.exact_prefill, cpu_collectives=cfg.cpu_collectives,
                                         cpu_pinning=cfg.cpu_pinning)
+        self.eos_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self._init_requests()
+
+    @classmethod
+    def bookkeeping(cls, config: EngineConfig, max_model_len: int) -> LLMEngine:
+        """An engine with block manager, scheduler and request tables but no model, tokenizer or ranks: admission
+        accounting (reserve, knows, block_tables_of) exactly as a live engine does it; running the model fails."""
+        eng = cls.__new__(cls)
+        eng.config = config
+        eng.max_model_len = max_model_len
+        eng._init_requests()
+        return eng
+
+    def _init_requests(self) -> None:
+        cfg = self.config
         self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.decode_context_parallel_size,
                                    cfg.dcp_kv_cache_interleave_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size)
         self.sampler = Sampler()
-        self.eos_ids = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._arrival = itertools.count()
         self.num_prompt_tokens_computed = 0  # prefill work actually done (prefix hits excluded)
@@ -190,6 +202,62 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
 
+    def knows(self, request_id: str) -> bool:
+        """request_id is a request of this engine (waiting, awaiting its KV or running)."""
+        return request_id in self._tracked
+
+    def block_tables_of(self, request_id: str) -> list[list[int]] | None:
+        """The block table per DCP rank of a request, None when it is unknown or holds no blocks."""
+        tr = self._tracked.get(request_id)
+        if tr is None or not tr.seq.block_tables:
+            return None
+        return [list(t) for t in tr.seq.block_tables]
+
+    # --- pods that receive a prompt's KV from elsewhere (decode pods) ---
+    def reserve(self, request_id: str, num_tokens: int, want_tokens: int) -> Sequence | None:
+        """Blocks for want_tokens on every DCP rank for a request whose prompt is not known yet, held by a
+        placeholder sequence until adopt() or free_reserved(); None when they do not fit now."""
+        seq = Sequence(request_id, [0] * num_tokens, SamplingParams(), next(self._arrival))
+        if not self.blocks.can_allocate(seq, want_tokens):
+            return None
+        self.blocks.allocate(seq, want_tokens)
+        seq.status = SeqStatus.WAITING_FOR_KV
+        return seq
+
+    def free_reserved(self, reserved: Sequence) -> None:
+        """Give a reservation's blocks back (it was never adopted)."""
+        self.blocks.free(reserved)
+
+    def adopt(self, reserved: Sequence, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Turn a reservation into a request awaiting its KV: it keeps the reservation's blocks and arrival order.
+        Raises RequestError for a bad prompt (the reservation is untouched then)."""
+        seq = self._new_sequence(prompt_ids, params, reserved.request_id)
+        seq.arrival = reserved.arrival
+        seq.block_tables, reserved.block_tables = reserved.block_tables, []
+        seq.status = SeqStatus.WAITING_FOR_KV
+        self.scheduler.awaiting_kv[seq.request_id] = seq
+        return seq
+
+    def add_awaiting_kv(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                        headroom: int = 0) -> Sequence | None:
+        """A request whose prompt KV someone else writes: its prompt's blocks now, keeping headroom blocks per rank
+        free; None (nothing kept) when they do not fit. Raises RequestError for a bad prompt or a used id."""
+        seq = self._new_sequence(prompt_ids, params, request_id)
+        fits = self.blocks.can_allocate(seq, seq.num_tokens, reserve=headroom)
+        if not fits or not self.scheduler.reserve_for_kv(seq):
+            del self._tracked[request_id]
+            return None
+        return seq
+
+    def start_decoding(self, seq: Sequence, first_token: int, first_logprob: float) -> RequestOutput:
+        """seq's prompt KV is in place and its first token was sampled elsewhere: it decodes from the next step.
+        Returns the first token's output, with stop checks and detokenization as for every later token; the token
+        does not count in num_generated_tokens (this engine did not sample it)."""
+        self.scheduler.kv_landed(seq, first_token, first_logprob)
+        seq.output_ids.pop()  # _append_token appends it again, with its checks
+        seq.output_logprobs.pop()
+        return self._append_token(seq, first_token, first_logprob, sampled_here=False)
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -221,11 +289,12 @@ class LLMEngine:
                 outputs.append(self._append_token(seq, tok, lp))
         return outputs
 
-    def _append_token(self, seq: Sequence, tok: int, lp: float) -> RequestOutput:
+    def _append_token(self, seq: Sequence, tok: int, lp: float, sampled_here: bool = True) -> RequestOutput:
         tr = self._tracked[seq.request_id]
         seq.output_ids.append(tok)
         seq.output_logprobs.append(lp)
-        self.num_generated_tokens += 1
+        if sampled_here:
+            self.num_generated_tokens += 1
         tr.text += tr.detok.add(tok)
         p = seq.params
         reason: FinishReason | None = None
@@ -259,12 +328,12 @@ class LLMEngine:
         return out
 
     # --- convenience for offline use, tests and benchmarks ---
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[dict]:
+    def generate(self, prompts: collections.abc.Sequence[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[dict[str, Any]]:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        results = {r: {"request_id": r, "token_ids": [], "logprobs": [], "text": "", "finish_reason": None}
-                   for r in rids}
+        results: dict[str, dict[str, Any]] = {
+            r: {"request_id": r, "token_ids": [], "logprobs": [], "text": "", "finish_reason": None} for r in rids}
         while any(results[r]["finish_reason"] is None for r in rids):
             for out in self.step():
                 res = results.get(out.request_id)

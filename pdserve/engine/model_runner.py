@@ -73,6 +73,7 @@ class StepInput:
 
 
 def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave: int) -> StepInput:
+    pos: list[int]
     ids, pos, cu, starts, logit_rows, sample_rows = [], [], [0], [], [], []
     slots: list[list[int]] = [[] for _ in range(dcp)]
     ctx: list[list[int]] = [[] for _ in range(dcp)]

@@ -138,7 +138,8 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         scaling = dict(raw.get("rope_scaling") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        raise ModelConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; supported: "
+                               f"{SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         return theta, None
     scaling["rope_type"] = rope_type

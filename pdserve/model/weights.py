@@ -19,9 +19,13 @@ def _rows(heads: list[int], head_dim: int) -> torch.Tensor:
     return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
 
 
-def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]]:
-    """HF key -> (destination view, full shape expected in the file, slicer taking the full tensor to this rank's part)."""
-    cfg, ps = model.cfg, model.ps
+Slicer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, ...], Slicer]]:
+    """HF key -> (destination view, full shape expected in the file, slicer taking the full tensor to this rank's
+    part)."""
+    cfg = model.cfg
     d, h = cfg.head_dim, cfg.hidden_size
     whole = lambda t: t  # noqa: E731
     out: dict = {"model.embed_tokens.weight": (model.embed_tokens, (cfg.vocab_size, h), whole),

@@ -23,16 +23,16 @@ class Scripted(router_pb2_grpc.RouterServicer):
         self.status_calls = 0
         self.status_code: grpc.StatusCode | None = None
 
-    async def Generate(self, request, context):  # noqa: N802
+    async def Generate(self, request, context):
         self.calls.append((time.monotonic(), request))
         async for m in self.script(len(self.calls), request, context):
             yield m
 
-    async def Cancel(self, request, context):  # noqa: N802
+    async def Cancel(self, request, context):
         self.cancel_ids.append(request.request_id)
         return router_pb2.CancelResponse(found=True)
 
-    async def ClusterStatus(self, request, context):  # noqa: N802
+    async def ClusterStatus(self, request, context):
         self.status_calls += 1
         if self.status_code is not None and self.status_calls < 3:
             await context.abort(self.status_code, "scripted status failure")

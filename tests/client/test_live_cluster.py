@@ -31,7 +31,7 @@ from pdserve.client import (
     NotFoundError,
 )
 from pdserve.cluster.supervisor import _supports_flag
-from pdserve.cluster.testing import UpProcess
+from up_helpers import UpProcess
 
 DECODE_JOINS = _supports_flag("decode_svc", "--router")
 pytestmark = pytest.mark.skipif(

@@ -4,10 +4,11 @@ OpenAI client, Ctrl-C after serving) are in tests/client/test_live_cluster.py.""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.testing import UpProcess
+from up_helpers import UpProcess
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +96,12 @@ def test_up_process_dies_with_the_test_that_started_it(tmp_path, tiny):
 
     import psutil
 
+    tests_dir = str(Path(__file__).resolve().parents[1])  # where up_helpers lives
     driver = subprocess.Popen([sys.executable, "-c", f"""
+import sys
 import time
-from pdserve.cluster.testing import UpProcess
+sys.path.insert(0, {tests_dir!r})
+from up_helpers import UpProcess
 up = UpProcess(["--model", {str(tiny)!r}, "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"],
                log_dir={str(tmp_path / "logs")!r})
 up.start(wait=False)

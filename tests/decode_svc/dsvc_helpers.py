@@ -75,7 +75,7 @@ def record(events, results: dict[str, list[int]], finished: dict[str, str]) -> N
 
     for ev in events:
         if isinstance(ev, Failure):
-            finished[ev.request_id] = f"failed:{ev.code}"
+            finished[ev.request_id] = f"failed:{ev.code.name}"
             continue
         results.setdefault(ev.request_id, []).extend(ev.new_token_ids)
         if ev.finished:

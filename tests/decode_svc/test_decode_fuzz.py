@@ -7,10 +7,12 @@ a real decode pod (``python -m decode_svc`` in a router + prefill + decode clust
 - each malformed Decode (bad ids, empty / out-of-vocabulary / too long prompts, first token out of range, NaN
   logprob, impossible cached-token counts, bad or unimplemented sampling values, KV handles with no address, an
   unknown TransferMode, a file:// address the pod does not allow, a token count that disagrees with the prompt, a
-  layout that cannot exist) gets INVALID_ARGUMENT with a message and holds nothing; a handle naming a lease the prefill pod does not have gets
-  NOT_FOUND / FAILED_PRECONDITION; a real lease with block tables pointing outside the prefill cache is refused;
+  layout that cannot exist) gets INVALID_ARGUMENT with a message and holds nothing; a handle naming a lease the
+  prefill pod does not have gets NOT_FOUND / FAILED_PRECONDITION; a real lease with block tables pointing outside
+  the prefill cache is refused;
 - a refused Decode for a request holding a reservation leaves the reservation to CancelDecode (not consumed, not
-  leaked); CancelDecode of unknown ids: found = false; a ~70 MB Decode is refused (RESOURCE_EXHAUSTED / INVALID_ARGUMENT);
+  leaked); CancelDecode of unknown ids: found = false; a ~70 MB Decode is refused (RESOURCE_EXHAUSTED /
+  INVALID_ARGUMENT);
 - afterwards the pod's own heartbeat (free KV blocks, reservations, running / waiting) equals the baseline, and a
   valid request still decodes end to end through the router.
 """
@@ -23,7 +25,7 @@ from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
-from router.fuzz_testing import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING, UNSUPPORTED_SAMPLING,
+from fuzz_helpers import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING, UNSUPPORTED_SAMPLING,
                                  VOCAB, assert_refused, idle, ok_ids, settled_snapshot, tiny_cluster)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

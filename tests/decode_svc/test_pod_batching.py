@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import pytest
 
 from decode_svc.config import DecodeConfig
@@ -151,7 +152,7 @@ def test_reservation_accounting_takeover_and_expiry(pod, prefilled, solo, clock)
         pod.submit("take", PROMPTS[3][:-1], greedy(MAX_TOKENS[3]), first, lp, DenseKVSource(src.kv[:, :, :-1]))
     res, fin = {}, {}
     record([pod.submit("take", PROMPTS[3], greedy(MAX_TOKENS[3]), first, lp, src)], res, fin)
-    assert [t[:len(tables[r])] for r, t in enumerate(pod.engine._tracked["take"].seq.block_tables)] == tables
+    assert [t[:len(tables[r])] for r, t in enumerate(pod.engine.block_tables_of("take"))] == tables
     drain_pod(pod, res, fin)
     assert res["take"] == solo[3]
     # an unused reservation expires after its TTL
@@ -234,7 +235,7 @@ def test_kv_pulled_through_kv_transfer(pod, prefill_standins, solo, clock):
         src = TransferKVSource(handoff.to_json(), len(PROMPTS[4]), factory, timeout_s=10)
         with pytest.raises(KVDeliveryError) as ei:
             pod.submit("gone", PROMPTS[4], greedy(4), first, lp, src)
-        assert ei.value.grpc_code == "FAILED_PRECONDITION"
+        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert not pod.knows("gone")
         assert pod.idle() and pod.free_blocks_per_rank() == [pod.num_blocks] * TP
     finally:

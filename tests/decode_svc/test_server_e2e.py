@@ -1,7 +1,8 @@
 """The decode service end to end, in a subprocess started the way operators start it (python -m decode_svc, TP 2,
-DCP 2): AllocateKV -> KV delivered (file handle, and pulled over kv_transfer from a prefill engine) -> Decode stream (token-identical to transformers) -> CancelDecode frees blocks;
-grpc.health.v1; Prometheus gauges; SIGTERM drains (in-flight streams finish, new calls get UNAVAILABLE); an invalid
-parallel config refuses to start with the rule's message."""
+DCP 2): AllocateKV -> KV delivered (file handle, and pulled over kv_transfer from a prefill engine) -> Decode
+stream (token-identical to transformers) -> CancelDecode frees blocks; grpc.health.v1; Prometheus gauges; SIGTERM
+drains (in-flight streams finish, new calls get UNAVAILABLE); an invalid parallel config refuses to start with the
+rule's message."""
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsvc_helpers import PROMPTS, hf_greedy, prefill_and_publish, tcp_publisher
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2, registry_pb2_grpc
-from prefill_svc.convert import handoff_to_kv_handle
+from pdserve.pod.convert import handoff_to_kv_handle
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 64

@@ -10,7 +10,7 @@ import re
 try:
     import tomllib
 except ImportError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib
 
 import pytest
 import yaml

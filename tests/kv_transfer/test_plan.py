@@ -75,7 +75,8 @@ def test_enough_cases_and_kinds():
     assert {d.interleave for _, d in CASES} == {1, 4}
 
 
-@pytest.mark.parametrize("src,dst", CASES, ids=lambda lay: f"kvh{lay.num_kv_heads}tp{lay.tp_size}dcp{lay.dcp_size}i{lay.interleave}bs{lay.block_size}")
+@pytest.mark.parametrize("src,dst", CASES, ids=lambda lay: (f"kvh{lay.num_kv_heads}tp{lay.tp_size}dcp{lay.dcp_size}"
+                                                             f"i{lay.interleave}bs{lay.block_size}"))
 def test_plan_matches_reference(src, dst):
     num_tokens = 1 + (hash((src, dst)) % 90)
     _check_case(src, dst, num_tokens, seed=num_tokens)

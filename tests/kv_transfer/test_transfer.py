@@ -364,7 +364,8 @@ def test_concurrent_pulls_on_one_puller(workers, backend):
         slow, fast = pre.publish(layers_ready=0), pre.publish()
         table_b = [b for b in range(NUM_BLOCKS) if b not in dec.tables[0]][: len(dec.tables[0])]
         out = {}
-        th = threading.Thread(target=lambda: out.setdefault("slow", dec.pullers[0].pull(slow, dec.tables[0], timeout_s=30)))
+        th = threading.Thread(
+            target=lambda: out.setdefault("slow", dec.pullers[0].pull(slow, dec.tables[0], timeout_s=30)))
         th.start()
         workers[0].call("stream", key=pre.key, lease_id=slow.lease_id, delay=0.5)
         time.sleep(0.3)  # the slow pull is now long-polling for layer 1

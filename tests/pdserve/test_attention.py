@@ -58,7 +58,8 @@ def test_empty_partial_contributes_nothing():
 def test_paged_decode_matches_prefill_last_row():
     g = torch.Generator().manual_seed(4)
     n, hq, hkv, d, bs = 13, 4, 2, 8, 4
-    q, k, v = torch.randn(n, hq, d, generator=g), torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    q = torch.randn(n, hq, d, generator=g)
+    k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
     kv = torch.zeros(2, 6, bs, hkv, d)
     table = torch.tensor([[5, 2, 0, 3]])  # scattered blocks
     slots = torch.cat([table[0, i // bs:i // bs + 1] * bs + i % bs for i in range(n)])

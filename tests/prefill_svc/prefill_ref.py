@@ -44,7 +44,7 @@ def random_prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
 def greedy():
     """Engine params + client params for a greedy prefill that continues on decode."""
     from pdserve_api.v1 import common_pb2 as pb
-    from prefill_svc.convert import sampling_from_proto
+    from prefill_svc.sampling import sampling_from_proto
 
     return sampling_from_proto(pb.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
 

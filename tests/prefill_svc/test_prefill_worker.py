@@ -192,7 +192,7 @@ def test_request_errors(tiny_model):
 
 def test_finished_at_first_token_keeps_no_kv(tiny_model):
     from pdserve_api.v1 import common_pb2 as pb
-    from prefill_svc.convert import sampling_from_proto
+    from prefill_svc.sampling import sampling_from_proto
 
     with worker(tiny_model, kv_transport="tcp", prefill_chunk_size=64, max_num_batched_tokens=256,
                 num_kv_blocks=32) as w:

@@ -7,7 +7,8 @@ import grpc
 import pytest
 
 from pdserve_api.v1 import common_pb2, registry_pb2
-from router.admission import Admission, AdmissionError
+from pdserve.errors import ServiceError
+from router.admission import Admission
 from router.config import RouterConfig
 from router.registry import Registry
 from router_helpers import register_request
@@ -80,7 +81,7 @@ def test_queue_bound_gives_resource_exhausted():
         reg, adm = make(free=(0,), max_queue_len=1)
         t = asyncio.create_task(adm.admit(16, None))
         await asyncio.sleep(0.01)
-        with pytest.raises(AdmissionError) as e:
+        with pytest.raises(ServiceError) as e:
             await adm.admit(16, None)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in e.value.message
         t.cancel()
@@ -93,10 +94,10 @@ def test_queue_bound_gives_resource_exhausted():
 def test_wait_bound_and_deadline():
     async def body():
         reg, adm = make(free=(0,), max_queue_wait_s=0.05)
-        with pytest.raises(AdmissionError) as e:
+        with pytest.raises(ServiceError) as e:
             await adm.admit(16, None)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "within" in e.value.message
-        with pytest.raises(AdmissionError) as e:
+        with pytest.raises(ServiceError) as e:
             await adm.admit(16, 0.02)
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert adm.depth == 0
@@ -106,11 +107,11 @@ def test_wait_bound_and_deadline():
 def test_never_fits_and_no_pods():
     async def body():
         reg, adm = make(free=(10,), total=10)
-        with pytest.raises(AdmissionError) as e:
+        with pytest.raises(ServiceError) as e:
             await adm.admit(16 * 10 + 1, None)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "even when empty" in e.value.message
         reg.pods["d0"].state = common_pb2.POD_STATE_UNHEALTHY
-        with pytest.raises(AdmissionError) as e:
+        with pytest.raises(ServiceError) as e:
             await adm.admit(16, None)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
     asyncio.run(body())

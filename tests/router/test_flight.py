@@ -6,7 +6,7 @@ import asyncio
 import grpc
 import pytest
 
-from router.journey import Cancelled, Flight, PodLost
+from router.flight import Cancelled, Flight, PodLost
 
 
 async def _slow_server():
@@ -51,7 +51,7 @@ def test_unary_call_is_interrupted(how):
             try:
                 await task
                 return None
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 return type(e)
             finally:
                 await server.stop(0)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from pdserve_api.v1 import common_pb2, registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.core import RouterCore
-from router.fuzz_testing import FUZZ_SETTINGS, assert_refused
+from fuzz_helpers import FUZZ_SETTINGS, assert_refused
 from router.server import RouterServer
 from router_helpers import FakeClock, register_request
 

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.fuzz_testing import (BAD_SAMPLING, FUZZ_SETTINGS, MAX_MODEL_LEN, UNSUPPORTED_SAMPLING, VOCAB,
+from fuzz_helpers import (BAD_SAMPLING, FUZZ_SETTINGS, MAX_MODEL_LEN, UNSUPPORTED_SAMPLING, VOCAB,
                                  assert_refused, cluster_snapshot, idle, ok_ids, settled_snapshot, tiny_cluster)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -15,13 +15,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_transfer.control import ControlClient, KVAuthError  # noqa: E402
-from kv_transfer.transport import PROTOCOL_VERSION, Endpoint, HandshakeTimeout, TransferUnavailable  # noqa: E402
-from pdserve.client import Client  # noqa: E402
-from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig, sync_channel  # noqa: E402
-from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc  # noqa: E402
-from router.testing import Cluster  # noqa: E402
-from security_helpers import Pki, make_pki  # noqa: E402
+from kv_transfer.control import ControlClient, KVAuthError
+from kv_transfer.transport import PROTOCOL_VERSION, Endpoint, HandshakeTimeout, TransferUnavailable
+from pdserve.client import Client
+from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig, sync_channel
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from router.testing import Cluster
+from security_helpers import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -20,17 +20,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pdserve.cluster.supervisor import LocalCluster, _http_ok  # noqa: E402
-from pdserve.cluster.topology import Topology  # noqa: E402
-from pdserve.security import TLSConfig, TLSConfigError, http_server_tls, http_tls_from_args, tls_from_args  # noqa: E402
-from pdserve_api.v1 import registry_pb2_grpc  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
-from router.openai_http import main as front_main  # noqa: E402
-from router.openai_http import parser as front_parser  # noqa: E402
-from router.openai_http import start_openai_http  # noqa: E402
-from router.server import RouterServer  # noqa: E402
-from router_helpers import register_request  # noqa: E402
-from security_helpers import Pki, make_pki  # noqa: E402
+from pdserve.cluster.supervisor import LocalCluster, _http_ok
+from pdserve.cluster.topology import Topology
+from pdserve.security import TLSConfig, TLSConfigError, http_server_tls, http_tls_from_args, tls_from_args
+from pdserve_api.v1 import registry_pb2_grpc
+from router.config import RouterConfig
+from router.openai_http import main as front_main
+from router.openai_http import parser as front_parser
+from router.openai_http import start_openai_http
+from router.server import RouterServer
+from router_helpers import register_request
+from security_helpers import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "SmolLM2-135M-Instruct"  # what register_request's pod serves

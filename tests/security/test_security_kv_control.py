@@ -11,10 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_transfer.control import ControlClient, ControlServer, KVAuthError  # noqa: E402
-from kv_transfer.transport import HandshakeTimeout, TransferUnavailable  # noqa: E402
-from pdserve.security import TLSConfig  # noqa: E402
-from security_helpers import make_pki  # noqa: E402
+from kv_transfer.control import ControlClient, ControlServer, KVAuthError
+from kv_transfer.transport import HandshakeTimeout, TransferUnavailable
+from pdserve.security import TLSConfig
+from security_helpers import make_pki
 
 pytestmark = pytest.mark.timeout(120)
 

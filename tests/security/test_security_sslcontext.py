@@ -12,8 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pdserve.security import TLSConfig  # noqa: E402
-from security_helpers import make_pki  # noqa: E402
+from pdserve.security import TLSConfig
+from security_helpers import make_pki
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,9 +15,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pdserve.client import Client  # noqa: E402
-from pdserve.cluster.testing import UpProcess  # noqa: E402
-from security_helpers import Pki, make_pki  # noqa: E402
+from pdserve.client import Client
+from up_helpers import UpProcess
+from security_helpers import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(900)
 KEY = "up-k3y"

@@ -1,4 +1,4 @@
-"""Test / benchmark helper: ``pdserve up`` in a subprocess, exactly as a user runs it.
+"""Test helper: ``pdserve up`` in a subprocess, exactly as a user runs it.
 
     with UpProcess(["--model", path, "--port", "0", "--http-port", "0"], log_dir=tmp) as up:
         client = Client(up.router)
@@ -6,8 +6,8 @@
     # leaving the block sends SIGINT (Ctrl-C) and waits for `pdserve up` to stop everything
 
 If the test process dies (a killed pytest), `pdserve up` gets SIGINT (PR_SET_PDEATHSIG) and stops its cluster, so
-an interrupted test run leaves nothing behind either. ``descendants()`` lists every process below ``pdserve up`` (services, their TP ranks, the reaper) so a test can
-check that none survives.
+an interrupted test run leaves nothing behind either. ``descendants()`` lists every process below ``pdserve up``
+(services, their TP ranks, the reaper) so a test can check that none survives.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from pdserve.security import TLSConfig, aio_channel
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import registry_pb2, registry_pb2_grpc
 
-log = logging.getLogger("prefill_svc.registration")
+log = logging.getLogger("pdserve.pod.registrar")
 
 RPC_TIMEOUT_S = 5.0
 # gRPC's reconnect backoff grows to 120 s by default: after a long router outage a pod would then find the restarted
@@ -44,7 +44,7 @@ class Registrar:
         self._warned = False
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="prefill-registrar")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pod-registrar")
 
     def poke(self) -> None:
         """Send a heartbeat now (e.g. the pod started draining)."""

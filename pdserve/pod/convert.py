@@ -1,58 +1,19 @@
-"""Between the pdserve.v1 protos and the engine / kv_transfer objects a prefill pod works with."""
+"""Between the pdserve.v1 protos and the engine / kv_transfer objects both pods work with."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kv_transfer.layout import KVLayout
 from kv_transfer.transport import Endpoint, KVHandoff
-from pdserve.sampling import SamplingParams, SamplingParamsError
 from pdserve_api.v1 import common_pb2 as pb
+
+if TYPE_CHECKING:
+    from pdserve.model.config import ModelConfig
 
 TRANSFER_MODE_OF = {"nixl": pb.TRANSFER_MODE_NIXL_PULL, "tcp": pb.TRANSFER_MODE_GRPC}
 TRANSPORT_OF_MODE = {pb.TRANSFER_MODE_NIXL_PULL: "nixl", pb.TRANSFER_MODE_GRPC: "tcp"}
-
-
-@dataclass(frozen=True)
-class ClientParams:
-    """What the prefill pod needs from the client's sampling params besides sampling the first token."""
-
-    max_tokens: int | None  # None: until EOS / context full
-    stop_token_ids: frozenset[int]
-    ignore_eos: bool
-
-
-def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, ClientParams]:
-    """Engine params for sampling the first token (max_tokens=1) and the client-level stop rules.
-
-    Stop strings are applied by whoever detokenizes (the router), so they are not used here. Parameters that
-    change the first token and that the engine does not implement are refused (INVALID_ARGUMENT), never ignored."""
-    unsupported = []
-    if sp.top_logprobs:
-        unsupported.append("top_logprobs")
-    if sp.min_tokens:
-        unsupported.append("min_tokens")  # would mask EOS at the first position
-    if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0:
-        unsupported.append("repetition_penalty")  # HF semantics also penalise prompt tokens
-    if unsupported:
-        raise SamplingParamsError(f"this prefill pod does not implement {', '.join(unsupported)}: leave "
-                                  f"{'it' if len(unsupported) == 1 else 'them'} unset")
-    # presence/frequency penalties count generated tokens only: none exist before the first one, so no effect here.
-    if sp.HasField("max_tokens") and sp.max_tokens < 1:
-        raise SamplingParamsError(f"max_tokens must be >= 1, got {sp.max_tokens}")
-    params = SamplingParams(
-        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
-        top_k=sp.top_k,
-        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-        seed=sp.seed if sp.HasField("seed") else None,
-        max_tokens=1,
-        stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=True,  # the pod decides "finished" itself (below); the engine only samples one token
-        logprobs=True,
-    )
-    client = ClientParams(sp.max_tokens if sp.HasField("max_tokens") else None, frozenset(sp.stop_token_ids),
-                          sp.ignore_eos)
-    return params, client
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
@@ -70,7 +31,7 @@ def layout_from_proto(p: pb.KVLayout) -> KVLayout:
                     interleave=p.dcp_kv_cache_interleave_size or 1, num_blocks=p.num_blocks)
 
 
-def endpoints_address(endpoints: list[Endpoint]) -> str:
+def endpoints_address(endpoints: Sequence[Endpoint | None]) -> str:
     """The per-rank kv_transfer endpoints as one address string: "host:port", or "h:p0,h:p1,..." by rank."""
     eps = [str(e) for e in endpoints]
     return eps[0] if len(set(eps)) == 1 else ",".join(eps)
@@ -93,10 +54,23 @@ def handoff_to_kv_handle(h: KVHandoff, pod_id: str, ttl_s: float) -> pb.KVHandle
 def kv_handle_to_handoff(kh: pb.KVHandle, request_id: str) -> KVHandoff:
     """Inverse of handoff_to_kv_handle (what a decode pod needs to pull)."""
     layout = layout_from_proto(kh.layout)
-    eps = [Endpoint.parse(a) for a in kh.kv_transfer_address.split(",") if a]
+    eps: list[Endpoint | None] = [Endpoint.parse(a) for a in kh.kv_transfer_address.split(",") if a]
     if len(eps) == 1:
         eps = eps * layout.tp_size
     if len(eps) != layout.tp_size:
         raise ValueError(f"kv_transfer_address names {len(eps)} endpoints for a tp_size {layout.tp_size} pod")
     return KVHandoff(kh.lease_id, request_id, kh.num_tokens, layout, [list(t.block_ids) for t in kh.block_tables],
                      eps, TRANSPORT_OF_MODE.get(kh.transfer_mode, "tcp"))
+
+
+def model_shape_to_proto(mc: ModelConfig, max_model_len: int, dtype: str) -> pb.ModelShape:
+    """The model a pod serves, as the router compares it across pods."""
+    return pb.ModelShape(architecture=mc.architecture, num_layers=mc.num_layers, hidden_size=mc.hidden_size,
+                         num_attention_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                         vocab_size=mc.vocab_size, max_model_len=max_model_len,
+                         sliding_window=mc.sliding_window or 0, dtype=dtype)
+
+
+def parallel_to_proto(tp: int, dcp: int = 1, interleave: int = 1) -> pb.ParallelConfig:
+    return pb.ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=1, decode_context_parallel_size=dcp,
+                             dcp_kv_cache_interleave_size=interleave, data_parallel_size=1)

@@ -1,0 +1,40 @@
+"""The one check of which pdserve.v1 SamplingParams the pods implement, and the engine params both build from it.
+
+The router refuses the same fields before any pod is contacted (router/core.py), so a client gets one clean
+INVALID_ARGUMENT whichever service it talks to."""
+from __future__ import annotations
+
+from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve_api.v1 import common_pb2 as pb
+
+
+def unsupported_fields(sp: pb.SamplingParams) -> list[str]:
+    """Well-formed fields set to a value no pod implements (common.proto: refuse, never ignore)."""
+    return [name for name, on in (
+        ("top_logprobs", sp.top_logprobs > 0),
+        ("min_tokens", sp.min_tokens > 0),  # would mask EOS
+        ("repetition_penalty", sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0),
+        ("presence_penalty", sp.HasField("presence_penalty") and sp.presence_penalty != 0.0),
+        ("frequency_penalty", sp.HasField("frequency_penalty") and sp.frequency_penalty != 0.0)) if on]
+
+
+def refuse_unsupported(sp: pb.SamplingParams, who: str) -> None:
+    """Raise SamplingParamsError naming every unsupported field set; who: e.g. "this decode pod"."""
+    names = unsupported_fields(sp)
+    if names:
+        raise SamplingParamsError(f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not implemented by "
+                                  f"{who}: leave unset (or at the neutral value)")
+
+
+def engine_params(sp: pb.SamplingParams, max_tokens: int, ignore_eos: bool, logprobs: bool) -> SamplingParams:
+    """The engine's SamplingParams from the proto's sampling fields (the caller decides the stop rules)."""
+    return SamplingParams(
+        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+        top_k=sp.top_k,
+        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        seed=sp.seed if sp.HasField("seed") else None,
+        max_tokens=max_tokens,
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+    )

@@ -1,0 +1,33 @@
+"""The prefill pod's reading of a request's sampling params: the first token's engine params, the client's stop
+rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.pod.sampling import engine_params, refuse_unsupported
+from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve_api.v1 import common_pb2 as pb
+
+
+@dataclass(frozen=True)
+class ClientParams:
+    """What the prefill pod needs from the client's sampling params besides sampling the first token."""
+
+    max_tokens: int | None  # None: until EOS / context full
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+
+
+def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, ClientParams]:
+    """Engine params for sampling the first token (max_tokens=1) and the client-level stop rules.
+
+    Stop strings are applied by whoever detokenizes (the router), so they are not used here. Parameters the pods
+    do not implement are refused (INVALID_ARGUMENT), never ignored."""
+    refuse_unsupported(sp, "this prefill pod")
+    if sp.HasField("max_tokens") and sp.max_tokens < 1:
+        raise SamplingParamsError(f"max_tokens must be >= 1, got {sp.max_tokens}")
+    # ignore_eos: the pod decides "finished" itself from ClientParams; the engine only samples one token.
+    params = engine_params(sp, max_tokens=1, ignore_eos=True, logprobs=True)
+    client = ClientParams(sp.max_tokens if sp.HasField("max_tokens") else None, frozenset(sp.stop_token_ids),
+                          sp.ignore_eos)
+    return params, client

@@ -1,4 +1,5 @@
-"""Engine vs HF transformers on SmolLM2, side by side in one run: prefill tokens/s, decode tokens/s at batch 1 and 8.
+"""Engine vs HF transformers on SmolLM2, side by side in one run: prefill tokens/s, decode tokens/s at batch 1 and 8,
+both on one device (``--device``, default cpu).
 
 Both sides use the same torch thread count: torch's default, or PDSERVE_BENCH_THREADS (as bench/prefill.py: on a small
 CPU shared with other work, 1 thread avoids intra-op threads spinning against other processes)."""
@@ -37,17 +38,28 @@ def _engine_decode(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) ->
     return produced / (time.perf_counter() - t0)
 
 
-def _hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(prompts)
+def _synced(fn, device: str):
+    """fn, then wait for the device: CUDA kernels run asynchronously, so a timer must wait for them."""
+    def call():
+        out = fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return out
+    return call
+
+
+def _hf_decode(model, prompts: list[list[int]], new_tokens: int, device: str = "cpu") -> float:
+    ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
     kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        t1 = timed(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw))
-        tn = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw))
+        t1 = timed(_synced(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), device))
+        tn = timed(_synced(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw),
+                           device))
     return len(prompts) * (new_tokens - 1) / (tn - t1)
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     if os.environ.get("PDSERVE_BENCH_THREADS"):
@@ -55,9 +67,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     path = ensure_default_model()
     prefill_len = 256 if quick else 1024
     new_tokens = 16 if quick else 64
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
     eng = LLMEngine(EngineConfig(model=str(path), enable_prefix_caching=False, prefill_chunk_size=2048,
-                                 max_num_batched_tokens=4096))
+                                 max_num_batched_tokens=4096, device=device))
     try:
         tok = eng.tokenizer
         prompt = _prompt_ids(tok, prefill_len, 0)
@@ -65,17 +77,17 @@ def run(quick: bool = False) -> dict[str, Any]:
         eng.generate([prompt], one)  # warm-up
         e_pre = prefill_len / timed(lambda: eng.generate([prompt], one), repeat=2)
         with torch.no_grad():
-            h_pre = prefill_len / timed(lambda: hf(torch.tensor([prompt])), repeat=2)
+            h_pre = prefill_len / timed(_synced(lambda: hf(torch.tensor([prompt], device=device)), device), repeat=2)
         rows = [{"metric": f"prefill tok/s ({prefill_len} tokens)", "pdserve": e_pre, "transformers": h_pre,
                  "ratio": e_pre / h_pre}]
         ratios = {"prefill_vs_transformers": e_pre / h_pre}
-        raw: dict[str, Any] = {"prefill_tokens": prefill_len, "new_tokens": new_tokens,
+        raw: dict[str, Any] = {"device": device, "prefill_tokens": prefill_len, "new_tokens": new_tokens,
                                "threads": torch.get_num_threads(),
                                "prefill_tok_s": {"pdserve": e_pre, "transformers": h_pre}}
         for bs in (1, 8):
             prompts = [_prompt_ids(tok, 32, salt) for salt in range(bs)]
             e_dec = _engine_decode(eng, prompts, new_tokens)
-            h_dec = _hf_decode(hf, prompts, new_tokens)
+            h_dec = _hf_decode(hf, prompts, new_tokens, device)
             rows.append({"metric": f"decode tok/s (batch {bs})", "pdserve": e_dec, "transformers": h_dec,
                          "ratio": e_dec / h_dec})
             ratios[f"decode_bs{bs}_vs_transformers"] = e_dec / h_dec

@@ -49,11 +49,15 @@ _NOTIF_PREFIX = "pdkv"
 
 
 def import_nixl() -> Any:
-    """The nixl module (``nixl_cu12`` wheels, or a source build's ``nixl._api``). Raises ImportError."""
+    """The nixl module (``nixl_cu12`` or ``nixl_cu13`` wheels, or a source build's ``nixl._api``). Raises
+    ImportError."""
     try:
         import nixl_cu12 as nixl
     except ImportError:
-        from nixl import _api as nixl  # type: ignore[no-redef]
+        try:
+            import nixl_cu13 as nixl  # type: ignore[no-redef]  # CUDA 13 machines (torch cu130)
+        except ImportError:
+            from nixl import _api as nixl  # type: ignore[no-redef]
     return nixl
 
 

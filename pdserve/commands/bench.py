@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 
 BENCHMARKS = ("engine", "decode", "cluster", "kv_transfer", "prefill", "router", "soak")
@@ -13,6 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     p.add_argument("--out", help="write the JSON result here")
+    p.add_argument("--device", default="cpu", help="torch device of the benchmarks that take one (engine)")
     p.set_defaults(func=run_bench)
 
 
@@ -24,7 +26,13 @@ def run_bench(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         print(f"benchmark {args.name!r} is not available yet ({e})")
         return 2
-    result = module.run(quick=args.quick)
+    kw = {}
+    if args.device != "cpu":
+        if "device" not in inspect.signature(module.run).parameters:
+            print(f"benchmark {args.name!r} runs on cpu only (no --device)")
+            return 2
+        kw["device"] = args.device
+    result = module.run(quick=args.quick, **kw)
     print(format_table(result.get("table", [])))
     print("ratios:", json.dumps(result["ratios"], indent=None))
     write_result(result, args.out)

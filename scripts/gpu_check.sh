@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The prepared GPU check (docs/deploy.md, "GPU check"): installs the carried wheels (no network), then runs
+# scripts/gpu_check.py. Usage: bash scripts/gpu_check.sh --out DIR [--dry-run]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+out="" dry=0
+args=("$@")
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) out="$2"; shift 2 ;;
+        --out=*) out="${1#--out=}"; shift ;;
+        --dry-run) dry=1; shift ;;
+        *) echo "usage: $0 --out DIR [--dry-run]" >&2; exit 2 ;;
+    esac
+done
+[ -n "$out" ] || { echo "usage: $0 --out DIR [--dry-run]" >&2; exit 2; }
+mkdir -p "$out"
+site=""
+wheels=$(ls .whl/*.whl 2>/dev/null || true)
+if [ "$dry" = 1 ]; then
+    # the wheels are built for the GPU machine's Python 3.12 / CUDA 13: never put them beside this interpreter
+    echo "gpu_check: dry run: carried wheels not installed"
+elif [ -z "$wheels" ]; then
+    echo "gpu_check: no wheels in .whl/ (scripts/fetch_gpu_wheels.sh): using what this python has"
+else
+    site=$(mktemp -d -t pdserve-gpu-site.XXXXXX)
+    # --no-deps: fetch_gpu_wheels.sh carries exactly the closure the machine lacks; --no-index: it has no network
+    echo "gpu_check: installing $(echo "$wheels" | wc -l) carried wheels into $site"
+    python3 -m pip install -q --no-index --no-deps --target "$site" $wheels 2>&1 | tee "$out/pip_install.log"
+fi
+# the repository itself is imported from the tree (no pip install -e on the GPU machine)
+export PYTHONPATH="$repo${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1
+exec python3 scripts/gpu_check.py "${args[@]}"

@@ -266,12 +266,16 @@ class Executor:
                 p = ctx.Process(target=_worker_main, args=(spec, rank), daemon=True, name=f"pdserve-rank{rank}")
                 p.start()
                 self.procs.append(p)
+        # Rank 0 is this thread: its pinning and torch's thread count are given back at shutdown, so that whatever
+        # this process runs next (another engine, a benchmark's next side) sees the machine as before.
+        self._driver_was = (os.sched_getaffinity(0), torch.get_num_threads())
         try:
             self.runner, self.channel = _build_rank(spec, 0)
             if isinstance(self.channel, _ShmChannel):
                 self.channel.started(spec.init_timeout_s)
         except BaseException:
             self._stop_procs(kill=True)
+            self._restore_driver()
             raise
         self._last_broadcast = time.monotonic()
 
@@ -372,6 +376,13 @@ class Executor:
         finally:
             self.channel = None
             self._stop_procs()
+            self._restore_driver()
+
+    def _restore_driver(self) -> None:
+        cpus, threads = self._driver_was
+        if self.spec.cpus:
+            os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
 
     def _stop_procs(self, kill: bool = False) -> None:
         for p in self.procs:

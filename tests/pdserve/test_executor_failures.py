@@ -113,3 +113,17 @@ def test_sigkilled_driver_leaves_no_rank_and_no_shared_segment(tiny_factory, tmp
         if driver.poll() is None:
             driver.kill()
     assert _shm_names() - before == set(), "shared memory left behind in /dev/shm"
+
+
+def test_shutdown_gives_the_driver_thread_back_its_cores_and_threads(tiny_factory):
+    """A pod pins its driver thread and sets torch's thread count for its rank; after shutdown this process's next
+    engine (a benchmark's next side) sees every core and thread again."""
+    import torch
+
+    model = tiny_factory("llama", num_heads=6, num_kv_heads=3, hidden_size=96)
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    eng = LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=3, num_kv_blocks=16, max_model_len=64,
+                                 cpu_pinning="on"))
+    assert os.sched_getaffinity(0) != cpus or len(cpus) == 1
+    eng.shutdown()
+    assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads

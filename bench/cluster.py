@@ -102,18 +102,3 @@ def run(quick: bool = False) -> dict[str, Any]:
     return {"benchmark": "cluster", "quick": quick, "table": rows, "ratios": ratios, **raw,
             "seconds": time.perf_counter() - t_start}
 
-
-if __name__ == "__main__":
-    import argparse
-    import json
-
-    from bench.common import format_table, write_result
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out")
-    a = ap.parse_args()
-    result = run(quick=a.quick)
-    print(format_table(result["table"]))
-    print("ratios:", json.dumps(result["ratios"]))
-    write_result(result, a.out)

@@ -90,10 +90,7 @@ def grpc_errors(handler: F) -> F:
                 async for item in handler(self, request, context):
                     yield item
             except Exception as e:
-                status = status_of(e)
-                if status is None:
-                    raise
-                await context.abort(*status)
+                await _abort_with(context, e)
         return cast(F, stream)
 
     @functools.wraps(handler)
@@ -101,8 +98,13 @@ def grpc_errors(handler: F) -> F:
         try:
             return await handler(self, request, context)
         except Exception as e:
-            status = status_of(e)
-            if status is None:
-                raise
-            await context.abort(*status)
+            await _abort_with(context, e)
     return cast(F, unary)
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    """Abort the call with e's status; anything that carries none propagates unchanged."""
+    status = status_of(e)
+    if status is None:
+        raise e
+    await context.abort(*status)

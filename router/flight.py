@@ -53,23 +53,17 @@ class Flight:
 
     async def call(self, pod_id: str, call: Any) -> Any:
         """Await a pod call (or a stream read) so that Cancel and pod eviction can interrupt it."""
-        self.set_pending(call, pod_id)
-        try:
-            return await call
-        except asyncio.CancelledError:
-            if self.cancelled:
-                raise Cancelled() from None
-            if pod_id in self.lost:
-                raise PodLost(f"pod {pod_id!r} was dropped from the registry (missed heartbeats)") from None
-            raise
-        finally:
-            self._pending = self._pending_pod = None
+        return await self._interruptible(pod_id, call, call)
 
     async def read(self, pod_id: str, stream: Any) -> Any:
         """Read one message of a server stream, interruptible like ``call``."""
-        self.set_pending(stream, pod_id)
+        return await self._interruptible(pod_id, stream, stream.read())
+
+    async def _interruptible(self, pod_id: str, pending: Any, awaitable: Any) -> Any:
+        """Await ``awaitable`` with ``pending`` (the call or the stream) as what Cancel and eviction cancel."""
+        self.set_pending(pending, pod_id)
         try:
-            return await stream.read()
+            return await awaitable
         except asyncio.CancelledError:
             if self.cancelled:
                 raise Cancelled() from None

@@ -9,7 +9,6 @@
 Tensors larger than a slot go through in slot-sized pieces."""
 from __future__ import annotations
 
-import pickle
 import struct
 from dataclasses import dataclass
 from typing import Protocol
@@ -51,9 +50,9 @@ class TorchComm:
         return out
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        chunks = [c.contiguous() for c in x.chunk(self.size, dim=dim)]
-        out = torch.empty_like(chunks[self.rank])
         if dist.get_backend(self.group) == "nccl":
+            chunks = [c.contiguous() for c in x.chunk(self.size, dim=dim)]
+            out = torch.empty_like(chunks[self.rank])
             dist.reduce_scatter(out, chunks, group=self.group)
             return out
         # gloo has no reduce_scatter
@@ -122,7 +121,7 @@ class ShmComm:
 
     def _next(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """[size, numel] views of every rank's slot for the next barrier's phase (cached: decode repeats shapes)."""
-        key = ((self.barrier._seq + 1) & 1, dtype, numel)
+        key = (self.barrier.next_phase, dtype, numel)
         view = self._views.get(key)
         if view is None:
             if len(self._views) > 256:
@@ -176,7 +175,7 @@ class ShmComm:
 
     # --- the driver's channel to the other ranks (world group only): bytes with a length header ---
     def _slot_at(self, rank: int) -> int:
-        return self._data + (((self.barrier._seq + 1) & 1) * self.size + rank) * self.slot_bytes
+        return self._data + (self.barrier.next_phase * self.size + rank) * self.slot_bytes
 
     def broadcast_bytes(self, data: bytes | None, what: str, timeout_s: float | None) -> bytes:
         """Rank 0 passes data, the others None; everyone returns rank 0's bytes. timeout_s: of the first piece;
@@ -223,9 +222,6 @@ class ShmComm:
             sent += piece
             if sent >= longest:
                 return [b"".join(p) for p in parts] if self.rank == 0 else None
-
-    def broadcast_object(self, obj, what: str, timeout_s: float | None):
-        return pickle.loads(self.broadcast_bytes(pickle.dumps(obj) if self.rank == 0 else None, what, timeout_s))
 
 
 _LEN = struct.Struct("<q")

@@ -32,7 +32,9 @@ log = logging.getLogger("pdserve.executor")
 
 CPU_COLLECTIVES = ("auto", "shm", "gloo")
 CPU_PINNING = ("auto", "on", "off")
-# A world slot holds one rank's share of a TP all-reduce; larger tensors go through in pieces.
+# A slot holds one rank's share of a collective for this many tokens (at most _SLOT_CAP bytes); larger steps go
+# through in pieces.
+_SLOT_TOKENS = 1024
 _SLOT_CAP = 8 << 20
 
 
@@ -293,8 +295,8 @@ class Executor:
         if collectives == "shm":
             cfg = ModelConfig.from_path(model_path)
             heads = -(-cfg.num_heads // tp_size) * dcp_size
-            world_slot = min(_SLOT_CAP, 4 * cfg.hidden_size * 1024)
-            dcp_slot = min(_SLOT_CAP, 4 * 1024 * heads * (cfg.head_dim + 1))
+            world_slot = min(_SLOT_CAP, 4 * _SLOT_TOKENS * cfg.hidden_size)  # fp32 hidden states
+            dcp_slot = min(_SLOT_CAP, 4 * _SLOT_TOKENS * heads * (cfg.head_dim + 1))  # partial out + LSE
             world, dcp_list, size = plan_groups(tp_size, dcp_size, world_slot, dcp_slot)
             dcp_groups = tuple(dcp_list)
             shm = ShmRegion(size)

@@ -6,6 +6,7 @@ rank of a pod runs the same step on its own share of the KV. Over shared memory 
 from __future__ import annotations
 
 import pickle
+import struct
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -50,8 +51,7 @@ class StepInput:
 
     @staticmethod
     def decode(data: bytes) -> "StepInput":
-        head = torch.frombuffer(bytearray(data[:6 * 8]), dtype=torch.int64).tolist()
-        is_prefill, t, b, n_logits, dcp, n_extra = head
+        is_prefill, t, b, n_logits, dcp, n_extra = struct.unpack_from("<6q", data)
         n_ints = (len(data) - n_extra) // 8
         a = torch.frombuffer(bytearray(data[:n_ints * 8]), dtype=torch.int64)
         widths = a[6:6 + dcp].tolist()

@@ -101,7 +101,8 @@ def proc_state(pid: int) -> str | None:
             stat = f.read()
     except OSError:
         return None
-    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3].decode()
+    at = stat.rindex(b")") + 2  # the command name in parentheses may itself hold spaces or ")"
+    return stat[at:at + 1].decode()
 
 
 class Barrier:
@@ -121,7 +122,6 @@ class Barrier:
         self._lib: ctypes.CDLL = _libc
         self.n, self.rank, self.ranks, self.spin, self.stall_s = n, rank, ranks, spin, stall_s
         base = region.address + offset
-        self._gen_addr = base
         self._gen = ctypes.c_uint32.from_address(base)
         self._abort = ctypes.c_uint32.from_address(base + LINE)
         self._sems = (base + 2 * LINE, base + 3 * LINE)
@@ -155,7 +155,15 @@ class Barrier:
 
     def abort(self) -> None:
         self._abort.value = 1
+        self._wake()
+
+    def _wake(self) -> None:
         self._lib.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    @property
+    def next_phase(self) -> int:
+        """0 or 1: the phase of the next wait(), which picks the slot set a collective writes."""
+        return (self._seq + 1) & 1
 
     @property
     def aborted(self) -> bool:
@@ -183,7 +191,7 @@ class Barrier:
         self._lib.sem_trywait(self._fence)
         self._lib.sem_getvalue(self._sleepers, self._val_ref)
         if self._val.value:
-            self._lib.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+            self._wake()
 
     def _sleep_until(self, seq: int, timeout_s: float | None, what: str, watch: tuple[int, ...] | None) -> None:
         gen = self._gen
@@ -195,8 +203,7 @@ class Barrier:
             self._lib.sem_post(self._sleepers)
             cur = gen.value
             if cur != seq:
-                self._lib.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAIT, cur,
-                              self._slice_ref, None, 0)
+                self._lib.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAIT, cur, self._slice_ref, None, 0)
             self._lib.sem_trywait(self._sleepers)
             if gen.value == seq:
                 return

@@ -11,6 +11,10 @@ from typing import Any, Callable
 import torch
 
 
+class BenchUnavailable(RuntimeError):
+    """A benchmark cannot run on this machine; the message says why and what to do (`pdserve bench` exits 2)."""
+
+
 def timed(fn: Callable[[], Any], repeat: int = 1) -> float:
     """Best wall time of `repeat` runs (best-of filters the noise of a shared machine)."""
     best = float("inf")

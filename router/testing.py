@@ -130,7 +130,7 @@ class Cluster:
         for i in range(self.num_prefill):
             self._spawn(f"p{i}", ["prefill_svc", "--model", str(self.model), "--port", "0", "--pod-id", f"p{i}",
                                   "--router", router_addr, "-tp", str(self.prefill_tp), "--num-kv-blocks",
-                                  str(self.num_kv_blocks), "--heartbeat-interval", str(interval),
+                                  str(self.num_kv_blocks), "--heartbeat-interval-s", str(interval),
                                   *self.prefill_args])
         for i in range(self.num_decode):
             args = ["decode_svc", "--model", str(self.model), "--port", "0", "--pod-id", f"d{i}", "-tp",

@@ -30,7 +30,7 @@ from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, versi
 from pdserve.pod.registrar import Registrar
 from pdserve.pod.sampling import engine_params, refuse_unsupported
 from pdserve.sampling import SamplingParams
-from pdserve.security import bind, export_kv_auth_token, export_kv_tls, grpc_options
+from pdserve.security import bind, grpc_options
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
 
 log = logging.getLogger("decode_svc")
@@ -83,13 +83,12 @@ class DecodeServer:
     async def start(self) -> None:
         aloop = asyncio.get_running_loop()
         self.engine.on_failure = lambda e: aloop.call_soon_threadsafe(self._engine_failed, e)
-        export_kv_tls(self.config.tls)  # the KV control endpoints serve / dial TLS as the pod does
-        export_kv_auth_token(self.config.serving.cluster_token)  # before the ranks (and their KV pullers) are spawned
         await asyncio.to_thread(self.engine.start)
         self._layout = await self.call(self._layout_of)
         self.max_model_len = await self.call(lambda pod: pod.max_model_len)
-        backend = self.config.kv_transfer_backend
-        self._puller_factory = await self.call(lambda pod: PullerFactory.for_engine(pod.engine, backend))
+        backend, token, tls = self.config.kv_transfer_backend, self.config.serving.cluster_token, self.config.tls
+        # the factory is pickled to every rank: token and TLS reach the pullers with it
+        self._puller_factory = await self.call(lambda pod: PullerFactory.for_engine(pod.engine, backend, token, tls))
         self.transfer_modes = await asyncio.to_thread(_transfer_modes, backend)
         self._server = grpc.aio.server(options=grpc_options())
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(self), self._server)

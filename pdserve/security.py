@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import json
 import os
 import re
 import ssl
@@ -315,42 +314,6 @@ def sync_channel(address: str, tls: TLSConfig | None, options: Sequence[tuple[st
 
 
 # --- shared secrets ---------------------------------------------------------------------------------------------
-# The KV control channel (kv_transfer/control.py) authenticates peers with the cluster token. Its endpoints live in
-# every TP rank, and ranks are spawned processes: the environment is what reaches them, so pods export it here.
-KV_AUTH_ENV = "PDSERVE_KV_AUTH_TOKEN"
-
-
-def export_kv_auth_token(cluster_token: str) -> None:
-    """Make this process's (and its future children's) KV endpoints require / present ``cluster_token``."""
-    if cluster_token:
-        os.environ[KV_AUTH_ENV] = cluster_token
-    else:
-        os.environ.pop(KV_AUTH_ENV, None)
-
-
-def kv_auth_token() -> str:
-    return os.environ.get(KV_AUTH_ENV, "")
-
-
-# Same reason: the KV control endpoints (in every rank process) serve TLS when the pod does; its settings (file
-# paths only, no secrets) travel as JSON in the environment.
-KV_TLS_ENV = "PDSERVE_KV_TLS"
-
-
-def export_kv_tls(tls: TLSConfig | None) -> None:
-    if tls is not None and tls.serves_tls:
-        os.environ[KV_TLS_ENV] = json.dumps({f: getattr(tls, f) for f in
-                                             ("cert_file", "key_file", "ca_file", "require_client_cert",
-                                              "server_name")})
-    else:
-        os.environ.pop(KV_TLS_ENV, None)
-
-
-def kv_tls() -> TLSConfig | None:
-    raw = os.environ.get(KV_TLS_ENV)
-    return TLSConfig(**json.loads(raw)) if raw else None
-
-
 def secrets_match(given: str | bytes | None, expected: str | bytes) -> bool:
     """Constant-time comparison (no timing oracle on how many leading characters were right)."""
     if given is None:

@@ -20,7 +20,7 @@ from pdserve.pod.convert import (endpoints_address, handoff_to_kv_handle, layout
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, run_loop, set_health, version
 from pdserve.pod.registrar import Registrar
 from pdserve.sampling import SamplingParamsError
-from pdserve.security import bind, export_kv_auth_token, export_kv_tls, grpc_options
+from pdserve.security import bind, grpc_options
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2
 from prefill_svc.config import PrefillConfig
@@ -132,8 +132,6 @@ class PrefillServer:
 
     # --- life cycle ---
     async def start(self) -> None:
-        export_kv_tls(self.config.tls)  # the KV control endpoints serve / dial TLS as the pod does
-        export_kv_auth_token(self.config.serving.cluster_token)  # before the ranks (and their KV endpoints) are spawned
         await asyncio.get_running_loop().run_in_executor(None, self.worker.start)  # loads weights, spawns ranks
         eng = self.worker.engine
         if self.model_name is None:

@@ -232,7 +232,8 @@ class PrefillWorker:
             if self.config.kv_transport != "none":
                 self.kv = KVHost(self.engine, self.layout, self.config.kv_transport,
                                  self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,
-                                 wake=lambda: self._cmds.put(_noop))
+                                 wake=lambda: self._cmds.put(_noop), auth_token=self.config.serving.cluster_token,
+                                 tls=self.config.tls)
             self.engine.before_execute = self._before_execute
         except BaseException as e:
             self._start_error = e

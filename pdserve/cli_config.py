@@ -113,7 +113,7 @@ def flags_of(cls: type) -> set[str]:
     for fl in flags(cls):
         out |= {fl.flag, *fl.aliases}
         if fl.type is bool:
-            out.add("--no-" + fl.flag[2:])
+            out |= {"--no-" + f[2:] for f in (fl.flag, *fl.aliases) if f.startswith("--")}
     return out
 
 

@@ -128,17 +128,6 @@ class TLSConfig:
         return cls(cert_file=args.tls_cert_file, key_file=args.tls_key_file, ca_file=args.tls_ca_file,
                    require_client_cert=bool(args.tls_require_client_cert), server_name=args.tls_server_name)
 
-    def as_flags(self) -> list[str]:
-        """The command-line flags that rebuild this config in a child process (``pdserve up``)."""
-        out: list[str] = []
-        for f in ("cert_file", "key_file", "ca_file", "server_name"):
-            v = getattr(self, f)
-            if v is not None:
-                out += [FLAGS[f], v]
-        if self.require_client_cert:
-            out.append(FLAGS["require_client_cert"])
-        return out
-
     # --- gRPC ---
     def server_credentials(self) -> grpc.ServerCredentials:
         if self.cert_file is None or self.key_file is None:
@@ -274,18 +263,6 @@ def http_tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
     """The server-side TLSConfig of parsed --http-tls-* flags (add_http_tls_arguments), or None for plain HTTP."""
     return http_server_tls(args.http_tls_cert_file, args.http_tls_key_file, args.http_tls_ca_file,
                            bool(args.http_tls_require_client_cert))
-
-
-def as_http_tls_flags(tls: TLSConfig) -> list[str]:
-    """The --http-tls-* flags that make an HTTP front serve ``tls`` 's certificate (``pdserve up``)."""
-    out: list[str] = []
-    for f in ("cert_file", "key_file", "ca_file"):
-        v = getattr(tls, f)
-        if v is not None:
-            out += [HTTP_FLAGS[f], v]
-    if tls.require_client_cert:
-        out.append(HTTP_FLAGS["require_client_cert"])
-    return out
 
 
 # --- servers and channels ---------------------------------------------------------------------------------------

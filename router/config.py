@@ -11,10 +11,10 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.pod.config import CLUSTER_TOKEN_ENV
-from pdserve.security import API_KEY_ENV, tls_field
+from pdserve.security import API_KEY_ENV, ENV, HTTP_ENV, tls_field
 
 if TYPE_CHECKING:
     from pdserve.security import TLSConfig
@@ -155,3 +155,63 @@ def _is_int(v: object) -> bool:
 
 def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _client_tls(part: str, help: str) -> Any:
+    return field(default=None, metadata={"help": help, "env": ENV[part], "metavar": "NAME" if part == "server_name"
+                                         else "PEM"})
+
+
+def _http_tls(part: str, help: str, default: Any = None) -> Any:
+    meta: dict[str, Any] = {"help": help, "env": HTTP_ENV[part]}
+    if part != "require_client_cert":
+        meta["metavar"] = "PEM"
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class OpenAIHttpConfig:
+    """``python -m router.openai_http``: the OpenAI-compatible HTTP front, a client of one router."""
+
+    router: str = field(default="127.0.0.1:50051", metadata={"help": "router gRPC address", "metavar": "HOST:PORT"})
+    host: str = field(default="127.0.0.1", metadata={"help": "listen address of the HTTP server"})
+    port: int = field(default=8000, metadata={"help": "HTTP port (0: pick a free one)"})
+    api_key: str | None = field(default=None, metadata={
+        "env": API_KEY_ENV, "secret": True,
+        "help": "require 'Authorization: Bearer KEY'; also sent to the router"})
+    # how to reach a router that serves TLS / mutual TLS (the client side of --tls-*)
+    tls_ca_file: str | None = _client_tls("ca_file", "CA certificate to trust: connect to the router with TLS")
+    tls_cert_file: str | None = _client_tls("cert_file", "client certificate, for a router that requires mutual TLS")
+    tls_key_file: str | None = _client_tls("key_file", "private key of the client certificate")
+    tls_server_name: str | None = _client_tls("server_name", "name expected in the router's certificate "
+                                                             "(default: the host dialed)")
+    # this server's own certificate: serve HTTPS
+    http_tls_cert_file: str | None = _http_tls("cert_file", "serve HTTPS with this certificate (default: plain HTTP)")
+    http_tls_key_file: str | None = _http_tls("key_file", "private key of --http-tls-cert-file")
+    http_tls_ca_file: str | None = _http_tls("ca_file", "CA that signs client certificates, for "
+                                                        "--http-tls-require-client-cert")
+    http_tls_require_client_cert: bool = _http_tls("require_client_cert", "mutual TLS: refuse HTTPS clients without "
+                                                   "a certificate signed by --http-tls-ca-file", False)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ValueError(f"OpenAIHttpConfig.port must be a port number in [0, 65535], got {self.port!r}")
+        self.http_tls  # every certificate file is read now: a bad one fails here, naming its flag
+        self.router_tls
+
+    @property
+    def router_tls(self) -> "TLSConfig | None":
+        """How this front dials the router (None: plaintext)."""
+        from pdserve.security import TLSConfig
+
+        tls = TLSConfig(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file,
+                        server_name=self.tls_server_name)
+        return tls if tls.enabled else None
+
+    @property
+    def http_tls(self) -> "TLSConfig | None":
+        """The checked certificate this front serves HTTPS with (None: plain HTTP); errors name --http-tls-*."""
+        from pdserve.security import http_server_tls
+
+        return http_server_tls(self.http_tls_cert_file, self.http_tls_key_file, self.http_tls_ca_file,
+                               self.http_tls_require_client_cert)

@@ -179,7 +179,7 @@ class LocalCluster:
         from decode_svc.config import DecodeConfig
         from pdserve.cli_config import argv_for
         from prefill_svc.config import PrefillConfig
-        from router.config import RouterConfig
+        from router.config import OpenAIHttpConfig, RouterConfig
 
         t = self.topology
         h = t.host
@@ -193,16 +193,14 @@ class LocalCluster:
                                            drain_timeout_s=self.drain_timeout_s, **tls), *t.router_args]
         services.append(Service("router", "router", router, router_addr, self.log_dir / "router.log"))
         if t.http_port is not None:
-            front_tls = [a for a in (self.tls.as_flags() if self.tls is not None else [])
-                         if a != "--tls-require-client-cert"]  # the front is the router's client
+            # the front is the router's client (no require_client_cert) ...
+            front = {k: v for k, v in tls.items() if k != "tls_require_client_cert"}
             serving = self._front_tls()
-            if serving is not None:  # and serves HTTPS with the same certificate (+ mTLS)
-                from pdserve.security import as_http_tls_flags
-
-                front_tls += as_http_tls_flags(serving)
+            if serving is not None:  # ... and serves HTTPS with the same certificate (+ mTLS)
+                front |= {f"http_{k}": v for k, v in _tls_values(serving).items() if k != "tls_server_name"}
             services.append(Service("openai-http", "http",
-                                    [*py, "router.openai_http", "--router", router_addr, "--host", h,
-                                     "--port", str(t.http_port), *front_tls],
+                                    [*py, "router.openai_http", *argv_for(OpenAIHttpConfig, router=router_addr, host=h,
+                                                                          port=t.http_port, **front)],
                                     f"{h}:{t.http_port}", self.log_dir / "openai-http.log"))
 
         common: dict[str, object] = {**model, "block_size": t.block_size, "host": h, "router_address": router_addr,

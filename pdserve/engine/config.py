@@ -23,7 +23,7 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=4096, metadata={"help": "tokens in one engine step"})
     prefill_chunk_size: int = field(default=1024, metadata={"help": "prompt tokens computed per step and sequence"})
     enable_prefix_caching: bool = field(default=True, metadata={
-        "flag": "prefix-caching", "help": "reuse the KV of shared prompt prefixes"})
+        "aliases": ("--prefix-caching",), "help": "reuse the KV of shared prompt prefixes"})
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",), "help": "TP ranks of this pod"})
     decode_context_parallel_size: int = field(default=1, metadata={
         "aliases": ("-dcp",), "help": "decode context parallel size (decode pods)"})

@@ -39,7 +39,7 @@ class PodServing:
     served_model_name: str | None = field(default=None, metadata={
         "help": "model name clients use (default: the checkpoint directory's name)", "metavar": "NAME"})
     router_address: str | None = field(default=None, metadata={
-        "flag": "router", "metavar": "HOST:PORT",
+        "flag": "router", "aliases": ("--router-address",), "metavar": "HOST:PORT",
         "help": "the router's Registry: register, heartbeat load (omitted: run standalone)"})
     cluster_token: str = field(default="", metadata={
         "env": CLUSTER_TOKEN_ENV, "secret": True, "help": "shared secret of the router's Registry and the KV peers"})

@@ -123,7 +123,12 @@ def _parser_of(fl: Flag) -> Callable[[str], Any]:
     def parse(raw: str) -> Any:
         if fl.optional and raw.strip().lower() == "none":
             return None
-        return base(raw)
+        v = base(raw)
+        # checked here rather than by argparse's choices=, which would refuse an optional field's None
+        if fl.choices is not None and v not in fl.choices:
+            raise argparse.ArgumentTypeError(f"invalid choice: {raw!r} (choose from "
+                                             f"{', '.join(map(repr, fl.choices))})")
+        return v
 
     parse.__name__ = fl.type.__name__  # argparse names it in "invalid int value: 'x'"
     return parse
@@ -153,14 +158,15 @@ def add_arguments(p: argparse.ArgumentParser, cls: type, environ: Mapping[str, s
             g.add_argument(fl.flag, *fl.aliases, dest=fl.name, action=argparse.BooleanOptionalAction,
                            default=default, help=_help(fl))
         else:
+            shown = "{" + ",".join(map(str, fl.choices)) + "}" if fl.choices else fl.type.__name__.upper()
             g.add_argument(fl.flag, *fl.aliases, dest=fl.name, type=_parser_of(fl), default=default,
-                           choices=fl.choices, metavar=fl.metavar or (None if fl.choices else fl.type.__name__.upper()),
-                           help=_help(fl))
+                           metavar=fl.metavar or shown, help=_help(fl))
 
 
 def build_parser(cls: type, prog: str, description: str | None = None,
                  environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    # exact flags only: a prefix of a renamed flag must not quietly mean another one
+    p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     add_arguments(p, cls, environ)
     return p
 

@@ -80,7 +80,7 @@ def _walk(cls: type, defaults: Any, path: tuple[str, ...]) -> list[Flag]:
             continue
         typ, optional = _scalar(hints[f.name])
         default = getattr(defaults, f.name) if defaults is not None else _default_of(f)
-        if dataclasses.is_dataclass(typ):
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ):
             out += _walk(typ, default if default is not dataclasses.MISSING else None, (*path, f.name))
             continue
         if typ not in _SCALARS:
@@ -174,14 +174,14 @@ def build_parser(cls: type, prog: str, description: str | None = None,
 def _build(cls: type[T], values: Mapping[str, Any], defaults: Any = None) -> T:
     hints = typing.get_type_hints(cls)
     kw: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(typing.cast(Any, cls)):
         if not f.init:
             continue
         typ, _ = _scalar(hints[f.name])
         default = getattr(defaults, f.name) if defaults is not None else _default_of(f)
-        if dataclasses.is_dataclass(typ) and f.metadata.get("cli", True) is not False:
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ) and f.metadata.get("cli", True) is not False:
             # the holder's default instance (DecodeConfig's engine) supplies what ``values`` leaves out
-            kw[f.name] = _build(typ, values, default if default is not dataclasses.MISSING else None)  # type: ignore
+            kw[f.name] = _build(typ, values, default if default is not dataclasses.MISSING else None)
         elif f.name in values:
             kw[f.name] = values[f.name]
         elif defaults is not None:

@@ -120,7 +120,7 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
     for tp, dcp, coll in pods:
         blocks = math.ceil(math.ceil(per_seq / dcp) / 16) * max(batches) + 8
         cfg = build(DecodeConfig, model=path, tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=16,
-                           num_kv_blocks=blocks, max_model_len=512, max_num_seqs=64, cpu_collectives=coll)
+                    num_kv_blocks=blocks, max_model_len=512, max_num_seqs=64, cpu_collectives=coll)
         t0 = time.perf_counter()
         pod = DecodePod(cfg)
         startup_s[f"tp{tp}_dcp{dcp}_{coll}"] = time.perf_counter() - t0
@@ -173,7 +173,7 @@ def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int) -> dict[str
     num_blocks = budget_bytes // block_bytes
     try:
         cfg = build(DecodeConfig, model=model_path, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                           block_size=CAPACITY_BLOCK, num_kv_blocks=num_blocks, max_num_seqs=1_000_000)
+                    block_size=CAPACITY_BLOCK, num_kv_blocks=num_blocks, max_num_seqs=1_000_000)
     except ParallelConfigError as e:
         return {"allowed": False, "refusal": e.message, "blocks_per_rank": num_blocks}
     # Admission is pure block accounting: an engine without model ranks counts exactly what a live pod admits.

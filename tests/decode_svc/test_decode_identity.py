@@ -37,7 +37,7 @@ REFUSED = [("gqa", 2, 2, 1, TP_GT_KV), ("gqa", 2, 2, 4, TP_GT_KV), ("gqa", 4, 4,
 def test_refused_configs(tiny_models, model, tp, dcp, interleave, message):
     with pytest.raises(ParallelConfigError) as ei:
         build(DecodeConfig, model=str(tiny_models[model]), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                     dcp_kv_cache_interleave_size=interleave, block_size=BLOCK)
+              dcp_kv_cache_interleave_size=interleave, block_size=BLOCK)
     assert ei.value.message == message
 
 
@@ -46,7 +46,7 @@ def test_greedy_identical_to_transformers(tiny_models, prefill_standins, model, 
     path = tiny_models[model]
     want = hf_greedy(path, PROMPTS, NEW_TOKENS)
     cfg = build(DecodeConfig, model=str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                       dcp_kv_cache_interleave_size=interleave, block_size=BLOCK, num_kv_blocks=48)
+                dcp_kv_cache_interleave_size=interleave, block_size=BLOCK, num_kv_blocks=48)
     pod = DecodePod(cfg)
     try:
         total = pod.num_blocks

@@ -31,7 +31,7 @@ def test_smollm2_tp9_dcp3_matches_transformers():
     finally:
         ref.engine.shutdown()
     cfg = build(DecodeConfig, model=str(path), tensor_parallel_size=9, decode_context_parallel_size=3,
-                       dcp_kv_cache_interleave_size=1, block_size=4, num_kv_blocks=32, max_model_len=256)
+                dcp_kv_cache_interleave_size=1, block_size=4, num_kv_blocks=32, max_model_len=256)
     pod = DecodePod(cfg)
     try:
         res, fin = {}, {}

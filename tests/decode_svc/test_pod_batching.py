@@ -42,7 +42,7 @@ def clock():
 @pytest.fixture(scope="module")
 def pod(tiny_models, clock):
     cfg = build(DecodeConfig, model=str(tiny_models["mqa"]), tensor_parallel_size=TP, decode_context_parallel_size=DCP,
-                       block_size=BLOCK, num_kv_blocks=160, reservation_ttl_s=5.0, admission_timeout_s=600.0)
+                block_size=BLOCK, num_kv_blocks=160, reservation_ttl_s=5.0, admission_timeout_s=600.0)
     p = DecodePod(cfg, clock=clock)
     yield p
     p.shutdown()

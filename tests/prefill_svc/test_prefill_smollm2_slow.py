@@ -20,8 +20,8 @@ HERE = Path(__file__).resolve().parent
 
 def _prefill(model, ids, chunk):
     w = PrefillWorker(build(PrefillConfig, model=str(model), kv_transport="none", prefill_chunk_size=chunk,
-                                    max_num_batched_tokens=4096, num_kv_blocks=4096 // 16 + 8,
-                                    enable_prefix_caching=False))
+                            max_num_batched_tokens=4096, num_kv_blocks=4096 // 16 + 8,
+                            enable_prefix_caching=False))
     w.start()
     try:
         params, client = greedy()

@@ -28,7 +28,7 @@ def _wait(pred, timeout=20.0):
 def test_tp2_prefill_publishes_both_ranks_and_frees_after_both(tiny_model):
     ids = random_prompt(700, seed=41)
     w = PrefillWorker(build(PrefillConfig, model=str(tiny_model), tensor_parallel_size=2, kv_transport="tcp",
-                                    prefill_chunk_size=256, max_num_batched_tokens=512, num_kv_blocks=128))
+                            prefill_chunk_size=256, max_num_batched_tokens=512, num_kv_blocks=128))
     w.start()
     try:
         params, client = greedy()

@@ -5,13 +5,13 @@ A request is one frame with ``{"op": ...}``; the answer is one frame, or for str
 frames ending with ``{"end": true}``. Errors come back as ``{"ok": false, "error": KIND, "detail": ...}``
 and are raised on the client as the matching typed exception.
 
-Authentication: a publisher started with the cluster token (``PDSERVE_KV_AUTH_TOKEN``, exported by the pods from
+Authentication: a publisher started with the cluster token (``auth_token``, handed down by the pods from
 ``--cluster-token``) serves nothing until the connection proves it holds the token: the client asks
 ``{"op": "auth_challenge"}`` and answers ``{"op": "auth", "mac": HMAC-SHA256(token, nonce)}``. Any other first
 request gets an ``unauthenticated`` error and the connection is closed, so a peer that could not have registered
 with the router cannot handshake, pin or read KV. ``ControlClient.connect`` does this by itself.
 
-TLS: when the pod serves TLS (``PDSERVE_KV_TLS``, exported by the pods from their --tls-* flags) every control
+TLS: when the pod serves TLS (``tls``, the TLSConfig the pods hand down from their --tls-* flags) every control
 connection is wrapped in TLS (mutual when the pod requires client certificates), KV bytes of the TCP path included.
 
 Why our own protocol and not gRPC: it is the data-path side channel (handshake, lease checks, layer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,9 +140,6 @@ class RouterConfig:
         """The name the cluster serves: served_model_name, else the model directory's base name."""
         return self.served_model_name or Path(model_path).name
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 def _uvloop_installed() -> bool:

@@ -82,6 +82,7 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
     from transformers import AutoModelForCausalLM
 
     from decode_svc.config import DecodeConfig
+    from pdserve.cli_config import build
     from decode_svc.kv_source import FileKVSource, prompt_kv_from_engine
     from decode_svc.pod import DecodePod
     from pdserve.default_model import ensure_default_model
@@ -118,8 +119,8 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
     per_seq = prompt_len + new_tokens
     for tp, dcp, coll in pods:
         blocks = math.ceil(math.ceil(per_seq / dcp) / 16) * max(batches) + 8
-        cfg = DecodeConfig(model=path, tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=16,
-                           num_kv_blocks=blocks, max_model_len=512, max_num_seqs=64, cpu_collectives=coll)
+        cfg = build(DecodeConfig, model=path, tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=16,
+                    num_kv_blocks=blocks, max_model_len=512, max_num_seqs=64, cpu_collectives=coll)
         t0 = time.perf_counter()
         pod = DecodePod(cfg)
         startup_s[f"tp{tp}_dcp{dcp}_{coll}"] = time.perf_counter() - t0
@@ -160,6 +161,7 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
 # --- KV capacity: the AllocateKV admission path (DecodePod.reserve) over the engine's block manager ---
 def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int) -> dict[str, Any]:
     from decode_svc.config import DecodeConfig
+    from pdserve.cli_config import build
     from decode_svc.pod import DecodePod
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.model.config import ModelConfig
@@ -170,12 +172,12 @@ def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int) -> dict[str
     block_bytes = mc.num_layers * 2 * CAPACITY_BLOCK * heads_per_rank * mc.head_dim * 4  # fp32 cache
     num_blocks = budget_bytes // block_bytes
     try:
-        cfg = DecodeConfig(model=model_path, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                           block_size=CAPACITY_BLOCK, num_kv_blocks=num_blocks, max_num_seqs=1_000_000)
+        cfg = build(DecodeConfig, model=model_path, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                    block_size=CAPACITY_BLOCK, num_kv_blocks=num_blocks, max_num_seqs=1_000_000)
     except ParallelConfigError as e:
         return {"allowed": False, "refusal": e.message, "blocks_per_rank": num_blocks}
     # Admission is pure block accounting: an engine without model ranks counts exactly what a live pod admits.
-    pod = DecodePod(cfg, engine=LLMEngine.bookkeeping(cfg.engine_config(), CAPACITY_SEQ_LEN + 1))
+    pod = DecodePod(cfg, engine=LLMEngine.bookkeeping(cfg.engine, CAPACITY_SEQ_LEN + 1))
     n = 0
     while pod.reserve(f"cap{n}", CAPACITY_SEQ_LEN) is not None:
         n += 1

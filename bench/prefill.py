@@ -127,6 +127,7 @@ class _Side:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
+    from pdserve.cli_config import build
     from prefill_svc.config import PrefillConfig
 
     threads = int(os.environ["PDSERVE_BENCH_THREADS"]) if os.environ.get("PDSERVE_BENCH_THREADS") else None
@@ -135,10 +136,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     # A 128-token prefill takes a quarter second: many repeats cost little and steady its best-of.
     repeats = {128: 6, 2048: 2, 8191: 2} if quick else {128: 12, 2048: 3, 8191: 2}
     chunk = 2048
-    cfg = PrefillConfig(model=str(path), kv_transport="tcp", enable_prefix_caching=False, prefill_chunk_size=chunk,
-                        max_num_batched_tokens=8192, num_kv_blocks=8192 // 16 + 16)
+    cfg = build(PrefillConfig, model=str(path), kv_transport="tcp", enable_prefix_caching=False,
+                prefill_chunk_size=chunk, max_num_batched_tokens=8192, num_kv_blocks=8192 // 16 + 16)
     sides = {"pod": _Side(_pod_side, cfg, threads),
-             "exact": _Side(_pod_side, replace(cfg, exact_prefill=True), threads),
+             "exact": _Side(_pod_side, replace(cfg, engine=replace(cfg.engine, exact_prefill=True)), threads),
              "hf": _Side(_hf_side, str(path), threads)}
     best = {name: {} for name in sides}  # name -> length -> [cpu s, wall s]
     try:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pdserve.engine.executor import Executor
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_runner import ModelRunner
+    from pdserve.security import TLSConfig
 
 
 class KVDeliveryError(ServiceError):
@@ -166,13 +167,16 @@ class PullerFactory:
     interleave: int
     num_blocks: int
     backend: str = "auto"  # kv_transfer.factory: "auto" (NIXL if usable, else TCP), "nixl", "tcp"
+    auth_token: str = ""  # the cluster token presented to prefill pods' KV endpoints ("" = none)
+    tls: "TLSConfig | None" = None  # the pod's TLS settings, used to dial those endpoints
 
     @classmethod
-    def for_engine(cls, engine: "LLMEngine", backend: str = "auto") -> "PullerFactory":
+    def for_engine(cls, engine: "LLMEngine", backend: str = "auto", auth_token: str = "",
+                   tls: "TLSConfig | None" = None) -> "PullerFactory":
         mc, cfg, cache = engine.model_config, engine.config, engine.executor.kv_cache
         return cls(mc.num_layers, mc.num_kv_heads, mc.head_dim, str(cache.dtype).removeprefix("torch."),
                    cfg.block_size, cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
-                   cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, backend)
+                   cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, backend, auth_token, tls)
 
     def layout(self):
         from kv_transfer.layout import KVLayout
@@ -184,7 +188,8 @@ class PullerFactory:
     def __call__(self, runner: "ModelRunner") -> Any:
         from kv_transfer.factory import make_puller
 
-        return make_puller(self.layout(), runner.ps.tp_rank, runner.kv_cache, backend=self.backend)
+        return make_puller(self.layout(), runner.ps.tp_rank, runner.kv_cache, backend=self.backend,
+                           auth_token=self.auth_token, tls=self.tls)
 
 
 def close_rank_pullers(runner: "ModelRunner") -> int:

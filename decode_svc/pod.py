@@ -71,12 +71,12 @@ class _Queued:
 class DecodePod:
     def __init__(self, config: DecodeConfig, engine: LLMEngine | None = None, clock=time.monotonic) -> None:
         self.config = config
-        self.engine = engine or LLMEngine(config.engine_config())
+        self.engine = engine or LLMEngine(config.engine)
         self.clock = clock
-        self.tp = config.tensor_parallel_size
-        self.dcp = config.decode_context_parallel_size
-        self.interleave = config.dcp_kv_cache_interleave_size
-        self.block_size = config.block_size
+        self.tp = config.engine.tensor_parallel_size
+        self.dcp = config.engine.decode_context_parallel_size
+        self.interleave = config.engine.dcp_kv_cache_interleave_size
+        self.block_size = config.engine.block_size
         self.reservations: dict[str, Reservation] = {}
         self.queue: deque[_Queued] = deque()
         self.kv_bytes_received = 0
@@ -152,7 +152,7 @@ class DecodePod:
             raise RequestError(f"num_reserved_output_tokens must be >= 0, got {extra_tokens}")
         if self.knows(request_id):
             raise RequestExists(f"request {request_id!r} already has a reservation or is decoding on this pod")
-        if self._num_admitted() >= self.config.max_num_seqs:
+        if self._num_admitted() >= self.config.engine.max_num_seqs:
             return None
         seq = self.engine.reserve(request_id, num_tokens, min(num_tokens + extra_tokens, self.max_model_len))
         if seq is None:
@@ -217,7 +217,7 @@ class DecodePod:
 
     def _try_admit(self, q: _Queued) -> RequestOutput | None:
         eng = self.engine
-        if self._num_admitted() >= self.config.max_num_seqs:
+        if self._num_admitted() >= self.config.engine.max_num_seqs:
             return None
         # Keep a block per rank in hand for the running sequences, as the scheduler does for new prompts.
         seq = eng.add_awaiting_kv(q.prompt_ids, q.params, q.request_id, headroom=1 if eng.scheduler.running else 0)

@@ -30,7 +30,7 @@ from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, versi
 from pdserve.pod.registrar import Registrar
 from pdserve.pod.sampling import engine_params, refuse_unsupported
 from pdserve.sampling import SamplingParams
-from pdserve.security import bind, export_kv_auth_token, export_kv_tls, grpc_options
+from pdserve.security import bind, grpc_options
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
 
 log = logging.getLogger("decode_svc")
@@ -83,30 +83,30 @@ class DecodeServer:
     async def start(self) -> None:
         aloop = asyncio.get_running_loop()
         self.engine.on_failure = lambda e: aloop.call_soon_threadsafe(self._engine_failed, e)
-        export_kv_tls(self.config.tls)  # the KV control endpoints serve / dial TLS as the pod does
-        export_kv_auth_token(self.config.cluster_token)  # before the ranks (and their KV pullers) are spawned
         await asyncio.to_thread(self.engine.start)
         self._layout = await self.call(self._layout_of)
         self.max_model_len = await self.call(lambda pod: pod.max_model_len)
-        backend = self.config.kv_transfer_backend
-        self._puller_factory = await self.call(lambda pod: PullerFactory.for_engine(pod.engine, backend))
+        backend, token, tls = self.config.kv_transfer_backend, self.config.serving.cluster_token, self.config.tls
+        # the factory is pickled to every rank: token and TLS reach the pullers with it
+        self._puller_factory = await self.call(lambda pod: PullerFactory.for_engine(pod.engine, backend, token, tls))
         self.transfer_modes = await asyncio.to_thread(_transfer_modes, backend)
         self._server = grpc.aio.server(options=grpc_options())
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(self), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = bind(self._server, f"{self.config.host}:{self.config.port}", self.config.tls)
+        self.port = bind(self._server, f"{self.config.serving.host}:{self.config.serving.port}", self.config.tls)
         if not self.port:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+            raise OSError(f"cannot bind {self.config.serving.host}:{self.config.serving.port}")
         await self._server.start()
-        if self.config.metrics_port:
-            collector = DecodeCollector(lambda: self.engine.stats, self.config.pod_id, lambda: self.draining)
-            _, self._metrics_http = start_metrics_server(self.config.metrics_port, self.config.host, collector)
+        if self.config.serving.metrics_port is not None:  # 0: any free port
+            collector = DecodeCollector(lambda: self.engine.stats, self.config.serving.pod_id, lambda: self.draining)
+            _, self._metrics_http = start_metrics_server(self.config.serving.metrics_port, self.config.serving.host,
+                                                         collector)
             self.metrics_port = self._metrics_http.server_port
         await set_health(self._health, SERVICE_NAME, serving=True)
         self._model_shape = await self.call(self._model_shape_of)
-        if self.config.router_address:
-            self.registrar = Registrar(self.config.router_address, self.config.cluster_token,
-                                       self.config.heartbeat_interval_s, self.register_request,
+        if self.config.serving.router_address:
+            self.registrar = Registrar(self.config.serving.router_address, self.config.serving.cluster_token,
+                                       self.config.serving.heartbeat_interval_s, self.register_request,
                                        self.heartbeat_request, self._on_desired_state, tls=self.config.tls)
             self.registrar.start()
 
@@ -120,7 +120,7 @@ class DecodeServer:
         if self.registrar is not None:
             self.registrar.poke()  # the router stops placing requests here at once
         await set_health(self._health, SERVICE_NAME, serving=False)
-        deadline = time.monotonic() + self.config.drain_timeout_s
+        deadline = time.monotonic() + self.config.serving.drain_timeout_s
         while time.monotonic() < deadline:
             idle = self.active_streams == 0 and (not self.engine.alive or await self.call(lambda pod: pod.idle()))
             if idle:
@@ -131,7 +131,7 @@ class DecodeServer:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.registrar is not None:
-            await self.registrar.close(self.config.pod_id)
+            await self.registrar.close(self.config.serving.pod_id)
         if self._server is not None:
             await self._server.stop(grace_s)
         await asyncio.to_thread(self.engine.stop)
@@ -143,7 +143,7 @@ class DecodeServer:
         """The engine thread died (e.g. a TP rank was killed): this pod can serve nothing more. Health says
         NOT_SERVING and the next heartbeat (sent now) says UNHEALTHY, so the router stops placing requests here;
         the process stays up so an operator / orchestrator sees why (the log and the health status)."""
-        log.error("decode pod %s is unhealthy: %s", self.config.pod_id, error)
+        log.error("decode pod %s is unhealthy: %s", self.config.serving.pod_id, error)
         asyncio.ensure_future(set_health(self._health, SERVICE_NAME, serving=False))
         if self.registrar is not None:
             self.registrar.poke()
@@ -151,7 +151,7 @@ class DecodeServer:
     def unavailable_reason(self) -> str | None:
         """Why this pod takes no new work (draining, engine failed), or None."""
         if self.engine.error is not None:
-            return f"decode pod {self.config.pod_id} is unhealthy: {self.engine.error}"
+            return f"decode pod {self.config.serving.pod_id} is unhealthy: {self.engine.error}"
         if self.draining:
             return "decode pod is draining"
         return None
@@ -179,7 +179,7 @@ class DecodeServer:
 
     @property
     def address(self) -> str:
-        return f"{self.config.advertise_host or self.config.host}:{self.port}"
+        return f"{self.config.serving.advertise_host or self.config.serving.host}:{self.port}"
 
     def _kv_stats(self) -> list[common_pb2.RankKVStats]:
         st = self.engine.stats
@@ -191,17 +191,18 @@ class DecodeServer:
             return None
         cfg = self.config
         return registry_pb2.RegisterWorkerRequest(
-            pod_id=cfg.pod_id, role=common_pb2.ROLE_DECODE, address=self.address, kv_transfer_address="",
-            model=cfg.served_model_name or Path(cfg.model).name, model_shape=self._model_shape,
-            parallel=parallel_to_proto(cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
-                                       cfg.dcp_kv_cache_interleave_size),
+            pod_id=cfg.serving.pod_id, role=common_pb2.ROLE_DECODE, address=self.address, kv_transfer_address="",
+            model=cfg.serving.served_model_name or Path(cfg.engine.model).name, model_shape=self._model_shape,
+            parallel=parallel_to_proto(cfg.engine.tensor_parallel_size, cfg.engine.decode_context_parallel_size,
+                                       cfg.engine.dcp_kv_cache_interleave_size),
             kv_layout=self._layout,
-            capacity=common_pb2.WorkerCapacity(max_num_seqs=cfg.max_num_seqs,
-                                               max_num_batched_tokens=cfg.max_num_batched_tokens,
+            capacity=common_pb2.WorkerCapacity(max_num_seqs=cfg.engine.max_num_seqs,
+                                               max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
                                                max_model_len=self.max_model_len,
-                                               max_concurrent_transfers=cfg.max_num_seqs,
+                                               max_concurrent_transfers=cfg.engine.max_num_seqs,
                                                transfer_modes=self.transfer_modes),
-            cluster_token=cfg.cluster_token, version=version(), state=common_pb2.POD_STATE_READY, kv=self._kv_stats())
+            cluster_token=cfg.serving.cluster_token, version=version(), state=common_pb2.POD_STATE_READY,
+            kv=self._kv_stats())
 
     def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:
         st = self.engine.stats
@@ -211,7 +212,7 @@ class DecodeServer:
             self._rate = (st.generated_tokens - n0) / (now - t0)
             self._last_rate = (now, st.generated_tokens)
         return registry_pb2.HeartbeatRequest(
-            pod_id=self.config.pod_id, cluster_token=self.config.cluster_token,
+            pod_id=self.config.serving.pod_id, cluster_token=self.config.serving.cluster_token,
             state=(common_pb2.POD_STATE_UNHEALTHY if self.engine.error is not None else
                    common_pb2.POD_STATE_DRAINING if self.draining else common_pb2.POD_STATE_READY),
             load=common_pb2.LoadStats(num_running_seqs=st.running, num_waiting_seqs=st.waiting,
@@ -322,9 +323,9 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return decode_pb2.AllocateKVResponse(
             layout=s._layout,
             block_tables=[common_pb2.BlockTable(
-                block_ids=t, num_tokens=dcp_local_count(request.num_tokens, cfg.decode_context_parallel_size,
-                                                        cfg.dcp_kv_cache_interleave_size,
-                                                        r % cfg.decode_context_parallel_size))
+                block_ids=t, num_tokens=dcp_local_count(request.num_tokens, cfg.engine.decode_context_parallel_size,
+                                                        cfg.engine.dcp_kv_cache_interleave_size,
+                                                        r % cfg.engine.decode_context_parallel_size))
                 for r, t in enumerate(tables)],
             agent_name="", transfer_modes=s.transfer_modes, expires_at_unix_ms=expires)
 

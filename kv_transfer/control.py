@@ -5,13 +5,13 @@ A request is one frame with ``{"op": ...}``; the answer is one frame, or for str
 frames ending with ``{"end": true}``. Errors come back as ``{"ok": false, "error": KIND, "detail": ...}``
 and are raised on the client as the matching typed exception.
 
-Authentication: a publisher started with the cluster token (``PDSERVE_KV_AUTH_TOKEN``, exported by the pods from
+Authentication: a publisher started with the cluster token (``auth_token``, handed down by the pods from
 ``--cluster-token``) serves nothing until the connection proves it holds the token: the client asks
 ``{"op": "auth_challenge"}`` and answers ``{"op": "auth", "mac": HMAC-SHA256(token, nonce)}``. Any other first
 request gets an ``unauthenticated`` error and the connection is closed, so a peer that could not have registered
 with the router cannot handshake, pin or read KV. ``ControlClient.connect`` does this by itself.
 
-TLS: when the pod serves TLS (``PDSERVE_KV_TLS``, exported by the pods from their --tls-* flags) every control
+TLS: when the pod serves TLS (``tls``, the TLSConfig the pods hand down from their --tls-* flags) every control
 connection is wrapped in TLS (mutual when the pod requires client certificates), KV bytes of the TCP path included.
 
 Why our own protocol and not gRPC: it is the data-path side channel (handshake, lease checks, layer
@@ -60,25 +60,6 @@ _AUTH_CONTEXT = b"pdserve-kv-auth-v1|"  # domain separation: this MAC means noth
 
 def auth_mac(token: str, nonce: str) -> str:
     return hmac.new(token.encode(), _AUTH_CONTEXT + nonce.encode(), hashlib.sha256).hexdigest()
-
-
-def _default_token(token: str | None) -> str:
-    if token is not None:
-        return token
-    from pdserve.security import kv_auth_token
-
-    return kv_auth_token()
-
-
-_FROM_ENV: Any = object()  # tls=_FROM_ENV: this process's pod TLS settings (pdserve.security.kv_tls)
-
-
-def _default_tls(tls: Any) -> "TLSConfig | None":
-    if tls is not _FROM_ENV:
-        return tls
-    from pdserve.security import kv_tls
-
-    return kv_tls()
 
 
 _MAGIC = b"PDKV"
@@ -172,12 +153,12 @@ def raise_if_error(msg: dict[str, Any]) -> dict[str, Any]:
 class ControlClient:
     """One connection to a publisher. Calls are serialised by a lock (one request in flight)."""
 
-    def __init__(self, endpoint: Endpoint, io_timeout_s: float = 10.0, auth_token: str | None = None,
-                 tls: Any = _FROM_ENV) -> None:
+    def __init__(self, endpoint: Endpoint, io_timeout_s: float = 10.0, auth_token: str = "",
+                 tls: "TLSConfig | None" = None) -> None:
         self.endpoint = endpoint
         self.io_timeout_s = io_timeout_s
-        self._auth_token = _default_token(auth_token)  # None: this process's cluster token ("" = none)
-        self._tls = _default_tls(tls)  # default: this process's pod TLS settings; None: plain TCP
+        self._auth_token = auth_token  # the cluster token presented to the publisher ("" = none)
+        self._tls = tls  # the pod's TLS settings; None: plain TCP
         self._ssl = self._tls.ssl_client_context() if self._tls is not None else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -352,12 +333,11 @@ class ControlServer:
         port: int = 0,
         idle_timeout_s: float = 600.0,
         io_timeout_s: float = 30.0,
-        auth_token: str | None = None,
-        tls: Any = _FROM_ENV,
+        auth_token: str = "",
+        tls: "TLSConfig | None" = None,
     ) -> None:
         self._handler = handler
-        self._auth_token = _default_token(auth_token)  # None: this process's cluster token ("" = no check)
-        tls = _default_tls(tls)  # default: this process's pod TLS settings; None: plain TCP
+        self._auth_token = auth_token  # the cluster token clients must prove they hold ("" = no check)
         self._ssl = tls.ssl_server_context() if tls is not None and tls.serves_tls else None
         self.idle_timeout_s = idle_timeout_s
         self.io_timeout_s = io_timeout_s

@@ -52,7 +52,8 @@ def _choose(backend: str, side: str) -> str:
 def make_publisher(
     layout: KVLayout, regions: Mapping[int, torch.Tensor], *, backend: str = "auto", **kwargs: Any
 ) -> KVPublisher:
-    """Prefill side. ``kwargs``: on_free, host, port, lease_timeout_s, pin_ttl_s (see publisher.Publisher)."""
+    """Prefill side. ``kwargs``: on_free, host, port, lease_timeout_s, pin_ttl_s, auth_token, tls (see
+    publisher.Publisher)."""
     if _choose(backend, "publisher") == "nixl":
         from kv_transfer.nixl_transport import NixlPublisher
 
@@ -66,7 +67,8 @@ def make_puller(
     layout: KVLayout, rank: int, region: torch.Tensor, *, backend: str = "auto", **kwargs: Any
 ) -> KVPuller:
     """Decode side, one per decode tp rank. ``kwargs``: handshake_timeout_s, io_timeout_s, max_layers_per_read,
-    transfer_timeout_s (see puller.BasePuller). A NIXL puller still reads TCP-only publishers over TCP."""
+    transfer_timeout_s, auth_token, tls (see puller.BasePuller). A NIXL puller still reads TCP-only publishers over
+    TCP."""
     if _choose(backend, "puller") == "nixl":
         from kv_transfer.nixl_transport import NixlPuller
 

@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from kv_transfer.transport import (
     KVPublisher,
     LeaseExpired,
 )
+
+if TYPE_CHECKING:
+    from pdserve.security import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ class Publisher(KVPublisher):
         pin_ttl_s: float = 10.0,
         tick_s: float = 0.05,
         chunk_bytes: int = 4 << 20,
+        auth_token: str = "",
+        tls: "TLSConfig | None" = None,
     ) -> None:
         if layout.num_blocks <= 0:
             raise ValueError("publisher layout needs num_blocks")
@@ -87,7 +92,8 @@ class Publisher(KVPublisher):
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._wake = threading.Event()  # cuts a housekeeping sleep short (see _on_activity)
-        self._server = ControlServer(self._handle, host, port, io_timeout_s=max(pin_ttl_s / 2, 0.5))
+        self._server = ControlServer(self._handle, host, port, io_timeout_s=max(pin_ttl_s / 2, 0.5),
+                                     auth_token=auth_token, tls=tls)
         self._server.start()
         self._house = threading.Thread(target=self._housekeeping, name="kv-publisher-tick", daemon=True)
         self._house.start()

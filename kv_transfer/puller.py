@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from kv_transfer.transport import (
     TransferUnavailable,
 )
 
+if TYPE_CHECKING:
+    from pdserve.security import TLSConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -53,6 +56,8 @@ class Session:
     blob: bytes
     connect_timeout_s: float
     io_timeout_s: float
+    auth_token: str = ""  # the pod's cluster token, presented on every connection
+    tls: "TLSConfig | None" = None
     peer: Any = None
     _idle: list[ControlClient] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -64,7 +69,7 @@ class Session:
                 if c.alive():
                     return c
                 c.close()
-        c = ControlClient(self.endpoint, io_timeout_s=self.io_timeout_s)
+        c = ControlClient(self.endpoint, io_timeout_s=self.io_timeout_s, auth_token=self.auth_token, tls=self.tls)
         c.connect(self.connect_timeout_s)
         return c
 
@@ -108,6 +113,8 @@ class BasePuller(KVPuller):
         wait_poll_s: float = 1.0,
         max_layers_per_read: int = 64,
         transfer_timeout_s: float = 300.0,
+        auth_token: str = "",
+        tls: "TLSConfig | None" = None,
     ) -> None:
         if layout.num_blocks <= 0:
             raise ValueError("puller layout needs num_blocks")
@@ -122,6 +129,8 @@ class BasePuller(KVPuller):
         self.wait_poll_s = wait_poll_s
         self.max_layers_per_read = max(1, max_layers_per_read)
         self.transfer_timeout_s = transfer_timeout_s
+        self.auth_token = auth_token  # the pod's cluster token ("" = none), presented to every publisher
+        self.tls = tls  # the pod's TLS settings; None: plain TCP
         self._sessions: dict[Endpoint, Session] = {}
         self._sessions_lock = threading.Lock()
 
@@ -197,7 +206,7 @@ class BasePuller(KVPuller):
         for ep in dict.fromkeys(handoff.endpoints):
             if ep is None:
                 continue
-            c = ControlClient(ep, io_timeout_s=1.0)
+            c = ControlClient(ep, io_timeout_s=1.0, auth_token=self.auth_token, tls=self.tls)
             try:  # a fresh short-lived connection, and short bounds: this runs on error paths
                 c.connect(timeout_s=0.5)
                 c.call(msg)
@@ -277,7 +286,7 @@ class BasePuller(KVPuller):
         if s is not None:
             return s
         deadline = time.monotonic() + self.handshake_timeout_s
-        client = ControlClient(ep, io_timeout_s=self.io_timeout_s)
+        client = ControlClient(ep, io_timeout_s=self.io_timeout_s, auth_token=self.auth_token, tls=self.tls)
         client.connect(self.handshake_timeout_s)
         try:
             hello, blob = client.call(
@@ -289,7 +298,7 @@ class BasePuller(KVPuller):
                 raise BadTransferRequest(
                     f"{ep} speaks kv protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}"
                 )
-            s = Session(ep, hello, bytes(blob), self.handshake_timeout_s, self.io_timeout_s)
+            s = Session(ep, hello, bytes(blob), self.handshake_timeout_s, self.io_timeout_s, self.auth_token, self.tls)
             self._on_hello(s)
         except Exception:
             client.close()

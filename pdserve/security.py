@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import json
 import os
 import re
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
@@ -33,6 +32,24 @@ FLAGS = {"cert_file": "--tls-cert-file", "key_file": "--tls-key-file", "ca_file"
          "require_client_cert": "--tls-require-client-cert", "server_name": "--tls-server-name"}
 API_KEY_ENV = "PDSERVE_API_KEY"
 ROUTER_SERVICE_PREFIX = "/pdserve.v1.Router/"
+
+
+_TLS_HELP = {
+    "cert_file": "serve TLS with this certificate; also the client certificate this process presents to others",
+    "key_file": "private key of --tls-cert-file",
+    "ca_file": "CA that signs the other services' (and, with mTLS, clients') certificates",
+    "require_client_cert": "mutual TLS: refuse clients without a certificate signed by --tls-ca-file",
+    "server_name": "name expected in the other services' certificates (default: the host dialed)",
+}
+
+
+def tls_field(part: str, default: Any = None) -> Any:
+    """A config dataclass field for TLSConfig's ``part``: the --tls-* flag and PDSERVE_TLS_* default of every
+    service (pdserve.cli_config reads the metadata)."""
+    meta: dict[str, Any] = {"help": _TLS_HELP[part], "env": ENV[part]}
+    if part != "require_client_cert":
+        meta["metavar"] = "NAME" if part == "server_name" else "PEM"
+    return field(default=default, metadata=meta)
 
 
 class TLSConfigError(ValueError):
@@ -110,17 +127,6 @@ class TLSConfig:
     def from_args(cls, args: argparse.Namespace) -> "TLSConfig":
         return cls(cert_file=args.tls_cert_file, key_file=args.tls_key_file, ca_file=args.tls_ca_file,
                    require_client_cert=bool(args.tls_require_client_cert), server_name=args.tls_server_name)
-
-    def as_flags(self) -> list[str]:
-        """The command-line flags that rebuild this config in a child process (``pdserve up``)."""
-        out: list[str] = []
-        for f in ("cert_file", "key_file", "ca_file", "server_name"):
-            v = getattr(self, f)
-            if v is not None:
-                out += [FLAGS[f], v]
-        if self.require_client_cert:
-            out.append(FLAGS["require_client_cert"])
-        return out
 
     # --- gRPC ---
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -259,18 +265,6 @@ def http_tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
                            bool(args.http_tls_require_client_cert))
 
 
-def as_http_tls_flags(tls: TLSConfig) -> list[str]:
-    """The --http-tls-* flags that make an HTTP front serve ``tls`` 's certificate (``pdserve up``)."""
-    out: list[str] = []
-    for f in ("cert_file", "key_file", "ca_file"):
-        v = getattr(tls, f)
-        if v is not None:
-            out += [HTTP_FLAGS[f], v]
-    if tls.require_client_cert:
-        out.append(HTTP_FLAGS["require_client_cert"])
-    return out
-
-
 # --- servers and channels ---------------------------------------------------------------------------------------
 def bind(server: grpc.Server | grpc.aio.Server, address: str, tls: TLSConfig | None) -> int:
     """Listen on ``address`` with TLS when configured; returns the port (0 = could not bind)."""
@@ -297,42 +291,6 @@ def sync_channel(address: str, tls: TLSConfig | None, options: Sequence[tuple[st
 
 
 # --- shared secrets ---------------------------------------------------------------------------------------------
-# The KV control channel (kv_transfer/control.py) authenticates peers with the cluster token. Its endpoints live in
-# every TP rank, and ranks are spawned processes: the environment is what reaches them, so pods export it here.
-KV_AUTH_ENV = "PDSERVE_KV_AUTH_TOKEN"
-
-
-def export_kv_auth_token(cluster_token: str) -> None:
-    """Make this process's (and its future children's) KV endpoints require / present ``cluster_token``."""
-    if cluster_token:
-        os.environ[KV_AUTH_ENV] = cluster_token
-    else:
-        os.environ.pop(KV_AUTH_ENV, None)
-
-
-def kv_auth_token() -> str:
-    return os.environ.get(KV_AUTH_ENV, "")
-
-
-# Same reason: the KV control endpoints (in every rank process) serve TLS when the pod does; its settings (file
-# paths only, no secrets) travel as JSON in the environment.
-KV_TLS_ENV = "PDSERVE_KV_TLS"
-
-
-def export_kv_tls(tls: TLSConfig | None) -> None:
-    if tls is not None and tls.serves_tls:
-        os.environ[KV_TLS_ENV] = json.dumps({f: getattr(tls, f) for f in
-                                             ("cert_file", "key_file", "ca_file", "require_client_cert",
-                                              "server_name")})
-    else:
-        os.environ.pop(KV_TLS_ENV, None)
-
-
-def kv_tls() -> TLSConfig | None:
-    raw = os.environ.get(KV_TLS_ENV)
-    return TLSConfig(**json.loads(raw)) if raw else None
-
-
 def secrets_match(given: str | bytes | None, expected: str | bytes) -> bool:
     """Constant-time comparison (no timing oracle on how many leading characters were right)."""
     if given is None:

@@ -1,6 +1,6 @@
 """The prefill pod: ``python -m prefill_svc --model PATH --tensor-parallel-size N --port P [--router ADDR]``.
 
-- ``config.py``   PrefillConfig (validated at construction; ``engine_config()`` for the LLMEngine).
+- ``config.py``   PrefillConfig (validated at construction; ``engine`` is the LLMEngine's config).
 - ``worker.py``   the engine loop on its own thread: prompts in (batched, chunked, prefix-cached), first token out,
                   KV held under a lease until decode has it (or ReleaseKV / CancelPrefill / TTL).
 - ``kv.py``       one kv_transfer publisher per TP rank process, fed layer by layer from the forward pass.

@@ -17,12 +17,15 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kv_transfer.layout import KVLayout
 from kv_transfer.transport import Endpoint, KVHandoff
+
+if TYPE_CHECKING:
+    from pdserve.security import TLSConfig
 
 log = logging.getLogger("prefill_svc.kv")
 
@@ -43,15 +46,18 @@ class RankKVSpec:
     layout: dict[str, Any]  # KVLayout.to_dict() of the pod
     host: str
     lease_timeout_s: float
+    auth_token: str = ""  # the cluster token decode pods must prove they hold ("" = no check)
+    tls: "TLSConfig | None" = None  # the pod's TLS: the KV control endpoints serve it too
 
 
 def make_publisher(transport: str, layout: KVLayout, tp_rank: int, region: torch.Tensor, host: str,
-                   lease_timeout_s: float, on_free: Callable[[str, str, str], None]):
+                   lease_timeout_s: float, on_free: Callable[[str, str, str], None], auth_token: str = "",
+                   tls: "TLSConfig | None" = None):
     """A kv_transfer publisher for one rank's region (NIXL when usable and asked for / "auto", else TCP)."""
     from kv_transfer.factory import make_publisher as factory_make
 
     return factory_make(layout, {tp_rank: region}, backend=transport, on_free=on_free, host=host,
-                        lease_timeout_s=lease_timeout_s)
+                        lease_timeout_s=lease_timeout_s, auth_token=auth_token, tls=tls)
 
 
 class RankKV:
@@ -66,7 +72,7 @@ class RankKV:
         self._errors: list[tuple[str, int, str]] = []  # (lease id, layer, what failed)
         self.wake: Callable[[], None] | None = None  # rank 0: nudges the engine loop when a lease is freed
         self.publisher = make_publisher(spec.transport, self.layout, self.tp_rank, runner.kv_cache, spec.host,
-                                        spec.lease_timeout_s, self._on_free)
+                                        spec.lease_timeout_s, self._on_free, spec.auth_token, spec.tls)
         runner.layer_hook = self.on_layer_done
 
     @property
@@ -140,12 +146,13 @@ class KVHost:
     """Engine-thread side of the pod's publishers (all calls from the engine thread)."""
 
     def __init__(self, engine: Any, layout: KVLayout, transport: str, host: str, lease_timeout_s: float,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], auth_token: str = "", tls: "TLSConfig | None" = None) -> None:
         self.engine = engine
         self.layout = layout
         self.tp_size = layout.tp_size
+        # token and TLS travel to every rank process inside the spec (pickled), not through the environment
         results = engine.executor.call_all_ranks(rank_start, RankKVSpec(transport, layout.to_dict(), host,
-                                                                        lease_timeout_s))
+                                                                        lease_timeout_s, auth_token, tls))
         errs = [r for r in results if isinstance(r, Exception)]
         if errs:
             engine.executor.call_all_ranks(rank_close)  # the ranks that did start one

@@ -20,7 +20,7 @@ from pdserve.pod.convert import (endpoints_address, handoff_to_kv_handle, layout
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, run_loop, set_health, version
 from pdserve.pod.registrar import Registrar
 from pdserve.sampling import SamplingParamsError
-from pdserve.security import bind, export_kv_auth_token, export_kv_tls, grpc_options
+from pdserve.security import bind, grpc_options
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2
 from prefill_svc.config import PrefillConfig
@@ -124,7 +124,7 @@ class PrefillServer:
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
-        self.model_name = config.served_model_name
+        self.model_name = config.serving.served_model_name
 
     @property
     def address(self) -> str:
@@ -132,8 +132,6 @@ class PrefillServer:
 
     # --- life cycle ---
     async def start(self) -> None:
-        export_kv_tls(self.config.tls)  # the KV control endpoints serve / dial TLS as the pod does
-        export_kv_auth_token(self.config.cluster_token)  # before the ranks (and their KV endpoints) are spawned
         await asyncio.get_running_loop().run_in_executor(None, self.worker.start)  # loads weights, spawns ranks
         eng = self.worker.engine
         if self.model_name is None:
@@ -141,21 +139,22 @@ class PrefillServer:
         self.server = grpc.aio.server(options=grpc_options(extra=[("grpc.so_reuseport", 0)]))
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = bind(self.server, f"{self.config.host}:{self.config.port}", self.config.tls)
+        self.port = bind(self.server, f"{self.config.serving.host}:{self.config.serving.port}", self.config.tls)
         if not self.port:
-            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
+            raise RuntimeError(f"cannot listen on {self.config.serving.host}:{self.config.serving.port}")
         await self.server.start()
-        if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port, self.config.host)
+        if self.config.serving.metrics_port is not None:
+            self.metrics.serve(self.config.serving.metrics_port, self.config.serving.host)
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
         await set_health(self.health, SERVICE_NAME, serving=True)
-        if self.config.router_address:
-            self.registrar = Registrar(self.config.router_address, self.config.cluster_token,
-                                       self.config.heartbeat_interval_s, self.register_request,
+        if self.config.serving.router_address:
+            self.registrar = Registrar(self.config.serving.router_address, self.config.serving.cluster_token,
+                                       self.config.serving.heartbeat_interval_s, self.register_request,
                                        self.heartbeat_request, self._on_desired_state, tls=self.config.tls)
             self.registrar.start()
         log.info("prefill pod %s serving %s on %s (tp=%d, kv %s%s, metrics %s)", self.pod_id, self.model_name,
-                 self.address, self.config.tensor_parallel_size, self.worker.kv.transport if self.worker.kv else "none",
+                 self.address, self.config.engine.tensor_parallel_size,
+                 self.worker.kv.transport if self.worker.kv else "none",
                  f" at {','.join(map(str, self.worker.kv.endpoints))}" if self.worker.kv else "",
                  self.metrics.http_port if self.metrics.http_port is not None else "not served")
 
@@ -172,12 +171,12 @@ class PrefillServer:
         await set_health(self.health, SERVICE_NAME, serving=False)
         if self.registrar is not None:
             self.registrar.poke()
-        deadline = time.monotonic() + self.config.drain_timeout_s
+        deadline = time.monotonic() + self.config.serving.drain_timeout_s
         while not self.worker.idle and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self.worker.idle:
             log.warning("drain timeout (%.0fs): dropping %d prefills and %d KV leases still held",
-                        self.config.drain_timeout_s, len(self.worker._jobs), len(self.worker._leases))
+                        self.config.serving.drain_timeout_s, len(self.worker._jobs), len(self.worker._leases))
         await self.stop()
 
     async def stop(self) -> None:
@@ -261,7 +260,7 @@ class PrefillServer:
                              expires_at_unix_ms=int((time.time() + res.ttl_s) * 1000), ttl_s=res.ttl_s,
                              layout=layout_to_proto(self.worker.layout),
                              block_tables=[pb.BlockTable(block_ids=res.block_table, num_tokens=res.num_prompt_tokens)]
-                             * self.config.tensor_parallel_size)
+                             * self.config.engine.tensor_parallel_size)
         resp.kv_handle.CopyFrom(kh)
         return resp
 
@@ -269,7 +268,7 @@ class PrefillServer:
     def _kv_stats(self) -> list[pb.RankKVStats]:
         st = self.worker.stats
         return [pb.RankKVStats(rank=r, free_blocks=st.free_blocks, total_blocks=st.total_blocks)
-                for r in range(self.config.tensor_parallel_size)]
+                for r in range(self.config.engine.tensor_parallel_size)]
 
     def register_request(self) -> registry_pb2.RegisterWorkerRequest | None:
         if self.worker.draining or self.worker.failed:  # going away / broken: no (re-)registration
@@ -281,18 +280,18 @@ class PrefillServer:
             kv_transfer_address=endpoints_address(kv.endpoints) if kv else "",
             model=self.model_name,
             model_shape=model_shape_to_proto(eng.model_config, eng.max_model_len, self.worker.layout.dtype),
-            parallel=parallel_to_proto(cfg.tensor_parallel_size),
+            parallel=parallel_to_proto(cfg.engine.tensor_parallel_size),
             kv_layout=layout_to_proto(self.worker.layout),
-            capacity=pb.WorkerCapacity(max_num_seqs=cfg.max_num_seqs,
-                                       max_num_batched_tokens=cfg.max_num_batched_tokens,
+            capacity=pb.WorkerCapacity(max_num_seqs=cfg.engine.max_num_seqs,
+                                       max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
                                        max_model_len=eng.max_model_len, max_concurrent_transfers=cfg.max_leases,
                                        transfer_modes=self.supported_modes()),
-            cluster_token=cfg.cluster_token, version=version(), state=pb.POD_STATE_READY, kv=self._kv_stats())
+            cluster_token=cfg.serving.cluster_token, version=version(), state=pb.POD_STATE_READY, kv=self._kv_stats())
 
     def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:
         st = self.worker.stats
         return registry_pb2.HeartbeatRequest(
-            pod_id=self.pod_id, cluster_token=self.config.cluster_token,
+            pod_id=self.pod_id, cluster_token=self.config.serving.cluster_token,
             state=(pb.POD_STATE_UNHEALTHY if self.worker.failed else
                    pb.POD_STATE_DRAINING if self.worker.draining else pb.POD_STATE_READY),
             load=pb.LoadStats(queued_prompt_tokens=st.queued_prompt_tokens, num_running_seqs=st.num_running,

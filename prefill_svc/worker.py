@@ -222,15 +222,18 @@ class PrefillWorker:
     # --- engine thread ---
     def _run(self) -> None:
         try:
-            self.engine = LLMEngine(self.config.engine_config())
+            self.engine = LLMEngine(self.config.engine)
             mc = self.engine.model_config
             self.layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                   dtype=str(self.engine.executor.kv_cache.dtype), block_size=self.config.block_size,
-                                   tp_size=self.config.tensor_parallel_size, num_blocks=self.config.num_kv_blocks)
+                                   dtype=str(self.engine.executor.kv_cache.dtype),
+                                   block_size=self.config.engine.block_size,
+                                   tp_size=self.config.engine.tensor_parallel_size,
+                                   num_blocks=self.config.engine.num_kv_blocks)
             if self.config.kv_transport != "none":
                 self.kv = KVHost(self.engine, self.layout, self.config.kv_transport,
                                  self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,
-                                 wake=lambda: self._cmds.put(_noop))
+                                 wake=lambda: self._cmds.put(_noop), auth_token=self.config.serving.cluster_token,
+                                 tls=self.config.tls)
             self.engine.before_execute = self._before_execute
         except BaseException as e:
             self._start_error = e
@@ -340,9 +343,10 @@ class PrefillWorker:
                 eng.validate_prompt(prompt_ids, params)
             except RequestError as e:
                 raise InvalidRequest(str(e)) from e
-            need = -(-len(prompt_ids) // self.config.block_size)
-            if need > self.config.num_kv_blocks:
-                raise Exhausted(f"prompt needs {need} KV blocks but this pod has {self.config.num_kv_blocks} per rank")
+            need = -(-len(prompt_ids) // self.config.engine.block_size)
+            if need > self.config.engine.num_kv_blocks:
+                raise Exhausted(f"prompt needs {need} KV blocks but this pod has "
+                                f"{self.config.engine.num_kv_blocks} per rank")
             # A requested TTL is enforced here only without a KV transport; publishers apply the pod's
             # lease_ttl_s as an idle timeout (renewed by every decode contact).
             ttl = ttl_s if (ttl_s and ttl_s > 0 and self.kv is None) else self.config.lease_ttl_s

@@ -9,9 +9,12 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pdserve.pod.config import CLUSTER_TOKEN_ENV
+from pdserve.security import API_KEY_ENV, ENV, HTTP_ENV, tls_field
 
 if TYPE_CHECKING:
     from pdserve.security import TLSConfig
@@ -22,22 +25,27 @@ class RouterConfig:
     # --- network ---
     host: str = "127.0.0.1"
     port: int = 50051  # Router + Registry + grpc.health.v1 on one port; 0 picks a free one
-    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = not served (metrics still exposed via registry)
+    # Prometheus /metrics over HTTP; None = not served (metrics still exposed via registry), 0 = any free port
+    metrics_port: int | None = field(default=None, metadata={
+        "help": "serve Prometheus /metrics over HTTP on this port (0: any free port; unset: not served)"})
 
     # --- model (the router tokenizes and detokenizes) ---
     model: str | None = None  # model directory with tokenizer.json; None = the default SmolLM2 checkpoint
     served_model_name: str | None = None  # name clients / workers use; None = the model directory's name
 
     # --- registry ---
-    cluster_token: str = ""  # shared secret workers present; "" = no check
+    cluster_token: str = field(default="", metadata={  # shared secret workers present; "" = no check
+        "env": CLUSTER_TOKEN_ENV, "secret": True, "help": "shared secret pods present to the Registry"})
 
     # --- security (pdserve.security) ---
-    api_key: str = ""  # clients of the Router service must send it (authorization: Bearer / x-api-key); "" = open
-    tls_cert_file: str = ""  # serve TLS with this certificate (and present it to pods under mTLS); "" = plaintext
-    tls_key_file: str = ""  # its private key
-    tls_ca_file: str = ""  # CA of the pods' certificates (and, under mTLS, of the clients')
-    tls_require_client_cert: bool = False  # mutual TLS: refuse callers without a certificate signed by tls_ca_file
-    tls_server_name: str = ""  # name expected in the pods' certificates; "" = the host dialed
+    # clients of the Router service must send it (authorization: Bearer / x-api-key); "" = open
+    api_key: str = field(default="", metadata={
+        "env": API_KEY_ENV, "secret": True, "help": "API key clients of the Router service must send"})
+    tls_cert_file: str = tls_field("cert_file", "")  # "" = plaintext
+    tls_key_file: str = tls_field("key_file", "")
+    tls_ca_file: str = tls_field("ca_file", "")
+    tls_require_client_cert: bool = tls_field("require_client_cert", False)
+    tls_server_name: str = tls_field("server_name", "")  # "" = the host dialed
     heartbeat_interval_s: float = 1.0  # told to workers at registration
     missed_heartbeats_unhealthy: int = 3  # a pod silent this many intervals gets no new traffic
     eviction_timeout_s: float = 10.0  # ... and is dropped from the registry after this long
@@ -59,22 +67,22 @@ class RouterConfig:
     lease_ttl_s: float = 0.0  # asked of prefill for KV leases; 0 = the pod's default
 
     # --- lifecycle ---
-    drain_grace_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
+    drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
     # auto = uvloop when importable, else asyncio's loop; uvloop cuts the loop's own cost per gRPC call
-    event_loop: str = "auto"  # auto | uvloop | asyncio
+    event_loop: str = field(default="auto", metadata={"choices": ("auto", "uvloop", "asyncio")})
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> None:
             raise ValueError(f"RouterConfig.{name} {want}, got {getattr(self, name)!r}")
 
-        for name in ("port", "metrics_port"):
+        for name in ("port",) + (("metrics_port",) if self.metrics_port is not None else ()):
             v = getattr(self, name)
             if not _is_int(v) or not 0 <= v <= 65535:
                 bad(name, "must be a port number in [0, 65535] (0 = pick a free one / off)")
         if not isinstance(self.host, str) or not self.host:
             bad("host", "must be a non-empty host name or address")
         for name in ("heartbeat_interval_s", "eviction_timeout_s", "max_queue_wait_s", "pod_rpc_timeout_s",
-                     "cleanup_timeout_s", "drain_grace_s"):
+                     "cleanup_timeout_s", "drain_timeout_s"):
             v = getattr(self, name)
             if not _is_num(v) or v <= 0:
                 bad(name, "must be a positive number of seconds")
@@ -132,9 +140,6 @@ class RouterConfig:
         """The name the cluster serves: served_model_name, else the model directory's base name."""
         return self.served_model_name or Path(model_path).name
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 def _uvloop_installed() -> bool:
@@ -147,3 +152,63 @@ def _is_int(v: object) -> bool:
 
 def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _client_tls(part: str, help: str) -> Any:
+    return field(default=None, metadata={"help": help, "env": ENV[part], "metavar": "NAME" if part == "server_name"
+                                         else "PEM"})
+
+
+def _http_tls(part: str, help: str, default: Any = None) -> Any:
+    meta: dict[str, Any] = {"help": help, "env": HTTP_ENV[part]}
+    if part != "require_client_cert":
+        meta["metavar"] = "PEM"
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class OpenAIHttpConfig:
+    """``python -m router.openai_http``: the OpenAI-compatible HTTP front, a client of one router."""
+
+    router: str = field(default="127.0.0.1:50051", metadata={"help": "router gRPC address", "metavar": "HOST:PORT"})
+    host: str = field(default="127.0.0.1", metadata={"help": "listen address of the HTTP server"})
+    port: int = field(default=8000, metadata={"help": "HTTP port (0: pick a free one)"})
+    api_key: str | None = field(default=None, metadata={
+        "env": API_KEY_ENV, "secret": True,
+        "help": "require 'Authorization: Bearer KEY'; also sent to the router"})
+    # how to reach a router that serves TLS / mutual TLS (the client side of --tls-*)
+    tls_ca_file: str | None = _client_tls("ca_file", "CA certificate to trust: connect to the router with TLS")
+    tls_cert_file: str | None = _client_tls("cert_file", "client certificate, for a router that requires mutual TLS")
+    tls_key_file: str | None = _client_tls("key_file", "private key of the client certificate")
+    tls_server_name: str | None = _client_tls("server_name", "name expected in the router's certificate "
+                                                             "(default: the host dialed)")
+    # this server's own certificate: serve HTTPS
+    http_tls_cert_file: str | None = _http_tls("cert_file", "serve HTTPS with this certificate (default: plain HTTP)")
+    http_tls_key_file: str | None = _http_tls("key_file", "private key of --http-tls-cert-file")
+    http_tls_ca_file: str | None = _http_tls("ca_file", "CA that signs client certificates, for "
+                                                        "--http-tls-require-client-cert")
+    http_tls_require_client_cert: bool = _http_tls("require_client_cert", "mutual TLS: refuse HTTPS clients without "
+                                                   "a certificate signed by --http-tls-ca-file", False)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ValueError(f"OpenAIHttpConfig.port must be a port number in [0, 65535], got {self.port!r}")
+        self.http_tls  # every certificate file is read now: a bad one fails here, naming its flag
+        self.router_tls
+
+    @property
+    def router_tls(self) -> "TLSConfig | None":
+        """How this front dials the router (None: plaintext)."""
+        from pdserve.security import TLSConfig
+
+        tls = TLSConfig(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file,
+                        server_name=self.tls_server_name)
+        return tls if tls.enabled else None
+
+    @property
+    def http_tls(self) -> "TLSConfig | None":
+        """The checked certificate this front serves HTTPS with (None: plain HTTP); errors name --http-tls-*."""
+        from pdserve.security import http_server_tls
+
+        return http_server_tls(self.http_tls_cert_file, self.http_tls_key_file, self.http_tls_ca_file,
+                               self.http_tls_require_client_cert)

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 import uuid
@@ -39,8 +38,8 @@ from aiohttp import web
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.client.aio import AsyncGenerateStream
 from pdserve.client.types import GenerateChunk
-from pdserve.security import (API_KEY_ENV, TLSConfig, TLSConfigError, add_http_tls_arguments, add_tls_arguments,
-                              check_https_serving, http_tls_from_args, secrets_match, tls_from_args)
+from pdserve.security import TLSConfig, check_https_serving, secrets_match
+from router.config import OpenAIHttpConfig
 
 log = logging.getLogger("router.openai_http")
 
@@ -609,37 +608,34 @@ async def start_openai_http(router: Any, host: str = "127.0.0.1", port: int = 80
 
 
 def parser() -> argparse.ArgumentParser:
-    """The ``python -m router.openai_http`` command line."""
-    ap = argparse.ArgumentParser(prog="python -m router.openai_http",
-                                 description="OpenAI-compatible HTTP API in front of a pdserve router")
-    ap.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address (host:port)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                    help=f"require 'Authorization: Bearer KEY' (env {API_KEY_ENV}); also sent to the router")
-    ap.add_argument("--log-level", default="INFO")
-    add_tls_arguments(ap, client_only=True)  # how to reach a router that serves TLS / mutual TLS
-    add_http_tls_arguments(ap)  # this server's own certificate: serve HTTPS
+    """The ``python -m router.openai_http`` command line: one flag per OpenAIHttpConfig field."""
+    from pdserve import cli_config
+
+    ap = cli_config.build_parser(OpenAIHttpConfig, "python -m router.openai_http",
+                                 "OpenAI-compatible HTTP API in front of a pdserve router")
+    cli_config.add_log_level(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve import cli_config
+
     ap = parser()
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # every certificate file is read now: a bad one fails here, naming its flag
-        http_tls = http_tls_from_args(args)
-        router_tls = tls_from_args(args)
-    except TLSConfigError as e:
+        cfg = cli_config.from_args(OpenAIHttpConfig, args)
+        http_tls, router_tls = cfg.http_tls, cfg.router_tls
+    except ValueError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
 
     async def run() -> None:
         import signal
 
-        server = await start_openai_http(args.router, args.host, args.port, api_key=args.api_key,
+        server = await start_openai_http(cfg.router, cfg.host, cfg.port, api_key=cfg.api_key,
                                          router_tls=router_tls, tls=http_tls)
-        print(f"pdserve OpenAI-compatible API on {server.url}/v1 (router {args.router})", flush=True)
+        print(f"pdserve OpenAI-compatible API on {server.url}/v1 (router {cfg.router})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,6 +1,6 @@
 """The router process: grpc.aio Router + Registry servicers on one port, grpc.health.v1, Prometheus metrics, the
 registry's heartbeat watchdog, and graceful drain on SIGTERM (stop taking requests, finish the ones in flight for
-up to ``drain_grace_s``, then stop)."""
+up to ``drain_timeout_s``, then stop)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ class RouterServer:
         await self.server.start()
         for svc in ("", ROUTER_SERVICE, REGISTRY_SERVICE):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
-        if self.config.metrics_port:
+        if self.config.metrics_port is not None:  # 0: any free port
             from prometheus_client import start_http_server
 
             self._metrics_http = start_http_server(self.config.metrics_port, addr=self.config.host,
@@ -158,9 +158,9 @@ class RouterServer:
         await self.health.enter_graceful_shutdown()
         t0 = time.monotonic()
         log.info("draining: %d requests in flight", len(self.core.flights))
-        while self.core.flights and time.monotonic() - t0 < self.config.drain_grace_s:
+        while self.core.flights and time.monotonic() - t0 < self.config.drain_timeout_s:
             await asyncio.sleep(0.05)
-        await self.stop(grace=max(0.1, self.config.drain_grace_s - (time.monotonic() - t0)))
+        await self.stop(grace=max(0.1, self.config.drain_timeout_s - (time.monotonic() - t0)))
 
     async def stop(self, grace: float | None = 0.5) -> None:
         if self._watchdog is not None:

@@ -1,7 +1,7 @@
 """Test / benchmark utility: a real pdserve cluster on loopback, as separate processes (``python -m router``,
 ``python -m prefill_svc``, ``python -m decode_svc``). Used by tests/router's end-to-end tests and bench/router.py.
 
-Pods register themselves with the router (``--router``). Where a service cannot yet (checked from its ``--help``),
+Pods register themselves with the router (``--router``). Where a service cannot yet (asked of its config class),
 ``Cluster`` can register it on its behalf from its command line (``stand_in_registration=True``): a stand-in
 registrar that sends the pod's real shape, parallel config and layout but no load or KV statistics (it cannot see
 them), so the router places on that pod blind. It exists only to exercise the real pod before the service grows its
@@ -30,9 +30,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def supports_flag(module: str, flag: str) -> bool:
-    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env=_env())
-    return flag in out.stdout
+    """Whether ``python -m module`` takes ``flag``: asked of its config class (pdserve.cli_config)."""
+    from decode_svc.config import DecodeConfig
+    from pdserve.cli_config import flags_of
+    from prefill_svc.config import PrefillConfig
+    from router.config import RouterConfig
+
+    classes: dict[str, type] = {"decode_svc": DecodeConfig, "prefill_svc": PrefillConfig, "router": RouterConfig}
+    return flag in flags_of(classes[module])
 
 
 def _env() -> dict[str, str]:
@@ -130,7 +135,7 @@ class Cluster:
         for i in range(self.num_prefill):
             self._spawn(f"p{i}", ["prefill_svc", "--model", str(self.model), "--port", "0", "--pod-id", f"p{i}",
                                   "--router", router_addr, "-tp", str(self.prefill_tp), "--num-kv-blocks",
-                                  str(self.num_kv_blocks), "--heartbeat-interval", str(interval),
+                                  str(self.num_kv_blocks), "--heartbeat-interval-s", str(interval),
                                   *self.prefill_args])
         for i in range(self.num_decode):
             args = ["decode_svc", "--model", str(self.model), "--port", "0", "--pod-id", f"d{i}", "-tp",

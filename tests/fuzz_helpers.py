@@ -85,7 +85,7 @@ def start_cluster(workdir: Path, model: Path) -> Cluster:
     """Router + p0 + d0 (TP 1), registered through their own RegisterWorker / Heartbeat."""
     c = Cluster(workdir, model, num_prefill=1, num_decode=1, prefill_tp=1, decode_tp=1, decode_dcp=1,
                 num_kv_blocks=NUM_KV_BLOCKS, heartbeat_interval_s=0.25,
-                prefill_args=["--max-model-len", str(MAX_MODEL_LEN), "--lease-ttl", HOLD_S, "--kv-transport", "tcp"],
+                prefill_args=["--max-model-len", str(MAX_MODEL_LEN), "--lease-ttl-s", HOLD_S, "--kv-transport", "tcp"],
                 decode_args=["--max-model-len", str(MAX_MODEL_LEN), "--reservation-ttl-s", HOLD_S])
     return c.start()
 

@@ -118,38 +118,13 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _supports_flag(module: str, flag: str) -> bool:
-    """Whether ``python -m module`` declares ``flag`` (looked up in its __main__.py source, so that nothing heavy is
-    imported into the supervisor before it forks)."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(f"{module}.__main__")
-        text = Path(spec.origin).read_text() if spec is not None and spec.origin else ""
-    except (ImportError, OSError, ValueError):
-        return True
-    return f'"{flag}"' in text or f"'{flag}'" in text
-
-
-def _router_has_field(name: str) -> bool:
-    try:
-        from router.config import RouterConfig
-    except Exception:
-        return False
-    return name in {f.name for f in dataclasses.fields(RouterConfig)}
-
-
-def _router_http_field() -> str | None:
-    """The RouterConfig field that makes the router serve the OpenAI HTTP API itself, if it has one."""
-    try:
-        from router.config import RouterConfig
-    except Exception:
-        return None
-    names = {f.name for f in dataclasses.fields(RouterConfig)}
-    for candidate in ("http_port", "openai_http_port", "openai_port"):
-        if candidate in names:
-            return candidate
-    return None
+def _tls_values(tls: "TLSConfig | None") -> dict[str, object]:
+    """The tls_* config fields that make a service use ``tls`` (nothing for plaintext)."""
+    if tls is None:
+        return {}
+    out: dict[str, object] = {f"tls_{f}": getattr(tls, f) for f in ("cert_file", "key_file", "ca_file",
+                                                                     "server_name") if getattr(tls, f) is not None}
+    return out | ({"tls_require_client_cert": True} if tls.require_client_cert else {})
 
 
 class LocalCluster:
@@ -199,68 +174,63 @@ class LocalCluster:
     # Commands
     # ------------------------------------------------------------------------------------------------------------
     def _plan(self) -> list[Service]:
+        # Every argv is built from the services' config classes (pdserve.cli_config): a field renamed there fails
+        # here, at planning, instead of as an unknown flag in a child's log.
+        from decode_svc.config import DecodeConfig
+        from pdserve.cli_config import argv_for
+        from prefill_svc.config import PrefillConfig
+        from router.config import OpenAIHttpConfig, RouterConfig
+
         t = self.topology
         h = t.host
         router_addr = f"{h}:{t.router_port}"
         py = [self.python, "-m"]
-        model = [] if t.model is None else ["--model", str(t.model)]
+        model = {} if t.model is None else {"model": str(t.model)}
+        tls = _tls_values(self.tls)
         services: list[Service] = []
 
-        router = [*py, "router", "--host", h, "--port", str(t.router_port), *model]
-        http_field = _router_http_field() if t.http_port is not None else None
-        if http_field is not None:
-            router += ["--" + http_field.replace("_", "-"), str(t.http_port)]
-        if _router_has_field("drain_grace_s"):
-            router += ["--drain-grace-s", f"{self.drain_timeout_s:g}"]
-        tls = self.tls.as_flags() if self.tls is not None else []
-        router += tls + list(t.router_args)
+        router = [*py, "router", *argv_for(RouterConfig, host=h, port=t.router_port, **model,
+                                           drain_timeout_s=self.drain_timeout_s, **tls), *t.router_args]
         services.append(Service("router", "router", router, router_addr, self.log_dir / "router.log"))
-        if t.http_port is not None and http_field is None:
-            front_tls = [a for a in tls if a != "--tls-require-client-cert"]  # the front is the router's client
+        if t.http_port is not None:
+            # the front is the router's client (no require_client_cert) ...
+            front = {k: v for k, v in tls.items() if k != "tls_require_client_cert"}
             serving = self._front_tls()
-            if serving is not None:  # and serves HTTPS with the same certificate (+ mTLS)
-                from pdserve.security import as_http_tls_flags
-
-                front_tls += as_http_tls_flags(serving)
+            if serving is not None:  # ... and serves HTTPS with the same certificate (+ mTLS)
+                front |= {f"http_{k}": v for k, v in _tls_values(serving).items() if k != "tls_server_name"}
             services.append(Service("openai-http", "http",
-                                    [*py, "router.openai_http", "--router", router_addr, "--host", h,
-                                     "--port", str(t.http_port), *front_tls],
+                                    [*py, "router.openai_http", *argv_for(OpenAIHttpConfig, router=router_addr, host=h,
+                                                                          port=t.http_port, **front)],
                                     f"{h}:{t.http_port}", self.log_dir / "openai-http.log"))
 
-        common = ["--block-size", str(t.block_size), *tls]
+        common: dict[str, object] = {**model, "block_size": t.block_size, "host": h, "router_address": router_addr,
+                                     "drain_timeout_s": self.drain_timeout_s, **tls}
         if t.max_model_len is not None:
-            common += ["--max-model-len", str(t.max_model_len)]
+            common["max_model_len"] = t.max_model_len
         if t.device is not None:
-            common += ["--device", t.device]
-        decode_router_flag = "--router" if _supports_flag("decode_svc", "--router") else None
+            common["device"] = t.device
         for p in t.prefill:
-            argv = [*py, "prefill_svc", *model, "--tensor-parallel-size", str(p.tensor_parallel_size),
-                    "--host", h, "--port", str(p.port), "--router", router_addr, "--pod-id", p.name, *common]
-            if _supports_flag("prefill_svc", "--drain-timeout"):
-                argv += ["--drain-timeout", f"{self.drain_timeout_s:g}"]
-            argv += self._pod_common(p)
-            services.append(Service(p.name, "prefill", argv, f"{h}:{p.port}", self.log_dir / f"{p.name}.log", p))
+            argv = [*py, "prefill_svc", *argv_for(PrefillConfig, common, tensor_parallel_size=p.tensor_parallel_size,
+                                                  port=p.port, pod_id=p.name, **self._pod_common(p))]
+            services.append(Service(p.name, "prefill", argv + list(p.extra_args), f"{h}:{p.port}",
+                                    self.log_dir / f"{p.name}.log", p))
         for p in t.decode:
-            argv = [*py, "decode_svc", *model, "--tensor-parallel-size", str(p.tensor_parallel_size),
-                    "--decode-context-parallel-size", str(p.decode_context_parallel_size),
-                    "--dcp-kv-cache-interleave-size", str(p.dcp_kv_cache_interleave_size),
-                    "--host", h, "--port", str(p.port), "--pod-id", p.name, *common]
-            if decode_router_flag:
-                argv += [decode_router_flag, router_addr]
-            if _supports_flag("decode_svc", "--drain-timeout-s"):
-                argv += ["--drain-timeout-s", f"{self.drain_timeout_s:g}"]
-            argv += self._pod_common(p)
-            services.append(Service(p.name, "decode", argv, f"{h}:{p.port}", self.log_dir / f"{p.name}.log", p))
+            argv = [*py, "decode_svc", *argv_for(DecodeConfig, common, tensor_parallel_size=p.tensor_parallel_size,
+                                                 decode_context_parallel_size=p.decode_context_parallel_size,
+                                                 dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
+                                                 port=p.port, pod_id=p.name, **self._pod_common(p))]
+            services.append(Service(p.name, "decode", argv + list(p.extra_args), f"{h}:{p.port}",
+                                    self.log_dir / f"{p.name}.log", p))
         return services
 
     @staticmethod
-    def _pod_common(p: PodSpec) -> list[str]:
-        out: list[str] = []
+    def _pod_common(p: PodSpec) -> dict[str, object]:
+        out: dict[str, object] = {}
         if p.num_kv_blocks is not None:
-            out += ["--num-kv-blocks", str(p.num_kv_blocks)]
+            out["num_kv_blocks"] = p.num_kv_blocks
         if p.max_num_seqs is not None:
-            out += ["--max-num-seqs", str(p.max_num_seqs)]
-        return out + list(p.extra_args)
+            out["max_num_seqs"] = p.max_num_seqs
+        return out
 
     # ------------------------------------------------------------------------------------------------------------
     # Start

@@ -25,13 +25,12 @@ from pdserve.attention import select_backend
 from pdserve.engine.comm import ShmComm, ShmGroupSpec, TorchComm, init_groups, plan_groups
 from pdserve.engine.model_runner import ModelRunner, StepInput
 from pdserve.engine.shm import RankFailure, ShmRegion, shm_supported
+from pdserve.engine.config import CPU_COLLECTIVES, CPU_PINNING
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 
 log = logging.getLogger("pdserve.executor")
 
-CPU_COLLECTIVES = ("auto", "shm", "gloo")
-CPU_PINNING = ("auto", "on", "off")
 # A slot holds one rank's share of a collective for this many tokens (at most _SLOT_CAP bytes); larger steps go
 # through in pieces.
 _SLOT_TOKENS = 1024

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.executor import CPU_COLLECTIVES, CPU_PINNING, Executor
+from pdserve.engine.config import EngineConfig  # re-exported: the config lives where no torch is imported
+from pdserve.engine.executor import Executor
 from pdserve.engine.model_runner import build_step_input
 from pdserve.engine.scheduler import ScheduledStep, Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.model.config import ModelConfig
-from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, validate_parallel_config
+from pdserve.parallel_config import ModelParallelInfo, validate_parallel_config
 from pdserve.sampling import Sampler, SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -25,54 +26,6 @@ log = logging.getLogger("pdserve.engine")
 
 class RequestError(ValueError):
     """A request this engine refuses (maps to gRPC INVALID_ARGUMENT); the message says what to change."""
-
-
-@dataclass
-class EngineConfig:
-    model: str | None = None  # HF checkpoint directory; None = the default SmolLM2 model
-    max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
-    block_size: int = 16
-    num_kv_blocks: int = 2048  # per rank
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    prefill_chunk_size: int = 1024
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    decode_context_parallel_size: int = 1
-    dcp_kv_cache_interleave_size: int = 1
-    device: str = "cpu"
-    attention_backend: str | None = None  # "torch" | "flashinfer"; None picks by device
-    # CPU: prompts computed on F.linear like transformers (logits bit-identical to it) instead of oneDNN-packed
-    # weights (1.4-1.7x the GEMM throughput here, logits within ~1e-4, see pdserve/model/linear.py).
-    exact_prefill: bool = False
-    # CPU ranks of one pod: "auto" = shared memory (gloo where the host cannot), or "shm" / "gloo" (executor.py).
-    cpu_collectives: str = "auto"
-    # "auto" pins rank r to one core when a pod's ranks outnumber its cores; "on" / "off".
-    cpu_pinning: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len!r}")
-        if self.prefill_chunk_size > self.max_num_batched_tokens:
-            raise ValueError("prefill_chunk_size must not exceed max_num_batched_tokens "
-                             f"({self.prefill_chunk_size} > {self.max_num_batched_tokens})")
-        if self.cpu_collectives not in CPU_COLLECTIVES:
-            raise ValueError(f"EngineConfig.cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, "
-                             f"got {self.cpu_collectives!r}")
-        if self.cpu_pinning not in CPU_PINNING:
-            raise ValueError(f"EngineConfig.cpu_pinning must be one of {', '.join(CPU_PINNING)}, "
-                             f"got {self.cpu_pinning!r}")
-
-    @property
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                              decode_context_parallel_size=self.decode_context_parallel_size,
-                              dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size,
-                              block_size=self.block_size)
 
 
 @dataclass

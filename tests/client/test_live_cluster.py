@@ -30,14 +30,7 @@ from pdserve.client import (
     InvalidArgumentError,
     NotFoundError,
 )
-from pdserve.cluster.supervisor import _supports_flag
 from up_helpers import UpProcess
-
-DECODE_JOINS = _supports_flag("decode_svc", "--router")
-pytestmark = pytest.mark.skipif(
-    not DECODE_JOINS,
-    reason="decode_svc cannot join a cluster yet: `python -m decode_svc` has no --router flag (decode pods do not "
-           "register with the router), so `pdserve up` never sees the decode pod READY and no request can finish")
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from pdserve.cli_config import build
 from decode_svc.config import DecodeConfig
 from decode_svc.pod import DecodePod
 from dsvc_helpers import PROMPTS, drain_pod, greedy, hf_greedy, record
@@ -35,8 +36,8 @@ REFUSED = [("gqa", 2, 2, 1, TP_GT_KV), ("gqa", 2, 2, 4, TP_GT_KV), ("gqa", 4, 4,
                          ids=[f"{m}-tp{t}-dcp{d}-i{i}" for m, t, d, i, _ in REFUSED])
 def test_refused_configs(tiny_models, model, tp, dcp, interleave, message):
     with pytest.raises(ParallelConfigError) as ei:
-        DecodeConfig(model=str(tiny_models[model]), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                     dcp_kv_cache_interleave_size=interleave, block_size=BLOCK)
+        build(DecodeConfig, model=str(tiny_models[model]), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+              dcp_kv_cache_interleave_size=interleave, block_size=BLOCK)
     assert ei.value.message == message
 
 
@@ -44,8 +45,8 @@ def test_refused_configs(tiny_models, model, tp, dcp, interleave, message):
 def test_greedy_identical_to_transformers(tiny_models, prefill_standins, model, tp, dcp, interleave):
     path = tiny_models[model]
     want = hf_greedy(path, PROMPTS, NEW_TOKENS)
-    cfg = DecodeConfig(model=str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                       dcp_kv_cache_interleave_size=interleave, block_size=BLOCK, num_kv_blocks=48)
+    cfg = build(DecodeConfig, model=str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                dcp_kv_cache_interleave_size=interleave, block_size=BLOCK, num_kv_blocks=48)
     pod = DecodePod(cfg)
     try:
         total = pod.num_blocks

@@ -15,6 +15,7 @@ NEW_TOKENS = 12
 @pytest.mark.timeout(1800)
 def test_smollm2_tp9_dcp3_matches_transformers():
     from decode_svc.config import DecodeConfig
+    from pdserve.cli_config import build
     from decode_svc.pod import DecodePod
     from pdserve.default_model import ensure_default_model
     from pdserve.engine.block_manager import dcp_local_count
@@ -29,8 +30,8 @@ def test_smollm2_tp9_dcp3_matches_transformers():
         handed = [ref.prefill(p) for p in prompts]
     finally:
         ref.engine.shutdown()
-    cfg = DecodeConfig(model=str(path), tensor_parallel_size=9, decode_context_parallel_size=3,
-                       dcp_kv_cache_interleave_size=1, block_size=4, num_kv_blocks=32, max_model_len=256)
+    cfg = build(DecodeConfig, model=str(path), tensor_parallel_size=9, decode_context_parallel_size=3,
+                dcp_kv_cache_interleave_size=1, block_size=4, num_kv_blocks=32, max_model_len=256)
     pod = DecodePod(cfg)
     try:
         res, fin = {}, {}

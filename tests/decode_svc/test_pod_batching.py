@@ -9,6 +9,7 @@ import math
 import grpc
 import pytest
 
+from pdserve.cli_config import build
 from decode_svc.config import DecodeConfig
 from decode_svc.kv_source import DenseKVSource, KVDeliveryError, PullerFactory, TransferKVSource
 from decode_svc.pod import DecodePod, RequestExists
@@ -40,8 +41,8 @@ def clock():
 
 @pytest.fixture(scope="module")
 def pod(tiny_models, clock):
-    cfg = DecodeConfig(model=str(tiny_models["mqa"]), tensor_parallel_size=TP, decode_context_parallel_size=DCP,
-                       block_size=BLOCK, num_kv_blocks=160, reservation_ttl_s=5.0, admission_timeout_s=600.0)
+    cfg = build(DecodeConfig, model=str(tiny_models["mqa"]), tensor_parallel_size=TP, decode_context_parallel_size=DCP,
+                block_size=BLOCK, num_kv_blocks=160, reservation_ttl_s=5.0, admission_timeout_s=600.0)
     p = DecodePod(cfg, clock=clock)
     yield p
     p.shutdown()

@@ -44,7 +44,7 @@ async def serve(cfg) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(shutdown()))
-    print(f"decode_svc ready: DecodeWorker on {cfg.host}:{server.port}", flush=True)
+    print(f"decode_svc ready: DecodeWorker on {cfg.serving.host}:{server.port}", flush=True)
     await server.wait_stopped()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from prefill_ref import cached_kv, greedy, hf_prefill, random_prompt
+from pdserve.cli_config import build
 from prefill_svc.config import PrefillConfig
 from prefill_svc.worker import PrefillWorker
 
@@ -17,7 +18,7 @@ ATOL = 2e-4
 @contextmanager
 def worker(model, **kw):
     kw.setdefault("kv_transport", "none")
-    w = PrefillWorker(PrefillConfig(model=str(model), **kw))
+    w = PrefillWorker(build(PrefillConfig, model=str(model), **kw))
     w.start()
     try:
         yield w

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prefill_ref import Proc, cached_kv, greedy, hf_greedy, hf_prefill, random_prompt
+from pdserve.cli_config import build
 from prefill_svc.config import PrefillConfig
 from prefill_svc.worker import PrefillWorker
 
@@ -18,9 +19,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def _prefill(model, ids, chunk):
-    w = PrefillWorker(PrefillConfig(model=str(model), kv_transport="none", prefill_chunk_size=chunk,
-                                    max_num_batched_tokens=4096, num_kv_blocks=4096 // 16 + 8,
-                                    enable_prefix_caching=False))
+    w = PrefillWorker(build(PrefillConfig, model=str(model), kv_transport="none", prefill_chunk_size=chunk,
+                            max_num_batched_tokens=4096, num_kv_blocks=4096 // 16 + 8,
+                            enable_prefix_caching=False))
     w.start()
     try:
         params, client = greedy()

@@ -11,6 +11,7 @@ import torch
 from kv_transfer.factory import make_puller
 from kv_transfer.layout import KVLayout
 from prefill_ref import cached_kv, greedy, hf_prefill, random_prompt
+from pdserve.cli_config import build
 from prefill_svc.config import PrefillConfig
 from prefill_svc.worker import PrefillWorker
 
@@ -26,8 +27,8 @@ def _wait(pred, timeout=20.0):
 
 def test_tp2_prefill_publishes_both_ranks_and_frees_after_both(tiny_model):
     ids = random_prompt(700, seed=41)
-    w = PrefillWorker(PrefillConfig(model=str(tiny_model), tensor_parallel_size=2, kv_transport="tcp",
-                                    prefill_chunk_size=256, max_num_batched_tokens=512, num_kv_blocks=128))
+    w = PrefillWorker(build(PrefillConfig, model=str(tiny_model), tensor_parallel_size=2, kv_transport="tcp",
+                            prefill_chunk_size=256, max_num_batched_tokens=512, num_kv_blocks=128))
     w.start()
     try:
         params, client = greedy()

@@ -11,6 +11,7 @@ import torch
 from kv_transfer.factory import make_puller
 from kv_transfer.layout import KVLayout
 from prefill_ref import cached_kv, greedy, hf_prefill, random_prompt
+from pdserve.cli_config import build
 from prefill_svc.config import PrefillConfig
 from prefill_svc.worker import AlreadyExists, Cancelled, Draining, Exhausted, InvalidRequest, PrefillWorker
 
@@ -18,7 +19,7 @@ from prefill_svc.worker import AlreadyExists, Cancelled, Draining, Exhausted, In
 @contextmanager
 def worker(model, **kw):
     kw.setdefault("kv_transport", "none")
-    w = PrefillWorker(PrefillConfig(model=str(model), **kw))
+    w = PrefillWorker(build(PrefillConfig, model=str(model), **kw))
     w.start()
     try:
         yield w

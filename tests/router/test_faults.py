@@ -60,7 +60,7 @@ def cluster(tmp_path_factory, tiny_model):
     c = Cluster(tmp_path_factory.mktemp("faults"), tiny_model, num_prefill=2, num_decode=2, decode_tp=2,
                 decode_dcp=2, num_kv_blocks=256,
                 router_args=["--metrics-port", str(metrics_port)],
-                prefill_args=["--lease-ttl", str(LEASE_TTL_S), "--no-prefix-caching"],
+                prefill_args=["--lease-ttl-s", str(LEASE_TTL_S), "--no-prefix-caching"],
                 decode_args=["--kv-transfer-timeout-s", str(KV_TRANSFER_TIMEOUT_S)])
     c.metrics_port = metrics_port
     c.start()

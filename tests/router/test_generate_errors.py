@@ -148,7 +148,7 @@ def test_queue_bound_deadline_cancel_and_duplicate_ids():
 
 def test_draining_router_refuses_new_requests():
     async def body():
-        async with running_router(drain_grace_s=0.2) as (server, ch):
+        async with running_router(drain_timeout_s=0.2) as (server, ch):
             router, _ = stubs(ch)
             server.core.draining = True
             return await status_of(router, gen())

@@ -29,7 +29,7 @@ def _free_port() -> int:
 def test_python_m_router_serves_health_and_metrics_then_drains_on_sigterm(smollm2_path):
     mport = _free_port()
     p = subprocess.Popen([sys.executable, "-u", "-m", "router", "--port", "0", "--metrics-port", str(mport),
-                          "--drain-grace-s", "5"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          "--drain-timeout-s", "5"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
         line = ""
@@ -62,7 +62,7 @@ def test_bad_config_exits_2_with_the_field():
 
 def test_drain_refuses_new_requests_waits_for_inflight_then_stops():
     async def body():
-        async with running_router(drain_grace_s=1.0, max_queue_wait_s=30) as (server, ch):
+        async with running_router(drain_timeout_s=1.0, max_queue_wait_s=30) as (server, ch):
             router, registry = stubs(ch)
             await registry.RegisterWorker(register_request("p0", common_pb2.ROLE_PREFILL))
             await registry.RegisterWorker(register_request("d0", common_pb2.ROLE_DECODE, free=[0]))

@@ -91,7 +91,7 @@ def test_pod_with_wrong_token_is_refused_and_never_listed(cluster, tiny_model, p
     (the pod logs it) and the pod never appears in ClusterStatus."""
     bad = cluster._spawn("intruder", ["prefill_svc", "--model", str(tiny_model), "--port", "0", "--pod-id",
                                       "intruder", "--router", cluster.router_address, "--cluster-token", "guess",
-                                      "--kv-transport", "none", "--heartbeat-interval", "0.25",
+                                      "--kv-transport", "none", "--heartbeat-interval-s", "0.25",
                                       *service_flags(pki)])
     try:
         cluster._wait_for(bad, r"UNAUTHENTICATED", timeout=300)

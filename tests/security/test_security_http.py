@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pdserve.cluster.supervisor import LocalCluster, _http_ok
 from pdserve.cluster.topology import Topology
-from pdserve.security import TLSConfig, TLSConfigError, http_server_tls, http_tls_from_args, tls_from_args
+from pdserve.cli_config import from_args
+from pdserve.security import TLSConfig, TLSConfigError, http_server_tls
 from pdserve_api.v1 import registry_pb2_grpc
-from router.config import RouterConfig
+from router.config import OpenAIHttpConfig, RouterConfig
 from router.openai_http import main as front_main
 from router.openai_http import parser as front_parser
 from router.openai_http import start_openai_http
@@ -231,7 +232,8 @@ def _ckpt(tmp_path: Path) -> Path:
 
 def _front_args(cluster: LocalCluster):
     (front,) = [s for s in cluster._plan() if s.kind == "http"]
-    return front_parser().parse_args(front.argv[front.argv.index("router.openai_http") + 1:])
+    return from_args(OpenAIHttpConfig,
+                     front_parser().parse_args(front.argv[front.argv.index("router.openai_http") + 1:]))
 
 
 @pytest.mark.parametrize("mtls", [False, True])
@@ -247,8 +249,8 @@ def test_up_plan_serves_https_on_the_front_with_the_cluster_certificate(pki, tmp
     assert "PDSERVE_HTTP_TLS_CERT_FILE" not in cluster.env
     assert cluster.http_scheme == "https"
     args = _front_args(cluster)
-    assert http_tls_from_args(args) == tls
-    router_side = tls_from_args(args)
+    assert args.http_tls == tls
+    router_side = args.router_tls
     assert router_side is not None and not router_side.require_client_cert
     assert (router_side.ca_file, router_side.cert_file) == (tls.ca_file, tls.cert_file)
 
@@ -256,4 +258,4 @@ def test_up_plan_serves_https_on_the_front_with_the_cluster_certificate(pki, tmp
     assert plain.http_scheme == "http"
     monkeypatch.delenv("PDSERVE_HTTP_TLS_CERT_FILE")
     args = _front_args(plain)
-    assert http_tls_from_args(args) is None and tls_from_args(args) is None
+    assert args.http_tls is None and args.router_tls is None

@@ -23,6 +23,16 @@ from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger("pdserve.engine")
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str, model_config: ModelConfig) -> str:
+    """EngineConfig.dtype as a torch dtype name: "auto" becomes the checkpoint's own dtype."""
+    if dtype != "auto":
+        return dtype
+    return str(model_config.torch_dtype()).removeprefix("torch.")
+
+
 class RequestError(ValueError):
     """A request this engine refuses (maps to gRPC INVALID_ARGUMENT); the message says what to change."""
 
@@ -49,6 +59,9 @@ class EngineConfig:
     cpu_collectives: str = "auto"
     # "auto" pins rank r to one core when a pod's ranks outnumber its cores; "on" / "off".
     cpu_pinning: str = "auto"
+    # Weights, activations and KV cache: "auto" = the checkpoint's torch_dtype in config.json (float32 when it names
+    # none), as vLLM reads it; or one of DTYPES. Norms, softmax, LSE and sampling stay in float32 whatever this is.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -63,6 +76,8 @@ class EngineConfig:
         if self.cpu_collectives not in CPU_COLLECTIVES:
             raise ValueError(f"EngineConfig.cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, "
                              f"got {self.cpu_collectives!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.cpu_pinning not in CPU_PINNING:
             raise ValueError(f"EngineConfig.cpu_pinning must be one of {', '.join(CPU_PINNING)}, "
                              f"got {self.cpu_pinning!r}")
@@ -113,11 +128,12 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({mc.max_position_embeddings})")
         self.tokenizer = Tokenizer(cfg.model)
+        self.dtype = resolve_dtype(cfg.dtype, mc)
         self.executor = Executor.create(cfg.model, cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
                                         cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, cfg.block_size,
                                         self.max_model_len, cfg.device, cfg.attention_backend,
                                         exact_prefill=cfg.exact_prefill, cpu_collectives=cfg.cpu_collectives,
-                                        cpu_pinning=cfg.cpu_pinning)
+                                        cpu_pinning=cfg.cpu_pinning, dtype=self.dtype)
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

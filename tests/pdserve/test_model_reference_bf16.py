@@ -106,3 +106,21 @@ def test_bf16_greedy_agrees_with_transformers_up_to_near_ties(smollm2_path, hf_b
             gap = (logits[want[same]] - logits[got[same]]).abs().item()
             assert gap <= tol, f"{text!r}: parted at {same} on a logit gap of {gap} (> {tol}): not a near-tie"
     print(f"bf16 greedy agreement over {NEW_TOKENS} tokens (tokens before the first divergence): {agreement}")
+
+
+def test_dtype_auto_follows_the_checkpoint_and_bad_names_are_refused(smollm2_path):
+    from pdserve.engine.llm_engine import resolve_dtype
+    from pdserve.model.config import ModelConfig
+
+    mc = ModelConfig.from_path(smollm2_path)
+    raw = dict(mc.raw)
+    for key, name, want in (("dtype", "bfloat16", "bfloat16"), ("torch_dtype", "float16", "float16"),
+                            ("dtype", None, "float32")):
+        raw.pop("dtype", None)
+        raw.pop("torch_dtype", None)
+        if name is not None:
+            raw[key] = name
+        assert resolve_dtype("auto", ModelConfig.from_dict(raw)) == want
+        assert resolve_dtype("float32", ModelConfig.from_dict(raw)) == "float32"
+    with pytest.raises(ValueError, match="EngineConfig.dtype must be one of auto, float32, bfloat16, float16"):
+        EngineConfig(dtype="bf16")

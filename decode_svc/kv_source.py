@@ -252,7 +252,7 @@ def prompt_kv_from_engine(engine: "LLMEngine", prompt_ids: list[int]) -> tuple[D
     finally:
         engine.abort(rid)
     mc = engine.model_config
-    kv = torch.empty(mc.num_layers, 2, n, mc.num_kv_heads, mc.head_dim, dtype=torch.float32)
+    kv = torch.empty(mc.num_layers, 2, n, mc.num_kv_heads, mc.head_dim, dtype=engine.executor.kv_cache.dtype)
     for p in parts:
         if isinstance(p, BaseException):
             raise p

@@ -25,6 +25,7 @@ from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, grpc_errors
+from pdserve.parallel_config import kv_dtype_mismatch
 from pdserve.pod.convert import kv_handle_to_handoff, model_shape_to_proto, parallel_to_proto
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
 from pdserve.pod.registrar import Registrar
@@ -460,9 +461,7 @@ def _layout_mismatch(prefill: common_pb2.KVLayout, mine: common_pb2.KVLayout) ->
         a, b = getattr(prefill, name), getattr(mine, name)
         if a and a != b:
             return f"prefill layout has {name}={a} but this decode pod has {b}: different models"
-    if prefill.dtype and prefill.dtype != mine.dtype:
-        return f"prefill KV dtype {prefill.dtype} differs from this decode pod's {mine.dtype}"
-    return None
+    return kv_dtype_mismatch(prefill.dtype, mine.dtype, decode_name="this decode pod")
 
 
 async def serve(config: DecodeConfig, ready: Callable[[DecodeServer], None] | None = None) -> None:

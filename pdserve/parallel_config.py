@@ -661,3 +661,14 @@ def dcp_local_num_blocks(num_tokens: int, dcp: int, interleave: int, dcp_rank: i
     """KV blocks ``dcp_rank`` needs for a sequence: ceil(local_count / block_size)."""
     _need_pos("block_size", block_size)
     return -(-dcp_local_count(num_tokens, dcp, interleave, dcp_rank) // block_size)
+
+
+def kv_dtype_mismatch(prefill: str, decode: str, prefill_name: str = "the prefill pod",
+                      decode_name: str = "the decode pod") -> str | None:
+    """Why KV cannot move between a prefill and a decode pod of these KV dtypes ("" = not reported); None if it can.
+
+    The bytes are moved as they are, never converted, so both sides must run the same EngineConfig.dtype."""
+    if not prefill or not decode or prefill == decode:
+        return None
+    return (f"KV dtype mismatch: {prefill_name} runs {prefill}, {decode_name} runs {decode}, and KV moves between "
+            f"them as raw bytes: start both with the same --dtype (e.g. --dtype {prefill} on {decode_name})")

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.errors import InvalidArgument, ServiceError, Unavailable, grpc_errors
+from pdserve.parallel_config import kv_dtype_mismatch
 from pdserve.pod.convert import (endpoints_address, handoff_to_kv_handle, layout_from_proto, layout_to_proto,
                                  model_shape_to_proto, parallel_to_proto)
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, run_loop, set_health, version
@@ -228,8 +229,11 @@ class PrefillServer:
                 theirs = layout_from_proto(lay)
             except ValueError as e:
                 return 0, f"decode_target.layout is invalid: {e}"
-            if not theirs.same_model(self.worker.layout):
-                mine = self.worker.layout
+            mine = self.worker.layout
+            dtype_problem = kv_dtype_mismatch(mine.dtype, theirs.dtype, prefill_name="this prefill pod")
+            if dtype_problem:
+                return 0, dtype_problem
+            if not theirs.same_model(mine):
                 return 0, (f"decode_target.layout (layers {theirs.num_layers}, kv heads {theirs.num_kv_heads}, "
                            f"head_dim {theirs.head_dim}, {theirs.dtype}) does not match this pod's model (layers "
                            f"{mine.num_layers}, kv heads {mine.num_kv_heads}, head_dim {mine.head_dim}, {mine.dtype})")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from pdserve.errors import InvalidArgument, ServiceError, Unauthenticated
-from pdserve.parallel_config import ParallelConfig
+from pdserve.parallel_config import ParallelConfig, kv_dtype_mismatch
 from pdserve.security import secrets_match
 from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
 from router.config import RouterConfig
@@ -210,6 +210,15 @@ class Registry:
         for other in self.pods.values():
             if other.pod_id == req.pod_id:
                 continue
+            if other.role != req.role:
+                mine, theirs = req.kv_layout.dtype or req.model_shape.dtype, other.layout.dtype or \
+                    other.registration.model_shape.dtype
+                pre, dec = ((mine, f"prefill pod {req.pod_id!r}"), (theirs, f"decode pod {other.pod_id!r}"))
+                if req.role != common_pb2.ROLE_PREFILL:
+                    pre, dec = ((theirs, f"prefill pod {other.pod_id!r}"), (mine, f"decode pod {req.pod_id!r}"))
+                problem = kv_dtype_mismatch(pre[0], dec[0], pre[1], dec[1])
+                if problem:
+                    return problem, None
             diff = shape_mismatch(other.registration.model_shape, req.model_shape)
             if diff is not None:
                 return (f"model shape differs from pod {other.pod_id!r} serving {self.model_name!r}: {diff}; "

@@ -229,11 +229,25 @@ def check_engine_fp32(ctx: Ctx) -> dict[str, Any]:
 
 
 def check_engine_bf16(ctx: Ctx) -> dict[str, Any]:
-    from pdserve.engine.llm_engine import EngineConfig
+    """LLMEngine in bf16 against transformers in bf16 on the device: greedy tokens agree until a bf16 near-tie parts
+    them (tests/pdserve/test_model_reference_bf16.py covers CPU, with the tolerance); the first token must agree."""
+    if not ctx.cuda:
+        raise Skip("CUDA only: bf16 on CPU is covered by tests/pdserve/test_model_reference_bf16.py")
+    ctx.flashinfer()
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.sampling import SamplingParams
 
-    if "dtype" not in EngineConfig.__dataclass_fields__:
-        raise Skip("EngineConfig has no dtype option: the engine runs every checkpoint in fp32")
-    raise AssertionError("EngineConfig gained a dtype option: extend this check to run bf16")
+    prompts = _prompts(ctx)
+    sp = SamplingParams(temperature=0, max_tokens=ctx.new_tokens, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(ctx.model), device=ctx.device, num_kv_blocks=256, dtype="bfloat16")) as eng:
+        got = [eng.generate([p], sp)[0]["token_ids"] for p in prompts]
+    want = _hf_greedy(ctx, prompts, torch.bfloat16)
+    agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
+    figures = {"device": ctx.device, "prompts": len(prompts), "new_tokens": ctx.new_tokens, "agreement": agree,
+               "engine": got, "transformers": want}
+    if min(agree) < 1:
+        raise AssertionError(f"engine bf16 first tokens differ from transformers bf16: {got} vs {want}")
+    return figures
 
 
 # --- kv_transfer alone ----------------------------------------------------------------------------------------------
@@ -437,7 +451,7 @@ CHECKS: list[tuple[str, Callable[[Ctx], dict[str, Any]]]] = [
     ("bench_engine_quick", check_bench_engine),
     ("nccl_tp_gt_1", check_nccl_tp),
 ]
-NEEDS_MODEL = {check_engine_fp32, check_prefill_to_decode, check_bench_engine}
+NEEDS_MODEL = {check_engine_fp32, check_engine_bf16, check_prefill_to_decode, check_bench_engine}
 
 
 def run_checks(ctx: Ctx) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ class TorchAttentionBackend:
             start = meta.query_start_pos[i]
             if ctx == 0:  # a DCP rank that holds none of this sequence's tokens yet
                 outs.append(torch.zeros_like(qi))
-                lses.append(torch.full((n, hq), float("-inf"), dtype=q.dtype))
+                lses.append(torch.full((n, hq), float("-inf")))  # LSE is float32 in every dtype, as the kernel's
                 continue
             qb = qi.transpose(0, 1).unsqueeze(0)
             plain = meta.sliding_window is None and meta.dcp_size == 1
@@ -60,7 +60,7 @@ class TorchAttentionBackend:
                 o2, lse2 = _flash(qb, kb[:, :, start:], vb[:, :, start:], 0.0, True, scale=scale)
                 o, lse = merge_attn_states(torch.stack([o1[0].transpose(0, 1), o2[0].transpose(0, 1)]),
                                            torch.stack([lse1[0].transpose(0, 1), lse2[0].transpose(0, 1)]))
-                outs.append(o)
+                outs.append(o.to(q.dtype))  # the merge sums in float32
                 lses.append(lse)
                 continue
             qpos = torch.arange(start, start + n).unsqueeze(1)

@@ -8,6 +8,7 @@ from pdserve.parallel_config import ParallelConfig
 
 CPU_COLLECTIVES = ("auto", "shm", "gloo")
 CPU_PINNING = ("auto", "on", "off")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 
 
@@ -44,6 +45,10 @@ class EngineConfig:
     # "auto" pins rank r to one core when a pod's ranks outnumber its cores; "on" / "off".
     cpu_pinning: str = field(default="auto", metadata={
         "choices": CPU_PINNING, "help": "pin each rank to one core (auto: when the pod's ranks outnumber its cores)"})
+    # Norms, softmax, LSE and sampling stay in float32 whatever this is.
+    dtype: str = field(default="auto", metadata={
+        "choices": DTYPES, "help": "weights, activations and KV cache (auto: the checkpoint's torch_dtype in "
+                                   "config.json, float32 when it names none)"})
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -58,6 +63,8 @@ class EngineConfig:
         if self.cpu_collectives not in CPU_COLLECTIVES:
             raise ValueError(f"EngineConfig.cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, "
                              f"got {self.cpu_collectives!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.cpu_pinning not in CPU_PINNING:
             raise ValueError(f"EngineConfig.cpu_pinning must be one of {', '.join(CPU_PINNING)}, "
                              f"got {self.cpu_pinning!r}")

@@ -55,6 +55,7 @@ class RankSpec:
     threads_per_rank: int
     init_timeout_s: float = 600.0  # rendezvous: rank processes start slowly on a loaded host
     exact_prefill: bool = False  # EngineConfig.exact_prefill
+    dtype: str = "float32"  # of weights, activations and KV cache (EngineConfig.dtype, resolved)
     collectives: str = "gloo"  # "shm" | "gloo" | "nccl" (resolved by Executor.create)
     shm: ShmRegion | None = None  # the pod's shared region (collectives == "shm")
     shm_world: ShmGroupSpec | None = None
@@ -139,7 +140,7 @@ def _build_rank(spec: RankSpec, rank: int) -> tuple[ModelRunner, "_Channel | Non
         torch.cuda.set_device(device)
     backend = select_backend(device, spec.attention_backend)
     runner = ModelRunner(spec.model_path, cfg, ps, backend, spec.num_blocks, spec.block_size, spec.max_model_len,
-                         device=device, exact_prefill=spec.exact_prefill)
+                         device=device, dtype=getattr(torch, spec.dtype), exact_prefill=spec.exact_prefill)
     return runner, channel
 
 
@@ -284,7 +285,7 @@ class Executor:
     def create(cls, model_path: str, tp_size: int, dcp_size: int, interleave: int, num_blocks: int, block_size: int,
                max_model_len: int, device: str = "cpu", attention_backend: str | None = None,
                timeout_s: float = 120.0, exact_prefill: bool = False, cpu_collectives: str = "auto",
-               cpu_pinning: str = "auto") -> "Executor":
+               cpu_pinning: str = "auto", dtype: str = "float32") -> "Executor":
         allowed = sorted(os.sched_getaffinity(0))
         cores = len(allowed)
         collectives, why = resolve_collectives(cpu_collectives, device, tp_size)
@@ -308,7 +309,7 @@ class Executor:
                      f"rank r pinned to core {list(allowed)}[r % {cores}]" if pin else "no CPU pinning", pin_why)
         spec = RankSpec(model_path, tp_size, dcp_size, interleave, num_blocks, block_size, max_model_len, device,
                         attention_backend, f"tcp://127.0.0.1:{_free_port()}", timeout_s, threads_per_rank=threads,
-                        exact_prefill=exact_prefill, collectives=collectives, shm=shm, shm_world=world,
+                        exact_prefill=exact_prefill, dtype=dtype, collectives=collectives, shm=shm, shm_world=world,
                         shm_dcp=dcp_groups, cpus=cpus)
         try:
             return cls(spec)

@@ -24,6 +24,13 @@ from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger("pdserve.engine")
 
 
+def resolve_dtype(dtype: str, model_config: ModelConfig) -> str:
+    """EngineConfig.dtype as a torch dtype name: "auto" becomes the checkpoint's own dtype."""
+    if dtype != "auto":
+        return dtype
+    return str(model_config.torch_dtype()).removeprefix("torch.")
+
+
 class RequestError(ValueError):
     """A request this engine refuses (maps to gRPC INVALID_ARGUMENT); the message says what to change."""
 
@@ -66,11 +73,12 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({mc.max_position_embeddings})")
         self.tokenizer = Tokenizer(cfg.model)
+        self.dtype = resolve_dtype(cfg.dtype, mc)
         self.executor = Executor.create(cfg.model, cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
                                         cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, cfg.block_size,
                                         self.max_model_len, cfg.device, cfg.attention_backend,
                                         exact_prefill=cfg.exact_prefill, cpu_collectives=cfg.cpu_collectives,
-                                        cpu_pinning=cfg.cpu_pinning)
+                                        cpu_pinning=cfg.cpu_pinning, dtype=self.dtype)
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

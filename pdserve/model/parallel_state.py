@@ -37,4 +37,5 @@ class ParallelState:
         parts = self.dcp_comm.all_gather(torch.cat([out.reshape(-1), lse.reshape(-1)]))
         outs = parts[:, :t * h * d].view(-1, t, h, d)[:, :, mine]
         lses = parts[:, t * h * d:].view(-1, t, h)[:, :, mine]
-        return merge_attn_states(outs, lses)[0]
+        # The gather promoted a 16-bit out to the LSE's fp32: merge in fp32, go on in out's dtype.
+        return merge_attn_states(outs, lses)[0].to(out.dtype)

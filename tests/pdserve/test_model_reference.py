@@ -33,13 +33,14 @@ TINY_SHAPES = {
 LOGIT_ATOL = 2.5e-4
 
 
-def full_logits(model_path, prompt: list[int], exact_prefill: bool = False) -> torch.Tensor:
+def full_logits(model_path, prompt: list[int], exact_prefill: bool = False,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits for every prompt position from one prefill through the paged cache."""
     cfg = ModelConfig.from_path(model_path)
     bs = 16
     nblk = (len(prompt) + bs - 1) // bs
     runner = ModelRunner(str(model_path), cfg, ParallelState(), TorchAttentionBackend(), nblk + 1, bs, 4096,
-                         exact_prefill=exact_prefill)
+                         dtype=dtype, exact_prefill=exact_prefill)
     table = torch.arange(1, nblk + 1)  # skip block 0 so a wrong table would show
     slots = table.repeat_interleave(bs) * bs + torch.arange(bs).repeat(nblk)
     n = len(prompt)

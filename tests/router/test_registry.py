@@ -94,6 +94,31 @@ def test_shape_mismatch_with_registered_pods_is_refused():
     run(body())
 
 
+def test_kv_dtype_mismatch_between_prefill_and_decode_is_refused():
+    async def body():
+        async with running_router() as (server, ch):
+            _, registry = stubs(ch)
+            pre = register_request("p0", PREFILL)
+            pre.model_shape.dtype = pre.kv_layout.dtype = "bfloat16"
+            assert (await registry.RegisterWorker(pre)).accepted
+            r = await registry.RegisterWorker(register_request("d0", DECODE))
+            assert not r.accepted
+            assert r.message == ("KV dtype mismatch: prefill pod 'p0' runs bfloat16, decode pod 'd0' runs float32, and "
+                                 "KV moves between them as raw bytes: start both with the same --dtype (e.g. --dtype "
+                                 "bfloat16 on decode pod 'd0')"), r.message
+    run(body())
+
+
+def test_decode_pod_refuses_a_prefill_layout_of_another_dtype():
+    from decode_svc.server import _layout_mismatch
+
+    mine = common_pb2.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+    theirs = common_pb2.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+    msg = _layout_mismatch(theirs, mine)
+    assert msg is not None and "bfloat16" in msg and "float32" in msg and "--dtype" in msg
+    assert _layout_mismatch(mine, mine) is None
+
+
 def test_cluster_token_is_checked():
     async def body():
         async with running_router(cluster_token="s3cret") as (server, ch):

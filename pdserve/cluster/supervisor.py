@@ -209,6 +209,8 @@ class LocalCluster:
             common["max_model_len"] = t.max_model_len
         if t.device is not None:
             common["device"] = t.device
+        if t.dtype is not None:
+            common["dtype"] = t.dtype
         for p in t.prefill:
             argv = [*py, "prefill_svc", *argv_for(PrefillConfig, common, tensor_parallel_size=p.tensor_parallel_size,
                                                   port=p.port, pod_id=p.name, **self._pod_common(p))]

@@ -7,6 +7,7 @@ YAML (every key optional; flags given on the command line override the file):
     block_size: 16
     max_model_len: 2048
     device: cpu                     # or cuda; default: the pods' own default
+    dtype: bfloat16                 # auto | float32 | bfloat16 | float16, every pod alike; default: auto
     router: {port: 50051, http_port: 8000}   # http_port: -1 or null = no OpenAI HTTP endpoint, 0 = any free port
     prefill:
       - {tp: 1, port: 0}                    # port 0 = any free port
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from pdserve.engine.config import DTYPES
 from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, check_parallel_config
 
 AUTO = "auto"
@@ -83,6 +85,7 @@ class Topology:
     block_size: int = 16
     max_model_len: int | None = None
     device: str | None = None  # "cpu", "cuda", ...; None: the pods' default
+    dtype: str | None = None  # EngineConfig.dtype of every pod (a prefill and a decode pod must agree); None: auto
     prefill: list[PodSpec] = field(default_factory=lambda: [default_prefill()])
     decode: list[PodSpec] = field(default_factory=lambda: [default_decode()])
     router_args: list[str] = field(default_factory=list)
@@ -115,7 +118,7 @@ class Topology:
     def from_dict(cls, data: Any) -> "Topology":
         if not isinstance(data, Mapping):
             raise TopologyError(f"the topology must be a mapping, got {type(data).__name__}")
-        known = {"model", "host", "block_size", "max_model_len", "device", "router", "prefill", "decode"}
+        known = {"model", "host", "block_size", "max_model_len", "device", "dtype", "router", "prefill", "decode"}
         _no_unknown(data, known, "topology")
         topo = cls()
         if data.get("model") is not None:
@@ -128,6 +131,10 @@ class Topology:
             topo.max_model_len = _int(data["max_model_len"], "max_model_len", lo=2)
         if data.get("device") is not None:
             topo.device = _str(data["device"], "device")
+        if data.get("dtype") is not None:
+            topo.dtype = _str(data["dtype"], "dtype")
+            if topo.dtype not in DTYPES:
+                raise TopologyError(f"dtype must be one of {', '.join(DTYPES)}, got {topo.dtype!r}")
         router = data.get("router") or {}
         if not isinstance(router, Mapping):
             raise TopologyError("router: expected a mapping like {port: 50051, http_port: 8000}")
@@ -150,7 +157,7 @@ class Topology:
         ``dcp_interleave``, ``num_kv_blocks``."""
         t = dataclasses.replace(self, prefill=[dataclasses.replace(p) for p in self.prefill],
                                 decode=[dataclasses.replace(p) for p in self.decode], warnings=[])
-        for name in ("model", "host", "router_port", "block_size", "max_model_len", "device"):
+        for name in ("model", "host", "router_port", "block_size", "max_model_len", "device", "dtype"):
             if kw.get(name) is not None:
                 setattr(t, name, kw[name])
         if "http_port" in kw and kw["http_port"] is not None:

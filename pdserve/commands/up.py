@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from pdserve.cluster.topology import AUTO, Topology, TopologyError
+from pdserve.engine.config import DTYPES
 
 
 def _size(v: str) -> int | str:
@@ -57,6 +58,8 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV blocks per rank on every pod")
     p.add_argument("--max-model-len", type=int, metavar="N", help="context length served")
     p.add_argument("--device", metavar="DEV", help="device of every pod: cpu, cuda (default: the pods' default)")
+    p.add_argument("--dtype", choices=DTYPES, help="weights, activations and KV cache of every pod (default: auto, "
+                                                   "the checkpoint's dtype)")
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -66,7 +69,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         prefill_pods=args.prefill_pods, prefill_tp=args.prefill_tp, decode_pods=args.decode_pods,
         decode_tp=args.decode_tp, decode_dcp=args.decode_dcp, dcp_interleave=args.dcp_interleave,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        device=args.device)
+        device=args.device, dtype=args.dtype)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

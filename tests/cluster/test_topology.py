@@ -85,6 +85,7 @@ host: 127.0.0.1
 block_size: 32
 max_model_len: 1024
 device: cuda
+dtype: bfloat16
 router: {port: 0, http_port: -1, args: "--max-queue-len 8"}
 prefill: {count: 2, tp: 2}
 decode:
@@ -93,7 +94,7 @@ decode:
 """)
     t = Topology.from_yaml(f).resolve(GQA_1KV)
     assert t.block_size == 32 and t.max_model_len == 1024 and t.router_port == 0 and t.http_port is None
-    assert t.device == "cuda"
+    assert t.device == "cuda" and t.dtype == "bfloat16"
     assert t.router_args == ["--max-queue-len", "8"]
     assert [(p.name, p.tensor_parallel_size) for p in t.prefill] == [("prefill-0", 2), ("prefill-1", 2)]
     d0, d1 = t.decode
@@ -114,6 +115,7 @@ decode:
     ("router: {port: 70000}", r"\[0, 65535\]"),
     ("decode: {count: 2, port: 7000}", "cannot be shared"),
     ("- a\n- b", "must be a mapping"),
+    ("dtype: fp8", "dtype must be one of auto, float32, bfloat16, float16"),
     ("prefill: [{tp: 1", "not valid YAML"),
 ])
 def test_yaml_errors_name_the_problem(tmp_path, text, match):
@@ -173,6 +175,13 @@ def test_up_dry_run_prints_the_checked_plan(tmp_path):
     assert plan["commands"]["prefill-0"][cmd.index("-m") + 1] == "prefill_svc"
     assert "--router" in plan["commands"]["prefill-0"] and "--device" not in cmd
     assert "--router" in cmd  # decode pods register with the router too
+    assert "--dtype" not in cmd  # auto unless asked
+    bf16 = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--dtype",
+                           "bfloat16"], capture_output=True, text=True, timeout=120)
+    assert bf16.returncode == 0, bf16.stderr
+    for argv in json.loads(bf16.stdout)["commands"].values():  # the same dtype on every pod, none on the router
+        assert ("--dtype" in argv) == (argv[2] in ("prefill_svc", "decode_svc"))
+        assert "--dtype" not in argv or argv[argv.index("--dtype") + 1] == "bfloat16"
     bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run",
                           "--decode-tp", "2", "--decode-dcp", "4"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Suggested fix" in bad.stderr and bad.stdout == ""

@@ -133,6 +133,7 @@ def test_configmap_becomes_service_flags(render, example):
     assert d["model"] == chart_values["model"]["path"]
     p = entrypoint.resolve("prefill", cfg, {})
     assert p["tensor_parallel_size"] == chart_values["prefill"]["tensorParallelSize"]
+    assert p["dtype"] == d["dtype"] == chart_values["model"].get("dtype", "auto")  # one dtype for both roles
     assert "decode_context_parallel_size" not in p
     for role in ("router", "prefill", "decode"):
         s = entrypoint.resolve(role, cfg, {})
@@ -237,3 +238,16 @@ def test_rendered_tls_env_reaches_the_services_as_mutual_tls(render, role, monke
     # The entrypoint also passes the files as flags (a service without --tls-* flags is refused, not plaintext).
     settings = entrypoint.resolve(role, {}, env)
     assert settings["tls_cert_file"] == str(pki.server_cert) and settings["tls_ca_file"] == str(pki.ca)
+
+
+def test_model_dtype_reaches_both_pods_as_one_flag(render):
+    docs = _rendered(render, sets=["model.dtype=bfloat16"])
+    (cm,) = find(docs, "ConfigMap")
+    cfg = yaml.safe_load(cm["data"]["pdserve.yaml"])
+    for role in ("prefill", "decode"):
+        argv = entrypoint.to_flags(entrypoint.fit_to_service(role, entrypoint.resolve(role, cfg, {}),
+                                                             entrypoint.service_flags(role)))
+        assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert "dtype" not in entrypoint.resolve("router", cfg, {})
+    bad = render([], ["model.dtype=fp8"], ())
+    assert not bad.ok and "dtype" in bad.output

@@ -40,6 +40,14 @@ class AttentionMetadata:
         return (li // i) * i * self.dcp_size + self.dcp_rank * i + li % i
 
     @property
+    def all_slots_local(self) -> bool:
+        """Whether this rank stores every new token of the step (no -1 slots); computed once, asked by every layer."""
+        got = self.derived.get("all_slots_local")
+        if got is None:
+            got = self.derived["all_slots_local"] = bool((self.slot_mapping >= 0).all())
+        return got
+
+    @property
     def num_seqs(self) -> int:
         return len(self.cu_seqlens_q) - 1
 
@@ -63,12 +71,14 @@ class AttentionBackend(Protocol):
         ...
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V rows in their slots; rows with slot -1 belong to another DCP rank."""
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             all_local: bool | None = None) -> None:
+    """Store this step's K/V rows in their slots; rows with slot -1 belong to another DCP rank. all_local: whether no
+    slot is -1, when the caller knows (AttentionMetadata.all_slots_local)."""
     kvh, d = kv_layer.shape[-2], kv_layer.shape[-1]
     k_flat = kv_layer[0].view(-1, kvh, d)
     v_flat = kv_layer[1].view(-1, kvh, d)
-    if bool((slot_mapping >= 0).all()):
+    if all_local if all_local is not None else bool((slot_mapping >= 0).all()):
         k_flat.index_copy_(0, slot_mapping, k)
         v_flat.index_copy_(0, slot_mapping, v)
         return

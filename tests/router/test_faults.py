@@ -1,4 +1,4 @@
-"""Fault injection with real processes on loopback (issue 9): ``python -m router``, 2 prefill pods (TP 1) and 2 decode
+"""Fault injection with real processes on loopback: ``python -m router``, 2 prefill pods (TP 1) and 2 decode
 pods with TP 2 x DCP 2 (so a decode "rank" is a process of its own), tiny random checkpoint. Nothing is faked: faults
 are real signals (SIGKILL, SIGSTOP / SIGCONT) sent to real processes, and expected tokens come from pdserve's own
 LLMEngine run offline on the same checkpoint.

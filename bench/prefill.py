@@ -172,14 +172,3 @@ def run(quick: bool = False) -> dict[str, Any]:
                                 "transformers_wall_s": hf_wall, "pdserve_cpu_s": pod_cpu,
                                 "transformers_cpu_s": hf_cpu, "cpu_time_ratio": hf_cpu / pod_cpu}
     return {"benchmark": "prefill", "quick": quick, "model": path.name, "table": rows, "ratios": ratios, **raw}
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    from bench.common import format_table
-
-    result = run(quick="--quick" in sys.argv)
-    print(format_table(result["table"]))
-    print(json.dumps(result["ratios"]))

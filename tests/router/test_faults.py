@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, \
     router_pb2_grpc
-from router.testing import Cluster
+from e2e_helpers import Cluster
 
 pytestmark = pytest.mark.slow
 

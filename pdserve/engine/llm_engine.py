@@ -43,7 +43,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str | None = None  # "torch" | "flashinfer"; None picks by device
     # CPU: prompts computed on F.linear like transformers (logits bit-identical to it) instead of oneDNN-packed
-    # weights (1.4-1.7x the GEMM throughput here, logits within ~1e-4, see pdserve/model/linear.py).
+    # weights (faster, logits off by fp32 rounding; figures in docs/performance.md, "Linear layers").
     exact_prefill: bool = False
     # CPU ranks of one pod: "auto" = shared memory (gloo where the host cannot), or "shm" / "gloo" (executor.py).
     cpu_collectives: str = "auto"

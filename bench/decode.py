@@ -230,19 +230,3 @@ def run(quick: bool = False) -> dict[str, Any]:
     tp_rows, tp_ratios, tp_raw = _throughput(quick)
     return {"benchmark": "decode", "quick": quick, "table": tp_rows + cap_rows, "ratios": {**tp_ratios, **cap_ratios},
             **tp_raw, **cap_raw, "seconds": time.perf_counter() - t0}
-
-
-if __name__ == "__main__":
-    import argparse
-    import json
-
-    from bench.common import format_table, write_result
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out")
-    a = ap.parse_args()
-    result = run(quick=a.quick)
-    print(format_table(result["table"]))
-    print("ratios:", json.dumps(result["ratios"]))
-    write_result(result, a.out)

@@ -410,13 +410,3 @@ def run(quick: bool = False) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "quick": quick,
     }
-
-
-if __name__ == "__main__":
-    import json
-
-    from bench.common import format_table
-
-    res = run(quick=True)
-    print(format_table(res["table"]))
-    print(json.dumps(res["ratios"], indent=1))

@@ -10,16 +10,15 @@ exact_prefill (F.linear, logits bit-identical to transformers: the "exact" colum
 transformers. Best of N runs each; every repeat runs all three back to back, each going first in turn, so a shared
 machine's noise hits all alike.
 
-Why a process each: with libgomp (torch's OpenMP on Linux), a second thread that runs parallel ops gets its own
-OpenMP pool; once a process holds more pool threads than CPUs, libgomp throttles the spin-wait of every pool to ~100
-iterations, so each small op pays a futex wake-up (measured here: a 128x576 add goes from 9 us to 65 us, and a
-128-token SmolLM2 prefill from ~270 ms to ~360 ms). Running transformers on the main thread beside a pod's engine
-thread measured that artefact, not either engine; running one pod config after the other let the machine's load
-change between them. All sides use the same torch thread count: torch's default, or PDSERVE_BENCH_THREADS (on a
-small CPU shared with other work, 1 thread avoids intra-op threads spinning against other processes and gives far
-steadier numbers). The "cpu-time ratio"
-column compares process CPU seconds (best of N) instead of wall time: on a busy machine it tracks the work done more
-closely; with more than one thread it also counts intra-op threads' spinning.
+Why a process each: with libgomp (torch's OpenMP on Linux), a second thread that runs parallel ops gets its own OpenMP
+pool; once a process holds more pool threads than CPUs, libgomp throttles the spin-wait of every pool to ~100
+iterations, so each small op pays a futex wake-up (figures: docs/performance.md). Running transformers on the main
+thread beside a pod's engine thread measured that artefact, not either engine; running one pod config after the other
+let the machine's load change between them. All sides use the same torch thread count: torch's default, or
+PDSERVE_BENCH_THREADS (on a small CPU shared with other work, 1 thread avoids intra-op threads spinning against other
+processes and gives far steadier numbers). The "cpu-time ratio" column compares process CPU seconds (best of N)
+instead of wall time: on a busy machine it tracks the work done more closely; with more than one thread it also counts
+intra-op threads' spinning.
 
 SmolLM2's context is 8,192 positions and a prompt must leave room for the first token, so the "8192" row runs
 8,191 tokens on both sides. Quick mode runs 128 and 2,048 only (the 8k row alone takes minutes on a small CPU)."""
@@ -174,14 +173,3 @@ def run(quick: bool = False) -> dict[str, Any]:
                                 "transformers_wall_s": hf_wall, "pdserve_cpu_s": pod_cpu,
                                 "transformers_cpu_s": hf_cpu, "cpu_time_ratio": hf_cpu / pod_cpu}
     return {"benchmark": "prefill", "quick": quick, "model": path.name, "table": rows, "ratios": ratios, **raw}
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    from bench.common import format_table
-
-    result = run(quick="--quick" in sys.argv)
-    print(format_table(result["table"]))
-    print(json.dumps(result["ratios"]))

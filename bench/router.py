@@ -86,8 +86,8 @@ def _start_echo() -> tuple[Any, int]:
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "bench.router", "--echo-server"], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, "-c", "from bench.router import _echo_server; _echo_server()"],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     return proc, int(proc.stdout.readline())
 
 
@@ -202,24 +202,40 @@ async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, voca
             "decode_path": dec}
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def _start_cluster(work: Path) -> tuple[Any, Any, Any, float]:
+    """Router + one prefill + one decode pod (TP 1) on a tiny checkpoint, through LocalCluster (``pdserve up``'s)."""
+    import os
+
+    from pdserve.cluster.supervisor import LocalCluster
+    from pdserve.cluster.topology import PodSpec, Topology
     from pdserve.default_model import ensure_default_model
     from pdserve.testing import write_tiny_checkpoint
-    from router.testing import Cluster, supports_flag
 
+    model = write_tiny_checkpoint(work / "tiny", "llama", num_kv_heads=1, tokenizer_from=ensure_default_model())
+    interval = 0.5
+    topo = Topology(model=str(model), router_port=0, http_port=None,
+                    prefill=[PodSpec("prefill", num_kv_blocks=1024,
+                                     extra_args=["--heartbeat-interval", str(interval)])],
+                    decode=[PodSpec("decode", num_kv_blocks=1024)],
+                    router_args=["--heartbeat-interval-s", str(interval), "--eviction-timeout-s", "10",
+                                 "--missed-heartbeats-unhealthy", "8", "--log-level", "WARNING"]).resolve()
+    repo = str(Path(__file__).resolve().parents[1])
+    # One thread per process: the router's cost is what is measured, next to pods on a few shared cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cluster = LocalCluster(topo, log_dir=work / "cluster", env=env, echo=lambda line: None)
+    t0 = time.perf_counter()
+    endpoints = cluster.start(timeout=240.0)
+    return cluster, topo, endpoints, time.perf_counter() - t0
+
+
+def run(quick: bool = False) -> dict[str, Any]:
     n_seq, n_load, concurrency = (200, 300, 16) if quick else (2000, 3000, 32)
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-router-"))
-    model = write_tiny_checkpoint(work / "tiny", "llama", num_kv_heads=1, tokenizer_from=ensure_default_model())
-    cluster = Cluster(work / "cluster", model, num_prefill=1, num_decode=1, decode_tp=1, decode_dcp=1,
-                      num_kv_blocks=1024, heartbeat_interval_s=0.5,
-                      stand_in_registration=not supports_flag("decode_svc", "--router"),
-                      router_args=["--log-level", "WARNING"])
-    t_start = time.perf_counter()
-    cluster.start()
+    cluster, topo, endpoints, t_up = _start_cluster(work)
     try:
-        t_up = time.perf_counter() - t_start
-        pids = {name: p.popen.pid for name, p in cluster.procs.items()}
-        res = _run_loop(_measure(cluster.router_address, n_seq, n_load, concurrency, 256, pids))
+        pids = {s.name: s.pid for s in cluster.services if s.pid is not None}
+        res = _run_loop(_measure(endpoints.router, n_seq, n_load, concurrency, 256, pids))
     finally:
         cluster.stop(grace=3.0)  # a benchmark needs no graceful drain
 
@@ -278,27 +294,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "setup": {"prefill_pods": 1, "decode_pods": 1, "model": "tiny random llama (2 layers, 8 heads, 1 KV head)",
                   "max_tokens": 1, "decode_path_max_tokens": DECODE_MAX_TOKENS, "prompt_tokens": 16,
                   "sequential_requests": n_seq, "load_requests": n_load, "concurrency": concurrency,
-                  "cluster_start_s": t_up, "notes": cluster.notes},
+                  "cluster_start_s": t_up, "notes": topo.notes},
         "raw": {"sequential": seq, "decode_path": res["decode_path"], "load": load, "load_wall_s": res["load_wall_s"],
                 "grpc_floor_s": res["floor"], "cpu_s_per_request_by_process": cpu},
     }
-
-
-if __name__ == "__main__":
-    import argparse
-    import json
-
-    from bench.common import format_table, write_result
-
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out")
-    ap.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.echo_server:
-        _echo_server()
-        raise SystemExit(0)
-    result = run(quick=a.quick)
-    print(format_table(result["table"]))
-    print("ratios:", json.dumps(result["ratios"]))
-    write_result(result, a.out)

@@ -453,7 +453,7 @@ def offline_reference(model: Path, keys: list[tuple[tuple[int, ...], int]], bloc
 
     out = {}
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: more threads only fight over a shared machine's cores (25x slower seen)
+    torch.set_num_threads(1)  # tiny matmuls: more threads only fight over a shared box's cores (docs/performance.md)
     try:
         with LLMEngine(EngineConfig(model=str(model), block_size=block_size, num_kv_blocks=512,
                                     enable_prefix_caching=False)) as eng:

@@ -65,7 +65,7 @@ def _new_agent(prefix: str, backends: Sequence[str], *, sync: str = "STRICT", uc
     nixl = import_nixl()
     name = f"{prefix}-{uuid.uuid4().hex[:12]}"
     # Why no NIXL progress thread: the Python API runs it with no delay, and each one then burns about
-    # half a core even when idle (measured here); on CPU boxes and next to a GPU worker that is waste.
+    # half a core even when idle (docs/performance.md); on CPU boxes and next to a GPU worker that is waste.
     # We drive progress ourselves instead: decode by polling its transfer, prefill by polling
     # notifications often while a read may be in flight (NixlPublisher._tick_interval).
     # sync: STRICT (one agent-wide mutex around every call) on the prefill side; the puller passes RW, see
@@ -196,19 +196,10 @@ class NixlPuller(TcpPuller):
     ) -> None:
         super().__init__(layout, rank, region, **kwargs)
         self.max_read_bytes = max_read_bytes
-        # Split READs: a READ of split_min_bytes or more is cut into parallel_reads parts of equal bytes, part i
-        # posted and polled from lane i (a persistent thread of this puller) over UCX worker i. Why: over CMA
-        # one READ is one process_vm_readv stream; two in parallel overlapped and, with the source on huge
-        # pages and few large descriptors, reached 8.4-12.5 GB/s = 0.53-1.01x memcpy here (one stream: about
-        # half). Plans of many small (12 KB block) descriptors stay ~0.3x whatever the settings (per-descriptor
-        # cost). Default 2 on CPU; 1 on CUDA (not measured there). Small READs stay one request, posted from the
-        # caller's thread: a thread hand-off costs more than it saves.
-        # Why lanes and not "the caller + a pool helper": NIXL's UCX backend binds a thread to a worker the first
-        # time that thread prepares a transfer, round robin over the workers (nixlUcxEngine::getWorkerId), and
-        # a transfer then runs on its thread's worker. Caller threads come and go, so with the caller posting
-        # one part, both parts landed on the same worker every other pull (measured: 6-7 vs 9-10 GB/s
-        # alternating). The lanes are bound once, one after the other, at the first handshake (_bind_lanes):
-        # distinct workers whatever threads call pull.
+        # Split READs: a READ of split_min_bytes or more is cut into parallel_reads equal parts, part i posted and
+        # polled from lane i (a persistent thread bound to UCX worker i), because two CMA streams in parallel read
+        # about twice as fast as one; lanes, not caller threads, since NIXL binds a thread to a worker on its
+        # first transfer and caller threads come and go (figures: docs/performance.md, "NIXL reads").
         if parallel_reads is None:
             parallel_reads = 1 if region.is_cuda else 2
         self.parallel_reads = max(1, int(parallel_reads))
@@ -219,12 +210,9 @@ class NixlPuller(TcpPuller):
         self._lanes_bound = False
         self._lanes_lock = threading.Lock()
         # Staged reads (kv_transfer.staging): whole source blocks in big runs into a registered buffer, then a
-        # local scatter. Used for plans of small segments (mean below stage_below_segment_bytes: head-sliced
-        # re-shards) when that cuts the descriptor count by stage_min_fanin or more while reading at most
-        # stage_max_amplification times the bytes the plan needs. Measured here (bench kv_transfer, SmolLM2
-        # 2k tokens, decode TP 9 / DCP 3): staged 0.25-0.29 GB/s vs direct NIXL 0.08 and TCP 0.11; with whole
-        # 12 KB blocks (same layout) the extra local copy loses to direct reads (1.1 vs 1.7 GB/s), hence the
-        # segment-size gate. stage_bytes: buffer size (0 = never stage).
+        # local scatter, for plans of small segments (mean below stage_below_segment_bytes) when that cuts the
+        # descriptor count by stage_min_fanin or more at most stage_max_amplification times the bytes; for whole
+        # blocks the extra copy loses (docs/performance.md). stage_bytes: buffer size (0 = never stage).
         self.stage_bytes = stage_bytes
         self.stage_below_segment_bytes = stage_below_segment_bytes
         self.stage_min_fanin = stage_min_fanin
@@ -232,10 +220,8 @@ class NixlPuller(TcpPuller):
         self._stage: torch.Tensor | None = None
         self._stage_reg: Any = None
         self._stage_lock = threading.Lock()  # one staged READ + scatter at a time per puller (one buffer)
-        # Why: UCX costs a few microseconds per descriptor on a CPU box (about 8 us measured here), so
-        # plans made of tiny segments (a head-sliced re-shard: 256 B each for SmolLM2 at decode TP 9 /
-        # DCP 3) move faster over the TCP path, where prefill gathers them into big chunks. CPU only:
-        # on GPUs NIXL is the path that reads VRAM directly. 0 = always NIXL.
+        # Why: UCX costs microseconds per descriptor on CPU, so plans of tiny segments move faster over TCP, where
+        # prefill gathers them into big chunks (docs/performance.md); on GPUs NIXL reads VRAM directly. 0 = NIXL.
         if min_segment_bytes is None:
             min_segment_bytes = 0 if region.is_cuda else 1024
         self.min_segment_bytes = min_segment_bytes
@@ -243,7 +229,7 @@ class NixlPuller(TcpPuller):
         # getXferStatus, releaseXferReq) take it shared, so transfers on *different* handles proceed at once,
         # while metadata changes (register/deregister memory, add/remove a remote agent, connect) take it
         # exclusively. STRICT takes one mutex around every call, and the two parts of a split READ then
-        # serialize (measured). What RW does not cover is one handle from two threads at once (per-handle
+        # serialize (docs/performance.md). What RW does not cover is one handle from two threads at once (per-handle
         # state is unlocked, NIXL src/core/nixl_agent.cpp): every handle here lives in one thread only.
         self._agent = _new_agent(f"pdkv-decode{rank}", nixl_backends, sync="RW", ucx_workers=self.parallel_reads)
         self._reg = self._agent.register_memory(region)  # once; every read lands inside it

@@ -1,11 +1,11 @@
 """Staged reads: fetch whole source blocks in a few big runs, then scatter them locally.
 
 A re-shard plan over block tables that are not consecutive (any cache after some churn) has one segment per
-block and plane, and one-sided transports pay a fixed cost per segment (UCX over CMA: one syscall each, about
-10 us here, so 12 KB segments move at a fraction of memcpy speed). Sorted by source, the blocks a decode rank
-needs are nearly consecutive, so reading them into a staging buffer takes a few large segments per plane, and
-one torch ``index_copy_`` per layer group puts every row where the plan says. Only blocks the plan touches
-are read (all of them belong to the lease). A plan is a pure function of the rank's base segments.
+block and plane, and one-sided transports pay a fixed cost per segment (UCX over CMA: one syscall each, so 12 KB
+segments move at a fraction of memcpy speed; figures in docs/performance.md, "NIXL reads"). Sorted by source,
+the blocks a decode rank needs are nearly consecutive, so reading them into a staging buffer takes a few large
+segments per plane, and one torch ``index_copy_`` per layer group puts every row where the plan says. Only blocks
+the plan touches are read (all of them belong to the lease). A plan is a pure function of the rank's base segments.
 """
 
 from __future__ import annotations

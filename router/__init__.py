@@ -11,5 +11,4 @@ Modules, in the order a request meets them:
   journey.py     ``generate``: the request's whole journey, top to bottom, with cancel / deadline / retry rules.
   detok.py       incremental detokenizing and stop strings (applied by the router, per the proto contract).
   metrics.py     Prometheus collectors.
-  testing.py     a loopback cluster of real processes for tests and bench/router.py.
 """

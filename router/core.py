@@ -104,7 +104,7 @@ class RouterCore:
         return ch
 
     def _stub(self, pod_id: str, kind: type) -> Any:
-        """The pod's stub of ``kind``, made once per address (a stub costs ~20 us to build: not per call)."""
+        """The pod's stub of ``kind``, made once per address (building a stub is not free: not per call)."""
         e = self.registry.pods.get(pod_id)
         if e is None:
             raise KeyError(pod_id)

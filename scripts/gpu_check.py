@@ -1,4 +1,4 @@
-"""The prepared GPU check (issue 22): every CUDA path of pdserve in one short run, or its CPU dry run.
+"""The prepared GPU check: every CUDA path of pdserve in one short run, or its CPU dry run.
 
 Run through scripts/gpu_check.sh, which puts the repository and the carried wheels on PYTHONPATH. Each check ends
 as "pass", "fail" or "skipped" with a reason and its figures; all of them go to OUT/summary.json, the details to

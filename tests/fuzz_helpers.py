@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.testing import Cluster
+from e2e_helpers import Cluster
 
 # Stable in CI: the same examples every run, no wall-clock deadline (2 shared cores), modest counts.
 FUZZ_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None,

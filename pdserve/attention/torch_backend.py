@@ -44,7 +44,7 @@ class TorchAttentionBackend:
             else:
                 nblk = (ctx + bs - 1) // bs
                 table = meta.block_tables[i, :nblk]
-                # kv_layer[0][table], not kv_layer[0, table]: the mixed int/tensor index is ~400x slower on a big cache
+                # kv_layer[0][table], not kv_layer[0, table]: the mixed index is far slower (docs/performance.md)
                 kb, vb = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
                           for j in (0, 1))
             if whole:
@@ -88,7 +88,7 @@ class TorchAttentionBackend:
         hkv, bs = kv_layer.shape[-2], kv_layer.shape[2]
         slots, mask, empty = meta.derived.get("decode") or self._decode_plan(meta, bs, q.dtype)
         max_ctx = mask.shape[-1]
-        # Contiguous [B, Hkv, L, D]: the CPU flash kernel is ~10x slower on strided K/V.
+        # Contiguous [B, Hkv, L, D]: the CPU flash kernel is much slower on strided K/V (docs/performance.md).
         k = kv_layer[0].view(-1, hkv, d).index_select(0, slots).view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
         v = kv_layer[1].view(-1, hkv, d).index_select(0, slots).view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
         qg = q.view(b, hkv, hq // hkv, d)

@@ -34,7 +34,7 @@ class EngineConfig:
     attention_backend: str | None = field(default=None, metadata={
         "choices": ATTENTION_BACKENDS, "help": "attention kernels (default: picked by device)"})
     # CPU: prompts computed on F.linear like transformers (logits bit-identical to it) instead of oneDNN-packed
-    # weights (1.4-1.7x the GEMM throughput here, logits within ~1e-4, see pdserve/model/linear.py).
+    # weights (faster, logits off by fp32 rounding; figures in docs/performance.md, "Linear layers").
     exact_prefill: bool = field(default=False, metadata={
         "help": "CPU: compute prompts with transformers' GEMM (bit-identical logits) instead of oneDNN-packed "
                 "weights (faster, logits within ~1e-4)"})

@@ -128,7 +128,7 @@ class ModelRunner:
         self.model.pack_weights()  # no-op off CPU
         self.model.exact_prefill = exact_prefill
         # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once; on CPU on
-        # transparent huge pages where the OS allows (NIXL's CMA reads pin source pages: 2 MB pages ~2x faster).
+        # transparent huge pages where the OS allows (NIXL's CMA reads pin source pages; docs/performance.md).
         self.kv_cache = empty_kv(cfg.num_layers, 2, num_blocks, block_size, self.model.num_local_kv_heads,
                                  cfg.head_dim, dtype=dtype, device=self.device)
         # layer_hook(step, layer_idx) runs after each layer's KV write (set per rank, e.g. to publish KV layer by

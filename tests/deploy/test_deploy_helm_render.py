@@ -155,7 +155,7 @@ def test_grpc_probes_with_tls_are_refused(render):
     assert not r.ok and "probes.mode grpc" in r.output
 
 
-# --- TLS / mutual TLS (issue 9) ------------------------------------------------------------------------------------
+# --- TLS / mutual TLS ------------------------------------------------------------------------------------------------
 
 def _workloads(docs: list[dict]) -> list[dict]:
     return [*find(docs, "Deployment"), *find(docs, "StatefulSet"), *find(docs, "LeaderWorkerSet")]

@@ -47,7 +47,7 @@ def _seed(kvh: int, src_tp: int) -> int:
     return 10 * kvh + src_tp
 
 
-if not nixl_available()[0]:  # the task machine has NIXL; say so loudly if a box does not
+if not nixl_available()[0]:  # CI has NIXL; say so loudly if a box does not
     BACKENDS = [pytest.param("nixl", marks=pytest.mark.skip(reason=f"NIXL unusable: {nixl_available()[1]}")), "tcp"]
 
 

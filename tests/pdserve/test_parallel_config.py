@@ -240,11 +240,11 @@ def test_fix_is_the_honest_one_on_grid():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Specific cases: the seed, each message, order
+# Specific cases: the TP 8 x DCP 2 example, each message, order
 # --------------------------------------------------------------------------------------------------------------
 
-def test_seed_example_tp8_dcp2_8kv_heads():
-    # Seed: "before (8 KV heads) --tensor-parallel-size 8 --decode-context-parallel-size 2; after: TP 16".
+def test_example_tp8_dcp2_8kv_heads():
+    # Example: "before (8 KV heads) --tensor-parallel-size 8 --decode-context-parallel-size 2; after: TP 16".
     model = ModelParallelInfo(num_attention_heads=32, num_kv_heads=8)
     cfg = ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=2)
     v = check_parallel_config(model, cfg)
@@ -261,7 +261,7 @@ def test_seed_example_tp8_dcp2_8kv_heads():
     assert check_parallel_config(model, v.fix.apply(cfg)).valid
 
 
-def test_seed_max_dcp_message_and_fix():
+def test_max_dcp_message_and_fix():
     model = ModelParallelInfo(32, 8)
     v = check_parallel_config(model, ParallelConfig(16, 4))
     assert v.rule == "dcp_max_size"

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
-from router.testing import Cluster
+from e2e_helpers import Cluster
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from prefill_svc.config import PrefillConfig
 from prefill_svc.worker import PrefillWorker
 
 pytestmark = pytest.mark.slow
-HERE = Path(__file__).resolve().parent
 
 
 def _prefill(model, ids, chunk):
@@ -59,7 +57,8 @@ def test_smollm2_prefill_to_decode_processes_token_identical(smollm2, tmp_path):
                     "0", "--kv-transport", "tcp", "--num-kv-blocks", "256", "--prefill-chunk-size", "256",
                     "--max-num-batched-tokens", "1024", "--ready-file", str(ready_file), "--log-level", "WARNING"],
                    tmp_path / "prefill.log", lambda p: ready_file.exists())
-    decode = Proc([sys.executable, str(HERE / "decode_with_kv_transfer.py"), "--model", str(smollm2), "--port", "0",
+    decode = Proc([sys.executable, "-m", "decode_svc", "--kv-transfer-backend", "tcp",
+                   "--kv-transfer-timeout-s", "60", "--model", str(smollm2), "--port", "0",
                    "--num-kv-blocks", "256", "--pod-id", "decode-e2e", "--log-level", "WARNING"],
                   tmp_path / "decode.log", lambda p: "decode_svc ready" in p.output())
     try:

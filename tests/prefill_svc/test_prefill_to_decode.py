@@ -1,6 +1,6 @@
 """Prefill -> decode in separate processes, token-identical to transformers (greedy): a prefill pod
 (python -m prefill_svc) computes the prompt in chunks and hands its KV over kv_transfer (TCP) to a decode pod
-(decode_svc's DecodeServer pulling with kv_transfer, see decode_with_kv_transfer.py), which streams the rest.
+(python -m decode_svc, pulling over the same TCP path), which streams the rest.
 Covered: a prompt in one chunk, a 4,096-token prompt in 8 chunks of 512, and a prefix-cache hit (fewer tokens
 computed, same tokens out)."""
 from __future__ import annotations
@@ -10,7 +10,6 @@ import re
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -20,7 +19,6 @@ from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 NEW_TOKENS = 12
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +30,8 @@ def pods(tiny_model, tmp_path_factory):
                     "--prefill-chunk-size", "512", "--max-num-batched-tokens", "4096", "--pod-id", "prefill-e2e",
                     "--ready-file", str(ready_file), "--log-level", "WARNING"],
                    tmp / "prefill.log", lambda p: ready_file.exists())
-    decode = Proc([sys.executable, str(HERE / "decode_with_kv_transfer.py"), "--model", str(tiny_model),
+    decode = Proc([sys.executable, "-m", "decode_svc", "--kv-transfer-backend", "tcp",
+                   "--kv-transfer-timeout-s", "60", "--model", str(tiny_model),
                    "--port", "0", "--num-kv-blocks", "800", "--pod-id", "decode-e2e", "--log-level", "WARNING"],
                   tmp / "decode.log", lambda p: "decode_svc ready" in p.output())
     info = json.loads(ready_file.read_text())

@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.testing import Cluster, supports_flag
+from e2e_helpers import Cluster, supports_flag
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def tiny_model(tmp_path_factory, smollm2_path):
 def cluster(tmp_path_factory, tiny_model):
     metrics_port = _free_port()
     c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_model, num_prefill=2, num_decode=2, decode_tp=2,
-                decode_dcp=2, num_kv_blocks=256, stand_in_registration=not DECODE_REGISTERS,
+                decode_dcp=2, num_kv_blocks=256,
                 router_args=["--metrics-port", str(metrics_port), "--affinity-max-imbalance-tokens", "64"])
     c.metrics_port = metrics_port
     c.start()

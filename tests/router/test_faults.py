@@ -1,4 +1,4 @@
-"""Fault injection with real processes on loopback (issue 9): ``python -m router``, 2 prefill pods (TP 1) and 2 decode
+"""Fault injection with real processes on loopback: ``python -m router``, 2 prefill pods (TP 1) and 2 decode
 pods with TP 2 x DCP 2 (so a decode "rank" is a process of its own), tiny random checkpoint. Nothing is faked: faults
 are real signals (SIGKILL, SIGSTOP / SIGCONT) sent to real processes, and expected tokens come from pdserve's own
 LLMEngine run offline on the same checkpoint.
@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, \
     router_pb2_grpc
-from router.testing import Cluster
+from e2e_helpers import Cluster
 
 pytestmark = pytest.mark.slow
 

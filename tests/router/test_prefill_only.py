@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.testing import Cluster
+from e2e_helpers import Cluster
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, router_pb2
-from router.testing import REPO, _env
+from e2e_helpers import REPO, _env
 from router_helpers import register_request, run, running_router, stubs
 
 

@@ -20,7 +20,7 @@ from kv_transfer.transport import PROTOCOL_VERSION, Endpoint, HandshakeTimeout, 
 from pdserve.client import Client
 from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig, sync_channel
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from router.testing import Cluster
+from e2e_helpers import Cluster
 from security_helpers import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(900)

@@ -1,4 +1,4 @@
-"""The soak (issue 9, load): bench/soak.py's run_soak against a real local cluster, and its checker on made-up runs.
+"""The soak (load): bench/soak.py's run_soak against a real local cluster, and its checker on made-up runs.
 
 The slow test is the soak itself (the same code `pdserve bench soak` runs, at a size that takes a few minutes on a
 small shared machine): 1000 streamed greedy requests, 24 at a time, mixed prompt lengths, ~15% cancelled

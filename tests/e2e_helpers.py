@@ -1,30 +1,19 @@
-"""Test / benchmark utility: a real pdserve cluster on loopback, as separate processes (``python -m router``,
-``python -m prefill_svc``, ``python -m decode_svc``). Used by tests/router's end-to-end tests and bench/router.py.
-
-Pods register themselves with the router (``--router``). Where a service cannot yet (asked of its config class),
-``Cluster`` can register it on its behalf from its command line (``stand_in_registration=True``): a stand-in
-registrar that sends the pod's real shape, parallel config and layout but no load or KV statistics (it cannot see
-them), so the router places on that pod blind. It exists only to exercise the real pod before the service grows its
-own registration, and says so in ``Cluster.notes``.
-"""
+"""A real pdserve cluster on loopback for end-to-end tests, as separate processes (``python -m router``,
+``python -m prefill_svc``, ``python -m decode_svc``), with what fault tests need beyond LocalCluster: pods named
+p0 / d0, SIGKILL of one process and a router restart on the same port."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 from pathlib import Path
 
-import grpc
-
 from pdserve.security import TLSConfig, sync_channel
-from pdserve_api.v1 import common_pb2, registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,13 +71,11 @@ class Cluster:
     router_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
-    stand_in_registration: bool = False
     client_tls: "TLSConfig | None" = None  # how this harness reaches a router started with --tls-* flags
     api_key: str = ""  # sent to a router started with --api-key
     procs: dict[str, Proc] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     router_port: int = 0
-    _stand_ins: list["_StandInRegistrar"] = field(default_factory=list)
 
     # --- start / stop ---
     def _spawn(self, name: str, args: list[str]) -> Proc:
@@ -126,12 +113,6 @@ class Cluster:
         self.router_port = int(self._wait_for(r, r"listening on [\d.]+:(\d+)", timeout).group(1))
         r.port = self.router_port
         router_addr = f"127.0.0.1:{self.router_port}"
-        decode_registers = supports_flag("decode_svc", "--router")
-        if not decode_registers:
-            if not self.stand_in_registration:
-                raise RuntimeError("decode_svc has no --router flag: decode pods cannot register with the router")
-            self.notes.append("decode pods registered by the harness's stand-in registrar "
-                              "(decode_svc has no --router flag yet): no load / KV stats from them")
         for i in range(self.num_prefill):
             self._spawn(f"p{i}", ["prefill_svc", "--model", str(self.model), "--port", "0", "--pod-id", f"p{i}",
                                   "--router", router_addr, "-tp", str(self.prefill_tp), "--num-kv-blocks",
@@ -140,18 +121,8 @@ class Cluster:
         for i in range(self.num_decode):
             args = ["decode_svc", "--model", str(self.model), "--port", "0", "--pod-id", f"d{i}", "-tp",
                     str(self.decode_tp), "-dcp", str(self.decode_dcp), "--num-kv-blocks", str(self.num_kv_blocks),
-                    *self.decode_args]
-            if decode_registers:
-                args += ["--router", router_addr]
+                    "--router", router_addr, *self.decode_args]
             self._spawn(f"d{i}", args)
-        if not decode_registers:
-            for i in range(self.num_decode):
-                p = self.procs[f"d{i}"]
-                p.port = int(self._wait_for(p, r"DecodeWorker on [\d.]+:(\d+)", timeout).group(1))
-                reg = _StandInRegistrar(router_addr, self._decode_registration(f"d{i}", p.port), interval,
-                                        alive=p.running)
-                reg.start()
-                self._stand_ins.append(reg)
         self.wait_ready(timeout)
         return self
 
@@ -198,8 +169,6 @@ class Cluster:
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the pods first (they drain and deregister while the router is still up), then the router;
         SIGKILL whatever has not exited after ``grace`` seconds."""
-        for reg in self._stand_ins:
-            reg.stop()
         pods = [p for n, p in self.procs.items() if n != "router"]
         router = [p for n, p in self.procs.items() if n == "router"]
         for group in (pods, router):
@@ -232,52 +201,3 @@ class Cluster:
     @property
     def router_address(self) -> str:
         return f"127.0.0.1:{self.router_port}"
-
-    # --- stand-in registration (see module docstring) ---
-    def _decode_registration(self, pod_id: str, port: int) -> registry_pb2.RegisterWorkerRequest:
-        cfg = json.loads((self.model / "config.json").read_text())
-        heads, kvh = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        max_len = min(int(cfg.get("max_position_embeddings", 2048)), 8192)
-        return registry_pb2.RegisterWorkerRequest(
-            pod_id=pod_id, role=common_pb2.ROLE_DECODE, address=f"127.0.0.1:{port}", model=self.model.name,
-            model_shape=common_pb2.ModelShape(architecture=cfg["architectures"][0], num_layers=cfg["num_hidden_layers"],
-                                              hidden_size=cfg["hidden_size"], num_attention_heads=heads,
-                                              num_kv_heads=kvh, head_dim=head_dim, vocab_size=cfg["vocab_size"],
-                                              max_model_len=max_len, dtype="float32"),
-            parallel=common_pb2.ParallelConfig(tensor_parallel_size=self.decode_tp,
-                                               decode_context_parallel_size=self.decode_dcp),
-            kv_layout=common_pb2.KVLayout(num_layers=cfg["num_hidden_layers"], block_size=16, num_kv_heads=kvh,
-                                          head_dim=head_dim, dtype="float32", tp_size=self.decode_tp,
-                                          dcp_size=self.decode_dcp, num_blocks=self.num_kv_blocks),
-            capacity=common_pb2.WorkerCapacity(max_model_len=max_len), state=common_pb2.POD_STATE_READY)
-
-
-class _StandInRegistrar(threading.Thread):
-    def __init__(self, router: str, req: registry_pb2.RegisterWorkerRequest, interval: float,
-                 alive: Callable[[], bool] = lambda: True) -> None:
-        super().__init__(daemon=True)
-        self.router, self.req, self.interval, self.alive = router, req, interval, alive
-        self._stop = threading.Event()
-
-    def run(self) -> None:
-        with grpc.insecure_channel(self.router) as ch:
-            stub = registry_pb2_grpc.RegistryStub(ch)
-            known = False
-            while not self._stop.is_set() and self.alive():  # a dead pod falls silent, like a real one
-                try:
-                    if not known:
-                        r = stub.RegisterWorker(self.req, timeout=5)
-                        if not r.accepted:
-                            raise RuntimeError(f"router refused stand-in registration of {self.req.pod_id}: "
-                                               f"{r.message}")
-                        known = True
-                    else:
-                        known = stub.Heartbeat(registry_pb2.HeartbeatRequest(pod_id=self.req.pod_id),
-                                               timeout=5).known
-                except grpc.RpcError:
-                    pass
-                self._stop.wait(self.interval)
-
-    def stop(self) -> None:
-        self._stop.set()

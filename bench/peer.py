@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -81,13 +82,23 @@ class VLLMSide:
         env = {**os.environ, **vllm_settings(threads)}
         env.pop("PYTHONPATH", None)  # nothing of this environment may leak into vLLM's
         self._log = open(log, "w")
+        # Its own process group, so that the engine core and worker it spawns can be paused with it.
         self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("peer_vllm.py")), json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=env)
+                                     env=env, start_new_session=True)
         t0 = time.monotonic()
         hello = self._read(start_timeout_s)
         self.start_s = time.monotonic() - t0
         self.version = hello["version"]
+        self._pause()
+
+    def _pause(self) -> None:
+        """Stop vLLM's processes between commands: its idle worker polls for work and would take a core from the
+        pdserve side while that one is timed."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def _resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def _read(self, timeout_s: float = 600.0) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -110,9 +121,14 @@ class VLLMSide:
 
     def _ask(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        self._resume()
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+            return self._read()
+        finally:
+            if cmd["op"] != "quit":
+                self._pause()
 
     def prefill_s(self, ids: list[int]) -> float:
         return float(self._ask(op="prefill", ids=ids)["seconds"])
@@ -129,7 +145,7 @@ class VLLMSide:
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self._log.close()
 

@@ -50,6 +50,7 @@ def main() -> int:
         elif cmd["op"] == "decode":
             answer = _decode(llm, cmd["prompts"], cmd["new_tokens"], SamplingParams)
         elif cmd["op"] == "quit":
+            print(json.dumps({"bye": True}), file=answers, flush=True)
             break
         else:
             answer = {"error": f"unknown op {cmd['op']!r}"}

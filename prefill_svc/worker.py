@@ -25,6 +25,7 @@ import grpc
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import new_lease_id
 from kv_transfer.transport import KVHandoff
+from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorScheduler
 from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.engine.shm import RankFailure
@@ -127,7 +128,7 @@ class Stats:
     leases_freed: dict = field(default_factory=dict)  # reason -> count
 
 
-class PrefillWorker:
+class PrefillWorker(KVConnectorScheduler):
     def __init__(self, config: PrefillConfig, pod_id: str = "prefill-local") -> None:
         self.config = config
         self.pod_id = pod_id
@@ -231,7 +232,7 @@ class PrefillWorker:
                 self.kv = KVHost(self.engine, self.layout, self.config.kv_transport,
                                  self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,
                                  wake=lambda: self._cmds.put(_noop))
-            self.engine.before_execute = self._before_execute
+            self.engine.kv_scheduler = self
         except BaseException as e:
             self._start_error = e
             if self.engine is not None:
@@ -356,8 +357,9 @@ class PrefillWorker:
         except PrefillError as e:
             self._settle(fut, exc=e)
 
-    def _before_execute(self, step: ScheduledStep) -> list[LeaseStart] | None:
-        """Runs between schedule and execute: note start times, list the leases whose KV completes this step."""
+    def build_connector_meta(self, step: ScheduledStep) -> KVConnectorMetadata | None:
+        """The pod's connector scheduler side, run between schedule and execute: note start times, list the leases
+        whose KV completes this step."""
         now = time.monotonic()
         starts = []
         for seq, n in zip(step.seqs, step.chunk_lens):
@@ -374,7 +376,7 @@ class PrefillWorker:
                 starts.append(job.lease_start)
         if starts and self.kv is not None:
             self._step_publishes = True
-            return starts
+            return KVConnectorMetadata(tuple(starts))
         return None
 
     def _on_output(self, out: Any) -> None:

@@ -174,6 +174,7 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.sampling import SamplingParams
     from kv_transfer.layout import KVLayout
+    from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorScheduler
     from prefill_svc.kv import KVHost, LeaseStart
     from kv_transfer.lease import new_lease_id
 
@@ -185,7 +186,8 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
     dtype = str(eng.executor.kv_cache.dtype).replace("torch.", "")
     layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, BLOCK, tp_size=1, num_blocks=blocks)
     host = KVHost(eng, layout, backend, "127.0.0.1", 120.0, wake=lambda: None)
-    publish_hook = eng.executor.runner.layer_hook  # prefill_svc.kv.RankKV.on_layer_done
+    publisher = host.rank0  # prefill_svc.kv.PrefillKVPublisher: its save_kv_layer publishes layer by layer
+    publish_layer = publisher.save_kv_layer
     conn.send((layout.to_dict(), host.transport))
     rng = np.random.default_rng(1)
     while True:
@@ -198,19 +200,20 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
         tokens, streaming = arg
         lease: dict[str, Any] = {}
 
-        def before(step: Any, streaming: bool = streaming) -> Any:
-            seq = step.seqs[0]
-            ls = LeaseStart(new_lease_id(), seq.request_id, tuple(seq.block_tables[0]), len(seq.prompt_ids))
-            lease["start"] = ls
-            return [ls] if streaming else None
+        class Leases(KVConnectorScheduler):
+            def build_connector_meta(self, step: Any, streaming: bool = streaming) -> Any:
+                seq = step.seqs[0]
+                ls = LeaseStart(new_lease_id(), seq.request_id, tuple(seq.block_tables[0]), len(seq.prompt_ids))
+                lease["start"] = ls
+                return KVConnectorMetadata((ls,)) if streaming else None
 
-        def hook(step: Any, layer: int) -> None:
-            publish_hook(step, layer)
-            if layer == 0 and step.extra:  # the lease exists now: decode may start pulling
-                conn.send(("handoff", host.handoff(step.extra[0]).to_json()))
+        def save_layer(layer: int, meta: KVConnectorMetadata) -> None:
+            publish_layer(layer, meta)
+            if layer == 0 and meta.saves:  # the lease exists now: decode may start pulling
+                conn.send(("handoff", host.handoff(meta.saves[0]).to_json()))
 
-        eng.before_execute = before
-        eng.executor.runner.layer_hook = hook
+        eng.kv_scheduler = Leases()
+        publisher.save_kv_layer = save_layer  # type: ignore[method-assign]  # the bench also hands off at layer 0
         ids = rng.integers(100, 10_000, size=tokens).tolist()
         eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0), request_id=f"bench-{tokens}-{streaming}")
         t0 = time.monotonic()
@@ -219,12 +222,12 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
         t1 = time.monotonic()
         ls = lease["start"]
         if not streaming:  # handed off only now, all layers ready
-            host.rank0.publisher.publish(ls.request_id, {0: list(ls.block_table)}, ls.num_tokens,
+            host.rank0.publisher.publish(ls.request_id, {0: list(ls.block_ids)}, ls.num_tokens,
                                          lease_id=ls.lease_id, layers_ready=layout.num_layers)
             conn.send(("handoff", host.handoff(ls).to_json()))
         # Per-layer sums over the prompt's token slots (a last block's spare slots hold stale data on both sides).
         # The engine frees these blocks only when it schedules the next request.
-        checksum = _kv_sums(eng.executor.kv_cache, list(ls.block_table), tokens)
+        checksum = _kv_sums(eng.executor.kv_cache, list(ls.block_ids), tokens)
         conn.send(("prefilled", (t0, t1, checksum)))
 
 

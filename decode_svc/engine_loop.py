@@ -6,8 +6,6 @@ called on the engine thread with each RequestOutput / Failure as soon as it is s
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.engine.shm import RankFailure
 from pdserve.errors import Unavailable
+from pdserve.pod.engine_thread import EngineThread, dead_ranks
 
 log = logging.getLogger("decode_svc.engine")
 
@@ -55,12 +54,10 @@ class EngineLoop:
         self.config = config
         self._pod_factory = pod_factory
         self.pod: DecodePod | None = None
-        self._cmds: queue.SimpleQueue[tuple[Callable[[DecodePod], Any], Future]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}  # engine thread only
-        self._ready = threading.Event()
-        self._stop = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+        self._closed = False  # the loop ended: commands still queued are answered EngineStopped
+        self._thread = EngineThread("decode-engine", self._run)
         self.stats = PodStats()
         self._steps = 0
         # Called once, on the engine thread, when the engine fails (e.g. RankDied); the server turns unhealthy.
@@ -69,20 +66,18 @@ class EngineLoop:
     # --- lifecycle ---
     def start(self, timeout_s: float = 600.0) -> None:
         """Build the pod (spawns the TP ranks) on the engine thread; raises what building raised."""
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"decode pod did not start within {timeout_s:.0f}s")
-        if self._error is not None:
-            raise self._error
+        try:
+            self._thread.start(timeout_s)
+        except BaseException as e:
+            self._error = self._error or e
+            raise
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        self._stop = True
-        self._cmds.put((lambda pod: None, Future()))
-        self._thread.join(timeout_s)
+        self._thread.stop(timeout_s)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        return self._thread.alive and self._error is None
 
     @property
     def error(self) -> BaseException | None:
@@ -95,8 +90,19 @@ class EngineLoop:
         if not self.alive:
             fut.set_exception(EngineStopped(f"the decode engine is not running: {self._error or 'stopped'}"))
             return fut
-        self._cmds.put((fn, fut))
+        self._thread.put(lambda: self._answer(fn, fut))
         return fut
+
+    def _answer(self, fn: Callable[[DecodePod], Any], fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        if self._closed:
+            fut.set_exception(EngineStopped(f"the decode engine stopped: {self._error or 'shutting down'}"))
+            return
+        try:
+            fut.set_result(fn(self.pod))
+        except BaseException as e:
+            fut.set_exception(e)
 
     def subscribe(self, request_id: str, sink: Sink) -> None:
         """Engine thread (inside a command): route request_id's events to sink until its final one."""
@@ -125,21 +131,15 @@ class EngineLoop:
         return found
 
     # --- the thread ---
-    def _run(self) -> None:
-        try:
-            self.pod = self._pod_factory(self.config)
-        except BaseException as e:  # reported by start()
-            self._error = e
-            self._ready.set()
-            return
+    def _run(self, thread: EngineThread) -> None:
+        self.pod = pod = self._pod_factory(self.config)  # raised by start()
         self._refresh_stats()
-        self._ready.set()
-        pod = self.pod
+        thread.ready()
         last_stats = 0.0
         try:
             while True:
-                self._run_commands(block=not pod.has_work())
-                if self._stop:
+                thread.run_commands(0.0 if pod.has_work() else 0.05)
+                if thread.stopping:
                     break
                 _check_ranks(pod)  # also while idle: a dead rank must turn the pod unhealthy before new work
                 pod.engine.executor.keepalive()  # idle ranks would otherwise hit the process group's timeout
@@ -172,37 +172,12 @@ class EngineLoop:
                 except Exception:
                     log.exception("on_failure callback failed")
         finally:
-            self._fail_pending_commands()
+            self._closed = True
+            thread.run_commands()  # answers what is still queued with EngineStopped
             try:
                 pod.shutdown()
             except Exception:
                 log.exception("pod shutdown failed")
-
-    def _run_commands(self, block: bool) -> None:
-        try:
-            item = self._cmds.get(timeout=0.05) if block else self._cmds.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            fn, fut = item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(self.pod))
-                except BaseException as e:
-                    fut.set_exception(e)
-            try:
-                item = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-
-    def _fail_pending_commands(self) -> None:
-        while True:
-            try:
-                _, fut = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineStopped(f"the decode engine stopped: {self._error or 'shutting down'}"))
 
     def _refresh_stats(self) -> None:
         pod = self.pod
@@ -217,11 +192,7 @@ def _check_ranks(pod: DecodePod, grace_s: float = 0.0) -> None:
 
     grace_s: after a failed collective, wait up to this long for a dying rank to become reapable (its sockets
     close, resetting the peers, a moment before its exit can be waited for)."""
-    procs = getattr(pod.engine.executor, "procs", [])
-    deadline = time.monotonic() + grace_s
-    while procs and all(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    dead = [(rank, p.exitcode) for rank, p in enumerate(procs, start=1) if not p.is_alive()]
+    dead = dead_ranks(pod.engine.executor, grace_s)
     if dead:
         what = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
         raise RankDied(f"TP {what} of this decode pod exited; the pod cannot decode until it is restarted")

@@ -1,10 +1,12 @@
 """How a request's prompt KV gets into a decode pod's blocks.
 
-A KVSource is a small picklable object that is sent to every rank of the pod (Executor.call_all_ranks); on each rank
-``write_rank(runner, block_table)`` writes exactly that rank's share (its DCP tokens, its KV heads) into the rank's
+A KVSource is a small picklable object that is sent to every rank of the pod, to the rank's KV-connector worker
+``DecodeKVConnector`` (pdserve/engine/kv_connector.py, its ``deliver`` operation); on each rank
+``write_rank(conn, block_table)`` writes exactly that rank's share (its DCP tokens, its KV heads) into the rank's
 cache at the blocks the pod reserved for it, and returns the bytes written.
 
-* TransferKVSource: the real path, a kv_transfer KVPuller on each rank (``puller.pull(handoff, block_table)``).
+* TransferKVSource: the real path, a kv_transfer KVPuller on each rank, held by the rank's connector
+  (``puller.pull(handoff, block_table)``).
 * DenseKVSource / FileKVSource: the whole prompt KV as one tensor [layers, 2, tokens, kv_heads, head_dim] (post-RoPE
   K, as every cache holds it), e.g. computed by a reference engine with ``prompt_kv_from_engine``. Tests and offline
   tools use these until a prefill pod is involved; the pod code path (reserve -> deliver -> kv_landed) is the same.
@@ -19,6 +21,7 @@ import grpc
 import torch
 
 from pdserve.engine.block_manager import dcp_slot
+from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
 from pdserve.errors import ServiceError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,7 +42,7 @@ class KVDeliveryError(ServiceError):
 class KVSource(Protocol):
     num_tokens: int
 
-    def write_rank(self, runner: "ModelRunner", block_table: list[int]) -> int:
+    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int:
         """Runs on every rank (in the rank's process): copy this rank's tokens/heads into block_table."""
         ...
 
@@ -89,8 +92,8 @@ class DenseKVSource:
     def num_tokens(self) -> int:
         return int(self.kv.shape[2])
 
-    def write_rank(self, runner: "ModelRunner", block_table: list[int]) -> int:
-        return write_dense(runner, self.kv, block_table)
+    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int:
+        return write_dense(conn.runner, self.kv, block_table)
 
     def save(self, path: str) -> None:
         torch.save({"kv": self.kv.contiguous()}, path)
@@ -103,7 +106,7 @@ class FileKVSource:
     path: str
     num_tokens: int
 
-    def write_rank(self, runner: "ModelRunner", block_table: list[int]) -> int:
+    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int:
         try:
             kv = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)["kv"]
         except (OSError, RuntimeError, KeyError) as e:
@@ -111,16 +114,15 @@ class FileKVSource:
         if kv.shape[2] != self.num_tokens:
             raise KVDeliveryError(f"{self.path} holds KV for {kv.shape[2]} tokens, the prompt has {self.num_tokens}",
                                   grpc.StatusCode.INVALID_ARGUMENT)
-        return write_dense(runner, kv, block_table)
+        return write_dense(conn.runner, kv, block_table)
 
 
 # --- the real transfer: one kv_transfer KVPuller per rank, created in the rank's own process ---
-_PULLERS: dict[Any, Any] = {}
 
 
 @dataclass(frozen=True)
 class TransferKVSource:
-    """``puller_factory(runner)`` builds the rank's KVPuller once per process (it registers runner.kv_cache);
+    """``puller_factory(runner)`` builds the rank's KVPuller once per connector (it registers runner.kv_cache);
     ``handoff_json`` is a kv_transfer KVHandoff. Any kv_transfer error is raised with its status code."""
 
     handoff_json: str
@@ -128,23 +130,17 @@ class TransferKVSource:
     puller_factory: Callable[["ModelRunner"], Any]
     timeout_s: float | None = None
 
-    def _puller(self, runner: "ModelRunner") -> Any:
-        key = (self.puller_factory, runner.ps.tp_rank)
-        puller = _PULLERS.get(key)
-        if puller is None:
-            puller = _PULLERS[key] = self.puller_factory(runner)
-        return puller
-
-    def keepalive(self, runner: "ModelRunner") -> None:
+    def keepalive(self, conn: "DecodeKVConnector") -> None:
         """Renew the prefill lease while the request waits for decode blocks (rank 0, in the pod's process)."""
         from kv_transfer.transport import KVHandoff
 
-        self._puller(runner).renew(KVHandoff.from_json(self.handoff_json))
+        conn.puller(self.puller_factory).renew(KVHandoff.from_json(self.handoff_json))
 
-    def write_rank(self, runner: "ModelRunner", block_table: list[int]) -> int:
+    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int:
         from kv_transfer.transport import KVHandoff, KVTransferError, grpc_status_code
 
-        puller = self._puller(runner)
+        runner = conn.runner
+        puller = conn.puller(self.puller_factory)
         try:
             handoff = KVHandoff.from_json(self.handoff_json)
             return int(puller.pull(handoff, block_table, timeout_s=self.timeout_s).nbytes)
@@ -192,27 +188,52 @@ class PullerFactory:
                            auth_token=self.auth_token, tls=self.tls)
 
 
-def close_rank_pullers(runner: "ModelRunner") -> int:
-    """Close this process's pullers (run on every rank before the pod shuts down)."""
-    n = 0
-    for key in list(_PULLERS):
-        try:
-            _PULLERS.pop(key).close()
-            n += 1
-        except Exception:
-            pass
-    return n
+class DecodeKVConnector(KVConnectorWorker):
+    """A decode rank's KV-connector worker: writes arriving prompt KV (``deliver``) and holds the rank's pullers."""
+
+    def __init__(self, runner: "ModelRunner") -> None:
+        super().__init__(runner)
+        self.pullers: dict[Any, Any] = {}  # puller factory -> its puller over this rank's cache
+
+    def puller(self, factory: Callable[["ModelRunner"], Any]) -> Any:
+        p = self.pullers.get(factory)
+        if p is None:
+            p = self.pullers[factory] = factory(self.runner)
+        return p
+
+    def deliver(self, source: KVSource, tables: list[list[int]]) -> int:
+        """Write this rank's share of source (tables: one block table per DCP rank); the bytes written."""
+        return source.write_rank(self, tables[self.runner.ps.dcp_rank])
+
+    def close(self) -> None:
+        for p in self.pullers.values():
+            try:
+                p.close()
+            except Exception:  # closing is best effort: the rank is going away
+                pass
+        self.pullers.clear()
 
 
-def _deliver_on_rank(runner: "ModelRunner", source: KVSource, tables: list[list[int]]) -> int:
-    return source.write_rank(runner, tables[runner.ps.dcp_rank])
+def decode_connector(executor: "Executor") -> DecodeKVConnector:
+    """Rank 0's DecodeKVConnector, built on every rank on first use."""
+    conn = executor.runner.kv_connector
+    if conn is None:
+        errs = [r for r in executor.start_kv_connector(KVConnectorSpec(DecodeKVConnector))
+                if isinstance(r, BaseException)]
+        if errs:
+            executor.connector_call("close")
+            raise KVDeliveryError(f"starting the KV connector failed: {errs[0]!r}")
+        conn = executor.runner.kv_connector
+    assert isinstance(conn, DecodeKVConnector)
+    return conn
 
 
 def deliver(executor: "Executor", source: KVSource, tables: list[list[int]]) -> tuple[list[int], float]:
     """Have every rank write its share (tables: one block table per DCP rank). Returns (bytes per rank, seconds);
     raises KVDeliveryError naming the first rank that failed."""
     t0 = time.perf_counter()
-    results = executor.call_all_ranks(_deliver_on_rank, source, tables)
+    decode_connector(executor)
+    results = executor.connector_call("deliver", source, tables)
     for rank, r in enumerate(results):
         if isinstance(r, BaseException):
             if isinstance(r, KVDeliveryError):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from decode_svc.config import DecodeConfig
-from decode_svc.kv_source import KVDeliveryError, KVSource, close_rank_pullers, deliver
+from decode_svc.kv_source import KVDeliveryError, KVSource, decode_connector, deliver
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
@@ -289,7 +289,7 @@ class DecodePod:
                 continue
             q.renewed_at = now
             try:
-                keepalive(self.engine.executor.runner)
+                keepalive(decode_connector(self.engine.executor))
             except Exception as e:  # the pull itself will report a lease that is really gone
                 log.warning("renewing the KV lease of queued request %s failed: %s", q.request_id, e)
 
@@ -306,7 +306,8 @@ class DecodePod:
 
     def shutdown(self) -> None:
         try:  # kv_transfer pullers live in the rank processes: close their connections first
-            if self.engine.executor.workers_alive():  # a dead rank (RankDied) cannot take the call
-                self.engine.executor.call_all_ranks(close_rank_pullers)
+            ex = self.engine.executor
+            if ex.runner.kv_connector is not None and ex.workers_alive():  # a dead rank (RankDied) cannot take it
+                ex.connector_call("close")
         finally:
             self.engine.shutdown()

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorWorker
+
 FAMILIES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -47,3 +49,34 @@ def write_tiny_checkpoint(path: str | Path, family: str = "llama", *, num_heads:
             if src.is_file():
                 shutil.copy(src, path / f)
     return path
+
+
+class RecordingKVConnector(KVConnectorWorker):
+    """A KV-connector worker that records every hook call (tests: what each rank saw, in order)."""
+
+    def __init__(self, runner: Any, tag: str = "") -> None:
+        super().__init__(runner)
+        self.tag = tag
+        self.calls: list[tuple] = []
+
+    def _saves(self, meta: KVConnectorMetadata) -> tuple:
+        return tuple((s.request_id, s.block_ids, s.num_tokens) for s in meta.saves)
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        self.calls.append(("start_load_kv", self._saves(meta)))
+
+    def save_kv_layer(self, layer: int, meta: KVConnectorMetadata) -> None:
+        self.calls.append(("save_kv_layer", layer, self._saves(meta)))
+
+    def wait_for_save(self, meta: KVConnectorMetadata) -> None:
+        self.calls.append(("wait_for_save", self._saves(meta)))
+
+    def info(self) -> tuple[str, int]:
+        return self.tag, self.runner.ps.tp_rank
+
+    def take_finished(self) -> list[tuple]:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def close(self) -> None:
+        self.calls.append(("close",))

@@ -1,15 +1,16 @@
 """KV hand-off of a prefill pod: one kv_transfer publisher per TP rank process, fed layer by layer.
 
 Every rank of the pod (rank 0 in the engine's process, ranks 1..N-1 in the executor's spawned processes) owns its KV
-region, so every rank runs its own publisher over it (started through ``Executor.call_all_ranks``). The engine's
-``before_execute`` hook lists, for each step, the requests whose *last* prompt chunk runs in that step
-(``LeaseStart``); the list travels with the step to every rank (``StepInput.extra``), and each rank's
-``ModelRunner.layer_hook`` publishes those leases after layer 0 and marks layer i+1 ready right after layer i wrote its
-KV. Earlier chunks wrote all their layers in earlier steps, so "layers [0, n) ready" is exact for the whole prompt.
+region, so every rank runs its own publisher over it: ``PrefillKVPublisher``, the pod's KV-connector worker
+(pdserve/engine/kv_connector.py), built on every rank by ``LLMEngine.set_kv_connector``. The worker's connector
+scheduler lists, for each step, the requests whose *last* prompt chunk runs in that step (``LeaseStart``, a
+``KVSaveRequest``); the typed metadata travels with the step to every rank, and each rank's ``save_kv_layer`` publishes
+those leases after layer 0 and marks layer i+1 ready right after layer i wrote its KV. Earlier chunks wrote all their
+layers in earlier steps, so "layers [0, n) ready" is exact for the whole prompt.
 
 A publisher frees a lease (decode done, TTL, abort) by calling ``on_free`` on one of its threads; the rank records it,
-and the engine thread collects the records (rank 0 directly, other ranks by polling through ``call_all_ranks``). The
-engine's blocks go back only when every rank's publisher has let go of the lease.
+and the engine thread collects the records (rank 0 directly, other ranks through the connector's ``take_finished``).
+The engine's blocks go back only when every rank's publisher has let go of the lease.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 
 from kv_transfer.layout import KVLayout
 from kv_transfer.transport import Endpoint, KVHandoff
+from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorSpec, KVConnectorWorker, KVSaveRequest
 
 if TYPE_CHECKING:
     from pdserve.security import TLSConfig
@@ -30,14 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("prefill_svc.kv")
 
 
-@dataclass(frozen=True)
-class LeaseStart:
-    """A request whose prompt KV becomes complete in this step: publish it on every rank."""
 
-    lease_id: str
-    request_id: str
-    block_table: tuple[int, ...]  # the same on every TP rank (prefill pods have no DCP)
-    num_tokens: int
+LeaseStart = KVSaveRequest  # a lease to publish on every rank: its request's prompt KV completes in this step
 
 
 @dataclass(frozen=True)
@@ -60,10 +56,11 @@ def make_publisher(transport: str, layout: KVLayout, tp_rank: int, region: torch
                         lease_timeout_s=lease_timeout_s, auth_token=auth_token, tls=tls)
 
 
-class RankKV:
+class PrefillKVPublisher(KVConnectorWorker):
     """One rank's publisher, its layer hook, and the record of leases it freed (drained by the engine thread)."""
 
     def __init__(self, runner: Any, spec: RankKVSpec) -> None:
+        super().__init__(runner)
         self.tp_rank = runner.ps.tp_rank
         self.layout = KVLayout.from_dict(spec.layout)
         self.cuda = runner.kv_cache.is_cuda
@@ -73,11 +70,13 @@ class RankKV:
         self.wake: Callable[[], None] | None = None  # rank 0: nudges the engine loop when a lease is freed
         self.publisher = make_publisher(spec.transport, self.layout, self.tp_rank, runner.kv_cache, spec.host,
                                         spec.lease_timeout_s, self._on_free, spec.auth_token, spec.tls)
-        runner.layer_hook = self.on_layer_done
 
     @property
     def endpoint(self) -> str:
         return str(self.publisher.endpoint)
+
+    def info(self) -> tuple[str, str]:
+        return self.endpoint, self.publisher.name
 
     def _on_free(self, lease_id: str, request_id: str, reason: str) -> None:
         with self._lock:
@@ -85,8 +84,8 @@ class RankKV:
         if self.wake is not None:
             self.wake()
 
-    def on_layer_done(self, step: Any, layer: int) -> None:
-        starts: list[LeaseStart] | None = step.extra
+    def save_kv_layer(self, layer: int, meta: KVConnectorMetadata) -> None:
+        starts = meta.saves
         if not starts:
             return
         if self.cuda:  # the layer's KV writes must have landed before a reader is let in
@@ -94,7 +93,7 @@ class RankKV:
         for ls in starts:
             try:
                 if layer == 0:
-                    self.publisher.publish(ls.request_id, {self.tp_rank: list(ls.block_table)}, ls.num_tokens,
+                    self.publisher.publish(ls.request_id, {self.tp_rank: list(ls.block_ids)}, ls.num_tokens,
                                            lease_id=ls.lease_id, layers_ready=1)
                 else:
                     self.publisher.set_layers_ready(ls.lease_id, layer + 1)
@@ -102,7 +101,7 @@ class RankKV:
                 with self._lock:
                     self._errors.append((ls.lease_id, layer, repr(e)))
 
-    def take(self) -> tuple[list[tuple[str, str]], list[tuple[str, int, str]]]:
+    def take_finished(self) -> tuple[list[tuple[str, str]], list[tuple[str, int, str]]]:
         with self._lock:
             freed, errors = self._freed, self._errors
             self._freed, self._errors = [], []
@@ -119,29 +118,6 @@ class RankKV:
         self.publisher.close()
 
 
-# --- functions run on every rank through Executor.call_all_ranks (module level: they are pickled) ---
-def rank_start(runner: Any, spec: RankKVSpec) -> tuple[str, str]:
-    kv = RankKV(runner, spec)
-    runner.prefill_kv = kv
-    return kv.endpoint, kv.publisher.name
-
-
-def rank_take(runner: Any) -> tuple[list[tuple[str, str]], list[tuple[str, int, str]]]:
-    return runner.prefill_kv.take()
-
-
-def rank_abort(runner: Any, lease_ids: list[str], reason: str) -> None:
-    runner.prefill_kv.abort(lease_ids, reason)
-
-
-def rank_close(runner: Any) -> None:
-    kv = getattr(runner, "prefill_kv", None)
-    if kv is not None:
-        runner.layer_hook = None
-        kv.close()
-        runner.prefill_kv = None
-
-
 class KVHost:
     """Engine-thread side of the pod's publishers (all calls from the engine thread)."""
 
@@ -151,20 +127,22 @@ class KVHost:
         self.layout = layout
         self.tp_size = layout.tp_size
         # token and TLS travel to every rank process inside the spec (pickled), not through the environment
-        results = engine.executor.call_all_ranks(rank_start, RankKVSpec(transport, layout.to_dict(), host,
-                                                                        lease_timeout_s, auth_token, tls))
+        spec = RankKVSpec(transport, layout.to_dict(), host, lease_timeout_s, auth_token, tls)
+        results = engine.executor.start_kv_connector(KVConnectorSpec(PrefillKVPublisher, (spec,)))
         errs = [r for r in results if isinstance(r, Exception)]
         if errs:
-            engine.executor.call_all_ranks(rank_close)  # the ranks that did start one
+            engine.executor.connector_call("close")  # the ranks that did start one
             raise RuntimeError(f"starting the KV publishers failed: {errs[0]!r}") from errs[0]
         self.endpoints = [Endpoint.parse(ep) for ep, _ in results]
         self.transport = "nixl" if all(name == "nixl" for _, name in results) else "tcp"
-        self.rank0: RankKV = engine.executor.runner.prefill_kv
+        rank0 = engine.executor.runner.kv_connector
+        assert isinstance(rank0, PrefillKVPublisher)
+        self.rank0 = rank0
         self.rank0.wake = wake
 
     def handoff(self, ls: LeaseStart) -> KVHandoff:
         return KVHandoff(ls.lease_id, ls.request_id, ls.num_tokens, self.layout,
-                         [list(ls.block_table)] * self.tp_size, list(self.endpoints), self.transport)
+                         [list(ls.block_ids)] * self.tp_size, list(self.endpoints), self.transport)
 
     def take(self, poll_others: bool) -> tuple[list[tuple[int, str, str]], list[tuple[int, str, int, str]]]:
         """(rank, lease id, reason) of leases freed since the last call, and (rank, lease id, layer, what) of
@@ -172,9 +150,9 @@ class KVHost:
 
         Rank 0 is read directly; other ranks only when poll_others (a collective over the pod)."""
         if poll_others and self.tp_size > 1:
-            per_rank = self.engine.executor.call_all_ranks(rank_take)
+            per_rank = self.engine.executor.connector_call("take_finished")
         else:
-            per_rank = [self.rank0.take()]
+            per_rank = [self.rank0.take_finished()]
         freed, errors = [], []
         for rank, res in enumerate(per_rank):
             if isinstance(res, Exception):
@@ -187,7 +165,7 @@ class KVHost:
 
     def abort(self, lease_ids: list[str], reason: str = "aborted") -> None:
         if lease_ids:
-            self.engine.executor.call_all_ranks(rank_abort, list(lease_ids), reason)
+            self.engine.executor.connector_call("abort", list(lease_ids), reason)
 
     def close(self) -> None:
-        self.engine.executor.call_all_ranks(rank_close)
+        self.engine.executor.connector_call("close")

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -25,10 +23,12 @@ import grpc
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import new_lease_id
 from kv_transfer.transport import KVHandoff
+from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorScheduler
 from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.engine.shm import RankFailure
 from pdserve.errors import ServiceError
+from pdserve.pod.engine_thread import EngineThread
 from pdserve.sampling import SamplingParams
 from prefill_svc.config import PrefillConfig
 from prefill_svc.sampling import ClientParams
@@ -127,20 +127,17 @@ class Stats:
     leases_freed: dict = field(default_factory=dict)  # reason -> count
 
 
-class PrefillWorker:
+class PrefillWorker(KVConnectorScheduler):
     def __init__(self, config: PrefillConfig, pod_id: str = "prefill-local") -> None:
         self.config = config
         self.pod_id = pod_id
         self.engine: LLMEngine | None = None
         self.kv: KVHost | None = None
         self.layout: KVLayout | None = None
-        self._cmds: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._jobs: dict[str, _Job] = {}  # request id -> job, until its first token
         self._leases: dict[str, _Lease] = {}  # lease id -> lease
         self._lease_of_request: dict[str, str] = {}
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
+        self._thread: EngineThread | None = None
         self._stopping = False
         self.draining = False
         self.failed: str | None = None  # why the pod can serve nothing more (a dead rank); the server turns unhealthy
@@ -158,20 +155,15 @@ class PrefillWorker:
 
     # --- life cycle ---
     def start(self, timeout_s: float = 600.0) -> None:
-        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"prefill engine did not start within {timeout_s}s")
-        if self._start_error is not None:
-            raise self._start_error
+        self._thread = EngineThread("prefill-engine", self._run)
+        self._thread.start(timeout_s)
 
     def stop(self) -> None:
         """Stop the loop: requests still queued fail with UNAVAILABLE, leases are dropped, ranks shut down."""
         if self._thread is None:
             return
         self._stopping = True
-        self._cmds.put(None)
-        self._thread.join(timeout=120)
+        self._thread.stop(timeout_s=120)
         self._thread = None
 
     @property
@@ -203,9 +195,9 @@ class PrefillWorker:
         self.draining = True
 
     def _call(self, fn: Callable[[], None]) -> None:
-        if self._thread is None or not self._thread.is_alive():
+        if self._thread is None or not self._thread.alive:
             raise Draining("the prefill engine is not running")
-        self._cmds.put(fn)
+        self._thread.put(fn)
 
     async def _ask(self, fn: Callable[[], Any]) -> Any:
         fut: Future = Future()
@@ -220,7 +212,7 @@ class PrefillWorker:
         return await asyncio.wrap_future(fut)
 
     # --- engine thread ---
-    def _run(self) -> None:
+    def _run(self, thread: EngineThread) -> None:
         try:
             self.engine = LLMEngine(self.config.engine)
             mc = self.engine.model_config
@@ -232,40 +224,25 @@ class PrefillWorker:
             if self.config.kv_transport != "none":
                 self.kv = KVHost(self.engine, self.layout, self.config.kv_transport,
                                  self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,
-                                 wake=lambda: self._cmds.put(_noop), auth_token=self.config.serving.cluster_token,
+                                 wake=thread.wake, auth_token=self.config.serving.cluster_token,
                                  tls=self.config.tls)
-            self.engine.before_execute = self._before_execute
-        except BaseException as e:
-            self._start_error = e
+            self.engine.kv_scheduler = self
+        except BaseException:  # raised by start()
             if self.engine is not None:
                 self.engine.shutdown()
-            self._ready.set()
-            return
+            raise
         self._update_stats()
-        self._ready.set()
+        thread.ready()
         try:
-            self._loop()
+            self._loop(thread)
         finally:
-            self._shutdown_engine()
+            self._shutdown_engine(thread)
 
-    def _loop(self) -> None:
+    def _loop(self, thread: EngineThread) -> None:
         eng = self.engine
         while True:
-            busy = eng.has_unfinished()
-            try:
-                cmd = self._cmds.get(timeout=0 if busy else 0.05)
-            except queue.Empty:
-                cmd = _noop
-            while cmd is not None:
-                try:
-                    cmd()
-                except Exception:
-                    log.exception("prefill command failed")
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-            if cmd is None or self._stopping:
+            thread.run_commands(0.0 if eng.has_unfinished() else 0.05)
+            if thread.stopping:
                 return
             if self.failed is None:
                 try:
@@ -360,8 +337,9 @@ class PrefillWorker:
         except PrefillError as e:
             self._settle(fut, exc=e)
 
-    def _before_execute(self, step: ScheduledStep) -> list[LeaseStart] | None:
-        """Runs between schedule and execute: note start times, list the leases whose KV completes this step."""
+    def build_connector_meta(self, step: ScheduledStep) -> KVConnectorMetadata | None:
+        """The pod's connector scheduler side, run between schedule and execute: note start times, list the leases
+        whose KV completes this step."""
         now = time.monotonic()
         starts = []
         for seq, n in zip(step.seqs, step.chunk_lens):
@@ -378,7 +356,7 @@ class PrefillWorker:
                 starts.append(job.lease_start)
         if starts and self.kv is not None:
             self._step_publishes = True
-            return starts
+            return KVConnectorMetadata(tuple(starts))
         return None
 
     def _on_output(self, out: Any) -> None:
@@ -516,17 +494,8 @@ class PrefillWorker:
         if self.on_event is not None:
             self.on_event(kind, request_id)
 
-    def _shutdown_engine(self) -> None:
-        while True:  # answer whatever was queued behind the stop (new prefills get UNAVAILABLE)
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                break
-            if cmd is not None:
-                try:
-                    cmd()
-                except Exception:
-                    log.exception("prefill command failed")
+    def _shutdown_engine(self, thread: EngineThread) -> None:
+        thread.run_commands()  # answer whatever was queued behind the stop (new prefills get UNAVAILABLE)
         for rid, job in list(self._jobs.items()):
             self._settle(job.future, exc=Draining("prefill pod shutting down"))
         self._jobs.clear()
@@ -540,7 +509,3 @@ class PrefillWorker:
         self._update_stats()
         self._flush_settled()
         self.engine.shutdown()
-
-
-def _noop() -> None:
-    pass

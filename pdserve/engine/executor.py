@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from pdserve.attention import select_backend
 from pdserve.engine.comm import ShmComm, ShmGroupSpec, TorchComm, init_groups, plan_groups
+from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
 from pdserve.engine.model_runner import ModelRunner, StepInput
 from pdserve.engine.shm import RankFailure, ShmRegion, shm_supported
 from pdserve.engine.config import CPU_COLLECTIVES, CPU_PINNING
@@ -154,6 +155,20 @@ class RankCall:
 
     fn: Callable[..., Any]
     args: tuple = ()
+
+
+def _connector_start(runner: ModelRunner, spec: KVConnectorSpec) -> Any:
+    return runner.start_kv_connector(spec)
+
+
+def _connector_op(runner: ModelRunner, op: str, args: tuple) -> Any:
+    conn = runner.kv_connector
+    if op == "close":
+        runner.close_kv_connector()
+        return None
+    if conn is None:
+        raise RuntimeError(f"rank {runner.ps.tp_rank} has no KV connector to {op}")
+    return getattr(conn, op)(*args)
 
 
 class _DistChannel:
@@ -346,6 +361,17 @@ class Executor:
         out = self.channel.gather(mine)
         assert out is not None
         return out
+
+    def start_kv_connector(self, spec: KVConnectorSpec) -> list[Any]:
+        """Build spec's connector worker on every rank; each rank's info() (exceptions as values), in rank order."""
+        return self.call_all_ranks(_connector_start, spec)
+
+    def connector_call(self, op: str, *args: Any) -> list[Any]:
+        """One of KVConnectorWorker.OPS on every rank's connector; results in rank order (exceptions as values).
+        "close" closes and drops the connector (ranks without one do nothing)."""
+        if op not in KVConnectorWorker.OPS:
+            raise ValueError(f"{op!r} is not a KV connector operation: one of {sorted(KVConnectorWorker.OPS)}")
+        return self.call_all_ranks(_connector_op, op, args)
 
     def keepalive(self) -> None:
         """Call from the driver's loop while it is idle: now and then broadcast a no-op. Over gloo, ranks 1..N-1

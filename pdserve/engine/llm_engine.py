@@ -8,13 +8,14 @@ import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig  # re-exported: the config lives where no torch is imported
 from pdserve.engine.executor import Executor
+from pdserve.engine.kv_connector import KVConnectorScheduler, KVConnectorSpec
 from pdserve.engine.model_runner import build_step_input
-from pdserve.engine.scheduler import ScheduledStep, Scheduler
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.model.config import ModelConfig
 from pdserve.parallel_config import ModelParallelInfo, validate_parallel_config
@@ -105,8 +106,8 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0  # prefill work actually done (prefix hits excluded)
         # Prefill pods: finished requests added with hold_kv=True keep their blocks here until release().
         self.held: dict[str, Sequence] = {}
-        # Optional before_execute(step) -> value carried to every rank as StepInput.extra (see ModelRunner.layer_hook).
-        self.before_execute: Callable[[ScheduledStep], Any] | None = None
+        # The KV connector's driver side: builds each step's metadata for every rank's worker side (kv_connector.py).
+        self.kv_scheduler: KVConnectorScheduler | None = None
         self.num_generated_tokens = 0
 
     # --- requests ---
@@ -227,6 +228,13 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.awaiting_kv)
 
+    def set_kv_connector(self, scheduler: KVConnectorScheduler | None,
+                         worker: KVConnectorSpec | None = None) -> list[Any]:
+        """Install the KV connector: scheduler runs each step on this thread; worker (when given) is built on every
+        rank. Returns each rank's worker info() in rank order (exceptions as values; [] without a worker)."""
+        self.kv_scheduler = scheduler
+        return [] if worker is None else self.executor.start_kv_connector(worker)
+
     # --- the loop ---
     def step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
@@ -234,8 +242,8 @@ class LLMEngine:
             return []
         inp = build_step_input(step, self.config.block_size, self.config.decode_context_parallel_size,
                                self.config.dcp_kv_cache_interleave_size)
-        if self.before_execute is not None:
-            inp.extra = self.before_execute(step)
+        if self.kv_scheduler is not None:
+            inp.kv_meta = self.kv_scheduler.build_connector_meta(step)
         logits = self.executor.execute(inp)
         for seq, n in zip(step.seqs, step.chunk_lens):
             if step.is_prefill:

@@ -5,17 +5,16 @@ rank of a pod runs the same step on its own share of the KV. Over shared memory 
 (``encode`` / ``decode``), not as a pickled object graph."""
 from __future__ import annotations
 
-import pickle
 import struct
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
 
 import torch
 
 from pdserve.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.block_manager import dcp_local_count, dcp_slot
 from pdserve.engine.hugepages import empty_kv
+from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorSpec, KVConnectorWorker
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import CausalLM
@@ -36,12 +35,12 @@ class StepInput:
     slot_mappings: list[torch.Tensor]
     context_lens: list[torch.Tensor]
     block_tables: list[torch.Tensor]
-    extra: Any = None  # LLMEngine.before_execute's value for this step, seen by every rank's layer_hook
+    kv_meta: KVConnectorMetadata | None = None  # the KV connector's metadata for this step (kv_connector.py)
 
     def encode(self) -> bytes:
-        """[is_prefill, T, B, L, dcp, extra bytes, table widths...] then every array, then pickled extra."""
+        """[is_prefill, T, B, L, dcp, meta bytes, table widths...] then every array, then the encoded kv_meta."""
         dcp = len(self.slot_mappings)
-        extra = b"" if self.extra is None else pickle.dumps(self.extra)
+        extra = b"" if self.kv_meta is None else self.kv_meta.encode()
         t, b, n_logits = self.input_ids.numel(), len(self.query_start_pos), self.logits_indices.numel()
         head = [int(self.is_prefill), t, b, n_logits, dcp, len(extra), *(bt.shape[1] for bt in self.block_tables)]
         parts = [torch.tensor(head + self.cu_seqlens_q + self.query_start_pos + self.sample_rows, dtype=torch.int64),
@@ -67,9 +66,9 @@ class StepInput:
         slots = [take(t) for _ in range(dcp)]
         ctx = [take(b) for _ in range(dcp)]
         tables = [take(b * w).view(b, w) for w in widths]
-        extra = pickle.loads(data[n_ints * 8:]) if n_extra else None
+        meta = KVConnectorMetadata.decode(data[n_ints * 8:]) if n_extra else None
         return StepInput(bool(is_prefill), ids, pos, lists[:b + 1], lists[b + 1:2 * b + 1], logits,
-                         lists[2 * b + 1:], slots, ctx, tables, extra)
+                         lists[2 * b + 1:], slots, ctx, tables, meta)
 
 
 def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave: int) -> StepInput:
@@ -131,9 +130,19 @@ class ModelRunner:
         # transparent huge pages where the OS allows (NIXL's CMA reads pin source pages; docs/performance.md).
         self.kv_cache = empty_kv(cfg.num_layers, 2, num_blocks, block_size, self.model.num_local_kv_heads,
                                  cfg.head_dim, dtype=dtype, device=self.device)
-        # layer_hook(step, layer_idx) runs after each layer's KV write (set per rank, e.g. to publish KV layer by
-        # layer); None costs nothing.
-        self.layer_hook: Callable[[StepInput, int], None] | None = None
+        # This rank's side of the pod's KV connector (LLMEngine.set_kv_connector); None costs nothing.
+        self.kv_connector: KVConnectorWorker | None = None
+
+    def start_kv_connector(self, spec: KVConnectorSpec) -> object:
+        """Build this rank's connector worker (replacing and closing any earlier one); returns its info()."""
+        self.close_kv_connector()
+        self.kv_connector = spec.build(self)
+        return self.kv_connector.info()
+
+    def close_kv_connector(self) -> None:
+        conn, self.kv_connector = self.kv_connector, None
+        if conn is not None:
+            conn.close()
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Logits of the rows to sample on TP rank 0; None on the other ranks."""
@@ -151,6 +160,18 @@ class ModelRunner:
             dcp_rank=r,
             dcp_interleave=self.ps.dcp_interleave,
         )
-        hook = None if self.layer_hook is None else partial(self.layer_hook, step)
+        conn, kv_meta = self.kv_connector, step.kv_meta
+        hook = None
+        if conn is not None and kv_meta is not None:
+            conn.start_load_kv(kv_meta)
+            hook = partial(_save_layer, conn, kv_meta)
         logits_indices = step.logits_indices.to(dev) if self.ps.tp_rank == 0 else None
-        return self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_cache, meta, logits_indices, hook)
+        out = self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_cache, meta, logits_indices, hook)
+        if hook is not None:
+            assert conn is not None and kv_meta is not None
+            conn.wait_for_save(kv_meta)
+        return out
+
+
+def _save_layer(conn: KVConnectorWorker, kv_meta: KVConnectorMetadata, layer: int) -> None:
+    conn.save_kv_layer(layer, kv_meta)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.kv_connector import KVConnectorMetadata, KVSaveRequest
 from pdserve.engine.model_runner import StepInput
 
 
@@ -15,11 +16,11 @@ def _step(dcp: int, extra, prefill: bool) -> StepInput:
         query_start_pos=[0, 17, 2], logits_indices=torch.tensor([3, t - 1]), sample_rows=[0, 2],
         slot_mappings=[torch.randint(-1, 900, (t,), generator=g) for _ in range(dcp)],
         context_lens=[torch.randint(0, 99, (b,), generator=g) for _ in range(dcp)],
-        block_tables=[torch.randint(0, 900, (b, w + 1), generator=g) for w in range(dcp)], extra=extra)
+        block_tables=[torch.randint(0, 900, (b, w + 1), generator=g) for w in range(dcp)], kv_meta=extra)
 
 
 def _same(a: StepInput, b: StepInput) -> None:
-    assert a.is_prefill == b.is_prefill and a.extra == b.extra
+    assert a.is_prefill == b.is_prefill and a.kv_meta == b.kv_meta
     assert a.cu_seqlens_q == b.cu_seqlens_q and a.query_start_pos == b.query_start_pos
     assert a.sample_rows == b.sample_rows
     for name in ("input_ids", "positions", "logits_indices"):
@@ -31,7 +32,7 @@ def _same(a: StepInput, b: StepInput) -> None:
 
 def test_round_trip_every_layout():
     for dcp in (1, 3):
-        for extra in (None, [("lease-1", (4, 5, 6))]):
+        for extra in (None, KVConnectorMetadata((KVSaveRequest("lease-1", "req-\u00e9", (4, 5, 6), 40),))):
             for prefill in (False, True):
                 step = _step(dcp, extra, prefill)
                 _same(StepInput.decode(step.encode()), step)

@@ -68,7 +68,7 @@ def test_kv_published_layer_by_layer_and_pulled_by_kv_transfer(tiny_model):
     ids = random_prompt(300, seed=7)
     with worker(tiny_model, kv_transport="tcp", prefill_chunk_size=128, max_num_batched_tokens=512,
                 num_kv_blocks=64) as w:
-        pub = w.engine.executor.runner.prefill_kv.publisher
+        pub = w.engine.executor.runner.kv_connector.publisher
         calls = []
         real_publish, real_ready = pub.publish, pub.set_layers_ready
         pub.publish = lambda *a, **k: calls.append(("publish", k["layers_ready"])) or real_publish(*a, **k)

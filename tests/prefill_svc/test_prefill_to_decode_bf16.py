@@ -11,6 +11,7 @@ import torch
 
 from kv_transfer.factory import make_puller
 from kv_transfer.layout import KVLayout
+from pdserve.cli_config import build
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.sampling import SamplingParams
 from prefill_ref import greedy, random_prompt
@@ -39,8 +40,8 @@ def test_bf16_prefill_then_decode_identical_to_one_engine(tiny_bf16):
     with LLMEngine(EngineConfig(model=str(tiny_bf16), num_kv_blocks=64)) as alone:
         assert alone.dtype == "bfloat16"
         want = alone.generate([ids], sp)[0]["token_ids"]
-    w = PrefillWorker(PrefillConfig(model=str(tiny_bf16), kv_transport="tcp", prefill_chunk_size=128,
-                                    max_num_batched_tokens=512, num_kv_blocks=64))
+    w = PrefillWorker(build(PrefillConfig, model=str(tiny_bf16), kv_transport="tcp", prefill_chunk_size=128,
+                            max_num_batched_tokens=512, num_kv_blocks=64))
     w.start()
     try:
         assert w.layout.dtype == "bfloat16" and w.engine.executor.kv_cache.dtype == torch.bfloat16

@@ -212,7 +212,7 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
             if layer == 0 and meta.saves:  # the lease exists now: decode may start pulling
                 conn.send(("handoff", host.handoff(meta.saves[0]).to_json()))
 
-        eng.kv_scheduler = Leases()
+        eng.set_kv_connector(Leases())
         publisher.save_kv_layer = save_layer  # type: ignore[method-assign]  # the bench also hands off at layer 0
         ids = rng.integers(100, 10_000, size=tokens).tolist()
         eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0), request_id=f"bench-{tokens}-{streaming}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-from bench.common import BenchUnavailable, cpu_info
+from bench.common import BenchUnavailable
+from bench.engine import _engine_decode
 from pdserve.default_model import cache_dir, ensure_default_model
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.sampling import SamplingParams
@@ -78,8 +80,9 @@ class VLLMSide:
     def __init__(self, python: Path, model: str, dtype: str, threads: int, log: Path,
                  start_timeout_s: float = 900.0) -> None:
         cfg = {"model": model, "dtype": dtype, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": max(BATCHES)}
-        self.settings = {**vllm_settings(threads), **{k: str(v) for k, v in cfg.items() if k != "model"}}
-        env = {**os.environ, **vllm_settings(threads)}
+        bind = vllm_settings(threads)
+        self.settings = {**bind, **{k: str(v) for k, v in cfg.items() if k != "model"}}
+        env = {**os.environ, **bind}
         env.pop("PYTHONPATH", None)  # nothing of this environment may leak into vLLM's
         self._log = open(log, "w")
         # Its own process group, so that the engine core and worker it spawns can be paused with it.
@@ -101,23 +104,18 @@ class VLLMSide:
         os.killpg(self.proc.pid, signal.SIGCONT)
 
     def _read(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """The next answer: the worker writes nothing else on its stdout (vLLM's own output goes to the log)."""
         assert self.proc.stdout is not None
-        import select
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
-            if not ready:
-                raise PeerUnavailable(f"vLLM did not answer within {timeout_s:.0f} s (log: {self._log.name})")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise PeerUnavailable(f"vLLM exited with {self.proc.wait()} (log: {self._log.name})")
-            if line.startswith("{"):
-                answer = json.loads(line)
-                if "error" in answer:
-                    raise PeerUnavailable(f"vLLM worker: {answer['error']}")
-                return answer
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            raise PeerUnavailable(f"vLLM did not answer within {timeout_s:.0f} s (log: {self._log.name})")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise PeerUnavailable(f"vLLM exited with {self.proc.wait()} (log: {self._log.name})")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise PeerUnavailable(f"vLLM worker: {answer['error']}")
+        return answer
 
     def _ask(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -162,8 +160,6 @@ class PdserveSide:
         return time.perf_counter() - t0
 
     def decode_tok_s(self, prompts: list[list[int]], new_tokens: int) -> float:
-        from bench.engine import _engine_decode
-
         return _engine_decode(self.engine, prompts, new_tokens)
 
     def close(self) -> None:
@@ -233,5 +229,4 @@ def run(quick: bool = False, dtypes: tuple[str, ...] = ("float32", "bfloat16")) 
             rows.append({"workload": key, "dtype": short, "pdserve tok/s": per["pdserve"],
                          "vllm tok/s": per["vllm"], "ratio (target >= 1.1)": ratio})
     return {"benchmark": "peer", "quick": quick, "table": rows, "ratios": ratios, "vllm": vllm_info,
-            "rounds": rounds, "new_tokens": new_tokens, "prefill_tokens": PREFILL_TOKENS, "threads": threads,
-            "cpu": cpu_info(), **raw}
+            "rounds": rounds, "new_tokens": new_tokens, "prefill_tokens": PREFILL_TOKENS, "threads": threads, **raw}

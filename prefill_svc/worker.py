@@ -226,7 +226,7 @@ class PrefillWorker(KVConnectorScheduler):
                                  self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,
                                  wake=thread.wake, auth_token=self.config.serving.cluster_token,
                                  tls=self.config.tls)
-            self.engine.kv_scheduler = self
+            self.engine.set_kv_connector(self)  # the rank side was started by KVHost
         except BaseException:  # raised by start()
             if self.engine is not None:
                 self.engine.shutdown()

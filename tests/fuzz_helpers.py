@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from e2e_helpers import Cluster
+from pdserve.cluster.supervisor import LocalCluster
+from e2e_helpers import e2e_cluster
 
 # Stable in CI: the same examples every run, no wall-clock deadline (2 shared cores), modest counts.
 FUZZ_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
@@ -81,17 +82,19 @@ UNSUPPORTED_SAMPLING = st.one_of(
 )
 
 
-def start_cluster(workdir: Path, model: Path) -> Cluster:
+def start_cluster(workdir: Path, model: Path) -> LocalCluster:
     """Router + p0 + d0 (TP 1), registered through their own RegisterWorker / Heartbeat."""
-    c = Cluster(workdir, model, num_prefill=1, num_decode=1, prefill_tp=1, decode_tp=1, decode_dcp=1,
-                num_kv_blocks=NUM_KV_BLOCKS, heartbeat_interval_s=0.25,
-                prefill_args=["--max-model-len", str(MAX_MODEL_LEN), "--lease-ttl-s", HOLD_S, "--kv-transport", "tcp"],
-                decode_args=["--max-model-len", str(MAX_MODEL_LEN), "--reservation-ttl-s", HOLD_S])
-    return c.start()
+    c = e2e_cluster(workdir, model, num_prefill=1, num_decode=1, prefill_tp=1, decode_tp=1, decode_dcp=1,
+                    num_kv_blocks=NUM_KV_BLOCKS,
+                    prefill_args=["--max-model-len", str(MAX_MODEL_LEN), "--lease-ttl-s", HOLD_S, "--kv-transport",
+                                  "tcp"],
+                    decode_args=["--max-model-len", str(MAX_MODEL_LEN), "--reservation-ttl-s", HOLD_S])
+    c.start()
+    return c
 
 
 @contextlib.contextmanager
-def tiny_cluster(tmp_path_factory, tokenizer_from: Path) -> Iterator[Cluster]:
+def tiny_cluster(tmp_path_factory, tokenizer_from: Path) -> Iterator[LocalCluster]:
     """start_cluster on a fresh tiny llama checkpoint (1 KV head); stopped on exit."""
     from pdserve.testing import write_tiny_checkpoint
 

@@ -250,7 +250,7 @@ class LocalCluster:
             # Everything is spawned before this process opens any gRPC channel (no threads exist at fork time).
             for s in self.services:
                 self._spawn(s)
-            self._wait_healthy(t0 + timeout)
+            self._wait_healthy(self.services, t0 + timeout)
             self._wait_router_http(t0 + timeout)
             self._wait_registered(t0 + timeout)
         except BaseException:
@@ -330,24 +330,24 @@ class LocalCluster:
             self._raised = True
             raise Interrupted(self._signalled)
 
-    def _check_alive(self) -> None:
-        for s in self.services:
+    def _check_alive(self, services: list[Service] | None = None) -> None:
+        for s in self.services if services is None else services:
             rc = s.exited()
             if rc is not None:
                 raise ClusterError(f"{s.name} exited with status {rc} while the cluster was starting; "
                                    f"last lines of {s.log_path}:\n{s.log_tail()}")
 
-    def _wait_healthy(self, deadline: float) -> None:
+    def _wait_healthy(self, services: list[Service], deadline: float) -> None:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         from pdserve.security import sync_channel
 
-        pending = {s.name: s for s in self.services}
+        pending = {s.name: s for s in services}
         channels = {}
         try:
             while pending:
-                self._check_alive()
+                self._check_alive(services)
                 for name, s in list(pending.items()):
                     if s.kind == "http":
                         if _http_ok(f"{self.http_scheme}://{s.address}/health", self._front_tls()):
@@ -412,7 +412,8 @@ class LocalCluster:
                 try:
                     st = stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=2.0, metadata=md)
                     ready = {p.pod_id for p in st.pods if p.state == common_pb2.POD_STATE_READY}
-                    if want <= ready and st.ready_models:
+                    # a model is ready only where it has both roles; a one-role cluster waits for its pods only
+                    if want <= ready and (st.ready_models or not (self.topology.prefill and self.topology.decode)):
                         return
                     states = {p.pod_id: common_pb2.PodState.Name(p.state) for p in st.pods}
                     last = f"pods {states or 'none registered'}, ready models {list(st.ready_models)}"
@@ -429,6 +430,42 @@ class LocalCluster:
     # ------------------------------------------------------------------------------------------------------------
     def dead_services(self) -> list[Service]:
         return [s for s in self.services if s.exited() is not None]
+
+    @property
+    def router_address(self) -> str:
+        """The router's gRPC host:port (known before start(): ports are assigned at planning)."""
+        return f"{self.topology.host}:{self.topology.router_port}"
+
+    def service(self, name: str) -> Service:
+        for s in self.services:
+            if s.name == name:
+                return s
+        raise KeyError(f"no service {name!r}; this cluster runs {', '.join(s.name for s in self.services)}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one service's whole process group (its ranks included); for SIGKILL, reap it."""
+        s = self.service(name)
+        assert s.proc is not None, f"{name} was never started"
+        try:
+            os.killpg(s.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            s.proc.wait(timeout=30)
+
+    def restart(self, name: str, timeout: float = 120.0) -> None:
+        """Kill one service if it still runs and start it again with the same command line and port, then wait until
+        it serves. Nothing else is touched: a restarted router starts with an empty registry and the pods must
+        register again by themselves; a restarted pod registers as it does at start. Its log is appended to."""
+        s = self.service(name)
+        if s.proc is not None and s.proc.poll() is None:
+            self.kill(name)
+        self._spawn(s)
+        self._wait_healthy([s], time.monotonic() + timeout)
+
+    def log_tails(self, n: int = 30) -> str:
+        """The last ``n`` lines of every service's log, each under its name (for failure messages)."""
+        return "\n".join(f"--- {s.name} ({s.log_path})\n{s.log_tail(n)}" for s in self.services)
 
     def force(self) -> None:
         """Make a running stop() skip the remaining grace and SIGKILL at once (a second Ctrl-C)."""

@@ -197,12 +197,14 @@ class Topology:
 
         return ensure_default_model()
 
-    def resolve(self, model: ModelParallelInfo | None = None, cores: int | None = None) -> "Topology":
+    def resolve(self, model: ModelParallelInfo | None = None, cores: int | None = None,
+                one_role: bool = False) -> "Topology":
         """Check everything once and fill in "auto" sizes and pod names; returns self. Raises TopologyError.
-        cores: CPU cores the pods share (default: this process's CPU affinity)."""
-        if not self.prefill:
+        cores: CPU cores the pods share (default: this process's CPU affinity). one_role: allow a cluster without
+        decode (or without prefill) pods, which cannot generate but serves one role (e.g. prefill-only tests)."""
+        if not self.prefill and not (one_role and self.decode):
             raise TopologyError("the cluster needs at least one prefill pod")
-        if not self.decode:
+        if not self.decode and not (one_role and self.prefill):
             raise TopologyError("the cluster needs at least one decode pod")
         if self.model is not None:
             mp = Path(self.model)

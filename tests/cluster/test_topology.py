@@ -185,3 +185,16 @@ def test_up_dry_run_prints_the_checked_plan(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run",
                           "--decode-tp", "2", "--decode-dcp", "4"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Suggested fix" in bad.stderr and bad.stdout == ""
+
+
+def test_a_cluster_without_one_role_is_refused_unless_asked_for():
+    """A cluster must generate, so it needs both roles; a one-role cluster (a service tested alone) is allowed only
+    when asked for, and never an empty one."""
+    with pytest.raises(TopologyError, match="at least one decode pod"):
+        Topology(decode=[]).resolve(GQA_1KV, cores=2)
+    with pytest.raises(TopologyError, match="at least one prefill pod"):
+        Topology(prefill=[]).resolve(GQA_1KV, cores=2)
+    t = Topology(decode=[]).resolve(GQA_1KV, cores=2, one_role=True)
+    assert [p.name for p in t.pods] == ["prefill-0"]
+    with pytest.raises(TopologyError, match="at least one prefill pod"):
+        Topology(prefill=[], decode=[]).resolve(GQA_1KV, cores=2, one_role=True)

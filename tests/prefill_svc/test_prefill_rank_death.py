@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
-from e2e_helpers import Cluster
+from e2e_helpers import e2e_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,8 @@ def cluster(tmp_path_factory, smollm2):
 
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-rank"), "llama", num_kv_heads=2,
                                   tokenizer_from=smollm2)
-    c = Cluster(tmp_path_factory.mktemp("prefill-rank"), model, num_prefill=1, num_decode=0, prefill_tp=2,
-                num_kv_blocks=64)
+    c = e2e_cluster(tmp_path_factory.mktemp("prefill-rank"), model, num_prefill=1, num_decode=0, prefill_tp=2,
+                    num_kv_blocks=64)
     c.start()
     try:
         yield c
@@ -61,7 +61,7 @@ def test_prefill_rank_killed_turns_the_pod_unhealthy(cluster):
         assert first[-1].routing.prefill_pod_id == "p0" and len(first[-1].token_ids) == 1
         address = {p.pod_id: p for p in router.ClusterStatus(router_pb2.ClusterStatusRequest()).pods}["p0"].address
 
-        kids = psutil.Process(cluster.procs["p0"].popen.pid).children(recursive=True)
+        kids = psutil.Process(cluster.service("p0").pid).children(recursive=True)
         ranks = [k for k in kids if any("spawn_main" in a for a in k.cmdline())]
         assert len(ranks) == 1, ranks
         ranks[0].send_signal(signal.SIGKILL)
@@ -86,4 +86,4 @@ def test_prefill_rank_killed_turns_the_pod_unhealthy(cluster):
             list(router.Generate(_greedy_one(prompt), timeout=60))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "prefill" in err.value.details(), err.value.details()
-    assert "TP rank process of this prefill pod exited" in cluster.procs["p0"].log.read_text(errors="replace")
+    assert "TP rank process of this prefill pod exited" in cluster.service("p0").log_path.read_text(errors="replace")

@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from e2e_helpers import Cluster, supports_flag
+from e2e_helpers import HEARTBEAT_S, e2e_cluster, supports_flag
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +52,16 @@ def tiny_model(tmp_path_factory, smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model):
-    metrics_port = _free_port()
-    c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_model, num_prefill=2, num_decode=2, decode_tp=2,
-                decode_dcp=2, num_kv_blocks=256,
-                router_args=["--metrics-port", str(metrics_port), "--affinity-max-imbalance-tokens", "64"])
-    c.metrics_port = metrics_port
+def metrics_port():
+    """The router's Prometheus port."""
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model, metrics_port):
+    c = e2e_cluster(tmp_path_factory.mktemp("cluster"), tiny_model, num_prefill=2, num_decode=2, decode_tp=2,
+                    decode_dcp=2, num_kv_blocks=256,
+                    router_args=["--metrics-port", str(metrics_port), "--affinity-max-imbalance-tokens", "64"])
     c.start()
     try:
         yield c
@@ -101,8 +105,8 @@ def greedy(ids: list[int], max_tokens: int, rid: str = "") -> router_pb2.Generat
                                                                                 ignore_eos=True))
 
 
-def metric(c: Cluster, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=5).read().decode()
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -136,12 +140,12 @@ def _kv_by_pod(st: router_pb2.ClusterStatusResponse) -> dict[str, list[int]]:
     return {p.pod_id: [k.free_blocks for k in p.kv] for p in st.pods}
 
 
-async def settled_kv(stub, cluster: Cluster, want: dict | None = None, timeout: float = 30.0) -> dict:
+async def settled_kv(stub, cluster, want: dict | None = None, timeout: float = 30.0) -> dict:
     """Free KV per pod once it stops changing (or equals ``want``) across a few heartbeats."""
     t0 = time.monotonic()
     last = None
     while True:
-        await asyncio.sleep(3 * cluster.heartbeat_interval_s)
+        await asyncio.sleep(3 * HEARTBEAT_S)
         st = await stub.ClusterStatus(router_pb2.ClusterStatusRequest())
         now = _kv_by_pod(st)
         if (want is not None and now == want) or (want is None and now == last) or time.monotonic() - t0 > timeout:
@@ -193,7 +197,7 @@ def test_generate_32_concurrent_spread_then_cancel_half_frees_all_kv(cluster, ti
     async def body():
         async with grpc.aio.insecure_channel(cluster.router_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            await asyncio.sleep(4 * cluster.heartbeat_interval_s)
+            await asyncio.sleep(4 * HEARTBEAT_S)
             baseline = _kv_by_pod(await stub.ClusterStatus(router_pb2.ClusterStatusRequest()))
 
             # --- 32 concurrent requests, watching ClusterStatus while they run ---
@@ -325,10 +329,10 @@ def test_decode_pod_killed_mid_stream_ends_with_unavailable_after_tokens(cluster
         assert n >= 1 and msgs[-1].usage.completion_tokens == n  # every token sent once, counted once
 
 
-def test_prefill_pod_killed_is_retried_on_the_other(cluster, tiny_model):
+def test_prefill_pod_killed_is_retried_on_the_other(cluster, tiny_model, metrics_port):
     ps = prompts(8, seed=5)
     want = reference(tiny_model, ps, 1)
-    before = metric(cluster, "pdserve_router_prefill_retries_total")
+    before = metric(metrics_port, "pdserve_router_prefill_retries_total")
     cluster.kill("p1")  # the router still lists it READY until its heartbeats are missed
 
     async def body():
@@ -341,4 +345,4 @@ def test_prefill_pod_killed_is_retried_on_the_other(cluster, tiny_model):
         assert code == grpc.StatusCode.OK, details
         assert [t for m in msgs for t in m.token_ids] == w
         assert msgs[-1].routing.prefill_pod_id == "p0"
-    assert metric(cluster, "pdserve_router_prefill_retries_total") > before
+    assert metric(metrics_port, "pdserve_router_prefill_retries_total") > before

@@ -11,7 +11,6 @@ every wait is a poll with a generous deadline: "within N seconds, no hang", neve
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
 import signal
@@ -27,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, \
     router_pb2_grpc
-from e2e_helpers import Cluster
+from e2e_helpers import e2e_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -55,29 +54,28 @@ def tiny_model(tmp_path_factory, smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model):
-    metrics_port = _free_port()
-    c = Cluster(tmp_path_factory.mktemp("faults"), tiny_model, num_prefill=2, num_decode=2, decode_tp=2,
-                decode_dcp=2, num_kv_blocks=256,
-                router_args=["--metrics-port", str(metrics_port)],
-                prefill_args=["--lease-ttl-s", str(LEASE_TTL_S), "--no-prefix-caching"],
-                decode_args=["--kv-transfer-timeout-s", str(KV_TRANSFER_TIMEOUT_S)])
-    c.metrics_port = metrics_port
+def metrics_port():
+    """The router's Prometheus port."""
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model, metrics_port):
+    c = e2e_cluster(tmp_path_factory.mktemp("faults"), tiny_model, num_prefill=2, num_decode=2, decode_tp=2,
+                    decode_dcp=2, num_kv_blocks=256,
+                    router_args=["--metrics-port", str(metrics_port)],
+                    prefill_args=["--lease-ttl-s", str(LEASE_TTL_S), "--no-prefix-caching"],
+                    decode_args=["--kv-transfer-timeout-s", str(KV_TRANSFER_TIMEOUT_S)])
     c.start()
     try:
         yield c
     finally:
-        for p in c.procs.values():  # a test that failed half-way may leave a pod stopped
-            _signal_group(p.popen, signal.SIGCONT)
+        for s in c.services:  # a test that failed half-way may leave a pod stopped
+            c.kill(s.name, signal.SIGCONT)
         c.stop()
 
 
 # --- helpers ---
-def _signal_group(popen, sig: int) -> None:
-    try:
-        os.killpg(popen.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def prompts(n: int, seed: int, lo: int = 5, hi: int = 60) -> list[list[int]]:
@@ -144,7 +142,7 @@ def kv_free(st: dict[str, router_pb2.PodStatus], pod: str) -> list[int]:
     return [k.free_blocks for k in st[pod].kv]
 
 
-async def wait_kv(stub, cluster: Cluster, want: dict[str, list[int]], what: str, timeout: float = BOUND_S):
+async def wait_kv(stub, cluster, want: dict[str, list[int]], what: str, timeout: float = BOUND_S):
     """Free KV per rank of the pods in ``want`` (as the pods themselves report it in heartbeats) equals ``want``."""
     async def check():
         st = await pods(stub)
@@ -154,10 +152,10 @@ async def wait_kv(stub, cluster: Cluster, want: dict[str, list[int]], what: str,
     try:
         return await wait_for(what, check, timeout)
     except AssertionError as e:
-        raise AssertionError(f"{e}\nwanted {want}\n{cluster.logs(15)}") from None
+        raise AssertionError(f"{e}\nwanted {want}\n{cluster.log_tails(15)}") from None
 
 
-async def settled_kv(stub, cluster: Cluster, names: list[str]) -> dict[str, list[int]]:
+async def settled_kv(stub, cluster, names: list[str]) -> dict[str, list[int]]:
     """Free KV of ``names`` once idle: every block free (nothing in flight when this is called)."""
     st = await pods(stub)
     full = {p: [k.total_blocks for k in st[p].kv] for p in names}
@@ -172,15 +170,15 @@ async def require_ready(stub, names: set[str]) -> None:
     await wait_for(f"pods {sorted(names)} READY", ok)
 
 
-def metric(c: Cluster, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=10).read().decode()
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
-def rank_processes(c: Cluster, pod: str) -> list[psutil.Process]:
+def rank_processes(c, pod: str) -> list[psutil.Process]:
     """The spawned TP rank processes (ranks 1..N-1) of a decode pod: its multiprocessing spawn children."""
-    kids = psutil.Process(c.procs[pod].popen.pid).children(recursive=True)
+    kids = psutil.Process(c.service(pod).pid).children(recursive=True)
     return [k for k in kids if any("spawn_main" in a for a in k.cmdline())]
 
 
@@ -205,8 +203,8 @@ def test_router_restart_pods_register_again_and_requests_work(cluster, tiny_mode
             await require_ready(router_pb2_grpc.RouterStub(ch), every)
 
     asyncio.run(before())
-    log_sizes = {p: cluster.procs[p].log.stat().st_size for p in every}
-    cluster.restart_router()
+    log_sizes = {p: cluster.service(p).log_path.stat().st_size for p in every}
+    cluster.restart("router")
     restarted = time.monotonic()
 
     async def after():
@@ -223,11 +221,11 @@ def test_router_restart_pods_register_again_and_requests_work(cluster, tiny_mode
 
     results = asyncio.run(after())
     for p in every:  # each pod's own registrar noticed (heartbeat answered "unknown pod") and registered again
-        with open(cluster.procs[p].log, errors="replace") as f:
+        with open(cluster.service(p).log_path, errors="replace") as f:
             f.seek(log_sizes[p])
-            assert "registering again" in f.read(), cluster.procs[p].tail()
+            assert "registering again" in f.read(), cluster.service(p).log_tail()
     for (msgs, code, details), w in zip(results, want):
-        assert code == grpc.StatusCode.OK, details + "\n" + cluster.logs(15)
+        assert code == grpc.StatusCode.OK, details + "\n" + cluster.log_tails(15)
         assert tokens(msgs) == w
         assert msgs[-1].routing.decode_pod_id in ("d0", "d1")
 
@@ -270,7 +268,7 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
             try:
                 # (a) prefill stops answering after it published.
                 params, pre = await allocate_and_prefill("stall-a", ps[0])
-                _signal_group(cluster.procs["p0"].popen, signal.SIGSTOP)
+                cluster.kill("p0", signal.SIGSTOP)
                 t0 = time.monotonic()
                 call = dstub.Decode(decode_pb2.DecodeRequest(
                     request_id="stall-a", prompt_token_ids=ps[0], first_token_id=pre.first_token_id,
@@ -287,7 +285,7 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
                     err.value.details()
                 await wait_kv(stub, cluster, {"d0": baseline["d0"]}, "d0's KV freed after the failed pull")
             finally:
-                _signal_group(cluster.procs["p0"].popen, signal.SIGCONT)
+                cluster.kill("p0", signal.SIGCONT)
             await wait_kv(stub, cluster, baseline, "p0's lease expired after SIGCONT", timeout=BOUND_S + LEASE_TTL_S)
 
             # (b) a decode side that reserves and never pulls.
@@ -369,11 +367,11 @@ def test_decode_rank_killed_mid_stream(cluster, tiny_model):
         assert code == grpc.StatusCode.OK, details
         assert msgs[-1].routing.decode_pod_id == "d0" and tokens(msgs) == w
     assert st["d1"].state == UNHEALTHY and st["d0"].state == READY
-    assert "rank 1" in cluster.procs["d1"].log.read_text(errors="replace")  # the pod's log names the dead rank
+    assert "rank 1" in cluster.service("d1").log_path.read_text(errors="replace")  # the pod's log names the dead rank
 
 
 # --- 2. a prefill pod dies with queued work ---
-def test_prefill_pod_killed_with_queued_requests_retries_elsewhere(cluster, tiny_model):
+def test_prefill_pod_killed_with_queued_requests_retries_elsewhere(cluster, tiny_model, metrics_port):
     """Requests queued on prefill pod p1 when it is SIGKILLed are retried on p0 and all complete with the right
     greedy tokens (none lost, none duplicated: each request's tokens equal the offline engine's exactly, each
     request id answered once); the router stops placing on p1 and d0's KV returns to its baseline (the decode
@@ -392,8 +390,8 @@ def test_prefill_pod_killed_with_queued_requests_retries_elsewhere(cluster, tiny
             stub = router_pb2_grpc.RouterStub(ch)
             await require_ready(stub, {"p0", "p1", "d0"})
             baseline = await settled_kv(stub, cluster, ["d0"])
-            retries0 = metric(cluster, "pdserve_router_prefill_retries_total")
-            _signal_group(cluster.procs["p1"].popen, signal.SIGSTOP)
+            retries0 = metric(metrics_port, "pdserve_router_prefill_retries_total")
+            cluster.kill("p1", signal.SIGSTOP)
             tasks = [asyncio.ensure_future(collect(stub, greedy(p, 8, rid=f"queued-{i}"))) for i, p in enumerate(ps)]
 
             async def queued_on_p1():  # several, or as many as the router placed before p1 went UNHEALTHY (silent)
@@ -413,13 +411,13 @@ def test_prefill_pod_killed_with_queued_requests_retries_elsewhere(cluster, tiny
 
             await wait_for("p1 no longer READY in ClusterStatus", p1_out)
             newer = await asyncio.gather(*(collect(stub, greedy(p, 4)) for p in later))
-            retries = metric(cluster, "pdserve_router_prefill_retries_total") - retries0
+            retries = metric(metrics_port, "pdserve_router_prefill_retries_total") - retries0
             await wait_kv(stub, cluster, baseline, "d0's KV back at baseline")
             return on_p1, results, newer, retries
 
     on_p1, results, newer, retries = asyncio.run(body())
     for i, ((msgs, code, details), w) in enumerate(zip(results, want)):
-        assert code == grpc.StatusCode.OK, (code, details, cluster.logs(15))
+        assert code == grpc.StatusCode.OK, (code, details, cluster.log_tails(15))
         assert tokens(msgs) == w, i
         assert {m.request_id for m in msgs} == {f"queued-{i}"}
         assert msgs[-1].routing.prefill_pod_id == "p0" and msgs[-1].usage.completion_tokens == len(w)

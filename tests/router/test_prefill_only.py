@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from e2e_helpers import Cluster
+from e2e_helpers import e2e_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def prefill_only_cluster(tmp_path_factory, smollm2_path):
 
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-prefill-only"), "llama", num_kv_heads=1,
                                   tokenizer_from=smollm2_path)
-    c = Cluster(tmp_path_factory.mktemp("cluster"), model, num_prefill=1, num_decode=0, num_kv_blocks=64)
+    c = e2e_cluster(tmp_path_factory.mktemp("cluster"), model, num_prefill=1, num_decode=0, num_kv_blocks=64)
     c.start()
     try:
         yield c

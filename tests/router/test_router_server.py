@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, router_pb2
-from e2e_helpers import REPO, _env
+from e2e_helpers import REPO, service_env
 from router_helpers import register_request, run, running_router, stubs
 
 
@@ -29,7 +29,7 @@ def _free_port() -> int:
 def test_python_m_router_serves_health_and_metrics_then_drains_on_sigterm(smollm2_path):
     mport = _free_port()
     p = subprocess.Popen([sys.executable, "-u", "-m", "router", "--port", "0", "--metrics-port", str(mport),
-                          "--drain-timeout-s", "5"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          "--drain-timeout-s", "5"], cwd=REPO, env=service_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
         line = ""
@@ -55,8 +55,8 @@ def test_python_m_router_serves_health_and_metrics_then_drains_on_sigterm(smollm
 
 
 def test_bad_config_exits_2_with_the_field():
-    r = subprocess.run([sys.executable, "-m", "router", "--port", "-5"], cwd=REPO, env=_env(), capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "router", "--port", "-5"], cwd=REPO, env=service_env(),
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "RouterConfig.port" in r.stderr
 
 
@@ -106,7 +106,7 @@ def test_python_m_router_runs_on_the_chosen_event_loop(smollm2_path):
     pytest.importorskip("uvloop")
     for flag, want in ((["--event-loop", "asyncio"], "asyncio"), ([], "uvloop")):
         p = subprocess.Popen([sys.executable, "-u", "-m", "router", "--port", "0", "--log-level", "INFO", *flag],
-                             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             cwd=REPO, env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             seen, t0 = [], time.monotonic()
             while not any("pdserve router listening" in s for s in seen):

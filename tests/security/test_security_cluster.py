@@ -5,6 +5,7 @@ the Registry and never listed; a KV handshake without the cluster token is refus
 oversized messages to the pods are refused while they keep serving."""
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,10 @@ from kv_transfer.transport import PROTOCOL_VERSION, Endpoint, HandshakeTimeout, 
 from pdserve.client import Client
 from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig, sync_channel
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from e2e_helpers import Cluster
+from pdserve.cli_config import argv_for
+from pdserve.cluster.supervisor import LocalCluster
+from prefill_svc.config import PrefillConfig
+from e2e_helpers import REPO, e2e_cluster, service_env, wait_for_log
 from security_helpers import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(900)
@@ -42,9 +46,10 @@ def tiny_model(tmp_path_factory, smollm2_path):
                                  tokenizer_from=smollm2_path)
 
 
-def service_flags(pki: Pki) -> list[str]:
-    return ["--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
-            "--tls-ca-file", str(pki.ca), "--tls-require-client-cert"]
+def service_tls(pki: Pki) -> TLSConfig:
+    """What every service serves (mutual TLS); the supervisor presents the same certificate when it checks them."""
+    return TLSConfig(cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca),
+                     require_client_cert=True)
 
 
 def client_tls(pki: Pki) -> TLSConfig:
@@ -53,13 +58,10 @@ def client_tls(pki: Pki) -> TLSConfig:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model, pki):
-    tls = service_flags(pki)
-    c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_model, num_prefill=1, num_decode=1, decode_tp=1,
-                decode_dcp=1, num_kv_blocks=128,
-                router_args=[*tls, "--cluster-token", TOKEN, "--api-key", KEY],
-                prefill_args=[*tls, "--cluster-token", TOKEN, "--kv-transport", "tcp"],
-                decode_args=[*tls, "--cluster-token", TOKEN, "--kv-transfer-backend", "tcp"],
-                client_tls=client_tls(pki), api_key=KEY)
+    c = e2e_cluster(tmp_path_factory.mktemp("cluster"), tiny_model, num_prefill=1, num_decode=1, decode_tp=1,
+                    decode_dcp=1, num_kv_blocks=128, prefill_args=["--kv-transport", "tcp"],
+                    decode_args=["--kv-transfer-backend", "tcp"], tls=service_tls(pki), cluster_token=TOKEN,
+                    api_key=KEY)
     c.start()
     try:
         yield c
@@ -67,7 +69,7 @@ def cluster(tmp_path_factory, tiny_model, pki):
         c.stop()
 
 
-def sdk(c: Cluster, pki: Pki) -> Client:
+def sdk(c: LocalCluster, pki: Pki) -> Client:
     return Client(c.router_address, root_ca=str(pki.ca), client_cert=str(pki.client_cert),
                   client_key=str(pki.client_key), api_key=KEY, timeout=120)
 
@@ -89,21 +91,27 @@ def test_mtls_client_with_key_gets_the_reference_tokens(cluster, tiny_model, pki
 def test_pod_with_wrong_token_is_refused_and_never_listed(cluster, tiny_model, pki):
     """A prefill pod (valid certificate) presenting the wrong cluster token: the Registry answers UNAUTHENTICATED
     (the pod logs it) and the pod never appears in ClusterStatus."""
-    bad = cluster._spawn("intruder", ["prefill_svc", "--model", str(tiny_model), "--port", "0", "--pod-id",
-                                      "intruder", "--router", cluster.router_address, "--cluster-token", "guess",
-                                      "--kv-transport", "none", "--heartbeat-interval-s", "0.25",
-                                      *service_flags(pki)])
+    tls = service_tls(pki)
+    argv = argv_for(PrefillConfig, model=str(tiny_model), port=0, pod_id="intruder",
+                    router_address=cluster.router_address, cluster_token="guess", kv_transport="none",
+                    heartbeat_interval_s=0.25, tls_cert_file=tls.cert_file, tls_key_file=tls.key_file,
+                    tls_ca_file=tls.ca_file, tls_require_client_cert=True)
+    log = cluster.log_dir / "intruder.log"
+    with open(log, "wb") as out:  # a pod outside the cluster: started by hand, not by the supervisor
+        bad = subprocess.Popen([sys.executable, "-m", "prefill_svc", *argv], cwd=REPO, env=service_env(),
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        cluster._wait_for(bad, r"UNAUTHENTICATED", timeout=300)
+        wait_for_log(bad, log, r"UNAUTHENTICATED", timeout=300)
         with sdk(cluster, pki) as c:
             for _ in range(3):  # several heartbeat intervals later: still not there
                 assert "intruder" not in {p.pod_id for p in c.cluster_status().pods}
                 time.sleep(0.3)
     finally:
-        cluster.kill("intruder")
+        bad.kill()
+        bad.wait(timeout=30)
 
 
-def _pods(cluster: Cluster, pki: Pki) -> dict[int, common_pb2.Role]:
+def _pods(cluster: LocalCluster, pki: Pki) -> dict[int, common_pb2.Role]:
     with sdk(cluster, pki) as c:
         return {p.role: p for p in c.cluster_status().pods}
 

@@ -9,7 +9,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import grpc
 
@@ -24,6 +24,16 @@ from pdserve.pod.engine_thread import EngineThread, dead_ranks
 log = logging.getLogger("decode_svc.engine")
 
 Sink = Callable[[RequestOutput | Failure], None]
+
+
+class RequestObserver(Protocol):
+    """Sees every subscribed request's start, events and end on the engine thread (the vLLM-named metrics)."""
+
+    def started(self, request_id: str) -> None: ...
+
+    def event(self, ev: RequestOutput | Failure) -> None: ...
+
+    def dropped(self, request_id: str) -> None: ...
 
 
 class EngineStopped(Unavailable):
@@ -62,6 +72,7 @@ class EngineLoop:
         self._steps = 0
         # Called once, on the engine thread, when the engine fails (e.g. RankDied); the server turns unhealthy.
         self.on_failure: Callable[[BaseException], None] | None = None
+        self.observer: RequestObserver | None = None
 
     # --- lifecycle ---
     def start(self, timeout_s: float = 600.0) -> None:
@@ -107,9 +118,12 @@ class EngineLoop:
     def subscribe(self, request_id: str, sink: Sink) -> None:
         """Engine thread (inside a command): route request_id's events to sink until its final one."""
         self._sinks[request_id] = sink
+        if self.observer is not None:
+            self.observer.started(request_id)
 
     def unsubscribe(self, request_id: str) -> None:
-        self._sinks.pop(request_id, None)
+        if self._sinks.pop(request_id, None) is not None and self.observer is not None:
+            self.observer.dropped(request_id)
 
     def emit(self, ev: RequestOutput | Failure) -> None:
         """Engine thread: hand an event to its subscriber (dropping the subscription when it is final)."""
@@ -118,6 +132,11 @@ class EngineLoop:
             return
         if ev.finished:
             del self._sinks[ev.request_id]
+        if self.observer is not None:
+            try:
+                self.observer.event(ev)
+            except Exception:  # metrics must not stop the pod
+                log.exception("metrics of %s failed", ev.request_id)
         try:
             sink(ev)
         except Exception:  # a broken subscriber must not stop the pod

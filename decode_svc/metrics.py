@@ -1,6 +1,8 @@
-"""Prometheus metrics of a decode pod, read from the engine thread's latest PodStats at scrape time."""
+"""Prometheus metrics of a decode pod, read from the engine thread's latest PodStats at scrape time, plus the
+vLLM-named families (pdserve/pod/vllm_metrics.py) a decode pod measures."""
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -8,14 +10,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from decode_svc.engine_loop import PodStats
+from decode_svc.pod import Failure
+from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.sequence import FinishReason
+from pdserve.pod.vllm_metrics import DecodeVllmMetrics, OnScrape, kv_usage
+
+# pdserve's finish reasons as vLLM's finished_reason label values
+_VLLM_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort",
+                FinishReason.ERROR: "error"}
 
 
 class DecodeCollector(Collector):
     def __init__(self, stats: Callable[[], PodStats], pod_id: str, draining: Callable[[], bool]) -> None:
-        self._stats, self._pod, self._draining = stats, pod_id, draining
+        self.stats, self._pod, self._draining = stats, pod_id, draining
 
     def collect(self) -> Iterator:
-        s = self._stats()
+        s = self.stats()
         pod = self._pod
         g = GaugeMetricFamily("pdserve_decode_running_seqs", "Sequences in the running decode batch", labels=["pod"])
         g.add_metric([pod], s.running)
@@ -53,8 +63,58 @@ class DecodeCollector(Collector):
         yield g
 
 
-def start_metrics_server(port: int, host: str, collector: DecodeCollector) -> tuple[CollectorRegistry, object]:
+class _Times:
+    __slots__ = ("started", "last")
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.last: float | None = None  # when the request's latest token was emitted
+
+
+class VllmDecodeObserver:
+    """The engine loop's RequestObserver: times each subscribed request's tokens into the vLLM-named families.
+
+    A request's first event is prefill's first token landing with its KV (not sampled here): it starts the
+    inter-token clock but is no gap of this pod's. e2e runs from the Decode call taking the request to its end."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, stats: Callable[[], PodStats]) -> None:
+        self._stats = stats
+        registry.register(OnScrape(self.refresh))  # before the families: a registry collects in that order
+        self.vllm = DecodeVllmMetrics(registry, model_name)
+        self._times: dict[str, _Times] = {}  # engine thread only
+
+    def started(self, request_id: str) -> None:
+        self._times[request_id] = _Times(time.monotonic())
+
+    def dropped(self, request_id: str) -> None:
+        self._times.pop(request_id, None)
+
+    def event(self, ev: RequestOutput | Failure) -> None:
+        t = self._times.get(ev.request_id)
+        if t is None:
+            return
+        now = time.monotonic()
+        if isinstance(ev, RequestOutput) and ev.new_token_ids:
+            if t.last is not None:
+                self.vllm.token_gap(now - t.last)
+            t.last = now
+        if ev.finished:
+            del self._times[ev.request_id]
+            reason = _VLLM_REASON.get(ev.finish_reason, "error") if isinstance(ev, RequestOutput) else "error"
+            self.vllm.finished(now - t.started, reason)
+
+    def refresh(self) -> None:
+        s = self._stats()
+        self.vllm.set_state(s.running, s.waiting,
+                            max((kv_usage(u, u + f) for u, f in zip(s.blocks_used, s.blocks_free)), default=0.0))
+        self.vllm.set_generated(s.generated_tokens)
+
+
+def start_metrics_server(port: int, host: str, collector: DecodeCollector,
+                         model_name: str) -> tuple[VllmDecodeObserver, object]:
+    """Serve /metrics; the returned observer is the engine loop's, feeding the vLLM-named histograms."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    observer = VllmDecodeObserver(registry, model_name, collector.stats)
     server, _thread = start_http_server(port, addr=host, registry=registry)
-    return registry, server
+    return observer, server

@@ -100,8 +100,9 @@ class DecodeServer:
         await self._server.start()
         if self.config.serving.metrics_port is not None:  # 0: any free port
             collector = DecodeCollector(lambda: self.engine.stats, self.config.serving.pod_id, lambda: self.draining)
-            _, self._metrics_http = start_metrics_server(self.config.serving.metrics_port, self.config.serving.host,
-                                                         collector)
+            self.engine.observer, self._metrics_http = start_metrics_server(
+                self.config.serving.metrics_port, self.config.serving.host, collector,
+                self.config.serving.served_model_name or Path(self.config.engine.model).name)
             self.metrics_port = self._metrics_http.server_port
         await set_health(self._health, SERVICE_NAME, serving=True)
         self._model_shape = await self.call(self._model_shape_of)

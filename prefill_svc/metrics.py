@@ -1,4 +1,5 @@
-"""Prometheus metrics of a prefill pod (one registry per server, plus kv_transfer's process-wide lease metrics)."""
+"""Prometheus metrics of a prefill pod (one registry per server, plus kv_transfer's process-wide lease metrics, plus
+the vLLM-named families of pdserve/pod/vllm_metrics.py that a prefill pod measures)."""
 from __future__ import annotations
 
 import threading
@@ -7,7 +8,8 @@ from collections.abc import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from prefill_svc.worker import Stats
+from pdserve.pod.vllm_metrics import PrefillVllmMetrics, kv_usage
+from prefill_svc.worker import PrefillResult, Stats
 
 
 class _Chain:
@@ -74,11 +76,26 @@ class PrefillMetrics:
                                          buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.leases_freed = Counter("pdserve_prefill_kv_leases_freed", "KV leases whose blocks went back, by reason",
                                     ["reason"], registry=r)
+        self.vllm: PrefillVllmMetrics | None = None
         self._last: Stats | None = None
         self._rate_t, self._rate_tokens = time.monotonic(), 0
         self.last_tokens_per_s = 0.0
         self.http_port: int | None = None
         self._http = None
+
+    def enable_vllm(self, model_name: str) -> None:
+        """Add the vLLM-named families, labelled with the model name the pod serves (known once it loaded)."""
+        with self._lock:
+            if self.vllm is None:
+                self.vllm = PrefillVllmMetrics(self.registry, model_name)
+
+    def observe(self, res: PrefillResult) -> None:
+        """A Prefill answered with its first token."""
+        self.queue_seconds.observe(res.queue_s)
+        self.compute_seconds.observe(res.compute_s)
+        if self.vllm is not None:  # TTFT as this pod sees it: the prompt's arrival here to its first token
+            self.vllm.first_token(res.queue_s + res.compute_s, res.num_prompt_tokens,
+                                  res.finish_reason if res.finished else None)
 
     def update(self, s: Stats) -> None:
         with self._lock:
@@ -103,6 +120,8 @@ class PrefillMetrics:
         self.kv_free_blocks.set(s.free_blocks)
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
+        if self.vllm is not None:
+            self.vllm.set_state(s.num_running, s.num_waiting, kv_usage(s.total_blocks - s.free_blocks, s.total_blocks))
         self._last = s
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:

@@ -97,8 +97,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             raise InvalidArgument(problem)
         res = await s.worker.prefill(request.request_id, list(request.prompt_token_ids), params, client,
                                      lease_id=request.lease_id or None, ttl_s=request.lease_ttl_s or None)
-        s.metrics.queue_seconds.observe(res.queue_s)
-        s.metrics.compute_seconds.observe(res.compute_s)
+        s.metrics.observe(res)
         return s.response(res, mode)
 
     @grpc_errors
@@ -137,6 +136,7 @@ class PrefillServer:
         eng = self.worker.engine
         if self.model_name is None:
             self.model_name = Path(eng.config.model).name
+        self.metrics.enable_vllm(self.model_name)
         self.server = grpc.aio.server(options=grpc_options(extra=[("grpc.so_reuseport", 0)]))
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

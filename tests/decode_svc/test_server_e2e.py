@@ -1,14 +1,13 @@
 """The decode service end to end, in a subprocess started the way operators start it (python -m decode_svc, TP 2,
 DCP 2): AllocateKV -> KV delivered (file handle, and pulled over kv_transfer from a prefill engine) -> Decode
-stream (token-identical to transformers) -> CancelDecode frees blocks; grpc.health.v1; Prometheus gauges; SIGTERM
-drains (in-flight streams finish, new calls get UNAVAILABLE); an invalid parallel config refuses to start with the
-rule's message."""
+stream (token-identical to transformers) -> CancelDecode frees blocks; grpc.health.v1; Prometheus gauges, also
+under vLLM's names; SIGTERM drains (in-flight streams finish, new calls get UNAVAILABLE); an invalid parallel
+config refuses to start with the rule's message."""
 from __future__ import annotations
 
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dsvc_helpers import PROMPTS, hf_greedy, prefill_and_publish, tcp_publisher
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.pod.convert import handoff_to_kv_handle
+from pdserve.pod.vllm_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS
+from vllm_metrics_helpers import bucket_bounds, scrape_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 64
@@ -70,17 +71,11 @@ def registry():
     server.stop(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Pod:
     def __init__(self, model: Path, *args: str) -> None:
-        self.metrics_port = _free_port()
+        self.model_name = model.name
         cmd = [sys.executable, "-m", "decode_svc", "--model", str(model), "--port", "0",
-               "--metrics-port", str(self.metrics_port), "--block-size", str(BLOCK),
+               "--metrics-port", "0", "--block-size", str(BLOCK),
                "--num-kv-blocks", str(NUM_BLOCKS), "--allow-file-kv", "--log-level", "WARNING", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -100,6 +95,7 @@ class Pod:
             raise AssertionError("decode_svc did not start:\n" + "".join(self.lines))
         line = next(x for x in self.lines if "decode_svc ready" in x)
         self.port = int(re.search(r"DecodeWorker on [^:]+:(\d+)", line).group(1))
+        self.metrics_port = int(re.search(r"metrics on [^:]+:(\d+)", line).group(1))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = decode_pb2_grpc.DecodeWorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -112,6 +108,9 @@ class Pod:
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out
+
+    def vllm(self) -> tuple[dict[str, float], dict[str, str]]:
+        return scrape_vllm(self.metrics_port, self.model_name)
 
     def free_blocks(self) -> list[float]:
         m = self.metrics()
@@ -203,6 +202,14 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
         pod.wait_free([NUM_BLOCKS - 3, NUM_BLOCKS - 3])  # the gauges follow the next stats refresh
         m = pod.metrics()
         assert m['pdserve_decode_kv_blocks_used{pod="decode-0",rank="0"}'] == 3
+        v, types = pod.vllm()
+        assert v["vllm:kv_cache_usage_perc"] == 3 / NUM_BLOCKS and v["vllm:num_requests_running"] == 0
+        # the first token and its prompt are the prefill pod's: no TTFT or prompt tokens here
+        assert "vllm:time_to_first_token_seconds" not in types and "vllm:prompt_tokens" not in types
+        assert types["vllm:inter_token_latency_seconds"] == "histogram" and types["vllm:generation_tokens"] == "counter"
+        assert bucket_bounds(v, "vllm:inter_token_latency_seconds") == [*ITL_BUCKETS, float("inf")]
+        assert bucket_bounds(v, "vllm:time_per_output_token_seconds") == [*ITL_BUCKETS, float("inf")]
+        assert bucket_bounds(v, "vllm:e2e_request_latency_seconds") == [*REQUEST_LATENCY_BUCKETS, float("inf")]
 
         with pytest.raises(grpc.RpcError) as ei:
             pod.stub.AllocateKV(decode_pb2.AllocateKVRequest(request_id="a", num_tokens=5))
@@ -231,6 +238,16 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
         assert len(chunks) > 1  # streamed as produced, not in one piece
         pod.wait_free([NUM_BLOCKS, NUM_BLOCKS])
         assert pod.metrics()['pdserve_decode_generated_tokens_total{pod="decode-0"}'] >= 31
+        # vLLM's names: the 31 tokens this pod sampled, one gap each (the first timed from prefill's token landing)
+        v, _ = pod.vllm()
+        assert v["vllm:generation_tokens_total"] == 31
+        assert v["vllm:inter_token_latency_seconds_count"] == 31 == v["vllm:time_per_output_token_seconds_count"]
+        assert 0 < v["vllm:inter_token_latency_seconds_sum"] < v["vllm:e2e_request_latency_seconds_sum"]
+        assert v["vllm:e2e_request_latency_seconds_count"] == 1
+        assert v['vllm:request_success_total{finished_reason="length"}'] == 1
+        assert v['vllm:request_success_total{finished_reason="stop"}'] == 0
+        assert (v["vllm:num_requests_running"], v["vllm:num_requests_waiting"], v["vllm:kv_cache_usage_perc"]) == \
+            (0, 0, 0)
 
         # The real handoff: KV published by a prefill engine over kv_transfer (TCP), pulled by every decode rank.
         standin = prefill_standins["mqa"]
@@ -264,6 +281,12 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
         assert [first0] + streamed[:31] == want[0][:len(streamed[:31]) + 1]
         pod.wait_free([NUM_BLOCKS, NUM_BLOCKS])
         assert not pod.stub.CancelDecode(decode_pb2.CancelDecodeRequest(request_id="nope")).found
+        v, _ = pod.vllm()  # "a", "t" ran to their length; "b" was cancelled: vLLM's abort
+        assert v['vllm:request_success_total{finished_reason="length"}'] == 2
+        assert v['vllm:request_success_total{finished_reason="abort"}'] == 1
+        assert v["vllm:e2e_request_latency_seconds_count"] == 3 and v["vllm:num_requests_running"] == 0
+        assert v["vllm:generation_tokens_total"] == \
+            pod.metrics()['pdserve_decode_generated_tokens_total{pod="decode-0"}'] == 31 + 31 + len(streamed)
 
         # A client that closes its stream frees the blocks too.
         stream = pod.stub.Decode(_request("c", prompt0, first0, lp0, kv0, 3000))

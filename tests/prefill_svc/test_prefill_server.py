@@ -1,6 +1,7 @@
 """The prefill pod as operators start it (python -m prefill_svc, a subprocess): Prefill returns the first token and a
-KV lease, ReleaseKV frees the blocks, grpc.health.v1 SERVING, Prometheus metrics, registration + heartbeats with a
-router's Registry, and SIGTERM drains (held work finishes, new work gets UNAVAILABLE)."""
+KV lease, ReleaseKV frees the blocks, grpc.health.v1 SERVING, Prometheus metrics (also under vLLM's names),
+registration + heartbeats with a router's Registry, and SIGTERM drains (held work finishes, new work gets
+UNAVAILABLE)."""
 from __future__ import annotations
 
 import json
@@ -19,9 +20,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.pod.vllm_metrics import TTFT_BUCKETS
 from prefill_ref import hf_prefill, random_prompt
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2, registry_pb2_grpc
+from vllm_metrics_helpers import bucket_bounds, scrape_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 512
@@ -200,6 +203,38 @@ def test_metrics_exposed(pod):
     assert m["pdserve_prefill_prefix_cache_hit_tokens_total"] == 192
     assert m["pdserve_prefill_prompt_tokens_computed_total"] >= 200 + 3
     assert m['pdserve_prefill_requests_total{code="OK"}'] == 2
+
+
+def test_vllm_named_metrics(pod, tiny_model):
+    def scrape():
+        return scrape_vllm(pod.info["metrics_port"], Path(tiny_model).name)
+
+    # so far: "r1" (200 tokens) and "r2" (195) got their first token; "long" was cancelled before it
+    v, types = scrape()
+    assert v["vllm:prompt_tokens_total"] == 200 + 195 and v["vllm:generation_tokens_total"] == 2
+    assert v["vllm:time_to_first_token_seconds_count"] == 2 and v["vllm:time_to_first_token_seconds_sum"] > 0
+    assert bucket_bounds(v, "vllm:time_to_first_token_seconds") == [*TTFT_BUCKETS, float("inf")]
+    assert (v["vllm:num_requests_running"], v["vllm:num_requests_waiting"], v["vllm:kv_cache_usage_perc"]) == (0, 0, 0)
+    assert types["vllm:num_requests_running"] == "gauge" and types["vllm:prompt_tokens"] == "counter"
+    # both requests go on to decode: they finish there, and their later tokens are timed there
+    assert all(v[f'vllm:request_success_total{{finished_reason="{r}"}}'] == 0 for r in ("stop", "length", "abort"))
+    assert not {"vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds"} & set(types)
+
+    # a lease holds its blocks: 40 tokens in 3 blocks, in use until released
+    resp = pod.stub.Prefill(greedy_request("v1", random_prompt(40, seed=15)), timeout=60)
+    pod.wait_metric("pdserve_prefill_kv_held_blocks", lambda x: x == 3)
+    assert scrape()[0]["vllm:kv_cache_usage_perc"] == 3 / NUM_BLOCKS
+    assert pod.stub.ReleaseKV(prefill_pb2.ReleaseKVRequest(lease_id=resp.kv_handle.lease_id)).released
+    pod.wait_metric("pdserve_prefill_kv_free_blocks", lambda x: x == NUM_BLOCKS)
+    # a request that ends at its first token ends on this pod
+    req = greedy_request("v2", random_prompt(20, seed=16))
+    req.sampling_params.max_tokens = 1
+    assert pod.stub.Prefill(req, timeout=60).finished
+    v, _ = scrape()
+    assert v['vllm:request_success_total{finished_reason="length"}'] == 1
+    assert v["vllm:prompt_tokens_total"] == 200 + 195 + 40 + 20 and v["vllm:generation_tokens_total"] == 4
+    assert v["vllm:time_to_first_token_seconds_count"] == 4
+    assert (v["vllm:num_requests_running"], v["vllm:kv_cache_usage_perc"]) == (0, 0)
 
 
 def test_registers_and_heartbeats(pod, registry):

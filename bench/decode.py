@@ -3,8 +3,8 @@
 1. Decode tokens/s of a decode pod serving SmolLM2-135M at TP 9 (DCP 3, and DCP 1 in the full run), its ranks
    talking through shared memory (the default) and through gloo, at batch 1 and 32 (and 8 in the full run), against
    the in-process engine (TP 1) on the same prompts, and against transformers' generate. The prompt KV reaches the
-   pod through a KVSource from a TP 1 reference engine, as from a prefill pod. Decode = tokens after the first over
-   the time after the first token, on every side.
+   pod over kv_transfer (TCP), published by a TP 1 engine as a prefill pod publishes it. Decode = tokens after the
+   first over the time after the first token, on every side.
 2. KV capacity: for a fixed per-rank KV budget, how many 2,048-token sequences AllocateKV admits at DCP 1, 2 and 3
    (SmolLM2 at TP 9 where the parallel rules allow it; a tiny 12-query / 1-KV-head checkpoint at TP 6 for all three).
    Target: count(DCP d) >= 0.95 * d * count(DCP 1).
@@ -32,14 +32,18 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 # --- decode throughput ---
-def _pod_decode_tok_s(pod, handed: list[tuple[list[int], Any, int, float]], new_tokens: int) -> float:
-    """Submit every request (KV delivered), then time the decode steps until all finished."""
+def _pod_decode_tok_s(pod, prefill, prompts: list[list[int]], new_tokens: int) -> float:
+    """Submit every request (KV pulled from prefill's publisher), then time the decode steps until all finished."""
+    from decode_svc.kv_source import PullerFactory, TransferKVSource
     from pdserve.sampling import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    factory = PullerFactory.for_engine(pod.engine, backend="tcp")
     ids = []
-    for prompt, src, first, lp in handed:
+    for prompt in prompts:
         rid = f"b{time.monotonic_ns()}"
+        first, lp = prefill.prefill(prompt)
+        src = TransferKVSource(prefill.handoff(prompt).to_json(), len(prompt), factory, 120.0)
         out = pod.submit(rid, prompt, sp, first, lp, src)
         if out is None:
             raise RuntimeError("decode pod has too few KV blocks for the benchmark batch")
@@ -83,10 +87,10 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
 
     from decode_svc.config import DecodeConfig
     from pdserve.cli_config import build
-    from decode_svc.kv_source import FileKVSource, prompt_kv_from_engine
     from decode_svc.pod import DecodePod
     from pdserve.default_model import ensure_default_model
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.testing import EnginePrefill
 
     path = str(ensure_default_model())
     batches = (1, 32) if quick else (1, 8, 32)
@@ -94,19 +98,10 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
     new_tokens = 8 if quick else 32
     pods = [(9, 3, "shm"), (9, 3, "gloo")] if quick else [(9, 3, "shm"), (9, 1, "shm"), (9, 3, "gloo")]
     t_start = time.perf_counter()
-    tmp = tempfile.TemporaryDirectory(prefix="pdserve-bench-decode-")
-    # The stand-in prefill pod: prompt KV + first token from a TP 1 engine, saved for FileKVSource. The same engine
-    # is the in-process side of the comparison.
     blocks = math.ceil((prompt_len + new_tokens) / 16) * max(batches) + 8
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=blocks, max_num_seqs=64, enable_prefix_caching=False))
     try:
         prompts = _prompts(max(batches), prompt_len, engine.model_config.vocab_size)
-        handed = []
-        for i, p in enumerate(prompts):
-            src, first, lp = prompt_kv_from_engine(engine, p)
-            f = Path(tmp.name) / f"p{i}.pt"
-            src.save(str(f))
-            handed.append((p, FileKVSource(str(f), len(p)), first, lp))
         _engine_decode_tok_s(engine, prompts[:1], 3)  # warm-up
         engine_tok_s = {bs: _engine_decode_tok_s(engine, prompts[:bs], new_tokens) for bs in batches}
     finally:
@@ -117,6 +112,8 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
     pod_tok_s: dict[tuple[int, int, str], dict[int, float]] = {}
     startup_s: dict[str, float] = {}
     per_seq = prompt_len + new_tokens
+    # The prefill side: every prompt prefilled once by a TP 1 engine, its KV published on a new lease per request.
+    prefill = EnginePrefill(path, num_kv_blocks=math.ceil(prompt_len / 16) * max(batches) + 8)
     for tp, dcp, coll in pods:
         blocks = math.ceil(math.ceil(per_seq / dcp) / 16) * max(batches) + 8
         cfg = build(DecodeConfig, model=path, tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=16,
@@ -125,11 +122,12 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
         pod = DecodePod(cfg)
         startup_s[f"tp{tp}_dcp{dcp}_{coll}"] = time.perf_counter() - t0
         try:
-            _pod_decode_tok_s(pod, handed[:1], 3)  # warm-up
-            pod_tok_s[(tp, dcp, coll)] = {bs: _pod_decode_tok_s(pod, handed[:bs], new_tokens) for bs in batches}
+            _pod_decode_tok_s(pod, prefill, prompts[:1], 3)  # warm-up
+            pod_tok_s[(tp, dcp, coll)] = {bs: _pod_decode_tok_s(pod, prefill, prompts[:bs], new_tokens)
+                                          for bs in batches}
         finally:
             pod.shutdown()
-    tmp.cleanup()
+    prefill.close()
     rows, ratios = [], {}
     for bs in batches:
         row: dict[str, Any] = {"metric": f"decode tok/s, batch {bs}", "engine TP1": engine_tok_s[bs],

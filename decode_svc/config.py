@@ -43,8 +43,6 @@ class DecodeConfig:
         "help": "AllocateKV reservations without a Decode call are freed after this"})
     admission_timeout_s: float = field(default=60.0, metadata={
         "help": "a Decode without reservation waits this long for free blocks"})
-    allow_file_kv: bool = field(default=False, metadata={
-        "help": "accept file:// KV handles (tests / offline use; reads local files named by requests)"})
     kv_transfer_backend: str = field(default="auto", metadata={
         "choices": KV_TRANSFER_BACKENDS, "help": "KV data path for pulls from prefill pods (auto: NIXL when usable, "
                                                  "else TCP)"})

@@ -5,11 +5,8 @@ A KVSource is a small picklable object that is sent to every rank of the pod, to
 ``write_rank(conn, block_table)`` writes exactly that rank's share (its DCP tokens, its KV heads) into the rank's
 cache at the blocks the pod reserved for it, and returns the bytes written.
 
-* TransferKVSource: the real path, a kv_transfer KVPuller on each rank, held by the rank's connector
-  (``puller.pull(handoff, block_table)``).
-* DenseKVSource / FileKVSource: the whole prompt KV as one tensor [layers, 2, tokens, kv_heads, head_dim] (post-RoPE
-  K, as every cache holds it), e.g. computed by a reference engine with ``prompt_kv_from_engine``. Tests and offline
-  tools use these until a prefill pod is involved; the pod code path (reserve -> deliver -> kv_landed) is the same.
+TransferKVSource is the one implementation: a kv_transfer KVPuller on each rank, held by the rank's connector
+(``puller.pull(handoff, block_table)``), reading from whichever prefill pod published the KV.
 """
 from __future__ import annotations
 
@@ -18,9 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import grpc
-import torch
 
-from pdserve.engine.block_manager import dcp_slot
 from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
 from pdserve.errors import ServiceError
 
@@ -47,77 +42,7 @@ class KVSource(Protocol):
         ...
 
 
-def rank_token_slots(runner: "ModelRunner", num_tokens: int,
-                     block_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(absolute positions this rank stores, their flat cache slots) for the first num_tokens tokens."""
-    ps, bs = runner.ps, runner.block_size
-    pos, slots = [], []
-    for t in range(num_tokens):
-        owner, li = dcp_slot(t, ps.dcp_size, ps.dcp_interleave)
-        if owner == ps.dcp_rank:
-            pos.append(t)
-            slots.append(block_table[li // bs] * bs + li % bs)
-    return torch.tensor(pos, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
-
-
-def rank_kv_heads(runner: "ModelRunner") -> list[int]:
-    """Global KV head ids this rank stores (vLLM placement, replicated when TP exceeds the KV heads)."""
-    return list(runner.model.layers[0].self_attn.kv_heads)
-
-
-def write_dense(runner: "ModelRunner", kv: torch.Tensor, block_table: list[int]) -> int:
-    """kv: [layers, 2, tokens, total_kv_heads, head_dim] -> this rank's cache."""
-    cache = runner.kv_cache
-    layers, _, nb, bs, h_local, d = cache.shape
-    if kv.dim() != 5 or kv.shape[0] != layers or kv.shape[1] != 2 or kv.shape[4] != d:
-        raise KVDeliveryError(f"prompt KV has shape {tuple(kv.shape)}, this pod's cache needs "
-                              f"[{layers}, 2, tokens, {runner.cfg.num_kv_heads}, {d}]",
-                              grpc.StatusCode.INVALID_ARGUMENT)
-    if kv.shape[3] != runner.cfg.num_kv_heads:
-        raise KVDeliveryError(f"prompt KV has {kv.shape[3]} KV heads, the model has {runner.cfg.num_kv_heads}",
-                              grpc.StatusCode.INVALID_ARGUMENT)
-    pos, slots = rank_token_slots(runner, kv.shape[2], block_table)
-    heads = torch.tensor(rank_kv_heads(runner), dtype=torch.int64)
-    part = kv.index_select(2, pos).index_select(3, heads).to(cache.device, cache.dtype)
-    flat = cache.view(layers, 2, nb * bs, h_local, d)
-    flat[:, :, slots.to(cache.device)] = part
-    return part.numel() * part.element_size()
-
-
-@dataclass(frozen=True)
-class DenseKVSource:
-    kv: torch.Tensor  # [layers, 2, tokens, total_kv_heads, head_dim]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.kv.shape[2])
-
-    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int:
-        return write_dense(conn.runner, self.kv, block_table)
-
-    def save(self, path: str) -> None:
-        torch.save({"kv": self.kv.contiguous()}, path)
-
-
-@dataclass(frozen=True)
-class FileKVSource:
-    """A DenseKVSource saved with DenseKVSource.save; every rank maps the file itself (nothing big is broadcast)."""
-
-    path: str
-    num_tokens: int
-
-    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int:
-        try:
-            kv = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)["kv"]
-        except (OSError, RuntimeError, KeyError) as e:
-            raise KVDeliveryError(f"cannot read prompt KV from {self.path}: {e}", grpc.StatusCode.NOT_FOUND) from e
-        if kv.shape[2] != self.num_tokens:
-            raise KVDeliveryError(f"{self.path} holds KV for {kv.shape[2]} tokens, the prompt has {self.num_tokens}",
-                                  grpc.StatusCode.INVALID_ARGUMENT)
-        return write_dense(conn.runner, kv, block_table)
-
-
-# --- the real transfer: one kv_transfer KVPuller per rank, created in the rank's own process ---
+# --- one kv_transfer KVPuller per rank, created in the rank's own process ---
 
 
 @dataclass(frozen=True)
@@ -240,43 +165,3 @@ def deliver(executor: "Executor", source: KVSource, tables: list[list[int]]) -> 
                 raise r
             raise KVDeliveryError(f"rank {rank} could not write its KV: {type(r).__name__}: {r}")
     return [int(r) for r in results], time.perf_counter() - t0
-
-
-# --- a stand-in prefill pod: any LLMEngine computes the prompt's KV and first token ---
-def _read_rank_kv(runner: "ModelRunner", table: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
-    cache = runner.kv_cache
-    layers, _, nb, bs, h, d = cache.shape
-    slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(num_tokens)], dtype=torch.int64)
-    return rank_kv_heads(runner), cache.view(layers, 2, nb * bs, h, d)[:, :, slots].cpu().clone()
-
-
-def prompt_kv_from_engine(engine: "LLMEngine", prompt_ids: list[int]) -> tuple[DenseKVSource, int, float]:
-    """Prefill prompt_ids greedily on engine (DCP 1, any TP): (its KV as a DenseKVSource, first token, logprob).
-
-    This is what a prefill pod hands over; tests use it so that the decode pod receives KV computed by the engine
-    through the same delivery path a real transfer uses."""
-    from pdserve.sampling import SamplingParams
-
-    if engine.config.decode_context_parallel_size != 1:
-        raise ValueError("prompt_kv_from_engine needs an engine with DCP 1")
-    rid = f"prefill-ref-{id(prompt_ids)}-{time.monotonic_ns()}"
-    engine.add_request(list(prompt_ids), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), rid)
-    first: tuple[int, float] | None = None
-    try:
-        while first is None:
-            for out in engine.step():
-                if out.request_id == rid:
-                    first = (out.new_token_ids[0], out.new_logprobs[0])
-        seq = next(s for s in engine.scheduler.running if s.request_id == rid)
-        n = len(prompt_ids)
-        parts = engine.executor.call_all_ranks(_read_rank_kv, seq.block_tables[0], n)
-    finally:
-        engine.abort(rid)
-    mc = engine.model_config
-    kv = torch.empty(mc.num_layers, 2, n, mc.num_kv_heads, mc.head_dim, dtype=engine.executor.kv_cache.dtype)
-    for p in parts:
-        if isinstance(p, BaseException):
-            raise p
-        heads, t = p
-        kv[:, :, :, heads] = t.to(kv.dtype)
-    return DenseKVSource(kv), first[0], first[1]

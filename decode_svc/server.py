@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine_loop import EngineLoop, EngineStopped
-from decode_svc.kv_source import FileKVSource, KVSource, PullerFactory, TransferKVSource
+from decode_svc.kv_source import KVSource, PullerFactory, TransferKVSource
 from decode_svc.metrics import DecodeCollector, start_metrics_server
 from decode_svc.pod import DecodePod, Failure, RequestExists
 from pdserve.engine.block_manager import dcp_local_count
@@ -44,9 +44,6 @@ _FINISH = {
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
 
-# Builds the KVSource for a DecodeRequest whose handle is not a file:// one (the kv_transfer puller, once wired).
-KVSourceFactory = Callable[[decode_pb2.DecodeRequest], KVSource]
-
 
 def sampling_params_from_proto(p: common_pb2.SamplingParams, max_model_len: int) -> SamplingParams:
     """Decode applies EOS, stop_token_ids and max_tokens; stop strings belong to whoever detokenizes (the router).
@@ -57,10 +54,8 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, max_model_len: int)
 
 
 class DecodeServer:
-    def __init__(self, config: DecodeConfig, kv_source_factory: KVSourceFactory | None = None,
-                 pod_factory: Callable[[DecodeConfig], DecodePod] = DecodePod) -> None:
+    def __init__(self, config: DecodeConfig, pod_factory: Callable[[DecodeConfig], DecodePod] = DecodePod) -> None:
         self.config = config
-        self.kv_source_factory = kv_source_factory
         self.engine = EngineLoop(config, pod_factory)
         self.draining = False
         self._drain_started = False
@@ -230,13 +225,6 @@ class DecodeServer:
 
     def make_source(self, req: decode_pb2.DecodeRequest) -> KVSource:
         addr = req.kv_handle.kv_transfer_address
-        if addr.startswith("file://"):
-            if not self.config.allow_file_kv:
-                raise InvalidArgument("file:// KV handles are disabled on this decode pod (start it with "
-                                      "--allow-file-kv)")
-            return FileKVSource(addr[len("file://"):], len(req.prompt_token_ids))
-        if self.kv_source_factory is not None:
-            return self.kv_source_factory(req)
         if not addr:
             raise InvalidArgument("kv_handle.kv_transfer_address is empty")
         try:

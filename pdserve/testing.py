@@ -1,4 +1,5 @@
-"""Tiny random-initialised HF checkpoints for fast tests of odd shapes (written with transformers itself)."""
+"""What tests and benchmarks build on: tiny random-initialised HF checkpoints for fast tests of odd shapes (written
+with transformers itself), a recording KV connector, and an engine that publishes prompt KV as a prefill pod does."""
 from __future__ import annotations
 
 import shutil
@@ -80,3 +81,56 @@ class RecordingKVConnector(KVConnectorWorker):
 
     def close(self) -> None:
         self.calls.append(("close",))
+
+
+class EnginePrefill:
+    """A TP 1 LLMEngine that prefills prompts and publishes their KV over kv_transfer's TCP path, as a prefill pod
+    does: for benchmarks and tests that drive a decode pod without a prefill process. Each prompt is prefilled once
+    and its blocks are held until close(); every ``handoff`` is a fresh lease over them, so one prompt can be decoded
+    any number of times."""
+
+    def __init__(self, model: str | Path, *, num_kv_blocks: int = 512, block_size: int = 16,
+                 lease_timeout_s: float = 120.0) -> None:
+        from kv_transfer.factory import make_publisher
+        from kv_transfer.layout import KVLayout
+        from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+
+        self.engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size,
+                                             enable_prefix_caching=False))
+        mc, cache = self.engine.model_config, self.engine.executor.kv_cache
+        layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                          dtype=str(cache.dtype).removeprefix("torch."), block_size=block_size, tp_size=1,
+                          num_blocks=num_kv_blocks)
+        self.publisher = make_publisher(layout, {0: cache}, backend="tcp", lease_timeout_s=lease_timeout_s)
+        self._done: dict[tuple[int, ...], tuple[str, int, float]] = {}  # prompt -> (request id, first, logprob)
+
+    def prefill(self, prompt: list[int]) -> tuple[int, float]:
+        """Greedy first token and its logprob; the prompt's KV stays in this engine's blocks."""
+        from pdserve.sampling import SamplingParams
+
+        key = tuple(prompt)
+        if key not in self._done:
+            rid = f"prefill-{len(self._done)}"
+            self.engine.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), rid,
+                                    hold_kv=True)
+            first = None
+            while first is None:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        first = (out.new_token_ids[0], out.new_logprobs[0])
+            self._done[key] = (rid, *first)
+        return self._done[key][1:]
+
+    def handoff(self, prompt: list[int], num_tokens: int | None = None) -> Any:
+        """A kv_transfer KVHandoff for the prompt's first num_tokens tokens (default: all), on a new lease."""
+        self.prefill(prompt)
+        rid = self._done[tuple(prompt)][0]
+        n = num_tokens or len(prompt)
+        table = self.engine.held[rid].block_tables[0][:-(-n // self.engine.config.block_size)]
+        lease = self.publisher.publish(rid, {0: list(table)}, n,
+                                       layers_ready=self.engine.model_config.num_layers)
+        return self.publisher.handoff(lease)
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.engine.shutdown()

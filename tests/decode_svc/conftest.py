@@ -33,4 +33,4 @@ def prefill_standins(tiny_models):
     made = {name: PrefillStandIn(p) for name, p in tiny_models.items()}
     yield made
     for m in made.values():
-        m.engine.shutdown()
+        m.close()

@@ -1,10 +1,14 @@
-"""Helpers for the decode service tests (ground truth from transformers, a stand-in prefill engine)."""
+"""Helpers for the decode service tests (ground truth from transformers, an engine publishing KV as prefill does)."""
 from __future__ import annotations
 
+import collections.abc
 import os
 from pathlib import Path
 
 import torch
+
+from decode_svc.kv_source import PullerFactory, TransferKVSource
+from pdserve.testing import EnginePrefill
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -35,24 +39,35 @@ def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -
     return _HF_CACHE[key]
 
 
-class PrefillStandIn:
-    """A TP 1 engine computing prompt KV + first token, handed to decode pods through a KVSource."""
+class PrefillStandIn(EnginePrefill):
+    """A TP 1 engine publishing prompt KV over kv_transfer (TCP), as a prefill pod does; decode pods pull it."""
 
-    def __init__(self, model_path: Path) -> None:
-        from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    def source(self, pod, prompt: list[int], num_tokens: int | None = None,
+               timeout_s: float = 60.0) -> TransferKVSource:
+        """A KV source for pod on a fresh lease over the prompt's KV (its first num_tokens tokens)."""
+        handoff = self.handoff(prompt, num_tokens)
+        return TransferKVSource(handoff.to_json(), handoff.num_tokens,
+                                PullerFactory.for_engine(pod.engine, backend="tcp"), timeout_s)
 
-        self.engine = LLMEngine(EngineConfig(model=str(model_path), num_kv_blocks=256, block_size=16,
-                                             enable_prefix_caching=False))
-        self._cache: dict = {}
+    def handed(self, pod, prompt: list[int]) -> tuple[TransferKVSource, int, float]:
+        """(KV source on a fresh lease, first token, its logprob): what a Decode call carries."""
+        first, lp = self.prefill(prompt)
+        return self.source(pod, prompt), first, lp
 
-    def prefill(self, prompt: list[int]):
-        from decode_svc.kv_source import prompt_kv_from_engine
 
-        key = tuple(prompt)
-        if key not in self._cache:
-            self._cache[key] = prompt_kv_from_engine(self.engine, prompt)
-        return self._cache[key]
+class Handed(collections.abc.Sequence):
+    """handed[i] is PrefillStandIn.handed for prompt i, on a new lease at every access (a lease serves one pull)."""
 
+    def __init__(self, standin: PrefillStandIn, pod, prompts: list[list[int]]) -> None:
+        self.standin, self.pod, self.prompts = standin, pod, prompts
+        for p in prompts:
+            standin.prefill(p)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.standin.handed(self.pod, self.prompts[i])
 
 
 def greedy(max_tokens: int):
@@ -80,34 +95,3 @@ def record(events, results: dict[str, list[int]], finished: dict[str, str]) -> N
         results.setdefault(ev.request_id, []).extend(ev.new_token_ids)
         if ev.finished:
             finished[ev.request_id] = ev.finish_reason.value
-
-
-def tcp_publisher(standin: PrefillStandIn):
-    """A kv_transfer TCP publisher over the stand-in prefill engine's cache (what a prefill pod runs)."""
-    from kv_transfer.factory import make_publisher
-    from kv_transfer.layout import KVLayout
-
-    eng = standin.engine
-    mc, cache = eng.model_config, eng.executor.kv_cache
-    layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                      dtype="float32", block_size=eng.config.block_size, tp_size=1,
-                      num_blocks=eng.config.num_kv_blocks)
-    return make_publisher(layout, {0: cache}, backend="tcp", lease_timeout_s=60.0)
-
-
-def prefill_and_publish(standin: PrefillStandIn, publisher, prompt: list[int], rid: str):
-    """Prefill on the stand-in engine, keep its blocks, publish them: (handoff, first token, logprob).
-    Call standin.engine.abort(rid) after the decode side pulled."""
-    from pdserve.sampling import SamplingParams
-
-    eng = standin.engine
-    eng.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), rid)
-    first = None
-    while first is None:
-        for out in eng.step():
-            if out.request_id == rid:
-                first = (out.new_token_ids[0], out.new_logprobs[0])
-    seq = next(s for s in eng.scheduler.running if s.request_id == rid)
-    lease = publisher.publish(rid, {0: list(seq.block_tables[0])}, len(prompt),
-                              layers_ready=eng.model_config.num_layers)
-    return publisher.handoff(lease), first[0], first[1]

@@ -6,10 +6,10 @@ a real decode pod (``python -m decode_svc`` in a router + prefill + decode clust
   INVALID_ARGUMENT with a message and reserves nothing (CancelDecode of its id finds nothing);
 - each malformed Decode (bad ids, empty / out-of-vocabulary / too long prompts, first token out of range, NaN
   logprob, impossible cached-token counts, bad or unimplemented sampling values, KV handles with no address, an
-  unknown TransferMode, a file:// address the pod does not allow, a token count that disagrees with the prompt, a
-  layout that cannot exist) gets INVALID_ARGUMENT with a message and holds nothing; a handle naming a lease the
-  prefill pod does not have gets NOT_FOUND / FAILED_PRECONDITION; a real lease with block tables pointing outside
-  the prefill cache is refused;
+  unknown TransferMode, an address that is not a KV endpoint (file:// included), a token count that disagrees with
+  the prompt, a layout that cannot exist) gets INVALID_ARGUMENT with a message and holds nothing; a handle naming a
+  lease the prefill pod does not have gets NOT_FOUND / FAILED_PRECONDITION; a real lease with block tables pointing
+  outside the prefill cache is refused;
 - a refused Decode for a request holding a reservation leaves the reservation to CancelDecode (not consumed, not
   leaked); CancelDecode of unknown ids: found = false; a ~70 MB Decode is refused (RESOURCE_EXHAUSTED /
   INVALID_ARGUMENT);

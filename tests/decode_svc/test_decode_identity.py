@@ -53,7 +53,7 @@ def test_greedy_identical_to_transformers(tiny_models, prefill_standins, model, 
         results: dict[str, list[int]] = {}
         finished: dict[str, str] = {}
         for i, prompt in enumerate(PROMPTS):
-            src, first, lp = prefill_standins[model].prefill(prompt)
+            src, first, lp = prefill_standins[model].handed(pod, prompt)
             assert first == want[i][0], "reference prefill disagrees with transformers on the first token"
             out = pod.submit(f"r{i}", prompt, greedy(NEW_TOKENS), first, lp, src)
             assert out is not None and out.new_token_ids == [first] and not out.finished

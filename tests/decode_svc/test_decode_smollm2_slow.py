@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dsvc_helpers import PrefillStandIn, drain_pod, greedy, hf_greedy, record
+from dsvc_helpers import Handed, PrefillStandIn, drain_pod, greedy, hf_greedy, record
 
 NEW_TOKENS = 12
 
@@ -25,17 +25,13 @@ def test_smollm2_tp9_dcp3_matches_transformers():
     prompts = [Tokenizer(str(path)).encode("The capital of France is"),
                Tokenizer(str(path)).encode("def fibonacci(n):\n    ")]
     want = hf_greedy(path, prompts, NEW_TOKENS)
-    ref = PrefillStandIn(path)
-    try:
-        handed = [ref.prefill(p) for p in prompts]
-    finally:
-        ref.engine.shutdown()
+    ref = PrefillStandIn(path, num_kv_blocks=64)
     cfg = build(DecodeConfig, model=str(path), tensor_parallel_size=9, decode_context_parallel_size=3,
                 dcp_kv_cache_interleave_size=1, block_size=4, num_kv_blocks=32, max_model_len=256)
     pod = DecodePod(cfg)
     try:
         res, fin = {}, {}
-        for i, (p, (src, first, lp)) in enumerate(zip(prompts, handed)):
+        for i, (p, (src, first, lp)) in enumerate(zip(prompts, Handed(ref, pod, prompts))):
             assert first == want[i][0]
             record([pod.submit(f"s{i}", p, greedy(NEW_TOKENS), first, lp, src)], res, fin)
             tables = pod.block_tables_of(f"s{i}")
@@ -47,3 +43,4 @@ def test_smollm2_tp9_dcp3_matches_transformers():
         assert pod.free_blocks_per_rank() == [32] * 9
     finally:
         pod.shutdown()
+        ref.close()

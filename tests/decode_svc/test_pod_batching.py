@@ -11,9 +11,9 @@ import pytest
 
 from pdserve.cli_config import build
 from decode_svc.config import DecodeConfig
-from decode_svc.kv_source import DenseKVSource, KVDeliveryError, PullerFactory, TransferKVSource
+from decode_svc.kv_source import KVDeliveryError, PullerFactory, TransferKVSource
 from decode_svc.pod import DecodePod, RequestExists
-from dsvc_helpers import drain_pod, greedy, prefill_and_publish, record, tcp_publisher
+from dsvc_helpers import Handed, drain_pod, greedy, record
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestError
 
@@ -49,8 +49,8 @@ def pod(tiny_models, clock):
 
 
 @pytest.fixture(scope="module")
-def prefilled(prefill_standins):
-    return [prefill_standins["mqa"].prefill(p) for p in PROMPTS]
+def prefilled(prefill_standins, pod):
+    return Handed(prefill_standins["mqa"], pod, PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +149,9 @@ def test_reservation_accounting_takeover_and_expiry(pod, prefilled, solo, clock)
     # Decode takes the reservation over: same blocks, identical tokens.
     src, first, lp = prefilled[3]
     tables = pod.reserve("take", len(PROMPTS[3]))
+    short = prefilled.standin.source(pod, PROMPTS[3], num_tokens=len(PROMPTS[3]) - 1)
     with pytest.raises(RequestError):  # wrong prompt length for the reservation
-        pod.submit("take", PROMPTS[3][:-1], greedy(MAX_TOKENS[3]), first, lp, DenseKVSource(src.kv[:, :, :-1]))
+        pod.submit("take", PROMPTS[3][:-1], greedy(MAX_TOKENS[3]), first, lp, short)
     res, fin = {}, {}
     record([pod.submit("take", PROMPTS[3], greedy(MAX_TOKENS[3]), first, lp, src)], res, fin)
     assert [t[:len(tables[r])] for r, t in enumerate(pod.engine.block_tables_of("take"))] == tables
@@ -181,9 +182,8 @@ def test_out_of_blocks_waits_and_preempts_without_losing_requests(pod, prefilled
             else:
                 record([out], res, fin)
         if step == N:  # one that can never fit waits, then fails cleanly
-            big = [1] * 400
-            src = DenseKVSource(prefilled[0][0].kv[:, :, :1].expand(-1, -1, 400, -1, -1).contiguous())
-            assert pod.submit("toolong", big, greedy(4), 5, -1.0, src, wait_s=0.0) is None
+            src, first, lp = prefilled.standin.handed(pod, [1] * 400)
+            assert pod.submit("toolong", [1] * 400, greedy(4), first, lp, src, wait_s=0.0) is None
         preempted += len(pod.engine.scheduler.waiting)
         record(pod.step(), res, fin)
         if step > N and not pod.has_work():
@@ -199,45 +199,30 @@ def test_out_of_blocks_waits_and_preempts_without_losing_requests(pod, prefilled
     assert pod.idle() and pod.free_blocks_per_rank() == [pod.num_blocks] * TP
 
 
-def test_kv_pulled_through_kv_transfer(pod, prefill_standins, solo, clock):
-    """The real handoff: a TCP publisher over a TP 1 prefill engine's cache, a kv_transfer puller on each of the
-    pod's ranks re-sharding into its DCP blocks."""
-    standin = prefill_standins["mqa"]
-    pub = tcp_publisher(standin)
-    factory = PullerFactory.for_engine(pod.engine, backend="tcp")
-    try:
-        res, fin = {}, {}
-        for i in (2, 9):
-            handoff, first, lp = prefill_and_publish(standin, pub, PROMPTS[i], f"kvt{i}")
-            src = TransferKVSource(handoff.to_json(), len(PROMPTS[i]), factory, timeout_s=60)
-            try:
-                record([pod.submit(f"kvt{i}", PROMPTS[i], greedy(MAX_TOKENS[i]), first, lp, src)], res, fin)
-            finally:
-                standin.engine.abort(f"kvt{i}")
-        assert pod.kv_bytes_received > 0
-        drain_pod(pod, res, fin)
-        assert res["kvt2"] == solo[2] and res["kvt9"] == solo[9]
-        # Queued for blocks: the lease is renewed while it waits, then the pull happens on admission.
-        assert pod.reserve("filler", pod.num_blocks * BLOCK * DCP) is not None
-        handoff, first, lp = prefill_and_publish(standin, pub, PROMPTS[5], "kvq")
-        src = TransferKVSource(handoff.to_json(), len(PROMPTS[5]), factory, timeout_s=60)
-        assert pod.submit("kvq", PROMPTS[5], greedy(MAX_TOKENS[5]), first, lp, src) is None
-        clock.t += 6
-        pod.keep_queued_alive()
-        assert pod.queue[0].renewed_at == clock.t
-        pod.cancel("filler")
-        drain_pod(pod, res, fin)
-        standin.engine.abort("kvq")
-        assert res["kvq"] == solo[5]
-        # A lease that is gone: the pull fails with kv_transfer's code and the pod keeps nothing.
-        handoff, first, lp = prefill_and_publish(standin, pub, PROMPTS[4], "gone")
-        pub.abort(handoff.lease_id)
-        standin.engine.abort("gone")
-        src = TransferKVSource(handoff.to_json(), len(PROMPTS[4]), factory, timeout_s=10)
-        with pytest.raises(KVDeliveryError) as ei:
-            pod.submit("gone", PROMPTS[4], greedy(4), first, lp, src)
-        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        assert not pod.knows("gone")
-        assert pod.idle() and pod.free_blocks_per_rank() == [pod.num_blocks] * TP
-    finally:
-        pub.close()
+def test_kv_leases_renewed_while_queued_and_a_lost_lease_fails(pod, prefilled, solo, clock):
+    """Every submission above pulled over kv_transfer (TCP) from a TP 1 prefill engine's cache into the pod's DCP
+    blocks; here the lease is kept alive while the request waits for blocks, and one that is gone fails cleanly."""
+    assert pod.kv_bytes_received > 0
+    res, fin = {}, {}
+    # Queued for blocks: the lease is renewed while it waits, then the pull happens on admission.
+    assert pod.reserve("filler", pod.num_blocks * BLOCK * DCP) is not None
+    src, first, lp = prefilled[5]
+    assert pod.submit("kvq", PROMPTS[5], greedy(MAX_TOKENS[5]), first, lp, src) is None
+    clock.t += 6
+    pod.keep_queued_alive()
+    assert pod.queue[0].renewed_at == clock.t
+    pod.cancel("filler")
+    drain_pod(pod, res, fin)
+    assert res["kvq"] == solo[5]
+    # A lease that is gone: the pull fails with kv_transfer's code and the pod keeps nothing.
+    standin = prefilled.standin
+    handoff = standin.handoff(PROMPTS[4])
+    standin.publisher.abort(handoff.lease_id)
+    first, lp = standin.prefill(PROMPTS[4])
+    src = TransferKVSource(handoff.to_json(), len(PROMPTS[4]), PullerFactory.for_engine(pod.engine, backend="tcp"),
+                           timeout_s=10)
+    with pytest.raises(KVDeliveryError) as ei:
+        pod.submit("gone", PROMPTS[4], greedy(4), first, lp, src)
+    assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not pod.knows("gone")
+    assert pod.idle() and pod.free_blocks_per_rank() == [pod.num_blocks] * TP

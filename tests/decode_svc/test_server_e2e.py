@@ -1,5 +1,5 @@
 """The decode service end to end, in a subprocess started the way operators start it (python -m decode_svc, TP 2,
-DCP 2): AllocateKV -> KV delivered (file handle, and pulled over kv_transfer from a prefill engine) -> Decode
+DCP 2): AllocateKV -> KV pulled over kv_transfer (TCP) from an engine publishing it as a prefill pod does -> Decode
 stream (token-identical to transformers) -> CancelDecode frees blocks; grpc.health.v1; Prometheus gauges, also
 under vLLM's names; SIGTERM drains (in-flight streams finish, new calls get UNAVAILABLE); an invalid parallel
 config refuses to start with the rule's message."""
@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dsvc_helpers import PROMPTS, hf_greedy, prefill_and_publish, tcp_publisher
+from dsvc_helpers import PROMPTS, hf_greedy
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.pod.convert import handoff_to_kv_handle
 from pdserve.pod.vllm_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS
@@ -76,7 +76,7 @@ class Pod:
         self.model_name = model.name
         cmd = [sys.executable, "-m", "decode_svc", "--model", str(model), "--port", "0",
                "--metrics-port", "0", "--block-size", str(BLOCK),
-               "--num-kv-blocks", str(NUM_BLOCKS), "--allow-file-kv", "--log-level", "WARNING", *args]
+               "--num-kv-blocks", str(NUM_BLOCKS), "--log-level", "WARNING", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
@@ -136,24 +136,20 @@ class Pod:
             self.proc.wait(30)
 
 
-def _request(rid, prompt, first, lp, kv_path, max_tokens, logprobs=False):
+def _request(rid, prompt, handed, max_tokens, logprobs=False):
+    """A DecodeRequest as the router sends it; handed = (standin, first token, logprob): the KV on a fresh lease."""
+    standin, first, lp = handed
     return decode_pb2.DecodeRequest(
         request_id=rid, prompt_token_ids=prompt, first_token_id=first, first_token_logprob=lp,
         sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                                   logprobs=logprobs),
-        kv_handle=common_pb2.KVHandle(kv_transfer_address=f"file://{kv_path}", num_tokens=len(prompt)))
+        kv_handle=handoff_to_kv_handle(standin.handoff(prompt), "prefill-test", 60.0))
 
 
 @pytest.fixture(scope="module")
-def kv_files(tiny_models, prefill_standins, tmp_path_factory):
-    d = tmp_path_factory.mktemp("kv")
-    out = []
-    for i, p in enumerate(PROMPTS):
-        src, first, lp = prefill_standins["mqa"].prefill(p)
-        path = d / f"p{i}.pt"
-        src.save(str(path))
-        out.append((path, first, lp))
-    return out
+def handed(prefill_standins):
+    standin = prefill_standins["mqa"]
+    return [(standin, *standin.prefill(p)) for p in PROMPTS]
 
 
 def test_invalid_parallel_config_refuses_to_start(tiny_models):
@@ -167,7 +163,7 @@ def test_invalid_parallel_config_refuses_to_start(tiny_models):
     assert "decode_svc ready" not in r.stdout
 
 
-def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, registry):
+def test_decode_service_end_to_end(tiny_models, handed, registry):
     want = hf_greedy(tiny_models["mqa"], PROMPTS, 32)
     reg, reg_addr = registry
     pod = Pod(tiny_models["mqa"], "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
@@ -192,7 +188,8 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
         assert pod.free_blocks() == [NUM_BLOCKS, NUM_BLOCKS]
 
         # AllocateKV: per-rank tables holding each DCP rank's share (interleave 4: 37 tokens -> 20 + 17).
-        prompt, (kv_path, first, lp) = PROMPTS[1], kv_files[1]
+        prompt, h1 = PROMPTS[1], handed[1]
+        first = h1[1]
         resp = pod.stub.AllocateKV(decode_pb2.AllocateKVRequest(request_id="a", num_tokens=len(prompt)))
         assert resp.layout.tp_size == 2 and resp.layout.dcp_size == 2 and resp.layout.num_blocks == NUM_BLOCKS
         assert resp.layout.dcp_kv_cache_interleave_size == 4 and resp.layout.num_kv_heads_per_rank == 1
@@ -221,14 +218,14 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
             pod.stub.AllocateKV(decode_pb2.AllocateKVRequest(request_id="z", num_tokens=4000))
         assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         with pytest.raises(grpc.RpcError) as ei:
-            req = _request("u", prompt, first, lp, kv_path, 4)
+            req = _request("u", prompt, h1, 4)
             req.kv_handle.kv_transfer_address = ""
             list(pod.stub.Decode(req))
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert list(resp.transfer_modes) == [common_pb2.TRANSFER_MODE_GRPC]
 
         # Decode the reserved request: the stream starts at the second token, token-identical to transformers.
-        chunks = list(pod.stub.Decode(_request("a", prompt, first, lp, kv_path, 32, logprobs=True)))
+        chunks = list(pod.stub.Decode(_request("a", prompt, h1, 32, logprobs=True)))
         tokens = [t for c in chunks for t in c.token_ids]
         assert [first] + tokens == want[1]
         assert sum(len(c.logprobs) for c in chunks) == 31
@@ -249,30 +246,22 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
         assert (v["vllm:num_requests_running"], v["vllm:num_requests_waiting"], v["vllm:kv_cache_usage_perc"]) == \
             (0, 0, 0)
 
-        # The real handoff: KV published by a prefill engine over kv_transfer (TCP), pulled by every decode rank.
-        standin = prefill_standins["mqa"]
-        pub = tcp_publisher(standin)
-        try:
-            handoff, first_t, lp_t = prefill_and_publish(standin, pub, PROMPTS[0], "t")
-            req = _request("t", PROMPTS[0], first_t, lp_t, "", 32)
-            req.kv_handle.CopyFrom(handoff_to_kv_handle(handoff, "prefill-test", 60.0))
-            chunks = list(pod.stub.Decode(req))
-            standin.engine.abort("t")
-            assert [first_t] + [t for c in chunks for t in c.token_ids] == want[0]
-            assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-        finally:
-            pub.close()
+        # A Decode without reservation, the other prompt: every rank pulls its share from the publisher.
+        chunks = list(pod.stub.Decode(_request("t", PROMPTS[0], handed[0], 32)))
+        assert [handed[0][1]] + [t for c in chunks for t in c.token_ids] == want[0]
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         pod.wait_free([NUM_BLOCKS, NUM_BLOCKS])
         assert pod.metrics()['pdserve_decode_kv_received_bytes_total{pod="decode-0"}'] > 0
 
         # A Decode without reservation, cancelled by CancelDecode midway: blocks freed, stream ends CANCELLED.
-        prompt0, (kv0, first0, lp0) = PROMPTS[0], kv_files[0]
-        stream = pod.stub.Decode(_request("b", prompt0, first0, lp0, kv0, 3000))
+        prompt0, h0 = PROMPTS[0], handed[0]
+        first0 = h0[1]
+        stream = pod.stub.Decode(_request("b", prompt0, h0, 3000))
         got = next(stream)
         assert len(got.token_ids) >= 1
         pod.wait_metric('pdserve_decode_running_seqs{pod="decode-0"}', 1)
         with pytest.raises(grpc.RpcError) as ei:  # the same id cannot decode twice
-            list(pod.stub.Decode(_request("b", prompt0, first0, lp0, kv0, 4)))
+            list(pod.stub.Decode(_request("b", prompt0, h0, 4)))
         assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert pod.stub.CancelDecode(decode_pb2.CancelDecodeRequest(request_id="b")).found
         rest = list(stream)
@@ -289,7 +278,7 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
             pod.metrics()['pdserve_decode_generated_tokens_total{pod="decode-0"}'] == 31 + 31 + len(streamed)
 
         # A client that closes its stream frees the blocks too.
-        stream = pod.stub.Decode(_request("c", prompt0, first0, lp0, kv0, 3000))
+        stream = pod.stub.Decode(_request("c", prompt0, h0, 3000))
         next(stream)
         stream.cancel()
         pod.wait_free([NUM_BLOCKS, NUM_BLOCKS])
@@ -304,7 +293,7 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
         pod.wait_free([NUM_BLOCKS, NUM_BLOCKS])
 
         # SIGTERM: the in-flight stream finishes, new work is refused with UNAVAILABLE, then the pod exits.
-        stream = pod.stub.Decode(_request("d", prompt, first, lp, kv_path, 200))
+        stream = pod.stub.Decode(_request("d", prompt, h1, 200))
         first_chunk = next(stream)
         pod.proc.send_signal(signal.SIGTERM)
         deadline = time.time() + 30
@@ -313,7 +302,7 @@ def test_decode_service_end_to_end(tiny_models, kv_files, prefill_standins, regi
             assert time.time() < deadline
             time.sleep(0.02)
         for call in (lambda: pod.stub.AllocateKV(decode_pb2.AllocateKVRequest(request_id="e", num_tokens=5)),
-                     lambda: list(pod.stub.Decode(_request("e", prompt0, first0, lp0, kv0, 4)))):
+                     lambda: list(pod.stub.Decode(_request("e", prompt0, h0, 4)))):
             with pytest.raises(grpc.RpcError) as ei:
                 call()
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE

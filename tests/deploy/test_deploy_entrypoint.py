@@ -40,9 +40,9 @@ def test_precedence_defaults_yaml_env():
 
 
 def test_flags():
-    assert entrypoint.to_flags({"tensor_parallel_size": 2, "allow_file_kv": True, "no_prefix_caching": False,
+    assert entrypoint.to_flags({"tensor_parallel_size": 2, "enforce_eager": True, "no_prefix_caching": False,
                                 "x": [1, 2], "model": "/m"}) == \
-        ["--tensor-parallel-size", "2", "--allow-file-kv", "--x", "1", "--x", "2", "--model", "/m"]
+        ["--tensor-parallel-size", "2", "--enforce-eager", "--x", "1", "--x", "2", "--model", "/m"]
     with pytest.raises(entrypoint.EntrypointError):
         entrypoint.to_flags({"bad": {"nested": 1}})
 

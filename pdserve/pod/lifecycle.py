@@ -51,8 +51,25 @@ def on_stop_signals(fn: Callable[[str], Awaitable[Any] | None]) -> None:
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
     """Run a pod's main coroutine, on uvloop when it is installed."""
     try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(main)
+        else:
+            uvloop.run(main)
+    finally:
+        _reap_resource_tracker()
+
+
+def _reap_resource_tracker() -> None:
+    """Stop and reap the multiprocessing resource tracker the rank processes started, so that the pod's process
+    group is empty when it exits (an orphaned tracker lingers until init reaps it)."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    stop = getattr(tracker, "_stop", None)  # CPython's own shutdown hook for it; absent elsewhere
+    if stop is not None:
+        try:
+            stop()
+        except Exception:  # best effort: exiting anyway
+            pass

@@ -42,6 +42,7 @@ class Registrar:
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._warned = False
+        self._closing = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pod-registrar")
@@ -51,7 +52,7 @@ class Registrar:
         self._wake.set()
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 if not self.registered:
                     await self._register()
@@ -111,6 +112,10 @@ class Registrar:
 
     async def close(self, pod_id: str) -> None:
         """Stop heartbeating and deregister (best effort)."""
+        # Why the flag as well as cancel(): Python 3.11's wait_for drops a cancel that lands as the wake fires
+        # (a drain pokes, then stops at once), and the loop would go on heartbeating.
+        self._closing = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             try:

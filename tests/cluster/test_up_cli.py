@@ -29,6 +29,7 @@ def test_a_service_that_dies_at_startup_fails_up_and_stops_the_rest(tmp_path, ti
         assert rc == 1, up.tail()
         assert "router exited with status 2" in out and "--no-such-flag" in out
         assert "all processes stopped" in out
+        assert "did not stop" not in out and "killing" not in out  # every service stopped by itself
         assert up.wait_all_gone(10) == []
     finally:
         up.kill()

@@ -50,7 +50,7 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, max_model_len: int)
     Parameters the pods do not implement are refused rather than ignored (common.proto's rule)."""
     refuse_unsupported(p, "this decode pod")
     return engine_params(p, max_tokens=p.max_tokens if p.HasField("max_tokens") else max_model_len,
-                         ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+                         ignore_eos=p.ignore_eos, logprobs=p.logprobs or p.top_logprobs > 0)
 
 
 class DecodeServer:
@@ -432,6 +432,9 @@ class _TokenStream:
                     chunk.token_ids.extend(ev.new_token_ids)
                     if self.logprobs:
                         chunk.logprobs.extend(ev.new_logprobs)
+                    for top in ev.new_top_logprobs:
+                        if top is not None:
+                            chunk.top_logprobs.add(token_ids=top[0], logprobs=top[1])
                 chunk.num_output_tokens = ev.completion_tokens
             if ev.finished:
                 done = True

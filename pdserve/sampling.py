@@ -1,10 +1,18 @@
-"""Sampling parameters (validated at construction) and the batched sampler."""
+"""Sampling parameters (validated at construction) and the batched sampler.
+
+The sampler follows vLLM's definitions: logprobs are the log-softmax of the raw model logits; then logit_bias,
+min_tokens (stop tokens masked), the penalties (repetition over prompt + output tokens, frequency and presence
+over output tokens), temperature, min_p, top-k and top-p, in that order."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import torch
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
 
 
 class SamplingParamsError(ValueError):
@@ -22,26 +30,67 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = True
+    top_logprobs: int = 0  # alternatives returned per position
+    min_tokens: int = 0  # EOS / stop tokens are masked (and stops ignored) until this many output tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise SamplingParamsError(msg)
 
+        def num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        def integer(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
         t = self.temperature
-        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if not num(t) or t < 0:
             bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not integer(self.top_k) or self.top_k < -1:
             bad(f"top_k must be an integer >= 1, or 0/-1 to disable, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+        if not num(self.top_p) or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not integer(self.max_tokens) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < 2**63):
             bad(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not integer(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        # The limits and wording below are vLLM's (vllm.SamplingParams._verify_args).
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not num(v) or not -2.0 <= v <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {v!r}.")
+        if not num(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}.")
+        if not num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}.")
+        if not integer(self.min_tokens) or self.min_tokens < 0:
+            bad(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}.")
+        if self.min_tokens > self.max_tokens:
+            bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        if not integer(self.top_logprobs) or self.top_logprobs < 0:
+            bad(f"logprobs must be non-negative, got {self.top_logprobs!r}.")
+        if self.top_logprobs > MAX_LOGPROBS:
+            bad(f"Requested sample logprobs of {self.top_logprobs}, which is greater than max allowed: "
+                f"{MAX_LOGPROBS}")
+        if not isinstance(self.logit_bias, dict):
+            bad("logit_bias must be a mapping of token id to bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        if any(not integer(k) or k < 0 for k in self.logit_bias):
+            bad("logit_bias keys must be non-negative token ids")
+        if any(not num(v) for v in self.logit_bias.values()):
+            bad("logit_bias values must be finite numbers")
+        # OpenAI's range; vLLM clamps to it too.
+        self.logit_bias = {int(k): min(100.0, max(-100.0, float(v))) for k, v in self.logit_bias.items()}
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
 
@@ -49,36 +98,128 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits need any work before temperature / top-k / top-p (skipped for plain sampling)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+
+class SampleOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token, from the raw logits
+    top_logprobs: list[tuple[list[int], list[float]] | None]  # per row, when its params ask for alternatives
+
 
 class Sampler:
     """Samples one token per row; keeps a torch.Generator per seeded request so seeded runs reproduce."""
 
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._prompt_masks: dict[str, torch.Tensor] = {}  # repetition penalty: prompt tokens, built once
+        self.eos_token_ids = list(eos_token_ids)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._prompt_masks.pop(request_id, None)
 
-    def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
-    ) -> tuple[list[int], list[float]]:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+               prompt_ids: Sequence[Sequence[int]] | None = None,
+               output_ids: Sequence[Sequence[int]] | None = None) -> SampleOutput:
+        """prompt_ids / output_ids: each row's tokens so far (needed when a row uses penalties or min_tokens)."""
         logprobs_all = torch.log_softmax(logits.float(), dim=-1)
+        x = logits
+        if any(p.processed for p in params):
+            if prompt_ids is None or output_ids is None:
+                raise ValueError("penalties and min_tokens need each row's prompt_ids and output_ids")
+            x = self._process(logits.float().clone(), params, request_ids, prompt_ids, output_ids)
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-            lps = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            return tokens.tolist(), lps.tolist()
-        out_t, out_lp = [], []
-        for row, p in enumerate(params):
-            if p.greedy:
-                tok = int(logits[row].argmax())
-            else:
-                x = logits[row].float()
-                # Shift before dividing: a tiny temperature would turn x / T into inf - inf = NaN probabilities.
-                probs = _filtered_probs((x - x.max()) / p.temperature, p.top_k, p.top_p)
-                tok = int(torch.multinomial(probs, 1, generator=self._generator(request_ids[row], p)))
-            out_t.append(tok)
-            out_lp.append(float(logprobs_all[row, tok]))
-        return out_t, out_lp
+            tokens = x.argmax(dim=-1)
+            out_t = tokens.tolist()
+        else:
+            out_t = []
+            for row, p in enumerate(params):
+                if p.greedy:
+                    tok = int(x[row].argmax())
+                else:
+                    r = x[row].float()
+                    # Shift before dividing: a tiny temperature would turn x / T into inf - inf = NaN probabilities.
+                    probs = _filtered_probs((r - r.max()) / p.temperature, p.top_k, p.top_p, p.min_p)
+                    tok = int(torch.multinomial(probs, 1, generator=self._generator(request_ids[row], p)))
+                out_t.append(tok)
+            tokens = torch.tensor(out_t, dtype=torch.long, device=logits.device)
+        lps = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        return SampleOutput(out_t, lps, _top_logprobs(logprobs_all, params))
+
+    def _process(self, x: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+                 prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """logit_bias, min_tokens and the penalties on a float32 copy of the batch's logits."""
+        n_vocab = x.shape[1]
+        dev = x.device
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, p in enumerate(params):
+            for tok, b in p.logit_bias.items():
+                if tok < n_vocab:
+                    rows.append(i)
+                    cols.append(tok)
+                    vals.append(b)
+        if rows:
+            x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                         torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+        pen = [i for i, p in enumerate(params) if p.penalized]
+        if pen:
+            x[pen] = self._penalize(x[pen], [params[i] for i in pen], [request_ids[i] for i in pen],
+                                    [prompt_ids[i] for i in pen], [output_ids[i] for i in pen])
+        rows, cols = [], []
+        for i, p in enumerate(params):
+            if len(output_ids[i]) < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                for tok in stops:
+                    if tok < n_vocab:
+                        rows.append(i)
+                        cols.append(tok)
+        if rows:
+            x[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+        # Extreme penalties can overflow: keep masked tokens at -inf and everything else finite.
+        x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+        return x
+
+    def _penalize(self, x: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+                  prompt_ids: list[Sequence[int]], output_ids: list[Sequence[int]]) -> torch.Tensor:
+        """vLLM's apply_penalties on the rows that use a penalty."""
+        n, n_vocab = x.shape
+        dev = x.device
+        width = max(1, max(len(o) for o in output_ids))
+        padded = torch.full((n, width), n_vocab, dtype=torch.long)  # pad with an extra column, dropped below
+        for i, o in enumerate(output_ids):
+            if o:
+                padded[i, :len(o)] = torch.tensor(o, dtype=torch.long)
+        counts = torch.zeros(n, n_vocab + 1, dtype=x.dtype, device=dev)
+        counts.scatter_add_(1, padded.to(dev), torch.ones(n, width, dtype=x.dtype, device=dev))
+        counts = counts[:, :n_vocab]
+        out_mask = counts > 0
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=dev).unsqueeze(1)
+        if any(p.repetition_penalty != 1 for p in params):
+            seen = torch.stack([self._prompt_mask(r, pr, n_vocab, dev) for r, pr in zip(request_ids, prompt_ids)])
+            factor = torch.where(seen | out_mask, rep, torch.ones_like(rep))
+            x = torch.where(x > 0, x / factor, x * factor)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev).unsqueeze(1)
+        return x - freq * counts - pres * out_mask.to(x.dtype)
+
+    def _prompt_mask(self, request_id: str, prompt: Sequence[int], n_vocab: int, dev: torch.device) -> torch.Tensor:
+        m = self._prompt_masks.get(request_id)
+        if m is None or m.numel() != n_vocab:
+            m = torch.zeros(n_vocab, dtype=torch.bool, device=dev)
+            ids = torch.tensor([t for t in prompt if 0 <= t < n_vocab], dtype=torch.long, device=dev)
+            m[ids] = True
+            self._prompt_masks[request_id] = m
+        return m
 
     def _generator(self, request_id: str, p: SamplingParams) -> torch.Generator | None:
         if p.seed is None:
@@ -90,7 +231,22 @@ class Sampler:
         return g
 
 
-def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _top_logprobs(logprobs_all: torch.Tensor, params: list[SamplingParams]
+                  ) -> list[tuple[list[int], list[float]] | None]:
+    k_max = max((p.top_logprobs for p in params), default=0)
+    if k_max == 0:
+        return [None] * len(params)
+    vals, idx = logprobs_all.topk(min(k_max, logprobs_all.shape[1]), dim=-1)  # one topk for the whole batch
+    v, ix = vals.tolist(), idx.tolist()
+    return [(ix[i][:p.top_logprobs], v[i][:p.top_logprobs]) if p.top_logprobs else None
+            for i, p in enumerate(params)]
+
+
+def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    if min_p > 0.0:
+        # vLLM's min_p: drop tokens whose probability is below min_p times the most likely token's.
+        p = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(p < min_p * p.max(), float("-inf"))
     if top_k > 0 and top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -16,6 +16,7 @@ class ClientParams:
     max_tokens: int | None  # None: until EOS / context full
     stop_token_ids: frozenset[int]
     ignore_eos: bool
+    min_tokens: int = 0
 
 
 def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, ClientParams]:
@@ -26,8 +27,12 @@ def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, ClientPa
     refuse_unsupported(sp, "this prefill pod")
     if sp.HasField("max_tokens") and sp.max_tokens < 1:
         raise SamplingParamsError(f"max_tokens must be >= 1, got {sp.max_tokens}")
-    # ignore_eos: the pod decides "finished" itself from ClientParams; the engine only samples one token.
-    params = engine_params(sp, max_tokens=1, ignore_eos=True, logprobs=True)
+    if sp.HasField("max_tokens") and sp.min_tokens > sp.max_tokens:
+        raise SamplingParamsError(f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got "
+                                  f"{sp.min_tokens}.")
+    # The pod decides "finished" itself from ClientParams; the engine samples one token. The client's ignore_eos
+    # and min_tokens (capped at that one token) tell the sampler whether to mask EOS / stop tokens.
+    params = engine_params(sp, max_tokens=1, ignore_eos=sp.ignore_eos, logprobs=True, min_tokens=min(sp.min_tokens, 1))
     client = ClientParams(sp.max_tokens if sp.HasField("max_tokens") else None, frozenset(sp.stop_token_ids),
-                          sp.ignore_eos)
+                          sp.ignore_eos, sp.min_tokens)
     return params, client

@@ -54,11 +54,6 @@ def prefill_request_problem(req: prefill_pb2.PrefillRequest) -> str | None:
     bad = [m for m in req.decode_target.transfer_modes if m not in _TRANSFER_MODES or m == 0]
     if bad:
         return f"decode_target.transfer_modes has unknown values {bad[:8]}: use TransferMode values"
-    sp = req.sampling_params
-    for name in ("presence_penalty", "frequency_penalty"):  # no effect on the first token, but must be well-formed
-        v = getattr(sp, name)
-        if sp.HasField(name) and not (math.isfinite(v) and -2 <= v <= 2):
-            return f"sampling_params.{name} must be in [-2, 2], got {v}"
     return None
 
 
@@ -253,6 +248,9 @@ class PrefillServer:
             num_prompt_tokens=res.num_prompt_tokens, num_cached_tokens=res.num_cached_tokens, finished=res.finished,
             finish_reason=_FINISH.get(res.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
             queue_s=res.queue_s, compute_s=res.compute_s)
+        if res.first_token_top is not None:
+            resp.first_token_top_logprobs.token_ids.extend(res.first_token_top[0])
+            resp.first_token_top_logprobs.logprobs.extend(res.first_token_top[1])
         if res.finished:
             return resp
         if res.handoff is not None:

@@ -84,6 +84,7 @@ class PrefillResult:
     queue_s: float
     compute_s: float
     ttl_s: float
+    first_token_top: tuple[list[int], list[float]] | None = None  # when top_logprobs > 0
 
 
 @dataclass
@@ -367,7 +368,7 @@ class PrefillWorker(KVConnectorScheduler):
         tok, lp = out.new_token_ids[0], out.new_logprobs[0]
         c = job.client
         reason = None
-        if tok in c.stop_token_ids or (tok in eng.eos_ids and not c.ignore_eos):
+        if c.min_tokens <= 1 and (tok in c.stop_token_ids or (tok in eng.eos_ids and not c.ignore_eos)):
             reason = "stop"
         elif c.max_tokens == 1 or job.prompt_len + 1 >= eng.max_model_len:
             reason = "length"
@@ -397,7 +398,7 @@ class PrefillWorker(KVConnectorScheduler):
         self._requests_finished += 1
         res = PrefillResult(job.request_id, tok, lp, job.prompt_len, out.cached_tokens, reason is not None, reason,
                             None if reason else job.lease_id, handoff, table, started - job.arrival, now - started,
-                            job.ttl_s)
+                            job.ttl_s, out.new_top_logprobs[0] if out.new_top_logprobs else None)
         self._settle(job.future, res)
         self._emit("first_token", job.request_id)
 

@@ -18,6 +18,7 @@ import grpc
 
 from pdserve.errors import ServiceError
 from pdserve.pod.sampling import unsupported_fields
+from pdserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from pdserve.security import aio_channel
 from pdserve.tokenizer import Tokenizer
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
@@ -214,7 +215,11 @@ class RouterCore:
                                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten it to at "
                                f"most {max_len - 1} tokens")
         sp = req.sampling_params
-        _check_sampling(sp)
+        _check_sampling(sp, vocab)
+        if max_len and sp.min_tokens > max_len:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"sampling_params: min_tokens ({sp.min_tokens}) must not exceed max_model_len "
+                               f"({max_len})")
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
         max_tokens_eff: int | None
         if max_len and max_tokens is not None and len(prompt_ids) + max_tokens > max_len:
@@ -286,7 +291,7 @@ def _check_request_id(rid: str) -> None:
                            f"request_id {rid!r} contains control characters; use printable characters only")
 
 
-def _check_sampling(sp: common_pb2.SamplingParams) -> None:
+def _check_sampling(sp: common_pb2.SamplingParams, vocab: int) -> None:
     """Range checks of the sampling parameters (the pods reject what they do not implement)."""
 
     def bad(msg: str) -> None:
@@ -322,19 +327,32 @@ def _check_sampling(sp: common_pb2.SamplingParams) -> None:
         bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}")
     if any(t < 0 for t in sp.stop_token_ids):
         bad("stop_token_ids must be >= 0")
+    # Limits and wording of the sampling fields below are vLLM's (vllm.SamplingParams._verify_args).
     if sp.top_logprobs < 0:
-        bad(f"top_logprobs must be >= 0, got {sp.top_logprobs}")
+        bad(f"logprobs must be non-negative, got {sp.top_logprobs}.")
+    if sp.top_logprobs > MAX_LOGPROBS:
+        bad(f"Requested sample logprobs of {sp.top_logprobs}, which is greater than max allowed: {MAX_LOGPROBS}")
     if sp.min_tokens < 0:
-        bad(f"min_tokens must be >= 0, got {sp.min_tokens}")
+        bad(f"min_tokens must be greater than or equal to 0, got {sp.min_tokens}.")
     if sp.HasField("max_tokens") and sp.min_tokens > sp.max_tokens:
-        bad(f"min_tokens ({sp.min_tokens}) must not exceed max_tokens ({sp.max_tokens})")
+        bad(f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got {sp.min_tokens}.")
     rp = finite("repetition_penalty")
     if rp is not None and rp <= 0:
-        bad(f"repetition_penalty must be > 0 (1 = off), got {rp}")
+        bad(f"repetition_penalty must be greater than zero, got {rp}.")
     for name in ("presence_penalty", "frequency_penalty"):
         v = finite(name)
         if v is not None and not -2 <= v <= 2:
-            bad(f"{name} must be in [-2, 2], got {v}")
+            bad(f"{name} must be in [-2, 2], got {v}.")
+    mp = finite("min_p")
+    if mp is not None and not 0 <= mp <= 1:
+        bad(f"min_p must be in [0, 1], got {mp}.")
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        bad(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(sp.logit_bias)}")
+    if any(t < 0 or t >= vocab for t in sp.logit_bias):
+        bad(f"logit_bias has token ids out of the model's vocabulary [0, {vocab}): "
+            f"{sorted(t for t in sp.logit_bias if t < 0 or t >= vocab)[:8]}")
+    if any(not math.isfinite(v) for v in sp.logit_bias.values()):
+        bad("logit_bias values must be finite numbers")
     # Well-formed but not implemented by pdserve's pods (they refuse the same list, pdserve/pod/sampling.py). Refused
     # here, before any pod is contacted: a pod refusing them mid-journey would cost KV round trips, or, at decode,
     # end a stream that already sent its first token in an error instead of a clean INVALID_ARGUMENT.

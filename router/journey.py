@@ -201,6 +201,7 @@ class _Answer:
     def __init__(self, core: RouterCore, request: router_pb2.GenerateRequest, prep: Prepared,
                  context: grpc.aio.ServicerContext, arrival: float) -> None:
         self.m = core.metrics
+        self.core = core
         self.request, self.prep, self.context, self.arrival = request, prep, context, arrival
         self.timing = common_pb2.Timing()
         self.routing = router_pb2.RoutingInfo()
@@ -217,8 +218,12 @@ class _Answer:
         msg = router_pb2.GenerateResponse(request_id=prep.request_id, token_ids=piece_ids, text=text)
         if prep.want_logprobs:
             msg.logprobs.extend(logprobs[:len(piece_ids)])
+            tok = self.core.tokenizer
+            msg.tokens.extend(tok.decode([t], skip_special_tokens=False) for t in piece_ids)
             if prep.params.top_logprobs > 0:
                 msg.top_logprobs.extend(top[:len(piece_ids)])
+                for alt in msg.top_logprobs:
+                    alt.tokens[:] = [tok.decode([t], skip_special_tokens=False) for t in alt.token_ids]
         if self.sent == 0 and self.request.return_prompt_token_ids:
             msg.prompt_token_ids.extend(prep.prompt_ids)
         if piece_ids:

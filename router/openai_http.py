@@ -15,10 +15,11 @@ side: how this front reaches a router that serves TLS.
 
 Supported request fields: model, prompt (text, token ids, or a list of either) / messages (text content or text
 parts), max_tokens / max_completion_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty,
-stream, stream_options.include_usage, n=1, user (ignored), plus vLLM's extras top_k, min_tokens,
-repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens. Any other OpenAI field with a non-default value
-(logprobs, echo, best_of > 1, n > 1, tools, logit_bias, a non-text response_format, ...) is refused with a 400 rather
-than silently ignored.
+logit_bias, logprobs (completions: an int; chat: a bool with top_logprobs), echo (completions, text prompts, without
+logprobs), stream, stream_options.include_usage, n=1, user (ignored), plus vLLM's extras top_k, min_p, min_tokens,
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids. Any other OpenAI
+field with a non-default value (echo with logprobs, best_of > 1, n > 1, tools, a non-text response_format, ...) is
+refused with a 400 rather than silently ignored.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "prese
            "stream", "stream_options", "n", "user", "logit_bias", "logprobs",
            # vLLM extensions
            "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "min_p", "request_id"}
+           "min_p", "request_id", "return_tokens_as_token_ids"}
 _COMPLETION_ONLY = {"prompt", "echo", "best_of", "suffix"}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
               "function_call", "parallel_tool_calls", "response_format", "add_generation_prompt", "metadata",
@@ -117,6 +118,9 @@ class Parsed:
     include_usage: bool
     sampling: dict[str, Any]
     request_id: str | None
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    top_logprobs: int | None = None  # None: no logprobs in the response
+    echo: bool = False
 
 
 def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: int | None) -> Parsed:
@@ -131,11 +135,6 @@ def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: i
     n = body.get("n")
     if n is not None and n != 1:
         raise bad("only n=1 is supported", "n")
-    if body.get("logit_bias"):
-        raise bad("logit_bias is not supported", "logit_bias")
-    min_p = body.get("min_p")
-    if min_p not in (None, 0, 0.0):
-        raise bad("min_p is not supported", "min_p")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -151,7 +150,7 @@ def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: i
         include_usage = bool(so.get("include_usage", False))
 
     s: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         v = body.get(name)
         if v is not None:
             if not _is_num(v):
@@ -189,22 +188,56 @@ def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: i
             if not isinstance(v, bool):
                 raise bad(f"'{name}' must be a boolean", name)
             s[name] = v
+    lb = body.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+        bias: dict[int, float] = {}
+        for k, v in lb.items():
+            try:
+                tok = int(k)
+            except (TypeError, ValueError):
+                raise bad(f"logit_bias key {k!r} is not a token id (an integer)", "logit_bias") from None
+            if not _is_num(v):
+                raise bad(f"logit_bias value for token {k} must be a number", "logit_bias")
+            bias[tok] = float(v)
+        if bias:
+            s["logit_bias"] = bias
+    as_ids = body.get("return_tokens_as_token_ids")
+    if as_ids is not None and not isinstance(as_ids, bool):
+        raise bad("'return_tokens_as_token_ids' must be a boolean", "return_tokens_as_token_ids")
     rid = body.get("request_id")
     if rid is not None and (not isinstance(rid, str) or not rid):
         raise bad("'request_id' must be a non-empty string", "request_id")
-    return Parsed(model=model, stream=stream, include_usage=include_usage, sampling=s, request_id=rid)
+    return Parsed(model=model, stream=stream, include_usage=include_usage, sampling=s, request_id=rid,
+                  tokens_as_ids=bool(as_ids))
+
+
+def _want_logprobs(p: Parsed, k: int) -> None:
+    p.top_logprobs = k
+    p.sampling["logprobs"] = True
+    p.sampling["top_logprobs"] = k
 
 
 def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]]]:
     p = _parse_common(body, _COMMON | _COMPLETION_ONLY, default_max_tokens=16)
-    if body.get("echo"):
-        raise bad("echo is not supported", "echo")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad("'echo' must be a boolean", "echo")
+    p.echo = bool(echo)
+    lp = body.get("logprobs")
+    if lp is not None:
+        if not _is_int(lp):
+            raise bad("'logprobs' must be an integer", "logprobs")
+        if lp < 0:
+            raise bad("`logprobs` must be a positive value.", "logprobs")
+        if p.echo:
+            raise bad("echo with logprobs (prompt logprobs) is not supported", "echo")
+        _want_logprobs(p, lp)
     if body.get("best_of") not in (None, 1):
         raise bad("only best_of=1 is supported", "best_of")
     if body.get("suffix"):
         raise bad("suffix is not supported", "suffix")
-    if body.get("logprobs") is not None:
-        raise bad("logprobs are not supported by this endpoint", "logprobs")
     if "prompt" not in body or body["prompt"] is None:
         raise bad("'prompt' is required", "prompt")
     prompt = body["prompt"]
@@ -220,13 +253,25 @@ def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]
     else:
         raise bad("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
                   "prompt")
+    if p.echo and not all(isinstance(x, str) for x in prompts):
+        raise bad("echo is supported for text prompts only", "echo")
     return p, prompts
 
 
 def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, str]], bool | None]:
     p = _parse_common(body, _COMMON | _CHAT_ONLY, default_max_tokens=None)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad("logprobs are not supported by this endpoint", "logprobs")
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise bad("'logprobs' must be a boolean", "logprobs")
+    if top is not None:
+        if not _is_int(top):
+            raise bad("'top_logprobs' must be an integer", "top_logprobs")
+        if top < 0:
+            raise bad("`top_logprobs` must be a positive value.", "top_logprobs")
+        if not lp:
+            raise bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    if lp:
+        _want_logprobs(p, top or 0)
     for name in ("tools", "functions"):
         if body.get(name):
             raise bad(f"{name} are not supported", name)
@@ -275,6 +320,50 @@ def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, str]], bool
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def _lp_parts(c: Any) -> tuple[list[int], list[str], list[float], list[dict[int, float]], list[dict[int, str]]]:
+    """Token ids, token texts, logprobs, alternatives and their texts of a GenerateChunk or a Completion."""
+    return (list(c.token_ids), list(c.tokens or []), list(c.logprobs or []), list(c.top_logprobs or []),
+            list(c.top_tokens or []))
+
+
+def _tok(tid: int, text: str, as_ids: bool) -> str:
+    return f"token_id:{tid}" if as_ids else text
+
+
+def completion_logprobs(c: Any, as_ids: bool, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions logprobs object; like vLLM, each top_logprobs entry also holds the chosen token."""
+    ids, texts, lps, tops, names = _lp_parts(c)
+    toks = [_tok(t, texts[i] if i < len(texts) else "", as_ids) for i, t in enumerate(ids)]
+    top_out: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for i, tok in enumerate(toks):
+        alts = tops[i] if i < len(tops) else {}
+        alt_names = names[i] if i < len(names) else {}
+        d = {_tok(a, alt_names.get(a, ""), as_ids): lp for a, lp in alts.items()}
+        d.setdefault(tok, lps[i])
+        top_out.append(d)
+        offsets.append(offset)
+        offset += len(texts[i]) if i < len(texts) else 0
+    return {"tokens": toks, "token_logprobs": lps[:len(toks)], "top_logprobs": top_out, "text_offset": offsets}
+
+
+def chat_logprobs(c: Any, as_ids: bool) -> dict[str, Any]:
+    """OpenAI's chat logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    ids, texts, lps, tops, names = _lp_parts(c)
+
+    def entry(tid: int, text: str, lp: float) -> dict[str, Any]:
+        tok = _tok(tid, text, as_ids)
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+    content = []
+    for i, t in enumerate(ids):
+        e = entry(t, texts[i] if i < len(texts) else "", lps[i])
+        alt_names = names[i] if i < len(names) else {}
+        e["top_logprobs"] = [entry(a, alt_names.get(a, ""), lp) for a, lp in (tops[i] if i < len(tops) else {}).items()]
+        content.append(e)
+    return {"content": content}
 
 
 def _usage(u: Any) -> dict[str, int]:
@@ -415,8 +504,16 @@ class OpenAIHttpServer:
         cid = f"cmpl-{base}"
         model = await self._response_model(p.model)
 
-        def choice(i: int, text: str, finish: str | None) -> dict[str, Any]:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+        want_lp = p.top_logprobs is not None
+        echo = [pr if p.echo and isinstance(pr, str) else "" for pr in prompts]
+        offsets = [0] * len(prompts)  # text_offset of the next token, per choice
+
+        def choice(i: int, text: str, finish: str | None, c: Any = None) -> dict[str, Any]:
+            lp = None
+            if want_lp and c is not None:
+                lp = completion_logprobs(c, p.tokens_as_ids, offsets[i])
+                offsets[i] = (lp["text_offset"][-1] + len(c.tokens[-1])) if c.token_ids and c.tokens else offsets[i]
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if not p.stream:
             comps = await self._gather(streams)
@@ -427,16 +524,17 @@ class OpenAIHttpServer:
                         usage[k] += v
             return web.json_response({
                 "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [choice(i, c.text, _FINISH.get(c.finish_reason or "", c.finish_reason))
+                "choices": [choice(i, echo[i] + c.text, _FINISH.get(c.finish_reason or "", c.finish_reason), c)
                             for i, c in enumerate(comps)],
                 "usage": usage})
 
         def frame(i: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
-            if not chunk.text and not chunk.finished:
+            if not chunk.text and not chunk.finished and not (want_lp and chunk.token_ids) and not echo[i]:
                 return []
+            text, echo[i] = echo[i] + chunk.text, ""  # the prompt goes out once, ahead of the first tokens
             return [{"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                     "choices": [choice(i, chunk.text, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason)
-                                        if chunk.finished else None)]}]
+                     "choices": [choice(i, text, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason)
+                                        if chunk.finished else None, chunk)]}]
 
         def usage_frame(total: dict[str, int]) -> dict[str, Any]:
             return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -451,23 +549,26 @@ class OpenAIHttpServer:
                                          **p.sampling)
         cid = f"chatcmpl-{rid}"
         model = await self._response_model(p.model)
+        want_lp = p.top_logprobs is not None
 
         if not p.stream:
             (c,) = await self._gather([stream])
             return web.json_response({
                 "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": None, "finish_reason": _FINISH.get(c.finish_reason or "", c.finish_reason)}],
+                             "logprobs": chat_logprobs(c, p.tokens_as_ids) if want_lp else None,
+                             "finish_reason": _FINISH.get(c.finish_reason or "", c.finish_reason)}],
                 "usage": _usage(c.usage)})
 
-        def chunk_obj(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        def chunk_obj(delta: dict[str, Any], finish: str | None, lp: Any = None) -> dict[str, Any]:
             return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
         def frame(i: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
             out = []
-            if chunk.text:
-                out.append(chunk_obj({"content": chunk.text}, None))
+            if chunk.text or (want_lp and chunk.token_ids):
+                out.append(chunk_obj({"content": chunk.text}, None,
+                                     chat_logprobs(chunk, p.tokens_as_ids) if want_lp else None))
             if chunk.finished:
                 out.append(chunk_obj({}, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason)))
             return out

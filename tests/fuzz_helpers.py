@@ -63,23 +63,23 @@ BAD_SAMPLING_VALUES = [
               st.one_of(st.floats(min_value=2.0, exclude_min=True, width=32),
                         st.floats(max_value=-2.0, exclude_max=True, width=32), NON_FINITE)),
 ]
+# Well-formed values past vLLM's limits (top_logprobs above 20, min_p outside [0, 1], logit_bias ids outside the
+# vocabulary): refused by every service, never clamped or ignored.
+OVER_LIMIT_SAMPLING = st.one_of(
+    st.builds(lambda v: _sp(top_logprobs=v), st.integers(21, 2**31 - 1)),
+    st.builds(lambda v: _sp(min_p=v), st.one_of(st.floats(max_value=0.0, exclude_max=True, width=32),
+                                                 st.floats(min_value=1.0, exclude_min=True, width=32), NON_FINITE)),
+    st.builds(lambda t: _sp(logit_bias={t: 1.0}), st.one_of(st.integers(-2**31, -1), st.integers(VOCAB, 2**31 - 1))),
+)
 # Stop lists the router will not match after every token (too many, too long), and too many stop token ids.
 _HUGE_STOPS = st.one_of(
     st.builds(lambda n: _sp(stop=["x"] * n), st.integers(65, 5000)),
     st.builds(lambda n: _sp(stop=["y" * n]), st.integers(1025, 1 << 20)),
     st.builds(lambda n: _sp(stop_token_ids=[5] * n), st.integers(1025, 100_000)))
+BAD_SAMPLING_VALUES.append(OVER_LIMIT_SAMPLING)
 BAD_SAMPLING = st.one_of(*BAD_SAMPLING_VALUES, _HUGE_STOPS)
 # Pods ignore stop strings (whoever detokenizes applies them), so an empty one is the router's refusal only.
 POD_BAD_SAMPLING = st.one_of(*[s for s in BAD_SAMPLING_VALUES if s is not _BAD_STOP])
-
-# Well-formed values that this cluster's pods do not implement: common.proto says refuse, never ignore.
-UNSUPPORTED_SAMPLING = st.one_of(
-    st.builds(lambda v: _sp(top_logprobs=v), st.integers(1, 20)),
-    st.builds(lambda v: _sp(min_tokens=v, max_tokens=50), st.integers(1, 50)),
-    st.builds(lambda v: _sp(repetition_penalty=v), st.floats(0.125, 10, width=32).filter(lambda v: v != 1.0)),
-    st.builds(lambda name, v: _sp(**{name: v}), st.sampled_from(["presence_penalty", "frequency_penalty"]),
-              st.floats(-2, 2, width=32).filter(lambda v: v != 0.0)),
-)
 
 
 def start_cluster(workdir: Path, model: Path) -> LocalCluster:

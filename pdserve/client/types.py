@@ -92,6 +92,8 @@ class GenerateChunk:
     routing: Routing | None = None
     prompt_token_ids: list[int] | None = None
     error_message: str = ""
+    tokens: list[str] = field(default_factory=list)  # each token's own text, when logprobs are returned
+    top_tokens: list[dict[int, str]] = field(default_factory=list)  # the text of each top_logprobs alternative
 
     @property
     def finished(self) -> bool:
@@ -114,6 +116,8 @@ class Completion:
     top_logprobs: list[dict[int, float]] | None = None
     prompt_token_ids: list[int] | None = None
     error_message: str = ""
+    tokens: list[str] | None = None  # each token's own text, when logprobs were asked for
+    top_tokens: list[dict[int, str]] | None = None  # the text of each top_logprobs alternative
 
     @property
     def ttft_s(self) -> float:
@@ -130,6 +134,8 @@ class CompletionBuilder:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        self.tokens: list[str] = []
+        self.top_tokens: list[dict[int, str]] = []
         self.want_logprobs = False
         self.prompt_token_ids: list[int] | None = None
         self.last: GenerateChunk | None = None
@@ -142,6 +148,8 @@ class CompletionBuilder:
             self.want_logprobs = True
             self.logprobs.extend(c.logprobs)
         self.top_logprobs.extend(c.top_logprobs)
+        self.tokens.extend(c.tokens)
+        self.top_tokens.extend(c.top_tokens)
         if c.prompt_token_ids is not None:
             self.prompt_token_ids = c.prompt_token_ids
         if c.finished:
@@ -165,7 +173,9 @@ class CompletionBuilder:
             routing=last.routing if last is not None and last.routing is not None else Routing(),
             logprobs=list(self.logprobs) if self.want_logprobs else None,
             top_logprobs=list(self.top_logprobs) if self.top_logprobs else None,
-            prompt_token_ids=self.prompt_token_ids, error_message=last.error_message if last else "")
+            prompt_token_ids=self.prompt_token_ids, error_message=last.error_message if last else "",
+            tokens=list(self.tokens) if self.want_logprobs else None,
+            top_tokens=list(self.top_tokens) if self.top_tokens else None)
 
 
 def chunk_from_proto(m: router_pb2.GenerateResponse, client_ttft_s: float | None = None,
@@ -179,7 +189,8 @@ def chunk_from_proto(m: router_pb2.GenerateResponse, client_ttft_s: float | None
         timing=Timing.from_proto(m.timing, client_ttft_s, client_e2e_s) if final else None,
         routing=Routing.from_proto(m.routing) if final else None,
         prompt_token_ids=list(m.prompt_token_ids) if len(m.prompt_token_ids) else None,
-        error_message=m.error_message)
+        error_message=m.error_message, tokens=list(m.tokens),
+        top_tokens=[dict(zip(t.token_ids, t.tokens)) for t in m.top_logprobs])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -188,7 +199,7 @@ def chunk_from_proto(m: router_pb2.GenerateResponse, client_ttft_s: float | None
 
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs",
                     "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "skip_special_tokens")
+                    "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias")
 
 
 def sampling_params(**kw: Any) -> common_pb2.SamplingParams:
@@ -205,6 +216,8 @@ def sampling_params(**kw: Any) -> common_pb2.SamplingParams:
             sp.stop.extend([value] if isinstance(value, str) else list(value))
         elif name == "stop_token_ids":
             sp.stop_token_ids.extend(int(v) for v in value)
+        elif name == "logit_bias":
+            sp.logit_bias.update({int(k): float(v) for k, v in dict(value).items()})
         else:
             setattr(sp, name, value)
     return sp

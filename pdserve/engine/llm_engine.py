@@ -47,6 +47,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Per new token, when its params ask for top_logprobs: (token ids, logprobs) of the most likely alternatives.
+    new_top_logprobs: list[tuple[list[int], list[float]] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -100,7 +102,7 @@ class LLMEngine:
         self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.decode_context_parallel_size,
                                    cfg.dcp_kv_cache_interleave_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size)
-        self.sampler = Sampler()
+        self.sampler = Sampler(sorted(getattr(self, "eos_ids", ())))
         self._tracked: dict[str, _Tracked] = {}
         self._arrival = itertools.count()
         self.num_prompt_tokens_computed = 0  # prefill work actually done (prefix hits excluded)
@@ -123,6 +125,9 @@ class LLMEngine:
                                f"shorten the prompt to at most {self.max_model_len - 1} tokens")
         if not isinstance(params, SamplingParams):
             raise RequestError("params must be a SamplingParams")
+        bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias token id {bad} is out of range [0, {vocab})")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, hold_kv: bool = False) -> str:
@@ -253,28 +258,33 @@ class LLMEngine:
         sampled = [step.seqs[i] for i in inp.sample_rows]
         outputs: list[RequestOutput] = []
         if sampled:
-            toks, lps = self.sampler.sample(logits, [s.params for s in sampled], [s.request_id for s in sampled])
-            for seq, tok, lp in zip(sampled, toks, lps):
-                outputs.append(self._append_token(seq, tok, lp))
+            toks, lps, tops = self.sampler.sample(logits, [s.params for s in sampled], [s.request_id for s in sampled],
+                                                  [s.prompt_ids for s in sampled], [s.output_ids for s in sampled])
+            for seq, tok, lp, top in zip(sampled, toks, lps, tops):
+                outputs.append(self._append_token(seq, tok, lp, top=top))
         return outputs
 
-    def _append_token(self, seq: Sequence, tok: int, lp: float, sampled_here: bool = True) -> RequestOutput:
+    def _append_token(self, seq: Sequence, tok: int, lp: float, sampled_here: bool = True,
+                      top: tuple[list[int], list[float]] | None = None) -> RequestOutput:
         tr = self._tracked[seq.request_id]
         seq.output_ids.append(tok)
         seq.output_logprobs.append(lp)
         if sampled_here:
             self.num_generated_tokens += 1
+        before = len(tr.text)
         tr.text += tr.detok.add(tok)
         p = seq.params
         reason: FinishReason | None = None
         stop_at: int | None = None
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        may_stop = len(seq.output_ids) >= p.min_tokens  # vLLM: no stop of any kind before min_tokens
+        if may_stop and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             reason = FinishReason.STOP
         else:
-            for s in p.stop:
-                i = tr.text.find(s)
-                if i >= 0 and (stop_at is None or i < stop_at):
-                    stop_at = i
+            if may_stop and p.stop:
+                for s in p.stop:
+                    i = tr.text.find(s, max(0, before - len(s) + 1))  # a match must end in the new text
+                    if i >= 0 and (stop_at is None or i < stop_at):
+                        stop_at = i
             if stop_at is not None:
                 reason = FinishReason.STOP
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -287,7 +297,7 @@ class LLMEngine:
         tr.emitted = upto
         out = RequestOutput(seq.request_id, [tok], [lp], delta, reason is not None, reason,
                             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-                            cached_tokens=seq.num_cached_prefix)
+                            cached_tokens=seq.num_cached_prefix, new_top_logprobs=[top])
         if reason is not None:
             self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)
             if seq.hold_kv:
@@ -302,7 +312,8 @@ class LLMEngine:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         results: dict[str, dict[str, Any]] = {
-            r: {"request_id": r, "token_ids": [], "logprobs": [], "text": "", "finish_reason": None} for r in rids}
+            r: {"request_id": r, "token_ids": [], "logprobs": [], "top_logprobs": [], "text": "", "finish_reason": None}
+            for r in rids}
         while any(results[r]["finish_reason"] is None for r in rids):
             for out in self.step():
                 res = results.get(out.request_id)
@@ -310,6 +321,7 @@ class LLMEngine:
                     continue
                 res["token_ids"] += out.new_token_ids
                 res["logprobs"] += out.new_logprobs
+                res["top_logprobs"] += out.new_top_logprobs
                 res["text"] += out.text_delta
                 if out.finished:
                     res["finish_reason"] = out.finish_reason

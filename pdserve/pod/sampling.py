@@ -9,13 +9,9 @@ from pdserve_api.v1 import common_pb2 as pb
 
 
 def unsupported_fields(sp: pb.SamplingParams) -> list[str]:
-    """Well-formed fields set to a value no pod implements (common.proto: refuse, never ignore)."""
-    return [name for name, on in (
-        ("top_logprobs", sp.top_logprobs > 0),
-        ("min_tokens", sp.min_tokens > 0),  # would mask EOS
-        ("repetition_penalty", sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0),
-        ("presence_penalty", sp.HasField("presence_penalty") and sp.presence_penalty != 0.0),
-        ("frequency_penalty", sp.HasField("frequency_penalty") and sp.frequency_penalty != 0.0)) if on]
+    """Well-formed fields set to a value no pod implements (common.proto: refuse, never ignore). Every field of
+    SamplingParams is implemented today; the hook stays so a new field is refused until the pods implement it."""
+    return []
 
 
 def refuse_unsupported(sp: pb.SamplingParams, who: str) -> None:
@@ -26,8 +22,10 @@ def refuse_unsupported(sp: pb.SamplingParams, who: str) -> None:
                                   f"{who}: leave unset (or at the neutral value)")
 
 
-def engine_params(sp: pb.SamplingParams, max_tokens: int, ignore_eos: bool, logprobs: bool) -> SamplingParams:
-    """The engine's SamplingParams from the proto's sampling fields (the caller decides the stop rules)."""
+def engine_params(sp: pb.SamplingParams, max_tokens: int, ignore_eos: bool, logprobs: bool,
+                  min_tokens: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams from the proto's sampling fields (the caller decides the stop rules).
+    Raises SamplingParamsError for values out of range."""
     return SamplingParams(
         temperature=sp.temperature if sp.HasField("temperature") else 1.0,
         top_k=sp.top_k,
@@ -36,5 +34,12 @@ def engine_params(sp: pb.SamplingParams, max_tokens: int, ignore_eos: bool, logp
         max_tokens=max_tokens,
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=ignore_eos,
-        logprobs=logprobs,
+        logprobs=logprobs or sp.top_logprobs > 0,
+        top_logprobs=sp.top_logprobs,
+        min_tokens=sp.min_tokens if min_tokens is None else min_tokens,
+        min_p=sp.min_p if sp.HasField("min_p") else 0.0,
+        presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
+        frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(sp.logit_bias),
     )

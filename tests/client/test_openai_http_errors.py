@@ -66,8 +66,13 @@ def _assert_openai_error(body: dict, *, param=None, code=None, type_=None, messa
 
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"model": "m", "prompt": "x", "n": 2}, "n"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "echo": True}, "echo"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True}, "echo"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"1": "big"}}, "logit_bias"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "min_p": "low"}, "min_p"),
     ("/v1/completions", {"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/completions", {"model": "m"}, "prompt"),
     ("/v1/completions", {"model": "m", "prompt": [1, "a"]}, "prompt"),
@@ -81,8 +86,10 @@ def _assert_openai_error(body: dict, *, param=None, code=None, type_=None, messa
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     "logprobs"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": -1}, "top_logprobs"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
 ])

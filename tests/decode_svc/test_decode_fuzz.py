@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
-from fuzz_helpers import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING, UNSUPPORTED_SAMPLING,
+from fuzz_helpers import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING,
                                  VOCAB, assert_refused, idle, ok_ids, settled_snapshot, tiny_cluster)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -138,7 +138,7 @@ def bad_decodes(kv_address: str):
         st.builds(lambda t: dreq(kv_address, first_token_id=t), st.one_of(NEG32, st.integers(VOCAB, 2**31 - 1))),
         st.builds(lambda v: dreq(kv_address, first_token_logprob=v), NON_FINITE),
         st.builds(lambda v: dreq(kv_address, num_cached_tokens=v), st.one_of(NEG32, st.integers(6, 2**31 - 1))),
-        st.builds(lambda sp: dreq(kv_address, sampling_params=sp), st.one_of(POD_BAD_SAMPLING, UNSUPPORTED_SAMPLING)),
+        st.builds(lambda sp: dreq(kv_address, sampling_params=sp), POD_BAD_SAMPLING),
         st.builds(lambda m: dreq(kv_address, kv_handle__transfer_mode=m),
                   st.one_of(NEG32, st.integers(4, 2**31 - 1))),
         st.builds(lambda a: dreq(kv_address, kv_handle__kv_transfer_address=a),

@@ -1,6 +1,8 @@
 """pdserve/pod: the sampling check every service shares, the proto conversions both pods use, id checks."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from decode_svc.server import sampling_params_from_proto
@@ -9,45 +11,67 @@ from kv_transfer.transport import Endpoint, KVHandoff
 from pdserve.pod.convert import handoff_to_kv_handle, kv_handle_to_handoff, layout_from_proto, layout_to_proto
 from pdserve.pod.lifecycle import MAX_ID_LEN, id_problem
 from pdserve.errors import ServiceError
-from pdserve.pod.sampling import refuse_unsupported, unsupported_fields
+from pdserve.pod.sampling import unsupported_fields
 from pdserve.sampling import SamplingParamsError
 from pdserve_api.v1 import common_pb2 as pb
 from prefill_svc.sampling import sampling_from_proto
 from router.core import _check_sampling
 
-UNSUPPORTED = [
-    ("top_logprobs", pb.SamplingParams(top_logprobs=2)),
-    ("min_tokens", pb.SamplingParams(min_tokens=1, max_tokens=5)),
-    ("repetition_penalty", pb.SamplingParams(repetition_penalty=1.2)),
-    ("presence_penalty", pb.SamplingParams(presence_penalty=0.5)),
-    ("frequency_penalty", pb.SamplingParams(frequency_penalty=-0.5)),
+IMPLEMENTED = [
+    pb.SamplingParams(top_logprobs=2),
+    pb.SamplingParams(min_tokens=1, max_tokens=5),
+    pb.SamplingParams(repetition_penalty=1.2),
+    pb.SamplingParams(presence_penalty=0.5),
+    pb.SamplingParams(frequency_penalty=-0.5),
+    pb.SamplingParams(min_p=0.1),
+    pb.SamplingParams(logit_bias={5: 3.0}),
 ]
 NEUTRAL = pb.SamplingParams(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, temperature=0.0)
 
 
-@pytest.mark.parametrize("name,sp", UNSUPPORTED, ids=[n for n, _ in UNSUPPORTED])
-def test_router_prefill_and_decode_refuse_the_same_fields(name, sp):
-    assert unsupported_fields(sp) == [name]
-    with pytest.raises(ServiceError, match=name):
-        _check_sampling(sp)
-    with pytest.raises(SamplingParamsError, match=f"{name} is not implemented by this prefill pod"):
+@pytest.mark.parametrize("sp", IMPLEMENTED, ids=lambda sp: str(sp).split(":")[0])
+def test_router_prefill_and_decode_accept_the_same_fields(sp):
+    assert unsupported_fields(sp) == []
+    _check_sampling(sp, vocab=256)
+    params, _ = sampling_from_proto(sp)
+    decode = sampling_params_from_proto(sp, max_model_len=64)
+    for name in ("top_logprobs", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
+        assert getattr(params, name) == getattr(decode, name), name
+    assert params.min_tokens == min(sp.min_tokens, 1) and decode.min_tokens == sp.min_tokens
+
+
+OUT_OF_RANGE = [
+    (pb.SamplingParams(top_logprobs=21), "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    (pb.SamplingParams(min_tokens=6, max_tokens=5), "min_tokens must be less than or equal to max_tokens=5, got 6."),
+    (pb.SamplingParams(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
+    (pb.SamplingParams(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5."),
+    (pb.SamplingParams(frequency_penalty=-3.0), "frequency_penalty must be in [-2, 2], got -3.0."),
+    (pb.SamplingParams(min_p=1.5), "min_p must be in [0, 1], got 1.5."),
+]
+
+
+@pytest.mark.parametrize("sp,msg", OUT_OF_RANGE, ids=[m.split()[0] for _, m in OUT_OF_RANGE])
+def test_router_prefill_and_decode_refuse_the_same_values_with_vllms_message(sp, msg):
+    with pytest.raises(ServiceError, match=re.escape(msg)):
+        _check_sampling(sp, vocab=256)
+    with pytest.raises(SamplingParamsError, match=re.escape(msg)):
         sampling_from_proto(sp)
-    with pytest.raises(SamplingParamsError, match=f"{name} is not implemented by this decode pod"):
+    with pytest.raises(SamplingParamsError, match=re.escape(msg)):
         sampling_params_from_proto(sp, max_model_len=64)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_by_the_router():
+    msg = "logit_bias has token ids out of the model's vocabulary [0, 256): [300]"
+    with pytest.raises(ServiceError, match=re.escape(msg)):
+        _check_sampling(pb.SamplingParams(logit_bias={300: 1.0}), vocab=256)
 
 
 def test_neutral_values_are_accepted_everywhere():
     assert unsupported_fields(NEUTRAL) == []
-    _check_sampling(NEUTRAL)
+    _check_sampling(NEUTRAL, vocab=256)
     params, client = sampling_from_proto(NEUTRAL)
     assert params.max_tokens == 1 and params.greedy and client.max_tokens is None
     assert sampling_params_from_proto(NEUTRAL, max_model_len=64).max_tokens == 64
-
-
-def test_refusal_names_every_field():
-    sp = pb.SamplingParams(top_logprobs=1, presence_penalty=1.0)
-    with pytest.raises(SamplingParamsError, match="top_logprobs, presence_penalty are not implemented by X"):
-        refuse_unsupported(sp, "X")
 
 
 def test_kv_handle_round_trip():

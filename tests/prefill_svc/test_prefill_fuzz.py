@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc
-from fuzz_helpers import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING, UNSUPPORTED_SAMPLING,
+from fuzz_helpers import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING,
                                  VOCAB, assert_refused, idle, ok_ids, settled_snapshot, tiny_cluster)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -86,7 +86,6 @@ BAD_PREFILLS = st.one_of(
               st.one_of(NEG32, st.integers(VOCAB, 2**31 - 1))),
     st.builds(lambda n: good(prompt_token_ids=[7] * n), st.integers(MAX_MODEL_LEN, 4 * MAX_MODEL_LEN)),
     st.builds(lambda sp: good(sampling_params=sp), POD_BAD_SAMPLING),
-    st.builds(lambda sp: good(sampling_params=sp), UNSUPPORTED_SAMPLING),
     st.builds(lambda m: good(transfer_mode=m), st.one_of(st.integers(4, 2**31 - 1), NEG32)),
     # modes this TCP pod does not serve
     st.sampled_from([good(transfer_mode=pb.TRANSFER_MODE_NIXL_PUSH), good(transfer_mode=pb.TRANSFER_MODE_NIXL_PULL)]),

@@ -166,7 +166,8 @@ def test_errors_map_to_status_codes(pod):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as e:
         pod.stub.Prefill(prefill_pb2.PrefillRequest(request_id="bad2", prompt_token_ids=[5, 6],
-                                                    sampling_params=pb.SamplingParams(min_tokens=3)), timeout=30)
+                                                    sampling_params=pb.SamplingParams(min_tokens=3, max_tokens=2)),
+                         timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         pod.stub.Prefill(greedy_request("bad3", [5, 6], transfer_mode=pb.TRANSFER_MODE_NIXL_PUSH), timeout=30)

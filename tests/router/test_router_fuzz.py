@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from fuzz_helpers import (BAD_SAMPLING, FUZZ_SETTINGS, MAX_MODEL_LEN, UNSUPPORTED_SAMPLING, VOCAB,
+from fuzz_helpers import (BAD_SAMPLING, FUZZ_SETTINGS, MAX_MODEL_LEN, OVER_LIMIT_SAMPLING, VOCAB,
                                  assert_refused, cluster_snapshot, idle, ok_ids, settled_snapshot, tiny_cluster)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -127,9 +127,9 @@ def test_generate_bad_sampling_params_are_invalid_argument(cluster, router, base
 
 
 @FUZZ_SETTINGS
-@given(sp=UNSUPPORTED_SAMPLING, ids=ok_ids())
-def test_generate_unimplemented_sampling_params_are_refused_before_any_token(cluster, router, baseline, sp, ids):
-    """Parameters the pods do not implement are refused with INVALID_ARGUMENT before the first token (never a
+@given(sp=OVER_LIMIT_SAMPLING, ids=ok_ids())
+def test_generate_over_limit_sampling_params_are_refused_before_any_token(cluster, router, baseline, sp, ids):
+    """Values past vLLM's limits are refused with INVALID_ARGUMENT before the first token (never a
     half-streamed answer ending in an error, never silently ignored), and no KV is left behind."""
     sp.temperature = 0
     sp.ignore_eos = True

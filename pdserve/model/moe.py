@@ -13,8 +13,8 @@ from pdserve.model.llama import MLP
 from pdserve.model.parallel_state import ParallelState
 
 
-def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class Router(nn.Module):
@@ -24,12 +24,15 @@ class Router(nn.Module):
         super().__init__()
         assert cfg.moe is not None
         self.moe = m = cfg.moe
-        self.weight = _param(m.n_routed_experts, cfg.hidden_size)
-        self.e_score_correction_bias = _param(m.n_routed_experts) if m.topk_method == "noaux_tc" else None
+        # Plain float32 tensors, not parameters: the model's .to(dtype) must leave routing in float32 (transformers
+        # keeps gate.weight and e_score_correction_bias in fp32), or bf16 ties would pick other experts.
+        self.weight = torch.empty(m.n_routed_experts, cfg.hidden_size, dtype=torch.float32)
+        self.e_score_correction_bias = (torch.empty(m.n_routed_experts, dtype=torch.float32)
+                                        if m.topk_method == "noaux_tc" else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.moe
-        logits = F.linear(x.float(), self.weight.float())  # routing in float32 whatever the model's dtype
+        logits = F.linear(x.float(), self.weight)  # routing in float32 whatever the model's dtype
         e, g, k = m.n_routed_experts, m.n_group, m.num_experts_per_tok
         if m.scoring_func == "softmax":
             scores = logits.softmax(dim=-1, dtype=torch.float32)
@@ -40,7 +43,7 @@ class Router(nn.Module):
         else:  # sigmoid + correction bias (noaux_tc): the bias steers the choice, not the weights
             assert self.e_score_correction_bias is not None
             scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias.float()
+            choice = scores + self.e_score_correction_bias
             group_scores = choice.view(-1, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)
             choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
             ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]

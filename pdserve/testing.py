@@ -14,7 +14,17 @@ FAMILIES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+
+# MLA + MoE shapes small enough for a test: 8 routed experts in 4 groups (2 per group, as V3's top-2 group score
+# needs), 2 chosen per token from the best 2 groups, one shared expert and a dense first layer.
+DEEPSEEK_DEFAULTS: dict[str, Any] = dict(
+    q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+    first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=1.5,
+)
 
 
 def write_tiny_checkpoint(path: str | Path, family: str = "llama", *, num_heads: int = 8, num_kv_heads: int = 2,
@@ -29,10 +39,15 @@ def write_tiny_checkpoint(path: str | Path, family: str = "llama", *, num_heads:
     path.mkdir(parents=True, exist_ok=True)
     arch = FAMILIES[family]
     cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    if family.startswith("deepseek"):
+        extra = {**DEEPSEEK_DEFAULTS, **({"topk_method": "group_limited_greedy"} if family == "deepseek_v2" else {}),
+                 **extra}
+        num_kv_heads = num_heads  # MLA has no KV heads; transformers wants them equal to the query heads
+    if not family.startswith("deepseek"):  # MLA's head dims are its own (qk_nope/qk_rope/v_head_dim)
+        extra["head_dim"] = head_dim
     cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  head_dim=head_dim, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                  **extra)
+                  max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
     cfg.architectures = [arch]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).to(torch.float32)
@@ -43,6 +58,9 @@ def write_tiny_checkpoint(path: str | Path, family: str = "llama", *, num_heads:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0).add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # V3's routing bias: zero in a fresh model, not in a real one
+                b.normal_(0, 0.1)
     model.save_pretrained(str(path), safe_serialization=True)
     if tokenizer_from is not None:
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

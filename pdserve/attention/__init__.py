@@ -5,12 +5,13 @@ import logging
 
 import torch
 
-from pdserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from pdserve.attention.base import AttentionBackend, AttentionMetadata, MLAAttentionBackend, write_kv, write_latent
 from pdserve.attention.merge import merge_attn_states
 
 log = logging.getLogger("pdserve.attention")
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "merge_attn_states", "select_backend", "write_kv"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "MLAAttentionBackend", "merge_attn_states", "select_backend",
+           "select_mla_backend", "write_kv", "write_latent"]
 
 
 def select_backend(device: torch.device | str = "cpu", prefer: str | None = None) -> AttentionBackend:
@@ -32,3 +33,13 @@ def select_backend(device: torch.device | str = "cpu", prefer: str | None = None
         backend = TorchAttentionBackend()
     log.info("attention backend: %s on %s", backend.name, device)
     return backend
+
+
+def select_mla_backend(backend: AttentionBackend) -> MLAAttentionBackend:
+    """The MLA kernels to pair with the chosen attention backend (torch's everywhere until an MLA GPU backend lands)."""
+    from pdserve.attention.torch_mla import TorchMLABackend
+
+    if backend.name != "torch":
+        log.warning("attention backend %s has no MLA kernels; MLA layers use the torch ones", backend.name)
+    log.info("MLA attention backend: torch")
+    return TorchMLABackend()

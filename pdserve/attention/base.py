@@ -5,7 +5,7 @@ Decode Context Parallelism rests on."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -86,3 +86,45 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     if keep.numel():
         k_flat.index_copy_(0, slot_mapping[keep], k[keep])
         v_flat.index_copy_(0, slot_mapping[keep], v[keep])
+
+
+class MLAAttentionBackend(Protocol):
+    """Multi-head latent attention over a paged latent cache [num_blocks, block_size, kv_lora_rank + rope_dim] per
+    layer: one row per token shared by every head. Both phases return natural-log LSE, so DCP merges them as GQA's."""
+
+    name: str
+
+    def forward_prefill(
+        self,
+        q: torch.Tensor,  # [T, H, Dqk], rope part applied
+        latent_layer: torch.Tensor,  # this step's rows already written
+        meta: AttentionMetadata,
+        scale: float,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],  # latent rows [N, C] -> K, V [N, H, D]
+        new_latent: torch.Tensor | None = None,  # this step's latent rows [T, C], as written
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expanded form: every head's K/V built from the latent, (out [T, H, D], lse [T, H]); D = expand's width."""
+        ...
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,  # [B, H, C]: the absorbed query (q_nope @ W_UK, then q_pe) against whole latent rows
+        latent_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        v_dim: int,  # the leading v_dim values of a latent row are the value (kv_lora_rank)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed form, one shared head: (out [B, H, v_dim] in latent space, lse [B, H])."""
+        ...
+
+
+def write_latent(latent_layer: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor,
+                 all_local: bool | None = None) -> None:
+    """Store this step's latent rows [T, C] in their slots; rows with slot -1 belong to another DCP rank."""
+    flat = latent_layer.view(-1, latent_layer.shape[-1])
+    if all_local if all_local is not None else bool((slot_mapping >= 0).all()):
+        flat.index_copy_(0, slot_mapping, rows)
+        return
+    keep = (slot_mapping >= 0).nonzero().squeeze(1)
+    if keep.numel():
+        flat.index_copy_(0, slot_mapping[keep], rows[keep])

@@ -47,35 +47,7 @@ class TorchAttentionBackend:
                 # kv_layer[0][table], not kv_layer[0, table]: the mixed index is far slower (docs/performance.md)
                 kb, vb = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
                           for j in (0, 1))
-            if whole:
-                o, lse = _flash(qb, kb, vb, 0.0, True, scale=scale)
-                outs.append(o[0].transpose(0, 1))
-                lses.append(lse[0].transpose(0, 1))
-                continue
-            if start > 0 and start + n == ctx and plain:
-                # A later chunk of a chunked prefill: every earlier key is visible (no mask) and the chunk's own keys
-                # are causal and aligned with its queries, so two fused calls merged by LSE replace one call with an
-                # [n, ctx] mask (which costs a mask build per layer and the kernel's slow masked path).
-                o1, lse1 = _flash(qb, kb[:, :, :start], vb[:, :, :start], 0.0, False, scale=scale)
-                o2, lse2 = _flash(qb, kb[:, :, start:], vb[:, :, start:], 0.0, True, scale=scale)
-                o, lse = merge_attn_states(torch.stack([o1[0].transpose(0, 1), o2[0].transpose(0, 1)]),
-                                           torch.stack([lse1[0].transpose(0, 1), lse2[0].transpose(0, 1)]))
-                outs.append(o.to(q.dtype))  # the merge sums in float32
-                lses.append(lse)
-                continue
-            qpos = torch.arange(start, start + n).unsqueeze(1)
-            kpos = meta.key_positions(ctx).unsqueeze(0)
-            allowed = kpos <= qpos
-            if meta.sliding_window is not None:
-                allowed &= kpos > qpos - meta.sliding_window
-            none = ~allowed.any(dim=1)
-            allowed[none, 0] = True  # keep the kernel finite; these rows are zeroed below
-            mask = torch.zeros(n, ctx, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
-            o, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=mask.view(1, 1, n, ctx), scale=scale)
-            o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
-            if bool(none.any()):
-                o = o.masked_fill(none.view(n, 1, 1), 0.0)
-                lse = lse.masked_fill(none.view(n, 1), float("-inf"))
+            o, lse = attend_prefill_seq(qb, kb, vb, meta, start, ctx, scale, whole, plain)
             outs.append(o)
             lses.append(lse)
         if len(outs) == 1:
@@ -119,3 +91,38 @@ class TorchAttentionBackend:
         mask = torch.zeros(b, max_ctx, dtype=dtype).masked_fill_(~allowed, float("-inf")).view(b, 1, 1, max_ctx)
         meta.derived["decode"] = (slots, mask, empty)
         return slots, mask, empty
+
+
+def attend_prefill_seq(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, meta: AttentionMetadata, start: int,
+                       ctx: int, scale: float, whole: bool, plain: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's prefill attention: qb [1, Hq, n, D] over its ctx local keys kb/vb [1, Hkv, ctx, D], causal by
+    absolute position (and window / DCP shard). Returns (out [n, Hq, D], lse [n, Hq]); rows with no key give 0 / -inf.
+
+    whole: the queries are the whole prompt so far (keys = queries, aligned); plain: no window and no DCP."""
+    n = qb.shape[2]
+    if whole:
+        o, lse = _flash(qb, kb, vb, 0.0, True, scale=scale)
+        return o[0].transpose(0, 1), lse[0].transpose(0, 1)
+    if start > 0 and start + n == ctx and plain:
+        # A later chunk of a chunked prefill: every earlier key is visible (no mask) and the chunk's own keys
+        # are causal and aligned with its queries, so two fused calls merged by LSE replace one call with an
+        # [n, ctx] mask (which costs a mask build per layer and the kernel's slow masked path).
+        o1, lse1 = _flash(qb, kb[:, :, :start], vb[:, :, :start], 0.0, False, scale=scale)
+        o2, lse2 = _flash(qb, kb[:, :, start:], vb[:, :, start:], 0.0, True, scale=scale)
+        o, lse = merge_attn_states(torch.stack([o1[0].transpose(0, 1), o2[0].transpose(0, 1)]),
+                                   torch.stack([lse1[0].transpose(0, 1), lse2[0].transpose(0, 1)]))
+        return o.to(qb.dtype), lse  # the merge sums in float32
+    qpos = torch.arange(start, start + n).unsqueeze(1)
+    kpos = meta.key_positions(ctx).unsqueeze(0)
+    allowed = kpos <= qpos
+    if meta.sliding_window is not None:
+        allowed &= kpos > qpos - meta.sliding_window
+    none = ~allowed.any(dim=1)
+    allowed[none, 0] = True  # keep the kernel finite; these rows are zeroed below
+    mask = torch.zeros(n, ctx, dtype=qb.dtype).masked_fill_(~allowed, float("-inf"))
+    o, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=mask.view(1, 1, n, ctx), scale=scale)
+    o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+    if bool(none.any()):
+        o = o.masked_fill(none.view(n, 1, 1), 0.0)
+        lse = lse.masked_fill(none.view(n, 1), float("-inf"))
+    return o, lse

@@ -311,7 +311,9 @@ class Executor:
             cfg = ModelConfig.from_path(model_path)
             heads = -(-cfg.num_heads // tp_size) * dcp_size
             world_slot = min(_SLOT_CAP, 4 * _SLOT_TOKENS * cfg.hidden_size)  # fp32 hidden states
-            dcp_slot = min(_SLOT_CAP, 4 * _SLOT_TOKENS * heads * (cfg.head_dim + 1))  # partial out + LSE
+            # MLA merges decode partials in latent space (kv_lora_rank wide) and prefill ones v_head_dim wide.
+            part = cfg.head_dim if cfg.mla is None else max(cfg.mla.kv_lora_rank, cfg.mla.v_head_dim)
+            dcp_slot = min(_SLOT_CAP, 4 * _SLOT_TOKENS * heads * (part + 1))  # partial out + LSE
             world, dcp_list, size = plan_groups(tp_size, dcp_size, world_slot, dcp_slot)
             dcp_groups = tuple(dcp_list)
             shm = ShmRegion(size)

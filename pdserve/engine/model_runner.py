@@ -13,12 +13,12 @@ import torch
 
 from pdserve.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.block_manager import dcp_local_count, dcp_slot
-from pdserve.engine.hugepages import empty_kv
+from pdserve.engine.kv_cache import KVCacheLayout
 from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorSpec, KVConnectorWorker
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.model.config import ModelConfig
-from pdserve.model.llama import CausalLM
 from pdserve.model.parallel_state import ParallelState
+from pdserve.model.registry import build_model
 from pdserve.model.weights import load_weights
 
 
@@ -122,14 +122,14 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, exact_prefill: bool = False) -> None:
         self.cfg, self.ps, self.block_size, self.device = cfg, ps, block_size, torch.device(device)
         with torch.device(self.device):
-            self.model = CausalLM(cfg, ps, backend, max_positions=max_model_len).to(dtype)
+            self.model = build_model(cfg, ps, backend, max_positions=max_model_len).to(dtype)
         load_weights(self.model, model_path)
         self.model.pack_weights()  # no-op off CPU
         self.model.exact_prefill = exact_prefill
         # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once; on CPU on
         # transparent huge pages where the OS allows (NIXL's CMA reads pin source pages; docs/performance.md).
-        self.kv_cache = empty_kv(cfg.num_layers, 2, num_blocks, block_size, self.model.num_local_kv_heads,
-                                 cfg.head_dim, dtype=dtype, device=self.device)
+        self.kv_layout = KVCacheLayout.for_model(cfg, ps.tp_size, block_size)
+        self.kv_cache = self.kv_layout.allocate(num_blocks, dtype, self.device)
         # This rank's side of the pod's KV connector (LLMEngine.set_kv_connector); None costs nothing.
         self.kv_connector: KVConnectorWorker | None = None
 

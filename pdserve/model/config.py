@@ -1,4 +1,5 @@
-"""Model configuration read from an HF checkpoint's config.json (Llama, Mistral and Qwen2 families)."""
+"""Model configuration read from an HF checkpoint's config.json (Llama, Mistral, Qwen2 and DeepSeek-V2/V3
+families; Kimi K2 checkpoints name DeepseekV3ForCausalLM)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -21,6 +24,48 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class ModelConfigError(ValueError):
     """A checkpoint this engine cannot run; the message says what is wrong and where."""
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): one compressed KV latent per token shared by every head."""
+
+    q_lora_rank: int | None  # None: q comes from one q_proj instead of q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rotary dims in (x0, x1) pairs, as DeepSeek's checkpoints are laid out
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token per layer in the cache: the normalised latent, then the roped shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek's mixture of experts: routed experts (top-k of n, group-limited) plus always-on shared experts."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    scoring_func: str  # "softmax" (V2) or "sigmoid" (V3)
+    topk_method: str  # "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3, with e_score_correction_bias)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
 
 @dataclass(frozen=True)
@@ -45,11 +90,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def is_deepseek(self) -> bool:
+        return self.family.startswith("deepseek")
 
     @property
     def q_size(self) -> int:
@@ -93,6 +144,10 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         attention_bias = bool(raw.get("attention_bias", False))
+        mla = moe = None
+        if family.startswith("deepseek"):
+            mla, moe = _deepseek(raw, family, source)
+            head_dim = mla.qk_rope_head_dim  # what the rotary table is built for, as transformers sets it
         return cls(
             architecture=arch,
             vocab_size=_req(raw, "vocab_size", source),
@@ -114,6 +169,8 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             hidden_act=act,
+            mla=mla,
+            moe=moe,
             raw=raw,
         )
 
@@ -125,6 +182,37 @@ def _req(raw: dict[str, Any], key: str, source: str) -> Any:
     if key not in raw:
         raise ModelConfigError(f"{source}: missing required field {key!r}")
     return raw[key]
+
+
+def _deepseek(raw: dict[str, Any], family: str, source: str) -> tuple[MLAConfig, MoEConfig | None]:
+    mla = MLAConfig(q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=int(_req(raw, "kv_lora_rank", source)),
+                    qk_nope_head_dim=int(_req(raw, "qk_nope_head_dim", source)),
+                    qk_rope_head_dim=int(_req(raw, "qk_rope_head_dim", source)),
+                    v_head_dim=int(_req(raw, "v_head_dim", source)),
+                    rope_interleave=bool(raw.get("rope_interleave", True)))
+    if not raw.get("n_routed_experts"):
+        return mla, None
+    v3 = family == "deepseek_v3"
+    # transformers' V3 always scores with sigmoid + correction bias (noaux_tc); V2 names its method.
+    method = str(raw.get("topk_method") or ("noaux_tc" if v3 else "greedy"))
+    scoring = str(raw.get("scoring_func") or ("sigmoid" if v3 else "softmax"))
+    if (method, scoring) not in (("greedy", "softmax"), ("group_limited_greedy", "softmax"), ("noaux_tc", "sigmoid")):
+        raise ModelConfigError(f"{source}: MoE routing topk_method={method!r} with scoring_func={scoring!r} is not "
+                               "supported (greedy/group_limited_greedy with softmax, noaux_tc with sigmoid)")
+    n = int(raw["n_routed_experts"])
+    n_group = int(raw.get("n_group") or 1)
+    if n % n_group:
+        raise ModelConfigError(f"{source}: n_routed_experts ({n}) must be divisible by n_group ({n_group})")
+    moe = MoEConfig(n_routed_experts=n, num_experts_per_tok=int(_req(raw, "num_experts_per_tok", source)),
+                    moe_intermediate_size=int(_req(raw, "moe_intermediate_size", source)),
+                    n_shared_experts=int(raw.get("n_shared_experts") or 0),
+                    first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+                    moe_layer_freq=int(raw.get("moe_layer_freq") or 1), n_group=n_group,
+                    topk_group=int(raw.get("topk_group") or n_group),
+                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                    routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                    scoring_func=scoring, topk_method=method)
+    return mla, moe
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

@@ -85,11 +85,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, intermediate_size: int | None = None,
+                 reduce: bool = True) -> None:
+        """intermediate_size: a width other than the config's (MoE shared experts); reduce False leaves the
+        all-reduce (and the down bias) to the caller, which sums this rank's partial with others first."""
         super().__init__()
-        self.ps = ps
+        self.ps, self.reduce = ps, reduce
+        self.intermediate_size = full = intermediate_size or cfg.intermediate_size
         # intermediate_size need not divide by TP (SmolLM2: 1536 at TP 9): the first `rem` ranks take one more column.
-        base, rem = divmod(cfg.intermediate_size, ps.tp_size)
+        base, rem = divmod(full, ps.tp_size)
         self.inter = base + (1 if ps.tp_rank < rem else 0)
         self.inter_start = ps.tp_rank * base + min(ps.tp_rank, rem)
         self.gate_up_weight = _param(2 * self.inter, cfg.hidden_size)
@@ -103,7 +107,10 @@ class MLP(nn.Module):
         gu_p, down_p = (self.gate_up_packed, self.down_packed) if packed else (None, None)
         gate, up = plinear.linear(x, self.gate_up_weight, gu_p, self.gate_up_bias).chunk(2, dim=-1)
         h = F.silu(gate, inplace=True).mul_(up)  # in place: the [T, 2*inter] buffer is the largest activation
-        out = self.ps.all_reduce(plinear.linear(h, self.down_weight, down_p))
+        out = plinear.linear(h, self.down_weight, down_p)
+        if not self.reduce:
+            return out
+        out = self.ps.all_reduce(out)
         return out if self.down_bias is None else out + self.down_bias
 
 

@@ -90,6 +90,17 @@ def apply_rope(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> t
     return x * cos + _rotate_half(x) * sin
 
 
+def apply_rope_interleaved(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's layout: rotary dims in (x0, x1) pairs, each pair turned by one frequency. The result is
+    de-interleaved (evens then odds), as transformers returns it; queries and keys get the same order, so their dot
+    products are the interleaved ones."""
+    cos, sin = cos_sin
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

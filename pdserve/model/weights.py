@@ -8,7 +8,9 @@ import torch
 from safetensors import safe_open
 
 from pdserve.model.config import ModelConfigError
-from pdserve.model.llama import CausalLM
+from pdserve.model.deepseek import DeepseekCausalLM
+from pdserve.model.llama import MLP, CausalLM
+from pdserve.model.moe import MoE
 
 
 class WeightLoadError(ModelConfigError):
@@ -22,9 +24,31 @@ def _rows(heads: list[int], head_dim: int) -> torch.Tensor:
 Slicer = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, ...], Slicer]]:
+Targets = dict[str, tuple[torch.Tensor, tuple[int, ...], Slicer]]
+
+
+def _mlp_targets(p: str, mlp: MLP, h: int) -> Targets:
+    """A gated MLP's keys under prefix p, column-parallel gate/up and row-parallel down (intermediate split)."""
+    inter, r0, full = mlp.inter, mlp.inter_start, mlp.intermediate_size
+    sl = slice(r0, r0 + inter)
+    out: Targets = {
+        p + "gate_proj.weight": (mlp.gate_up_weight[:inter], (full, h), lambda t: t[sl]),
+        p + "up_proj.weight": (mlp.gate_up_weight[inter:], (full, h), lambda t: t[sl]),
+        p + "down_proj.weight": (mlp.down_weight, (h, full), lambda t: t[:, sl]),
+    }
+    if mlp.gate_up_bias is not None:
+        assert mlp.down_bias is not None
+        out[p + "gate_proj.bias"] = (mlp.gate_up_bias[:inter], (full,), lambda t: t[sl])
+        out[p + "up_proj.bias"] = (mlp.gate_up_bias[inter:], (full,), lambda t: t[sl])
+        out[p + "down_proj.bias"] = (mlp.down_bias, (h,), lambda t: t)
+    return out
+
+
+def _targets(model: CausalLM | DeepseekCausalLM) -> Targets:
     """HF key -> (destination view, full shape expected in the file, slicer taking the full tensor to this rank's
     part)."""
+    if isinstance(model, DeepseekCausalLM):
+        return _deepseek_targets(model)
     cfg = model.cfg
     d, h = cfg.head_dim, cfg.hidden_size
     whole = lambda t: t  # noqa: E731
@@ -48,19 +72,78 @@ def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, ...], 
         out[p + "self_attn.o_proj.weight"] = (attn.o_weight, (h, cfg.num_heads * d), lambda t, r=o_cols: t[:, r])
         if attn.o_bias is not None:
             out[p + "self_attn.o_proj.bias"] = (attn.o_bias, (h,), whole)
-        inter, r0 = mlp.inter, mlp.inter_start
-        sl = slice(r0, r0 + inter)
-        out[p + "mlp.gate_proj.weight"] = (mlp.gate_up_weight[:inter], (cfg.intermediate_size, h), lambda t: t[sl])
-        out[p + "mlp.up_proj.weight"] = (mlp.gate_up_weight[inter:], (cfg.intermediate_size, h), lambda t: t[sl])
-        out[p + "mlp.down_proj.weight"] = (mlp.down_weight, (h, cfg.intermediate_size), lambda t: t[:, sl])
-        if mlp.gate_up_bias is not None:
-            out[p + "mlp.gate_proj.bias"] = (mlp.gate_up_bias[:inter], (cfg.intermediate_size,), lambda t: t[sl])
-            out[p + "mlp.up_proj.bias"] = (mlp.gate_up_bias[inter:], (cfg.intermediate_size,), lambda t: t[sl])
-            out[p + "mlp.down_proj.bias"] = (mlp.down_bias, (h,), whole)
+        out.update(_mlp_targets(p + "mlp.", mlp, h))
     return out
 
 
-def load_weights(model: CausalLM, path: str | Path) -> None:
+def _deepseek_targets(model: DeepseekCausalLM) -> Targets:
+    cfg = model.cfg
+    assert cfg.mla is not None
+    m, h = cfg.mla, cfg.hidden_size
+    whole = lambda t: t  # noqa: E731
+    out: Targets = {"model.embed_tokens.weight": (model.embed_tokens, (cfg.vocab_size, h), whole),
+                    "model.norm.weight": (model.norm.weight, (h,), whole)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (model.lm_head, (cfg.vocab_size, h), whole)
+    nh = cfg.num_heads
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a = layer.self_attn
+        out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, (h,), whole)
+        out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, (h,), whole)
+        q_rows = _rows(a.q_group_heads, m.qk_head_dim)
+        kv_rows = _rows(a.q_group_heads, m.qk_nope_head_dim + m.v_head_dim)
+        o_cols = _rows(a.q_heads, m.v_head_dim)
+        sa = p + "self_attn."
+        if a.q_proj is not None:
+            out[sa + "q_proj.weight"] = (a.q_proj.weight, (nh * m.qk_head_dim, h), lambda t, r=q_rows: t[r])
+        else:
+            assert a.q_a_proj is not None and a.q_a_layernorm is not None and a.q_b_proj is not None
+            assert m.q_lora_rank is not None
+            out[sa + "q_a_proj.weight"] = (a.q_a_proj.weight, (m.q_lora_rank, h), whole)
+            if a.q_a_proj.bias is not None:
+                out[sa + "q_a_proj.bias"] = (a.q_a_proj.bias, (m.q_lora_rank,), whole)
+            out[sa + "q_a_layernorm.weight"] = (a.q_a_layernorm.weight, (m.q_lora_rank,), whole)
+            out[sa + "q_b_proj.weight"] = (a.q_b_proj.weight, (nh * m.qk_head_dim, m.q_lora_rank),
+                                           lambda t, r=q_rows: t[r])
+        out[sa + "kv_a_proj_with_mqa.weight"] = (a.kv_a_proj_with_mqa.weight, (m.latent_dim, h), whole)
+        if a.kv_a_proj_with_mqa.bias is not None:
+            out[sa + "kv_a_proj_with_mqa.bias"] = (a.kv_a_proj_with_mqa.bias, (m.latent_dim,), whole)
+        out[sa + "kv_a_layernorm.weight"] = (a.kv_a_layernorm.weight, (m.kv_lora_rank,), whole)
+        out[sa + "kv_b_proj.weight"] = (a.kv_b_proj.weight, (nh * (m.qk_nope_head_dim + m.v_head_dim),
+                                                             m.kv_lora_rank), lambda t, r=kv_rows: t[r])
+        out[sa + "o_proj.weight"] = (a.o_proj.weight, (h, nh * m.v_head_dim), lambda t, r=o_cols: t[:, r])
+        if a.o_proj.bias is not None:
+            out[sa + "o_proj.bias"] = (a.o_proj.bias, (h,), whole)
+        mlp = layer.mlp
+        if isinstance(mlp, MLP):
+            out.update(_mlp_targets(p + "mlp.", mlp, h))
+            continue
+        assert cfg.moe is not None
+        e, full = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size
+        out[p + "mlp.gate.weight"] = (mlp.gate.weight, (e, h), whole)
+        if mlp.gate.e_score_correction_bias is not None:
+            out[p + "mlp.gate.e_score_correction_bias"] = (mlp.gate.e_score_correction_bias, (e,), whole)
+        out.update(_expert_targets(p + "mlp.experts.", mlp, h, full))
+        if mlp.shared_experts is not None:
+            out.update(_mlp_targets(p + "mlp.shared_experts.", mlp.shared_experts, h))
+    return out
+
+
+def _expert_targets(p: str, moe: MoE, h: int, full: int) -> Targets:
+    """Routed experts as checkpoints store them (one gate/up/down per expert), each sliced like a TP MLP."""
+    inter, r0 = moe.inter, moe.inter_start
+    sl = slice(r0, r0 + inter)
+    out: Targets = {}
+    for e in range(moe.gate_up_weight.shape[0]):
+        gu = moe.gate_up_weight[e]
+        out[f"{p}{e}.gate_proj.weight"] = (gu[:inter], (full, h), lambda t: t[sl])
+        out[f"{p}{e}.up_proj.weight"] = (gu[inter:], (full, h), lambda t: t[sl])
+        out[f"{p}{e}.down_proj.weight"] = (moe.down_weight[e], (h, full), lambda t: t[:, sl])
+    return out
+
+
+def load_weights(model: CausalLM | DeepseekCausalLM, path: str | Path) -> None:
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -172,9 +172,11 @@ def _http_tls(part: str, help: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class OpenAIHttpConfig:
-    """``python -m router.openai_http``: the OpenAI-compatible HTTP front, a client of one router."""
+    """``python -m router.openai_http``: the OpenAI-compatible HTTP front, a client of one router or several."""
 
-    router: str = field(default="127.0.0.1:50051", metadata={"help": "router gRPC address", "metavar": "HOST:PORT"})
+    router: str = field(default="127.0.0.1:50051", metadata={
+        "help": "router gRPC address; several (comma-separated): requests go round them, and one that failed before "
+                "its first token is retried on the next", "metavar": "HOST:PORT[,HOST:PORT...]"})
     host: str = field(default="127.0.0.1", metadata={"help": "listen address of the HTTP server"})
     port: int = field(default=8000, metadata={"help": "HTTP port (0: pick a free one)"})
     api_key: str | None = field(default=None, metadata={

@@ -189,7 +189,7 @@ class LocalCluster:
 
         t = self.topology
         h = t.host
-        router_addr = f"{h}:{t.router_port}"
+        router_addr = ",".join(self.router_addresses)  # the front fails over between them
         py = [self.python, "-m"]
         model = {} if t.model is None else {"model": str(t.model)}
         tls = _tls_values(self.tls)
@@ -214,7 +214,7 @@ class LocalCluster:
                                     f"{h}:{t.http_port}", self.log_dir / "openai-http.log"))
 
         common: dict[str, object] = {**model, "block_size": t.block_size, "host": h,
-                                     "router_address": ",".join(self.router_addresses),
+                                     "router_address": router_addr,
                                      "drain_timeout_s": self.drain_timeout_s, **tls}
         if t.max_model_len is not None:
             common["max_model_len"] = t.max_model_len

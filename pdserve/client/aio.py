@@ -37,7 +37,15 @@ from pdserve.client.errors import (
 )
 from pdserve.client.retry import Deadline, RetryPolicy, RetryState
 from pdserve.security import TLSConfig
-from pdserve.client.types import Completion, CompletionBuilder, GenerateChunk, Message, Prompt, chunk_from_proto
+from pdserve.client.types import (
+    Completion,
+    CompletionBuilder,
+    GenerateChunk,
+    Message,
+    Prompt,
+    chunk_from_proto,
+    new_request_id,
+)
 from pdserve_api.v1 import router_pb2, router_pb2_grpc
 
 
@@ -45,12 +53,13 @@ class AsyncGenerateStream:
     """Async iterator of :class:`GenerateChunk` for one Generate call (see :class:`GenerateStream`)."""
 
     def __init__(self, client: "AsyncClient", request: router_pb2.GenerateRequest, timeout: float | None,
-                 retry: RetryPolicy) -> None:
+                 retry: RetryPolicy, own_id: bool = False) -> None:
+        self._own_id = own_id  # the SDK made the request id: a retry may take a fresh one
         self._client = client
         self._order = client._routers.order()  # attempts go round the routers (a retry: the next one)
         self._attempt = 0
         self._on = 0  # index of the router the current attempt went to
-        self._request = request
+        self._request = self._request_first = request
         self._deadline = Deadline(timeout)
         self._retry = RetryState(retry, self._deadline)
         self._call: Any = None
@@ -183,10 +192,21 @@ class AsyncGenerateStream:
                 self._done = True
                 raise DeadlineExceededError(f"deadline of {self._deadline.timeout:g}s exceeded",
                                             request_id=self.request_id)
-            self._on = self._order[self._attempt % len(self._order)]
+            on = self._order[self._attempt % len(self._order)]
+            if self._attempt and on != self._on:
+                self._fresh_id()
+            self._on = on
             stub = await self._client._router(self._on)
             self._call = stub.Generate(self._request, timeout=left, metadata=self._client.metadata or None)
         return self._call
+
+    def _fresh_id(self) -> None:
+        """Another router now: the dead one may have left a reservation under the old id on a decode pod (until
+        its TTL), which would refuse the same id as ALREADY_EXISTS. Ids the caller chose are kept."""
+        if self._own_id:
+            self._request = router_pb2.GenerateRequest()
+            self._request.CopyFrom(self._request_first)
+            self._request.request_id = self._builder.request_id = new_request_id()
 
     async def _sleep(self, delay: float) -> bool:
         if self._cancel_event is None:
@@ -316,7 +336,7 @@ class AsyncClient:
                            return_prompt_token_ids=return_prompt_token_ids,
                            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop=stop, **sampling))
-        return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry)
+        return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry, own_id=request_id is None)
 
     async def generate(self, prompt: Prompt, **kw: Any) -> Completion:
         return await self.generate_stream(prompt, **kw).until_done()
@@ -331,7 +351,7 @@ class AsyncClient:
                            return_prompt_token_ids=return_prompt_token_ids,
                            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop=stop, **sampling))
-        return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry)
+        return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry, own_id=request_id is None)
 
     async def chat(self, messages: Iterable[Message], **kw: Any) -> Completion:
         return await self.chat_stream(messages, **kw).until_done()

@@ -37,7 +37,15 @@ from pdserve.client.errors import (
 )
 from pdserve.client.retry import Deadline, RetryPolicy, RetryState
 from pdserve.security import TLSConfig
-from pdserve.client.types import Completion, CompletionBuilder, GenerateChunk, Message, Prompt, chunk_from_proto
+from pdserve.client.types import (
+    Completion,
+    CompletionBuilder,
+    GenerateChunk,
+    Message,
+    Prompt,
+    chunk_from_proto,
+    new_request_id,
+)
 from pdserve_api.v1 import router_pb2, router_pb2_grpc
 
 
@@ -50,13 +58,15 @@ class GenerateStream:
 
     def __init__(self, stub: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest, timeout: float | None,
                  retry: RetryPolicy, metadata: Sequence[tuple[str, str]] | None,
-                 routers: "tuple[list[router_pb2_grpc.RouterStub], list[str], RouterSet] | None" = None) -> None:
+                 routers: "tuple[list[router_pb2_grpc.RouterStub], list[str], RouterSet] | None" = None,
+                 own_id: bool = False) -> None:
+        self._own_id = own_id  # the SDK made the request id: a retry may take a fresh one
         # (stubs, addresses, RouterSet) of every router: attempts go round them (a retry: the next one)
         self._stubs, self._addresses, self._routers = routers or ([stub], [""], RouterSet(1))
         self._order = self._routers.order()
         self._attempt = 0
         self._on = 0  # index of the router the current attempt went to
-        self._request = request
+        self._request = self._request_first = request
         self._deadline = Deadline(timeout)
         self._retry = RetryState(retry, self._deadline)
         self._metadata = tuple(metadata or ())
@@ -193,10 +203,21 @@ class GenerateStream:
                     self._done = True
                     raise DeadlineExceededError(f"deadline of {self._deadline.timeout:g}s exceeded",
                                                 request_id=self.request_id)
-                self._on = self._order[self._attempt % len(self._order)]
+                on = self._order[self._attempt % len(self._order)]
+                if self._attempt and on != self._on:
+                    self._fresh_id()
+                self._on = on
                 self._call = self._stubs[self._on].Generate(self._request, timeout=left,
                                                             metadata=self._metadata or None)
             return self._call
+
+    def _fresh_id(self) -> None:
+        """Another router now: the dead one may have left a reservation under the old id on a decode pod (until
+        its TTL), which would refuse the same id as ALREADY_EXISTS. Ids the caller chose are kept."""
+        if self._own_id:
+            self._request = router_pb2.GenerateRequest()
+            self._request.CopyFrom(self._request_first)
+            self._request.request_id = self._builder.request_id = new_request_id()
 
     def _sleep(self, delay: float) -> bool:
         """Backoff sleep, cut short by cancel(); False if cancelled meanwhile."""
@@ -321,7 +342,7 @@ class Client:
                            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop=stop, **sampling))
         return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata,
-                              (self._stubs, self._names, self._routers))
+                              (self._stubs, self._names, self._routers), own_id=request_id is None)
 
     def generate(self, prompt: Prompt, **kw: Any) -> Completion:
         """The whole completion of ``prompt`` (same arguments as :meth:`generate_stream`)."""
@@ -340,7 +361,7 @@ class Client:
                            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop=stop, **sampling))
         return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata,
-                              (self._stubs, self._names, self._routers))
+                              (self._stubs, self._names, self._routers), own_id=request_id is None)
 
     def chat(self, messages: Iterable[Message], **kw: Any) -> Completion:
         """The assistant's whole reply (same arguments as :meth:`chat_stream`)."""

@@ -355,3 +355,25 @@ def test_failure_after_a_token_is_not_retried_and_names_the_router(srv, servicer
 
     asyncio.run(run())
     assert len(servicer.calls) == 4
+
+
+def test_failover_takes_a_fresh_id_unless_the_caller_chose_it(srv, servicer):
+    """A dead router may have left a decode reservation under the old id (ALREADY_EXISTS for a reuse) until its TTL:
+    an id the SDK made is replaced when the call moves to another router; one the caller gave is kept."""
+    servicer.script = _answers
+    other = ServerThread()
+    try:
+        other.servicer.script = abort_with(grpc.StatusCode.UNAVAILABLE, "router going away")
+        with Client([other.address, srv.address], retry=FAST_RETRY) as c:
+            for _ in range(2):
+                s = c.generate_stream("hi")
+                s.until_done()
+            c.generate("hi", request_id="mine")
+        tried = [r.request_id for _, r in other.servicer.calls]
+        served = [r.request_id for _, r in servicer.calls]
+        assert served[-1] == "mine"  # kept, whichever router the call started on
+        sdk_tried, sdk_served = [t for t in tried if t != "mine"], [t for t in served if t != "mine"]
+        assert sdk_tried and not set(sdk_tried) & set(sdk_served)
+        assert all(t.startswith("sdk-") for t in sdk_served)
+    finally:
+        other.stop()

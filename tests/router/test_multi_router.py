@@ -5,7 +5,10 @@ pod, and the restarted router sees every pod again. Real processes on loopback, 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -106,6 +109,24 @@ def test_every_router_lists_every_pod_heartbeated_within_two_intervals(cluster):
         assert worst <= 2 * HEARTBEAT_S + 0.25, worst  # + scheduling slack of a loaded 2-core machine
 
     asyncio.run(main())
+
+
+def test_pdserve_status_lists_each_router_and_what_it_sees(cluster):
+    routers = ",".join(cluster.router_addresses)
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", routers], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for a in cluster.router_addresses:
+        assert f"router {a}: 4 pods (4 ready)" in out.stdout, out.stdout
+    assert "does not list" not in out.stdout
+    js = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", routers, "--json"],
+                        capture_output=True, text=True, timeout=120)
+    assert js.returncode == 0, js.stderr
+    seen = {r["address"]: {p["pod_id"] for p in r["pods"]} for r in json.loads(js.stdout)["routers"]}
+    assert seen == {a: PODS for a in cluster.router_addresses}
+    dead = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", f"{routers},127.0.0.1:1",
+                           "--timeout", "2"], capture_output=True, text=True, timeout=120)
+    assert dead.returncode == 1 and "router 127.0.0.1:1: error: UNAVAILABLE" in dead.stdout, dead.stdout
 
 
 def test_200_requests_over_two_routers_match_one_router(cluster, tiny_model):

@@ -54,6 +54,9 @@ class RouterConfig:
     prefix_block_size: int = 16  # tokens per block of the router's prefix-affinity index
     prefix_index_capacity: int = 200_000  # block hashes remembered (LRU)
     affinity_max_imbalance_tokens: int = 4096  # affinity loses when its pod has this many more queued tokens
+    # A prompt this index has not seen goes to the rendezvous-hash pod of its first blocks (at most this many),
+    # so every router replica sends a prefix to the same prefill pod without talking; 0: least loaded instead
+    affinity_hash_blocks: int = 4
     reserve_output_tokens: int = 16  # decode KV reserved per request beyond the prompt (AllocateKV)
 
     # --- admission queue ---
@@ -93,7 +96,8 @@ class RouterConfig:
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 bad(name, "must be a positive integer")
-        for name in ("affinity_max_imbalance_tokens", "reserve_output_tokens", "max_queue_len"):
+        for name in ("affinity_max_imbalance_tokens", "affinity_hash_blocks", "reserve_output_tokens",
+                     "max_queue_len"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 bad(name, "must be an integer >= 0")
@@ -168,9 +172,11 @@ def _http_tls(part: str, help: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class OpenAIHttpConfig:
-    """``python -m router.openai_http``: the OpenAI-compatible HTTP front, a client of one router."""
+    """``python -m router.openai_http``: the OpenAI-compatible HTTP front, a client of one router or several."""
 
-    router: str = field(default="127.0.0.1:50051", metadata={"help": "router gRPC address", "metavar": "HOST:PORT"})
+    router: str = field(default="127.0.0.1:50051", metadata={
+        "help": "router gRPC address; several (comma-separated): requests go round them, and one that failed before "
+                "its first token is retried on the next", "metavar": "HOST:PORT[,HOST:PORT...]"})
     host: str = field(default="127.0.0.1", metadata={"help": "listen address of the HTTP server"})
     port: int = field(default=8000, metadata={"help": "HTTP port (0: pick a free one)"})
     api_key: str | None = field(default=None, metadata={

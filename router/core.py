@@ -26,7 +26,7 @@ from router.admission import Admission, Admitted
 from router.config import RouterConfig
 from router.flight import Flight
 from router.metrics import RouterMetrics
-from router.placement import PrefixIndex, block_hashes, pick_prefill
+from router.placement import PrefixIndex, block_hashes, pick_prefill, prefix_key, rendezvous
 from router.registry import Registry
 
 log = logging.getLogger("router")
@@ -45,6 +45,7 @@ class Prepared:
     want_logprobs: bool
     kv_tokens: int  # tokens of decode KV to book: prompt + reserved output room
     block_hashes: list[int] = field(default_factory=list)
+    affinity_key: bytes | None = None  # rendezvous key of the prompt's first blocks (placement.prefix_key)
     # max_tokens == 1: the prefill pod samples the only token and ends the request itself (it sees max_tokens=1),
     # so no decode pod is involved: no admission booking, no AllocateKV, no Decode stream, no CancelDecode.
     prefill_only: bool = False
@@ -129,8 +130,10 @@ class RouterCore:
         """Choose a prefill pod and book the prompt's tokens on it at once (so a burst of requests sees each
         other's choices); the caller gives them back with ``registry.end_prefill`` when its Prefill call ends."""
         aff, _ = self.prefix.lookup(prep.block_hashes)
-        pod = pick_prefill(self.registry.prefill_views(), len(prep.prompt_ids), aff, exclude,
-                           self.config.affinity_max_imbalance_tokens)
+        views = self.registry.prefill_views()
+        if aff is None and prep.affinity_key is not None:  # unseen prefix: the pod every replica would pick
+            aff = rendezvous(prep.affinity_key, [v.pod_id for v in views if v.pod_id not in exclude])
+        pod = pick_prefill(views, len(prep.prompt_ids), aff, exclude, self.config.affinity_max_imbalance_tokens)
         if pod is not None:
             self.prefix.record(prep.block_hashes, pod)
             self.registry.start_prefill(pod, len(prep.prompt_ids))
@@ -236,6 +239,7 @@ class RouterCore:
             request_id=rid, prompt_ids=prompt_ids, params=sp, max_tokens=max_tokens,
             want_logprobs=sp.logprobs or sp.top_logprobs > 0, kv_tokens=kv_tokens,
             block_hashes=block_hashes(prompt_ids, self.config.prefix_block_size),
+            affinity_key=prefix_key(prompt_ids, self.config.prefix_block_size, self.config.affinity_hash_blocks),
             prefill_only=max_tokens == 1,
         )
 

@@ -9,10 +9,15 @@
   pod goes back to that pod (its prefix cache holds them), unless that pod has more than ``max_imbalance`` queued
   tokens above the least loaded one.
 - PrefixIndex: the router's memory of which pod saw which prompt-prefix block (chained block hashes, LRU).
+- Rendezvous: a prompt no index knows goes to the pod with the highest hash of (its first blocks, pod id) among the
+  READY prefill pods: every router replica computes the same pod from the same pod list, with no state shared, and
+  a pod joining or leaving moves only the prefixes it wins or held.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -29,6 +34,8 @@ __all__ = [
     "pick_decode",
     "pick_prefill",
     "block_hashes",
+    "prefix_key",
+    "rendezvous",
 ]
 
 
@@ -150,6 +157,24 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         h = hash((h, tuple(token_ids[start:start + block_size])))
         out.append(h)
     return out
+
+
+def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int) -> bytes | None:
+    """A process-independent key of the prompt's first full blocks (at most ``max_blocks``); None: no full block."""
+    n = min(len(token_ids) // block_size, max_blocks) * block_size if block_size > 0 else 0
+    if n <= 0:
+        return None
+    return hashlib.blake2b(struct.pack(f"<{n}q", *token_ids[:n]), digest_size=16).digest()
+
+
+def rendezvous(key: bytes, pod_ids: Iterable[str]) -> str | None:
+    """The pod with the highest hash of (key, pod id): the same on every router that sees the same pods."""
+    best: tuple[bytes, str] | None = None
+    for p in pod_ids:
+        w = hashlib.blake2b(key + b"\0" + p.encode(), digest_size=8).digest()
+        if best is None or (w, p) > best:
+            best = (w, p)
+    return None if best is None else best[1]
 
 
 class PrefixIndex:

@@ -1,6 +1,9 @@
 """Pieces shared by the sync and asyncio clients."""
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from typing import Any, Iterable, Sequence
 
 import grpc
@@ -14,6 +17,43 @@ DEFAULT_CHANNEL_OPTIONS: list[tuple[str, Any]] = grpc_options(extra=[
     # The SDK does its own retries (with backoff, on UNAVAILABLE only, never after tokens): no hidden ones.
     ("grpc.enable_retries", 0),
 ])
+
+
+SUSPECT_S = 2.0  # a router that just failed is tried last for this long
+
+
+def router_addresses(address: str | Sequence[str]) -> list[str]:
+    """``"a:1,b:2"`` or a list -> the routers' addresses (order kept, duplicates dropped)."""
+    items = address.split(",") if isinstance(address, str) else list(address)
+    out = [a.strip() for a in items if a.strip()]
+    if not out:
+        raise ValueError("no router address given")
+    return list(dict.fromkeys(out))
+
+
+class RouterSet:
+    """Which router a call goes to: round robin over the routers (spreads the load), a router that just failed
+    last; each retry of a call moves to the next router, so a dead router costs a call one retry, not the call."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._next = itertools.count()
+        self._suspect_until = [0.0] * n
+        self._lock = threading.Lock()
+
+    def order(self) -> list[int]:
+        """The routers to try for one call, in order."""
+        with self._lock:
+            start = next(self._next) % self.n
+        ring = [(start + k) % self.n for k in range(self.n)]
+        now = time.monotonic()
+        return sorted(ring, key=lambda i: self._suspect_until[i] > now)  # stable: round robin among the healthy
+
+    def failed(self, i: int) -> None:
+        self._suspect_until[i] = time.monotonic() + SUSPECT_S
+
+    def ok(self, i: int) -> None:
+        self._suspect_until[i] = 0.0
 
 
 def client_security(*, api_key: str | None, tls: TLSConfig | None, root_ca: str | None, client_cert: str | None,

@@ -20,9 +20,11 @@ from pdserve.client._common import (
     DEFAULT,
     DEFAULT_ADDRESS,
     DEFAULT_CHANNEL_OPTIONS,
+    RouterSet,
     client_security,
     make_request,
     role_value,
+    router_addresses,
     secure_options,
     validate_request,
 )
@@ -35,7 +37,15 @@ from pdserve.client.errors import (
 )
 from pdserve.client.retry import Deadline, RetryPolicy, RetryState
 from pdserve.security import TLSConfig
-from pdserve.client.types import Completion, CompletionBuilder, GenerateChunk, Message, Prompt, chunk_from_proto
+from pdserve.client.types import (
+    Completion,
+    CompletionBuilder,
+    GenerateChunk,
+    Message,
+    Prompt,
+    chunk_from_proto,
+    new_request_id,
+)
 from pdserve_api.v1 import router_pb2, router_pb2_grpc
 
 
@@ -43,9 +53,13 @@ class AsyncGenerateStream:
     """Async iterator of :class:`GenerateChunk` for one Generate call (see :class:`GenerateStream`)."""
 
     def __init__(self, client: "AsyncClient", request: router_pb2.GenerateRequest, timeout: float | None,
-                 retry: RetryPolicy) -> None:
+                 retry: RetryPolicy, own_id: bool = False) -> None:
+        self._own_id = own_id  # the SDK made the request id: a retry may take a fresh one
         self._client = client
-        self._request = request
+        self._order = client._routers.order()  # attempts go round the routers (a retry: the next one)
+        self._attempt = 0
+        self._on = 0  # index of the router the current attempt went to
+        self._request = self._request_first = request
         self._deadline = Deadline(timeout)
         self._retry = RetryState(retry, self._deadline)
         self._call: Any = None
@@ -146,16 +160,19 @@ class AsyncGenerateStream:
                 err = from_rpc_error(e, self.request_id)
                 if self._got_message:
                     self._finish()
-                    if isinstance(err, UnavailableError):
-                        raise GenerationFailedError(err.message, request_id=self.request_id,
-                                                    partial=self._build("error")) from None
+                    if isinstance(err, UnavailableError):  # never re-sent elsewhere: tokens would repeat
+                        raise GenerationFailedError(self._client._on_router(self._on, err.message),
+                                                    request_id=self.request_id, partial=self._build("error")) from None
                     raise err from None
+                if isinstance(err, UnavailableError):
+                    self._client._routers.failed(self._on)
                 try:
                     delay = self._retry.next_delay(err)
                 except PdserveError as final:
                     self._finish()
                     raise final from None
                 self._call = None
+                self._attempt += 1  # no token yet: the next attempt goes to the next router
                 if await self._sleep(delay):
                     continue
                 self._finish()
@@ -175,9 +192,21 @@ class AsyncGenerateStream:
                 self._done = True
                 raise DeadlineExceededError(f"deadline of {self._deadline.timeout:g}s exceeded",
                                             request_id=self.request_id)
-            stub = await self._client._router()
+            on = self._order[self._attempt % len(self._order)]
+            if self._attempt and on != self._on:
+                self._fresh_id()
+            self._on = on
+            stub = await self._client._router(self._on)
             self._call = stub.Generate(self._request, timeout=left, metadata=self._client.metadata or None)
         return self._call
+
+    def _fresh_id(self) -> None:
+        """Another router now: the dead one may have left a reservation under the old id on a decode pod (until
+        its TTL), which would refuse the same id as ALREADY_EXISTS. Ids the caller chose are kept."""
+        if self._own_id:
+            self._request = router_pb2.GenerateRequest()
+            self._request.CopyFrom(self._request_first)
+            self._request.request_id = self._builder.request_id = new_request_id()
 
     async def _sleep(self, delay: float) -> bool:
         if self._cancel_event is None:
@@ -190,6 +219,8 @@ class AsyncGenerateStream:
 
     def _on_message(self, msg: router_pb2.GenerateResponse) -> GenerateChunk:
         now = time.monotonic()
+        if not self._got_message:
+            self._client._routers.ok(self._on)
         self._got_message = True
         if self._t_first is None and len(msg.token_ids):
             self._t_first = now
@@ -227,20 +258,25 @@ class AsyncGenerateStream:
 
 
 class AsyncClient:
-    """asyncio client of a pdserve router. The channel is opened on first use, in the running event loop.
+    """asyncio client of pdserve routers. The channels are opened on first use, in the running event loop.
+
+    ``address``: one router, or several (a list, or comma-separated): calls go round robin over them, and a call
+    that failed UNAVAILABLE before its first token is retried on the next router.
 
     Security: ``api_key`` is sent as ``authorization: Bearer KEY`` (routers started with --api-key); ``root_ca`` (PEM
     file of the CA to trust) connects with TLS; ``client_cert`` / ``client_key`` add a client certificate (mutual
     TLS); ``server_name`` overrides the name checked in the server certificate; or pass a ready ``tls`` config."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  retry: RetryPolicy | None = None, model: str = "",
                  metadata: Sequence[tuple[str, str]] | None = None,
                  channel_options: Sequence[tuple[str, Any]] | None = None,
                  channel: grpc.aio.Channel | None = None, api_key: str | None = None,
                  root_ca: str | None = None, client_cert: str | None = None, client_key: str | None = None,
                  server_name: str | None = None, tls: TLSConfig | None = None) -> None:
-        self.address = address
+        self.addresses = router_addresses(address) if channel is None else [address if isinstance(address, str)
+                                                                              else ",".join(address)]
+        self.address = self.addresses[0]
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
         self.model = model
@@ -250,19 +286,34 @@ class AsyncClient:
         self._own_channel = channel is None
         self._channel: grpc.aio.Channel | None = channel
         self._stub: router_pb2_grpc.RouterStub | None = None
+        self._channels: dict[int, grpc.aio.Channel] = {} if channel is None else {0: channel}
+        self._stubs: dict[int, router_pb2_grpc.RouterStub] = {}
+        self._routers = RouterSet(len(self.addresses))
 
-    async def _router(self) -> router_pb2_grpc.RouterStub:
-        if self._stub is None:
-            if self._channel is None:
-                self._channel = (grpc.aio.secure_channel(self.address, self.tls.channel_credentials(),
-                                                         options=self._options) if self.tls is not None
-                                 else grpc.aio.insecure_channel(self.address, options=self._options))
-            self._stub = router_pb2_grpc.RouterStub(self._channel)
-        return self._stub
+    def _on_router(self, i: int, message: str) -> str:
+        """An error message naming the router (when there are several to tell apart)."""
+        return f"router {self.addresses[i]} failed mid-stream: {message}" if len(self.addresses) > 1 else message
+
+    async def _router(self, i: int = 0) -> router_pb2_grpc.RouterStub:
+        stub = self._stubs.get(i)
+        if stub is None:
+            ch = self._channels.get(i)
+            if ch is None:
+                a = self.addresses[i]
+                ch = self._channels[i] = (grpc.aio.secure_channel(a, self.tls.channel_credentials(),
+                                                                  options=self._options) if self.tls is not None
+                                          else grpc.aio.insecure_channel(a, options=self._options))
+            stub = self._stubs[i] = router_pb2_grpc.RouterStub(ch)
+            if i == 0:
+                self._channel, self._stub = ch, stub
+        return stub
 
     async def close(self) -> None:
-        if self._own_channel and self._channel is not None:
-            await self._channel.close()
+        if self._own_channel:
+            for ch in self._channels.values():
+                await ch.close()
+        self._channels.clear()
+        self._stubs.clear()
         self._channel = None
         self._stub = None
 
@@ -285,7 +336,7 @@ class AsyncClient:
                            return_prompt_token_ids=return_prompt_token_ids,
                            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop=stop, **sampling))
-        return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry)
+        return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry, own_id=request_id is None)
 
     async def generate(self, prompt: Prompt, **kw: Any) -> Completion:
         return await self.generate_stream(prompt, **kw).until_done()
@@ -300,24 +351,27 @@ class AsyncClient:
                            return_prompt_token_ids=return_prompt_token_ids,
                            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop=stop, **sampling))
-        return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry)
+        return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry, own_id=request_id is None)
 
     async def chat(self, messages: Iterable[Message], **kw: Any) -> Completion:
         return await self.chat_stream(messages, **kw).until_done()
 
     async def _unary(self, name: str, request: Any, timeout: Any) -> Any:
-        stub = await self._router()
-        method = getattr(stub, name)
         deadline = Deadline(self._timeout(timeout))
         state = RetryState(self.retry, deadline)
+        order = self._routers.order()
         while True:
             left = deadline.remaining()
             if left is not None and left <= 0:
                 raise DeadlineExceededError(f"deadline of {deadline.timeout:g}s exceeded")
+            i = order[(state.attempt - 1) % len(order)]  # each retry: the next router
+            method = getattr(await self._router(i), name)
             try:
                 return await method(request, timeout=left, metadata=self.metadata or None)
             except grpc.RpcError as e:
                 err = from_rpc_error(e, getattr(request, "request_id", None) or None)
+                if isinstance(err, UnavailableError):
+                    self._routers.failed(i)
                 try:
                     delay = state.next_delay(err)
                 except PdserveError as final:
@@ -325,7 +379,18 @@ class AsyncClient:
                 await asyncio.sleep(delay)
 
     async def cancel(self, request_id: str, *, timeout: Any = DEFAULT) -> bool:
-        return (await self._unary("Cancel", router_pb2.CancelRequest(request_id=request_id), timeout)).found
+        """True if the request was in flight; with several routers each is asked until one holds it."""
+        req = router_pb2.CancelRequest(request_id=request_id)
+        if len(self.addresses) == 1:
+            return (await self._unary("Cancel", req, timeout)).found
+        for i in range(len(self.addresses)):
+            try:
+                stub = await self._router(i)
+                if (await stub.Cancel(req, timeout=self._timeout(timeout), metadata=self.metadata or None)).found:
+                    return True
+            except grpc.RpcError:
+                continue  # a router that is down holds nothing now
+        return False
 
     async def cluster_status(self, *, role: str | int | None = None, model: str = "",
                              timeout: Any = DEFAULT) -> router_pb2.ClusterStatusResponse:

@@ -2,7 +2,7 @@
 
     from pdserve.client import Client
 
-    with Client("127.0.0.1:50051") as c:
+    with Client("127.0.0.1:50051") as c:          # several routers: Client("h1:50051,h2:50051")
         print(c.generate("The capital of France is", max_tokens=8, temperature=0).text)
         for chunk in c.chat_stream([{"role": "user", "content": "Hi!"}], max_tokens=32):
             print(chunk.text, end="", flush=True)
@@ -20,9 +20,11 @@ from pdserve.client._common import (
     DEFAULT,
     DEFAULT_ADDRESS,
     DEFAULT_CHANNEL_OPTIONS,
+    RouterSet,
     client_security,
     make_request,
     role_value,
+    router_addresses,
     secure_options,
     validate_request,
 )
@@ -35,7 +37,15 @@ from pdserve.client.errors import (
 )
 from pdserve.client.retry import Deadline, RetryPolicy, RetryState
 from pdserve.security import TLSConfig
-from pdserve.client.types import Completion, CompletionBuilder, GenerateChunk, Message, Prompt, chunk_from_proto
+from pdserve.client.types import (
+    Completion,
+    CompletionBuilder,
+    GenerateChunk,
+    Message,
+    Prompt,
+    chunk_from_proto,
+    new_request_id,
+)
 from pdserve_api.v1 import router_pb2, router_pb2_grpc
 
 
@@ -47,9 +57,16 @@ class GenerateStream:
     ``completion`` is the whole :class:`Completion` once the stream is done."""
 
     def __init__(self, stub: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest, timeout: float | None,
-                 retry: RetryPolicy, metadata: Sequence[tuple[str, str]] | None) -> None:
-        self._stub = stub
-        self._request = request
+                 retry: RetryPolicy, metadata: Sequence[tuple[str, str]] | None,
+                 routers: "tuple[list[router_pb2_grpc.RouterStub], list[str], RouterSet] | None" = None,
+                 own_id: bool = False) -> None:
+        self._own_id = own_id  # the SDK made the request id: a retry may take a fresh one
+        # (stubs, addresses, RouterSet) of every router: attempts go round them (a retry: the next one)
+        self._stubs, self._addresses, self._routers = routers or ([stub], [""], RouterSet(1))
+        self._order = self._routers.order()
+        self._attempt = 0
+        self._on = 0  # index of the router the current attempt went to
+        self._request = self._request_first = request
         self._deadline = Deadline(timeout)
         self._retry = RetryState(retry, self._deadline)
         self._metadata = tuple(metadata or ())
@@ -157,10 +174,12 @@ class GenerateStream:
                 err = from_rpc_error(e, self.request_id)
                 if self._got_message:
                     self._finish()
-                    if isinstance(err, UnavailableError):
-                        raise GenerationFailedError(err.message, request_id=self.request_id,
-                                                    partial=self._build("error")) from None
+                    if isinstance(err, UnavailableError):  # never re-sent elsewhere: tokens would repeat
+                        raise GenerationFailedError(_on_router(self._addresses[self._on], err.message),
+                                                    request_id=self.request_id, partial=self._build("error")) from None
                     raise err from None
+                if isinstance(err, UnavailableError):
+                    self._routers.failed(self._on)
                 try:
                     delay = self._retry.next_delay(err)
                 except PdserveError as final:
@@ -168,6 +187,7 @@ class GenerateStream:
                     raise final from None
                 with self._lock:
                     self._call = None
+                    self._attempt += 1  # no token yet: the next attempt goes to the next router
                 if self._sleep(delay):
                     continue
                 self._finish()
@@ -183,8 +203,21 @@ class GenerateStream:
                     self._done = True
                     raise DeadlineExceededError(f"deadline of {self._deadline.timeout:g}s exceeded",
                                                 request_id=self.request_id)
-                self._call = self._stub.Generate(self._request, timeout=left, metadata=self._metadata or None)
+                on = self._order[self._attempt % len(self._order)]
+                if self._attempt and on != self._on:
+                    self._fresh_id()
+                self._on = on
+                self._call = self._stubs[self._on].Generate(self._request, timeout=left,
+                                                            metadata=self._metadata or None)
             return self._call
+
+    def _fresh_id(self) -> None:
+        """Another router now: the dead one may have left a reservation under the old id on a decode pod (until
+        its TTL), which would refuse the same id as ALREADY_EXISTS. Ids the caller chose are kept."""
+        if self._own_id:
+            self._request = router_pb2.GenerateRequest()
+            self._request.CopyFrom(self._request_first)
+            self._request.request_id = self._builder.request_id = new_request_id()
 
     def _sleep(self, delay: float) -> bool:
         """Backoff sleep, cut short by cancel(); False if cancelled meanwhile."""
@@ -198,6 +231,8 @@ class GenerateStream:
 
     def _on_message(self, msg: router_pb2.GenerateResponse) -> GenerateChunk:
         now = time.monotonic()
+        if not self._got_message:
+            self._routers.ok(self._on)
         self._got_message = True
         if self._t_first is None and len(msg.token_ids):
             self._t_first = now
@@ -230,8 +265,15 @@ class GenerateStream:
         return self._builder.build(finish_reason, self.client_ttft_s, end - self._t0)
 
 
+def _on_router(address: str, message: str) -> str:
+    return f"router {address} failed mid-stream: {message}" if address else message
+
+
 class Client:
-    """Blocking client of a pdserve router (gRPC).
+    """Blocking client of pdserve routers (gRPC).
+
+    ``address``: one router, or several (a list, or comma-separated): calls go round robin over them, and a call
+    that failed UNAVAILABLE before its first token is retried on the next router.
 
     ``timeout`` is the default deadline of every call in seconds (None: none); each call can override it.
     ``retry`` applies to UNAVAILABLE errors only, and to Generate only before its first message. ``model`` is the
@@ -241,14 +283,16 @@ class Client:
     file of the CA to trust) connects with TLS; ``client_cert`` / ``client_key`` add a client certificate (mutual
     TLS); ``server_name`` overrides the name checked in the server certificate; or pass a ready ``tls`` config."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  retry: RetryPolicy | None = None, model: str = "",
                  metadata: Sequence[tuple[str, str]] | None = None,
                  channel_options: Sequence[tuple[str, Any]] | None = None,
                  channel: grpc.Channel | None = None, api_key: str | None = None,
                  root_ca: str | None = None, client_cert: str | None = None, client_key: str | None = None,
                  server_name: str | None = None, tls: TLSConfig | None = None) -> None:
-        self.address = address
+        self.addresses = router_addresses(address) if channel is None else [address if isinstance(address, str)
+                                                                              else ",".join(address)]
+        self.address = self.addresses[0]
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
         self.model = model
@@ -256,16 +300,25 @@ class Client:
                                                   client_key=client_key, server_name=server_name, metadata=metadata)
         self._own_channel = channel is None
         opts = secure_options(self.tls, list(DEFAULT_CHANNEL_OPTIONS) + list(channel_options or ()))
-        if channel is None and self.tls is not None:
-            channel = grpc.secure_channel(address, self.tls.channel_credentials(), options=opts)
-        self._channel = channel or grpc.insecure_channel(address, options=opts)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        if channel is not None:
+            self._channels = [channel]
+        elif self.tls is not None:
+            self._channels = [grpc.secure_channel(a, self.tls.channel_credentials(), options=opts)
+                              for a in self.addresses]
+        else:
+            self._channels = [grpc.insecure_channel(a, options=opts) for a in self.addresses]
+        self._channel = self._channels[0]
+        self._stubs = [router_pb2_grpc.RouterStub(ch) for ch in self._channels]
+        self._stub = self._stubs[0]
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._routers = RouterSet(len(self._stubs))
+        self._names = self.addresses if len(self.addresses) > 1 else [""]  # error messages name the router
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def close(self) -> None:
         if self._own_channel:
-            self._channel.close()
+            for ch in self._channels:
+                ch.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -288,7 +341,8 @@ class Client:
                            return_prompt_token_ids=return_prompt_token_ids,
                            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop=stop, **sampling))
-        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata)
+        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata,
+                              (self._stubs, self._names, self._routers), own_id=request_id is None)
 
     def generate(self, prompt: Prompt, **kw: Any) -> Completion:
         """The whole completion of ``prompt`` (same arguments as :meth:`generate_stream`)."""
@@ -306,24 +360,29 @@ class Client:
                            return_prompt_token_ids=return_prompt_token_ids,
                            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop=stop, **sampling))
-        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata)
+        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata,
+                              (self._stubs, self._names, self._routers), own_id=request_id is None)
 
     def chat(self, messages: Iterable[Message], **kw: Any) -> Completion:
         """The assistant's whole reply (same arguments as :meth:`chat_stream`)."""
         return self.chat_stream(messages, **kw).until_done()
 
     # --- other RPCs --------------------------------------------------------------------------------------------
-    def _unary(self, method: Any, request: Any, timeout: Any) -> Any:
+    def _unary(self, name: str, request: Any, timeout: Any) -> Any:
         deadline = Deadline(self._timeout(timeout))
         state = RetryState(self.retry, deadline)
+        order = self._routers.order()
         while True:
             left = deadline.remaining()
             if left is not None and left <= 0:
                 raise DeadlineExceededError(f"deadline of {deadline.timeout:g}s exceeded")
+            i = order[(state.attempt - 1) % len(order)]  # each retry: the next router
             try:
-                return method(request, timeout=left, metadata=self.metadata or None)
+                return getattr(self._stubs[i], name)(request, timeout=left, metadata=self.metadata or None)
             except grpc.RpcError as e:
                 err = from_rpc_error(e, getattr(request, "request_id", None) or None)
+                if isinstance(err, UnavailableError):
+                    self._routers.failed(i)
                 try:
                     delay = state.next_delay(err)
                 except PdserveError as final:
@@ -331,19 +390,29 @@ class Client:
                 time.sleep(delay)
 
     def cancel(self, request_id: str, *, timeout: Any = DEFAULT) -> bool:
-        """Cancel an in-flight request by id (from any client). True if it was in flight."""
-        return self._unary(self._stub.Cancel, router_pb2.CancelRequest(request_id=request_id), timeout).found
+        """Cancel an in-flight request by id (from any client). True if it was in flight. With several routers, each
+        is asked until one holds it (a request lives on the router it went to)."""
+        req = router_pb2.CancelRequest(request_id=request_id)
+        if len(self._stubs) == 1:
+            return self._unary("Cancel", req, timeout).found
+        for stub in self._stubs:
+            try:
+                if stub.Cancel(req, timeout=self._timeout(timeout), metadata=self.metadata or None).found:
+                    return True
+            except grpc.RpcError:
+                continue  # a router that is down holds nothing now
+        return False
 
     def cluster_status(self, *, role: str | int | None = None, model: str = "",
                        timeout: Any = DEFAULT) -> router_pb2.ClusterStatusResponse:
         """Every registered pod (state, load, KV blocks per rank) and the router's queue."""
-        return self._unary(self._stub.ClusterStatus,
+        return self._unary("ClusterStatus",
                            router_pb2.ClusterStatusRequest(role=role_value(role), model=model), timeout)
 
     def validate_config(self, *, timeout: Any = DEFAULT, **kw: Any) -> router_pb2.ValidateConfigResponse:
         """Check a model + parallel config on the router (``model_path=`` or ``num_attention_heads=`` /
         ``num_kv_heads=``, plus ``tensor_parallel_size=``, ``decode_context_parallel_size=``, ...)."""
-        return self._unary(self._stub.ValidateConfig, validate_request(**kw), timeout)
+        return self._unary("ValidateConfig", validate_request(**kw), timeout)
 
     def health(self, *, service: str = "", timeout: float = 2.0) -> bool:
         """True if the router answers grpc.health.v1 SERVING."""

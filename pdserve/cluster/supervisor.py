@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from pdserve.cluster.topology import PodSpec, Topology
+from pdserve.cluster.topology import PodSpec, Topology, router_name
 
 if TYPE_CHECKING:
     from pdserve.security import TLSConfig
@@ -50,7 +50,7 @@ class Interrupted(BaseException):
 
 @dataclass
 class Service:
-    name: str  # "router", "openai-http", "prefill-0", "decode-0", ...
+    name: str  # "router", "router-1", "openai-http", "prefill-0", "decode-0", ...
     kind: str  # "router" | "http" | "prefill" | "decode"
     argv: list[str]
     address: str  # host:port it serves (gRPC, or HTTP for "http")
@@ -75,11 +75,12 @@ class Service:
 
 @dataclass
 class Endpoints:
-    router: str  # gRPC host:port
+    router: str  # gRPC host:port of the first router
     http: str | None  # "http://host:port" (https:// under TLS) of the OpenAI-compatible API, or None
     pods: list[dict] = field(default_factory=list)
     log_dir: str = ""
     model: str = ""
+    routers: list[str] = field(default_factory=list)  # every router's gRPC host:port, the first one first
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,7 +135,12 @@ class LocalCluster:
     def __init__(self, topology: Topology, *, log_dir: str | os.PathLike[str] | None = None,
                  python: str = sys.executable, env: dict[str, str] | None = None,
                  echo: Callable[[str], None] | None = None, drain_timeout_s: float = 5.0,
-                 cluster_token: str = "", api_key: str = "", tls: TLSConfig | None = None) -> None:
+                 cluster_token: str = "", api_key: str = "", tls: TLSConfig | None = None,
+                 num_routers: int | None = None) -> None:
+        if num_routers is not None:  # shorthand for the topology's router count
+            if num_routers < 1:
+                raise ValueError(f"num_routers must be >= 1, got {num_routers}")
+            topology.num_routers = num_routers
         self.topology = topology
         self.tls = tls  # served by every service; also what this supervisor presents when it checks them
         self.api_key = api_key
@@ -183,15 +189,19 @@ class LocalCluster:
 
         t = self.topology
         h = t.host
-        router_addr = f"{h}:{t.router_port}"
+        router_addr = ",".join(self.router_addresses)  # the front fails over between them
         py = [self.python, "-m"]
         model = {} if t.model is None else {"model": str(t.model)}
         tls = _tls_values(self.tls)
         services: list[Service] = []
 
-        router = [*py, "router", *argv_for(RouterConfig, host=h, port=t.router_port, **model,
-                                           drain_timeout_s=self.drain_timeout_s, **tls), *t.router_args]
-        services.append(Service("router", "router", router, router_addr, self.log_dir / "router.log"))
+        for i, port in enumerate(t.router_ports):
+            name = router_name(i)
+            # Routers after the first cannot share its fixed side ports: they take free ones.
+            args = t.router_args if i == 0 else _free_side_ports(t.router_args)
+            router = [*py, "router", *argv_for(RouterConfig, host=h, port=port, **model,
+                                               drain_timeout_s=self.drain_timeout_s, **tls), *args]
+            services.append(Service(name, "router", router, f"{h}:{port}", self.log_dir / f"{name}.log"))
         if t.http_port is not None:
             # the front is the router's client (no require_client_cert) ...
             front = {k: v for k, v in tls.items() if k != "tls_require_client_cert"}
@@ -203,7 +213,8 @@ class LocalCluster:
                                                                           port=t.http_port, **front)],
                                     f"{h}:{t.http_port}", self.log_dir / "openai-http.log"))
 
-        common: dict[str, object] = {**model, "block_size": t.block_size, "host": h, "router_address": router_addr,
+        common: dict[str, object] = {**model, "block_size": t.block_size, "host": h,
+                                     "router_address": router_addr,
                                      "drain_timeout_s": self.drain_timeout_s, **tls}
         if t.max_model_len is not None:
             common["max_model_len"] = t.max_model_len
@@ -264,7 +275,7 @@ class LocalCluster:
                    "tensor_parallel_size": s.spec.tensor_parallel_size,
                    "decode_context_parallel_size": s.spec.decode_context_parallel_size}
                   for s in self.services if s.spec is not None],
-            log_dir=str(self.log_dir), model=str(t.model_path()))
+            log_dir=str(self.log_dir), model=str(t.model_path()), routers=self.router_addresses)
         return self.endpoints
 
     def _start_reaper(self) -> None:
@@ -394,15 +405,19 @@ class LocalCluster:
             time.sleep(0.25)
         self.echo(f"router HTTP API is up on http://{t.host}:{t.http_port}")
 
-    def _wait_registered(self, deadline: float) -> None:
-        """Every pod registered in the router and READY, and the model served."""
+    def _wait_registered(self, deadline: float, routers: list[Service] | None = None) -> None:
+        """Every pod registered and READY in every router (or in ``routers``), and the model served."""
+        for r in routers if routers is not None else [s for s in self.services if s.kind == "router"]:
+            self._wait_registered_in(r, deadline)
+
+    def _wait_registered_in(self, router: Service, deadline: float) -> None:
         import grpc
 
         from pdserve.security import sync_channel
         from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 
         want = {s.name for s in self.services if s.spec is not None}
-        ch = sync_channel(self.services[0].address, self.tls)
+        ch = sync_channel(router.address, self.tls)
         md = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
         try:
             stub = router_pb2_grpc.RouterStub(ch)
@@ -420,7 +435,7 @@ class LocalCluster:
                 except grpc.RpcError as e:
                     last = f"{e.code().name}: {e.details()}"
                 if time.monotonic() > deadline:
-                    raise ClusterError(f"timed out waiting for every pod to be READY in the router ({last})")
+                    raise ClusterError(f"timed out waiting for every pod to be READY in {router.name} ({last})")
                 time.sleep(0.25)
         finally:
             ch.close()
@@ -433,8 +448,13 @@ class LocalCluster:
 
     @property
     def router_address(self) -> str:
-        """The router's gRPC host:port (known before start(): ports are assigned at planning)."""
+        """The (first) router's gRPC host:port (known before start(): ports are assigned at planning)."""
         return f"{self.topology.host}:{self.topology.router_port}"
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """Every router's gRPC host:port, the first one first."""
+        return [f"{self.topology.host}:{p}" for p in self.topology.router_ports]
 
     def service(self, name: str) -> Service:
         for s in self.services:
@@ -555,7 +575,7 @@ class LocalCluster:
         e = self.endpoints
         if e is None:
             return "cluster not started"
-        lines = [f"  router     grpc  {e.router}"]
+        lines = [f"  {router_name(i):<10} grpc  {a}" for i, a in enumerate(e.routers or [e.router])]
         if e.http:
             lines.append(f"  openai     {e.http.split(':', 1)[0]:<5} {e.http}/v1")
         for s in self.services:
@@ -574,6 +594,17 @@ class LocalCluster:
         tmp = Path(str(path) + ".tmp")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)
+
+
+def _free_side_ports(args: list[str]) -> list[str]:
+    """``args`` with a fixed --metrics-port replaced by 0 (any free port): a second router cannot bind the same."""
+    out = list(args)
+    for i, a in enumerate(out):
+        if a == "--metrics-port" and i + 1 < len(out):
+            out[i + 1] = "0"
+        elif a.startswith("--metrics-port="):
+            out[i] = "--metrics-port=0"
+    return out
 
 
 def _http_ok(url: str, tls: "TLSConfig | None" = None) -> bool:

@@ -9,6 +9,7 @@ YAML (every key optional; flags given on the command line override the file):
     device: cpu                     # or cuda; default: the pods' own default
     dtype: bfloat16                 # auto | float32 | bfloat16 | float16, every pod alike; default: auto
     router: {port: 50051, http_port: 8000}   # http_port: -1 or null = no OpenAI HTTP endpoint, 0 = any free port
+    # router: {count: 2, ports: [50051, 50061]}  # N routers; every pod registers with all; ports default to free ones
     prefill:
       - {tp: 1, port: 0}                    # port 0 = any free port
     decode:
@@ -89,12 +90,20 @@ class Topology:
     prefill: list[PodSpec] = field(default_factory=lambda: [default_prefill()])
     decode: list[PodSpec] = field(default_factory=lambda: [default_decode()])
     router_args: list[str] = field(default_factory=list)
+    num_routers: int = 1  # every pod registers with all of them; the first is router_port
+    extra_router_ports: list[int] = field(default_factory=list)  # routers 2..N (0 or missing: any free port)
     warnings: list[str] = field(default_factory=list)  # set by resolve()
     notes: list[str] = field(default_factory=list)  # set by resolve(): what "auto" chose and why
 
     @property
     def pods(self) -> list[PodSpec]:
         return [*self.prefill, *self.decode]
+
+    @property
+    def router_ports(self) -> list[int]:
+        """Every router's gRPC port, the first router's first."""
+        extra = list(self.extra_router_ports[:self.num_routers - 1])
+        return [self.router_port, *extra, *[0] * (self.num_routers - 1 - len(extra))]
 
     # ------------------------------------------------------------------------------------------------------------
     # Loading
@@ -138,9 +147,22 @@ class Topology:
         router = data.get("router") or {}
         if not isinstance(router, Mapping):
             raise TopologyError("router: expected a mapping like {port: 50051, http_port: 8000}")
-        _no_unknown(router, {"port", "http_port", "args"}, "router")
+        _no_unknown(router, {"port", "http_port", "args", "count", "ports"}, "router")
         if "port" in router:
             topo.router_port = _port(router["port"], "router.port")
+        if "count" in router:
+            topo.num_routers = _int(router["count"], "router.count", lo=1)
+        if "ports" in router:
+            ports = router["ports"]
+            if not isinstance(ports, list) or not ports:
+                raise TopologyError("router.ports: expected a list of ports, one per router")
+            ports = [_port(v, f"router.ports[{i}]") for i, v in enumerate(ports)]
+            if "count" in router and len(ports) != topo.num_routers:
+                raise TopologyError(f"router.ports lists {len(ports)} ports but router.count is {topo.num_routers}")
+            if "port" in router and ports[0] != topo.router_port:
+                raise TopologyError("router.port and router.ports[0] differ: give one of them")
+            topo.num_routers = len(ports)
+            topo.router_port, topo.extra_router_ports = ports[0], ports[1:]
         if "http_port" in router:
             hp = router["http_port"]
             topo.http_port = None if hp is None or hp == -1 or hp is False else _port(hp, "router.http_port")
@@ -156,7 +178,12 @@ class Topology:
         ``prefill_pods``/``decode_pods`` (counts), ``prefill_tp``, ``decode_tp``, ``decode_dcp``,
         ``dcp_interleave``, ``num_kv_blocks``."""
         t = dataclasses.replace(self, prefill=[dataclasses.replace(p) for p in self.prefill],
-                                decode=[dataclasses.replace(p) for p in self.decode], warnings=[])
+                                decode=[dataclasses.replace(p) for p in self.decode], warnings=[],
+                                extra_router_ports=list(self.extra_router_ports))
+        if kw.get("num_routers") is not None:
+            if kw["num_routers"] < 1:
+                raise TopologyError(f"--routers must be >= 1, got {kw['num_routers']}")
+            t.num_routers = kw["num_routers"]
         for name in ("model", "host", "router_port", "block_size", "max_model_len", "device", "dtype"):
             if kw.get(name) is not None:
                 setattr(t, name, kw[name])
@@ -294,7 +321,7 @@ class Topology:
 
     def _check_ports(self) -> None:
         seen: dict[int, str] = {}
-        named = [("router", self.router_port)]
+        named = [(router_name(i), port) for i, port in enumerate(self.router_ports)]
         if self.http_port is not None:
             named.append(("router http", self.http_port))
         named += [(p.name, p.port) for p in self.pods]
@@ -307,10 +334,13 @@ class Topology:
 
     def assign_ports(self) -> None:
         """Replace every port 0 by a free port of this host (so the endpoints are known before anything starts)."""
-        taken: set[int] = {p for p in [self.router_port, self.http_port or 0, *[q.port for q in self.pods]] if p}
-        if self.router_port == 0:
-            self.router_port = free_port(self.host, taken)
-            taken.add(self.router_port)
+        taken: set[int] = {p for p in [*self.router_ports, self.http_port or 0, *[q.port for q in self.pods]] if p}
+        ports = self.router_ports
+        for i, port in enumerate(ports):
+            if port == 0:
+                ports[i] = free_port(self.host, taken)
+                taken.add(ports[i])
+        self.router_port, self.extra_router_ports = ports[0], ports[1:]
         if self.http_port == 0:
             self.http_port = free_port(self.host, taken)
             taken.add(self.http_port)
@@ -318,6 +348,11 @@ class Topology:
             if p.port == 0:
                 p.port = free_port(self.host, taken)
                 taken.add(p.port)
+
+
+def router_name(i: int) -> str:
+    """The service name of router ``i`` (0-based): "router", "router-1", ..."""
+    return "router" if i == 0 else f"router-{i}"
 
 
 def free_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:

@@ -22,7 +22,8 @@ DEFAULT_ROUTER = "127.0.0.1:50051"
 
 def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", default=os.environ.get("PDSERVE_ROUTER", DEFAULT_ROUTER), metavar="HOST:PORT",
-                   help=f"router gRPC address (default $PDSERVE_ROUTER or {DEFAULT_ROUTER})")
+                   help=f"router gRPC address, or several comma-separated (default $PDSERVE_ROUTER or "
+                        f"{DEFAULT_ROUTER})")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of the request in seconds")
     from pdserve.security import API_KEY_ENV, add_tls_arguments
 

@@ -3,8 +3,9 @@
     pdserve status
     pdserve status --json
     pdserve status --watch 2
+    pdserve status --router h1:50051,h2:50051     # each router, what it sees, and the pods some router lacks
 
-Exit status: 0 the router answered; 1 it did not (its error on stderr).
+Exit status: 0 every router answered; 1 one did not (its error on stderr).
 """
 from __future__ import annotations
 
@@ -54,28 +55,68 @@ def format_status(st: Any) -> str:
     return "\n".join(lines)
 
 
+def format_routers(seen: dict[str, Any]) -> str:
+    """One line per router (how many pods it lists, READY ones, or its error) and the pods some router lacks: with
+    several routers every pod should be in each (it registers with all)."""
+    from pdserve_api.v1 import common_pb2
+
+    everyone = set().union(*({p.pod_id for p in st.pods} for st in seen.values() if not isinstance(st, str)))
+    lines = []
+    for addr, st in seen.items():
+        if isinstance(st, str):
+            lines.append(f"router {addr}: {st}")
+            continue
+        pods = {p.pod_id for p in st.pods}
+        ready = sum(p.state == common_pb2.POD_STATE_READY for p in st.pods)
+        missing = sorted(everyone - pods)
+        lines.append(f"router {addr}: {len(pods)} pods ({ready} ready), in flight {st.num_inflight_requests}, queue "
+                     f"{st.router_queue_depth}" + (f"; does not list {', '.join(missing)}" if missing else ""))
+    return "\n".join(lines)
+
+
 def run_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from pdserve.client import Client, NO_RETRY, PdserveError
+    from pdserve.client._common import router_addresses
 
-    with Client(args.router, timeout=args.timeout or 10.0, retry=NO_RETRY, **connection_kwargs(args)) as client:
+    addresses = router_addresses(args.router)
+    clients = [Client(a, timeout=args.timeout or 10.0, retry=NO_RETRY, **connection_kwargs(args)) for a in addresses]
+    try:
         while True:
-            try:
-                st = client.cluster_status(role=args.role, model=args.model)
-            except PdserveError as e:
-                print(f"pdserve status: error: router {args.router}: {e.status_name}: {e.message}", file=sys.stderr)
-                return 1
+            seen: dict[str, Any] = {}
+            failed = False
+            for a, client in zip(addresses, clients):
+                try:
+                    seen[a] = client.cluster_status(role=args.role, model=args.model)
+                except PdserveError as e:
+                    print(f"pdserve status: error: router {a}: {e.status_name}: {e.message}", file=sys.stderr)
+                    seen[a] = f"error: {e.status_name}: {e.message}"
+                    failed = True
             if args.json:
-                print(json.dumps(MessageToDict(st, preserving_proto_field_name=True), indent=1))
+                dicts = {a: st if isinstance(st, str) else MessageToDict(st, preserving_proto_field_name=True)
+                         for a, st in seen.items()}
+                if len(addresses) == 1:
+                    if not failed:
+                        print(json.dumps(dicts[addresses[0]], indent=1))
+                else:
+                    print(json.dumps({"routers": [{"address": a, **({"error": d} if isinstance(d, str) else d)}
+                                                  for a, d in dicts.items()]}, indent=1))
             else:
                 if args.watch:
                     print("\x1b[2J\x1b[H", end="")
-                print(f"router {args.router}")
-                print(format_status(st), flush=True)
+                if len(addresses) > 1:
+                    print(format_routers(seen))
+                for a, st in seen.items():
+                    if not isinstance(st, str):
+                        print(f"router {a}")
+                        print(format_status(st), flush=True)
             if not args.watch:
-                return 0
+                return 1 if failed else 0
             try:
                 time.sleep(args.watch)
             except KeyboardInterrupt:
-                return 0
+                return 1 if failed else 0
+    finally:
+        for c in clients:
+            c.close()

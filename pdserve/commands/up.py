@@ -43,6 +43,9 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address every service listens on (default 127.0.0.1)")
     p.add_argument("--port", dest="router_port", type=int, metavar="N",
                    help="router gRPC port (default 50051; 0: any free port)")
+    p.add_argument("--routers", dest="num_routers", type=int, metavar="N",
+                   help="number of routers (default 1); every pod registers with all, the first takes --port, the "
+                        "others free ports")
     p.add_argument("--http-port", type=int, metavar="N",
                    help="OpenAI-compatible HTTP port (default 8000; 0: any free port; -1: none)")
     p.add_argument("--prefill-pods", type=int, metavar="N", help="number of prefill pods (default 1)")
@@ -66,6 +69,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     topo = Topology.from_yaml(args.config) if args.config else Topology()
     return topo.with_overrides(
         model=args.model, host=args.host, router_port=args.router_port, http_port=args.http_port,
+        num_routers=getattr(args, "num_routers", None),
         prefill_pods=args.prefill_pods, prefill_tp=args.prefill_tp, decode_pods=args.decode_pods,
         decode_tp=args.decode_tp, decode_dcp=args.decode_dcp, dcp_interleave=args.dcp_interleave,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
@@ -161,6 +165,7 @@ def run_up(args: argparse.Namespace) -> int:
         topo.assign_ports()
         plan = cluster._plan()
         print(json.dumps({"model": str(topo.model_path()), "router": f"{topo.host}:{topo.router_port}",
+                          "routers": cluster.router_addresses,
                           "http_port": topo.http_port, "notes": topo.notes,
                           "pods": [{"name": p.name, "role": p.role, "port": p.port, "tp": p.tensor_parallel_size,
                                     "dcp": p.decode_context_parallel_size,

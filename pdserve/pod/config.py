@@ -39,8 +39,9 @@ class PodServing:
     served_model_name: str | None = field(default=None, metadata={
         "help": "model name clients use (default: the checkpoint directory's name)", "metavar": "NAME"})
     router_address: str | None = field(default=None, metadata={
-        "flag": "router", "aliases": ("--router-address",), "metavar": "HOST:PORT",
-        "help": "the router's Registry: register, heartbeat load (omitted: run standalone)"})
+        "flag": "router", "aliases": ("--router-address",), "metavar": "HOST:PORT[,HOST:PORT...]",
+        "help": "the routers' Registry: register with and heartbeat load to each; a name resolving to several "
+                "addresses (a headless Service) means every one, re-resolved (omitted: run standalone)"})
     cluster_token: str = field(default="", metadata={
         "env": CLUSTER_TOKEN_ENV, "secret": True, "help": "shared secret of the router's Registry and the KV peers"})
     heartbeat_interval_s: float = field(default=2.0, metadata={"help": "until the router says otherwise"})
@@ -61,9 +62,10 @@ class PodServing:
             if not _port(v):
                 raise PodConfigError(f"{name} must be a port number in [0, 65535], got {v!r}")
         if self.router_address is not None:
-            host, sep, port = self.router_address.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise PodConfigError(f"router_address must be host:port, got {self.router_address!r}")
+            try:
+                self.router_addresses
+            except ValueError as e:
+                raise PodConfigError(f"router_address: {e} (several: host:port,host:port)") from None
         for name in ("heartbeat_interval_s", "drain_timeout_s"):
             v = getattr(self, name)
             if not _seconds(v):
@@ -72,6 +74,13 @@ class PodServing:
             self.tls
         except ValueError as e:  # pdserve.security.TLSConfigError names the flag to fix
             raise PodConfigError(str(e)) from None
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """Every router this pod registers with (the comma-separated router_address), [] when standalone."""
+        from pdserve.pod.registrar import parse_router_addresses
+
+        return [] if self.router_address is None else parse_router_addresses(self.router_address)
 
     @property
     def tls(self) -> "TLSConfig | None":

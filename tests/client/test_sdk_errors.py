@@ -296,3 +296,84 @@ def test_request_building(srv, servicer):
     assert not sp.HasField("top_p")
     with pytest.raises(TypeError, match="unknown sampling parameter"):
         Client(srv.address).generate("x", bogus=1)
+
+
+# --- several routers ---
+DEAD = "127.0.0.1:1"  # nothing listens: UNAVAILABLE before any token
+
+
+def _answers(n, request, context):
+    async def gen():
+        yield final_message(request.request_id, "ok")
+    return gen()
+
+
+def test_failover_to_the_next_router_before_the_first_token(srv, servicer):
+    servicer.script = _answers
+    with Client([DEAD, srv.address], retry=FAST_RETRY) as c:
+        assert c.address == DEAD and c.addresses == [DEAD, srv.address]
+        for _ in range(4):  # whichever router round robin starts with, every call completes
+            assert c.generate("hi").text == "ok"
+        assert c.cluster_status() is not None
+    assert len(servicer.calls) == 4
+
+    async def run():
+        async with AsyncClient(f"{DEAD},{srv.address}", retry=FAST_RETRY) as ac:
+            for _ in range(4):
+                assert (await ac.generate("hi")).text == "ok"
+            await ac.cluster_status()
+
+    asyncio.run(run())
+    assert len(servicer.calls) == 8
+
+
+def test_calls_spread_over_the_routers(srv):
+    other = ServerThread()
+    try:
+        srv.servicer.calls.clear()
+        srv.servicer.script = other.servicer.script = _answers
+        with Client(f"{srv.address},{other.address}") as c:
+            for _ in range(6):
+                c.generate("hi")
+        assert len(srv.servicer.calls) == 3 and len(other.servicer.calls) == 3
+    finally:
+        other.stop()
+
+
+def test_failure_after_a_token_is_not_retried_and_names_the_router(srv, servicer):
+    servicer.script = _fails_after_tokens
+    with Client([srv.address, DEAD], retry=FAST_RETRY) as c:
+        for _ in range(2):  # starting on either router: the dead one fails over, the live one fails mid-stream
+            with pytest.raises(GenerationFailedError, match=f"router {srv.address} failed mid-stream: .*worker died"):
+                c.generate("hi")
+
+    async def run():
+        async with AsyncClient([srv.address, DEAD], retry=FAST_RETRY) as ac:
+            for _ in range(2):
+                with pytest.raises(GenerationFailedError, match=f"router {srv.address} failed mid-stream"):
+                    await ac.generate("hi")
+
+    asyncio.run(run())
+    assert len(servicer.calls) == 4
+
+
+def test_failover_takes_a_fresh_id_unless_the_caller_chose_it(srv, servicer):
+    """A dead router may have left a decode reservation under the old id (ALREADY_EXISTS for a reuse) until its TTL:
+    an id the SDK made is replaced when the call moves to another router; one the caller gave is kept."""
+    servicer.script = _answers
+    other = ServerThread()
+    try:
+        other.servicer.script = abort_with(grpc.StatusCode.UNAVAILABLE, "router going away")
+        with Client([other.address, srv.address], retry=FAST_RETRY) as c:
+            for _ in range(2):
+                s = c.generate_stream("hi")
+                s.until_done()
+            c.generate("hi", request_id="mine")
+        tried = [r.request_id for _, r in other.servicer.calls]
+        served = [r.request_id for _, r in servicer.calls]
+        assert served[-1] == "mine"  # kept, whichever router the call started on
+        sdk_tried, sdk_served = [t for t in tried if t != "mine"], [t for t in served if t != "mine"]
+        assert sdk_tried and not set(sdk_tried) & set(sdk_served)
+        assert all(t.startswith("sdk-") for t in sdk_served)
+    finally:
+        other.stop()

@@ -198,3 +198,35 @@ def test_a_cluster_without_one_role_is_refused_unless_asked_for():
     assert [p.name for p in t.pods] == ["prefill-0"]
     with pytest.raises(TopologyError, match="at least one prefill pod"):
         Topology(prefill=[], decode=[]).resolve(GQA_1KV, cores=2, one_role=True)
+
+
+def test_several_routers_from_yaml_and_flags(tmp_path, monkeypatch):
+    f = tmp_path / "t.yaml"
+    f.write_text("router: {ports: [50070, 0, 50072]}\n")
+    t = Topology.from_yaml(f)
+    assert t.num_routers == 3 and t.router_port == 50070 and t.router_ports == [50070, 0, 50072]
+    t.assign_ports()
+    assert len(set(t.router_ports)) == 3 and 0 not in t.router_ports
+    assert Topology.from_dict({"router": {"count": 2}}).router_ports == [50051, 0]
+    for bad, match in [({"count": 0}, "router.count"), ({"count": 2, "ports": [1, 2, 3]}, "router.count"),
+                       ({"ports": []}, "router.ports"), ({"port": 5, "ports": [6]}, "router.port")]:
+        with pytest.raises(TopologyError, match=match):
+            Topology.from_dict({"router": bad})
+    with pytest.raises(TopologyError, match="given to both router and router-1"):
+        Topology.from_dict({"router": {"ports": [50070, 50070]}}).resolve(GQA_1KV, cores=2)
+    assert Topology().with_overrides(num_routers=2).num_routers == 2
+    with pytest.raises(TopologyError, match="--routers"):
+        Topology().with_overrides(num_routers=0)
+
+
+def test_up_dry_run_points_every_pod_at_every_router(tmp_path):
+    d = _ckpt(tmp_path, heads=8, kv=1)
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--routers",
+                          "2", "--port", "0", "--http-port", "-1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert len(plan["routers"]) == 2 and plan["router"] == plan["routers"][0]
+    assert {"router", "router-1"} <= set(plan["commands"])
+    for pod in ("prefill-0", "decode-0"):
+        argv = plan["commands"][pod]
+        assert argv[argv.index("--router") + 1] == ",".join(plan["routers"])

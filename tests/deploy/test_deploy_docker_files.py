@@ -168,3 +168,21 @@ def test_compose_tls_overlay_settings_from_the_environment(tools, monkeypatch, t
 def test_tls_material_stays_out_of_git_and_the_build_context():
     assert "/docker/tls/" in (REPO / ".gitignore").read_text().splitlines()
     assert "docker/tls" in (REPO / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
+
+
+def test_compose_two_router_overlay(tools):
+    """docker/compose.routers.yaml: a second router like the first on its own host port, and both pods registered
+    with both routers."""
+    r = checks.compose_config(tools, [REPO / "docker" / "compose.yaml", REPO / "docker" / "compose.routers.yaml"],
+                              fmt="json")
+    assert r.ok, r.output
+    merged = json.loads(r.output)
+    services = merged["services"]
+    assert set(services) == {"router", "router-2", "prefill", "decode"}
+    assert services["router-2"]["command"] == ["router"] and services["router-2"]["hostname"] == "router-2"
+    assert [(p["host_ip"], p["target"]) for p in services["router-2"]["ports"]] == [("127.0.0.1", 50051)]
+    assert {p["published"] for p in services["router"]["ports"]} != {p["published"] for p in
+                                                                   services["router-2"]["ports"]}
+    for worker in ("prefill", "decode"):
+        assert _settings(merged, worker)["router"] == "router:50051,router-2:50051"
+        assert set(services[worker]["depends_on"]) == {"router", "router-2"}

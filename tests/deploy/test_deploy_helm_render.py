@@ -129,7 +129,7 @@ def test_configmap_becomes_service_flags(render, example):
     d = entrypoint.resolve("decode", cfg, {"PDSERVE_ARG_ADVERTISE_HOST": "10.0.0.7"})
     assert d["tensor_parallel_size"] == chart_values["decode"]["tensorParallelSize"]
     assert d["decode_context_parallel_size"] == chart_values["decode"]["decodeContextParallelSize"]
-    assert d["router"] == "pdserve-router:50051"
+    assert d["router"] == "pdserve-router-headless:50051"  # every router replica (test_headless_router_service)
     assert d["model"] == chart_values["model"]["path"]
     p = entrypoint.resolve("prefill", cfg, {})
     assert p["tensor_parallel_size"] == chart_values["prefill"]["tensorParallelSize"]
@@ -251,3 +251,27 @@ def test_model_dtype_reaches_both_pods_as_one_flag(render):
     assert "dtype" not in entrypoint.resolve("router", cfg, {})
     bad = render([], ["model.dtype=fp8"], ())
     assert not bad.ok and "dtype" in bad.output
+
+
+def test_headless_router_service_points_the_pods_at_every_router(render):
+    """multi-node.yaml (two routers, HPA up to 6): beside the ClusterIP Service a headless one (one A record per router
+    pod), and prefill and decode pods register through it, on the routers' container port; with it disabled the
+    pods use the ClusterIP Service as before."""
+    docs = _rendered(render, [EX / "multi-node.yaml"], api_versions=checks.EXAMPLE_API_VERSIONS["multi-node"])
+    svcs = {s["metadata"]["name"]: s["spec"] for s in find(docs, "Service", "router")}
+    assert set(svcs) == {"pdserve-router", "pdserve-router-headless"}
+    head = svcs["pdserve-router-headless"]
+    assert head["clusterIP"] == "None" and svcs["pdserve-router"].get("clusterIP") != "None"
+    assert head["selector"] == svcs["pdserve-router"]["selector"]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in head["ports"]] == [("grpc", 50051, "grpc")]
+    (cm,) = find(docs, "ConfigMap")
+    cfg = yaml.safe_load(cm["data"]["pdserve.yaml"])
+    for role in ("prefill", "decode"):
+        assert entrypoint.resolve(role, cfg, {})["router"] == "pdserve-router-headless:50051"
+    assert "router" not in entrypoint.resolve("router", cfg, {})
+    off = _rendered(render, [EX / "multi-node.yaml"], ["router.headlessService.enabled=false"],
+                    api_versions=checks.EXAMPLE_API_VERSIONS["multi-node"])
+    assert {s["metadata"]["name"] for s in find(off, "Service", "router")} == {"pdserve-router"}
+    (cm,) = find(off, "ConfigMap")
+    assert entrypoint.resolve("decode", yaml.safe_load(cm["data"]["pdserve.yaml"]), {})["router"] == \
+        "pdserve-router:50051"

@@ -14,6 +14,8 @@ from router.placement import (
     never_fits,
     pick_decode,
     pick_prefill,
+    prefix_key,
+    rendezvous,
 )
 
 
@@ -161,3 +163,37 @@ def test_ties_alternate_by_requests_routed_so_far():
         pod = pick_decode([DecodeView(p, 1, 1, 1, 16, (50,), (100,), routed=n) for p, n in routed.items()], 16)
         routed[pod] += 1
     assert routed == {"a": 5, "b": 5}
+
+
+def test_prefix_key_covers_the_first_full_blocks_only():
+    assert prefix_key([1, 2, 3], 4, 4) is None  # no full block
+    assert prefix_key(list(range(8)), 4, 0) is None
+    k = prefix_key(list(range(8)), 4, 1)
+    assert k == prefix_key(list(range(4)) + [99, 98, 97, 96, 95], 4, 1)  # only the first block counts
+    assert k != prefix_key(list(range(8)), 4, 2)
+    assert prefix_key([5] * 8, 4, 2) == prefix_key([5] * 9, 4, 2)  # a partial last block is ignored
+
+
+def test_rendezvous_is_stable_and_moves_only_what_it_must():
+    pods = [f"p{i}" for i in range(4)]
+    keys = [prefix_key([i, i + 1, i + 2, i + 3], 4, 1) for i in range(400)]
+    assert all(k is not None for k in keys)
+    first = {k: rendezvous(k, pods) for k in keys if k}
+    # the same answer whatever order the pods are listed in (each replica's registry orders them its own way)
+    assert first == {k: rendezvous(k, list(reversed(pods))) for k in keys if k}
+    counts = {p: list(first.values()).count(p) for p in pods}
+    assert min(counts.values()) > 50, counts  # spread over the pods
+    gone = {k: rendezvous(k, pods[:-1]) for k in keys if k}  # p3 left: only its prefixes move
+    assert all(gone[k] == first[k] for k in first if first[k] != "p3")
+    assert rendezvous(b"x", []) is None
+
+
+def test_rendezvous_pod_is_the_affinity_of_an_unseen_prefix():
+    views = [PrefillView("p0", 0), PrefillView("p1", 0), PrefillView("p2", 0)]
+    key = prefix_key(list(range(32)), 16, 4)
+    assert key is not None
+    want = rendezvous(key, [v.pod_id for v in views])
+    assert pick_prefill(views, 32, affinity_pod=want) == want
+    # excluded (a failed try): the next-highest pod, the same on every replica
+    nxt = rendezvous(key, [v.pod_id for v in views if v.pod_id != want])
+    assert nxt != want and pick_prefill(views, 32, affinity_pod=nxt, exclude={want}) == nxt

@@ -375,7 +375,8 @@ def run_soak(cfg: SoakConfig, work_dir: str | os.PathLike[str] | None = None) ->
     import json
 
     from pdserve.cluster.supervisor import LocalCluster
-    from pdserve.cluster.topology import PodSpec, Topology, free_port
+    from pdserve.cluster.topology import PodSpec, Topology
+    from pdserve.net import free_port
 
     work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
     work.mkdir(parents=True, exist_ok=True)

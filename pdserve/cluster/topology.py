@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from pdserve.engine.config import DTYPES
+from pdserve.net import free_port
 from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, check_parallel_config
 
 AUTO = "auto"
@@ -353,16 +353,6 @@ class Topology:
 def router_name(i: int) -> str:
     """The service name of router ``i`` (0-based): "router", "router-1", ..."""
     return "router" if i == 0 else f"router-{i}"
-
-
-def free_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
-    for _ in range(100):
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if not avoid or port not in avoid:
-            return port
-    raise OSError("no free port found")
 
 
 # ----------------------------------------------------------------------------------------------------------------

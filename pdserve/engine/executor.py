@@ -11,7 +11,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -29,6 +28,7 @@ from pdserve.engine.shm import RankFailure, ShmRegion, shm_supported
 from pdserve.engine.config import CPU_COLLECTIVES, CPU_PINNING
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
+from pdserve.net import free_port
 
 log = logging.getLogger("pdserve.executor")
 
@@ -81,12 +81,6 @@ def resolve_collectives(requested: str, device: str, tp_size: int) -> tuple[str,
     if problem:
         return "gloo", f"shared memory unavailable: {problem}"
     return "shm", "CPU ranks on one host"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_pinning(requested: str, device: str, tp_size: int, cores: int) -> tuple[bool, str]:
@@ -325,7 +319,7 @@ class Executor:
                      tp_size, dcp_size, collectives, why, threads, cores,
                      f"rank r pinned to core {list(allowed)}[r % {cores}]" if pin else "no CPU pinning", pin_why)
         spec = RankSpec(model_path, tp_size, dcp_size, interleave, num_blocks, block_size, max_model_len, device,
-                        attention_backend, f"tcp://127.0.0.1:{_free_port()}", timeout_s, threads_per_rank=threads,
+                        attention_backend, f"tcp://127.0.0.1:{free_port()}", timeout_s, threads_per_rank=threads,
                         exact_prefill=exact_prefill, dtype=dtype, collectives=collectives, shm=shm, shm_world=world,
                         shm_dcp=dcp_groups, cpus=cpus)
         try:

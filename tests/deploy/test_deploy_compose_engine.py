@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import uuid
 
 import pytest
+from pdserve.net import free_port
 from deploy_helpers import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -50,10 +50,6 @@ def _containers(project: str) -> list[dict]:
     return json.loads(_docker("inspect", *ids).stdout) if ids else []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +67,7 @@ def test_compose_cluster_serves_a_request(engine, tools):
     # FLAVOR=cpu; the CUDA stage points at the CPU base too, so a builder that runs every stage pulls nothing CUDA.
     _docker("build", "-f", str(REPO / "docker" / "Dockerfile"), "-t", tag, "--build-arg", "FLAVOR=cpu",
             "--build-arg", f"CUDA_BASE_IMAGE={CPU_BASE}", str(REPO), timeout=3000)
-    ports = {name: _free_port() for name in ("ROUTER", "PREFILL", "DECODE")}
+    ports = {name: free_port() for name in ("ROUTER", "PREFILL", "DECODE")}
     env = {**tools.env(), "PDSERVE_IMAGE": tag, "PDSERVE_PROJECT": project,
            **{f"PDSERVE_{k}_PORT": str(v) for k, v in ports.items()}}
     compose = [str(tools.compose), "-f", str(REPO / "docker" / "compose.yaml"), "-p", project]

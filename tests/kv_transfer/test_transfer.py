@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from pdserve.net import free_port
 import torch
 
 from kv_reference import empty_region, full_kv, random_tables, write_rank
@@ -331,12 +332,6 @@ def test_unpulled_lease_expires_and_late_reads_are_refused(workers, backend):
         dec.close()
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -344,7 +339,7 @@ def test_handshake_timeouts_are_bounded(backend):
     dec = DecodeSide(backend, 2, 1, 1, handshake_timeout_s=1.0)
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
     try:
-        for ep in (Endpoint("127.0.0.1", _free_port()), Endpoint("127.0.0.1", silent.getsockname()[1])):
+        for ep in (Endpoint("127.0.0.1", free_port()), Endpoint("127.0.0.1", silent.getsockname()[1])):
             handoff = KVHandoff(new_lease_id(), "r", NUM_TOKENS, _layout(2, 1), [list(range(5))], [ep], backend)
             t0 = time.monotonic()
             with pytest.raises(HandshakeTimeout):

@@ -3,22 +3,15 @@ odd sizes, 3 and 9 ranks, four dtypes, tensors and byte strings larger than a sl
 are the left-to-right sum in rank order, so every rank holds the same bits."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch.multiprocessing as mp
 
 from comm_worker import run_rank
 from pdserve.engine.comm import init_groups, plan_groups
 from pdserve.engine.shm import ShmRegion, shm_supported
+from pdserve.net import free_port
 
 pytestmark = pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("n", [3, 9])
@@ -31,7 +24,7 @@ def test_collectives_match_gloo(n):
     init_groups(region, [big, small])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=run_rank, args=(r, n, region, [big, small], port, q)) for r in range(n)]
     for p in procs:
         p.start()

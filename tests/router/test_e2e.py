@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import socket
 import time
 import urllib.request
 
@@ -23,6 +22,7 @@ import grpc
 import pytest
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.net import free_port
 from e2e_helpers import HEARTBEAT_S, e2e_cluster, supports_flag
 
 pytestmark = pytest.mark.slow
@@ -35,12 +35,6 @@ NEEDS_DECODE = pytest.mark.skipif(
            "load or free KV per rank), so the decode journey and ClusterStatus KV checks cannot run")
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +48,7 @@ def tiny_model(tmp_path_factory, smollm2_path):
 @pytest.fixture(scope="module")
 def metrics_port():
     """The router's Prometheus port."""
-    return _free_port()
+    return free_port()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import asyncio
 import random
 import re
 import signal
-import socket
 import time
 import urllib.request
 from typing import Any, Awaitable, Callable
@@ -27,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, \
     router_pb2_grpc
 from e2e_helpers import e2e_cluster
+from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,6 @@ KV_TRANSFER_TIMEOUT_S = 4.0  # decode pods give up a KV pull after this
 BOUND_S = 60.0  # "within a bounded time": generous for a loaded 2-core machine
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +50,7 @@ def tiny_model(tmp_path_factory, smollm2_path):
 @pytest.fixture(scope="module")
 def metrics_port():
     """The router's Prometheus port."""
-    return _free_port()
+    return free_port()
 
 
 @pytest.fixture(scope="module")

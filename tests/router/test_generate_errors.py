@@ -3,11 +3,11 @@ addresses where nothing listens, which is a real connection failure, not a fake 
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
 
+from pdserve.net import free_port
 from pdserve_api.v1 import common_pb2, router_pb2
 from router_helpers import register_request, run, running_router, stubs
 
@@ -31,11 +31,7 @@ async def status_of(router, req, timeout=None):
 
 
 def dead_address():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{free_port()}"  # nothing listens there
 
 
 def test_no_pods_is_unavailable():

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
+from router.placement import rendezvous
 from router_helpers import FakeClock, register_request, run, running_router, stubs
 
 PREFILL, DECODE = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE
@@ -209,8 +210,9 @@ def test_watchdog_runs_on_its_own():
 
 
 def test_prefix_affinity_and_load_through_the_core():
-    """Through RouterCore: a request sharing its first blocks with an earlier one goes to the same prefill pod;
-    an unrelated one goes to the less loaded pod; the affinity pod loses once it is overloaded."""
+    """Through RouterCore: a request sharing its first blocks with an earlier one goes to the same prefill pod; one
+    without a full block goes to the less loaded pod; an unseen prefix goes to its rendezvous pod; the affinity pod
+    loses once it is overloaded."""
     async def body():
         async with running_router(affinity_max_imbalance_tokens=100) as (server, ch):
             _, registry = stubs(ch)
@@ -225,10 +227,12 @@ def test_prefix_affinity_and_load_through_the_core():
             a = await prep(shared + [1, 2, 3])
             first = core.pick_prefill(a, set())
             other = {"p0": "p1", "p1": "p0"}[first]
-            b = await prep(list(range(100, 140)))
+            b = await prep(list(range(100, 110)))  # no full block, so no affinity key
             assert core.pick_prefill(b, set()) == other  # least loaded (a's tokens are booked on `first`)
             c = await prep(shared + [7, 8])
             assert core.pick_prefill(c, set()) == first  # affinity: same first blocks
+            e = await prep(list(range(200, 240)))  # unseen full blocks: the pod every replica would pick
+            assert core.pick_prefill(e, set()) == rendezvous(e.affinity_key, ["p0", "p1"])
             # Overload `first` (beyond the 100-token imbalance): affinity yields to load.
             core.registry.start_prefill(first, 500)
             d = await prep(shared + [9])

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,20 +13,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, router_pb2
+from pdserve.net import free_port
 from e2e_helpers import REPO, service_env
 from router_helpers import register_request, run, running_router, stubs
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def test_python_m_router_serves_health_and_metrics_then_drains_on_sigterm(smollm2_path):
-    mport = _free_port()
+    mport = free_port()
     p = subprocess.Popen([sys.executable, "-u", "-m", "router", "--port", "0", "--metrics-port", str(mport),
                           "--drain-timeout-s", "5"], cwd=REPO, env=service_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)

@@ -322,9 +322,10 @@ def test_mla_streaming_layer_by_layer(workers, backend):
         results: dict = {}
 
         def run(r):
+            def on_landed(n, r=r):
+                landed[r].append((n, time.monotonic()))
             try:
-                results[r] = dec.pullers[r].pull(handoff, dec.tables[r], timeout_s=30,
-                                                 on_layers_landed=lambda n, r=r: landed[r].append((n, time.monotonic())))
+                results[r] = dec.pullers[r].pull(handoff, dec.tables[r], timeout_s=30, on_layers_landed=on_landed)
             except BaseException as e:
                 results[r] = e
 

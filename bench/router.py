@@ -248,7 +248,7 @@ def _start_cluster(work: Path, num_routers: int) -> tuple[Any, Any, Any, float]:
     interval = 0.5
     topo = Topology(model=str(model), router_port=0, http_port=None, num_routers=num_routers,
                     prefill=[PodSpec("prefill", num_kv_blocks=1024,
-                                     extra_args=["--heartbeat-interval", str(interval)])],
+                                     extra_args=["--heartbeat-interval-s", str(interval)])],
                     decode=[PodSpec("decode", num_kv_blocks=1024)],
                     router_args=["--heartbeat-interval-s", str(interval), "--eviction-timeout-s", "10",
                                  "--missed-heartbeats-unhealthy", "8", "--log-level", "WARNING"]).resolve()

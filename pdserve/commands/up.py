@@ -102,7 +102,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--restart", choices=RESTART_MODES, default="never",
                    help="restart policy of every service (default never: a service that dies stops the cluster)")
     p.add_argument("--restart-backoff", type=float, default=d.backoff_s, metavar="S",
-                   help=f"delay before the first restart, doubled for each crash that follows (default {d.backoff_s:g})")
+                   help=f"delay before the first restart, doubled for each crash in a row (default {d.backoff_s:g})")
     p.add_argument("--restart-backoff-max", type=float, default=d.backoff_max_s, metavar="S",
                    help=f"longest delay between restarts (default {d.backoff_max_s:g})")
     add_security_arguments(p)

@@ -85,8 +85,9 @@ def _wait_ready_everywhere(cluster, name: str, timeout: float = 90) -> None:
                 except UnavailableError as e:  # a restarted router not yet listening
                     st = e
                 now = time.monotonic()
-                if not isinstance(st, UnavailableError) and any(p.pod_id == name and p.state == common_pb2.POD_STATE_READY and p.uptime_s <= now - restarted
-                       for p in st.pods):
+                if not isinstance(st, UnavailableError) and any(
+                        p.pod_id == name and p.state == common_pb2.POD_STATE_READY and p.uptime_s <= now - restarted
+                        for p in st.pods):
                     break
                 assert time.monotonic() < end, f"{name} not READY in {addr}: {st}"
                 time.sleep(0.2)

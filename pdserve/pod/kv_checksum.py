@@ -43,12 +43,13 @@ def partial_checksums(layout: KVLayout, rank: int, region: torch.Tensor, block_t
     table = np.asarray(block_table, dtype=np.int64)
     slots = table[li // layout.block_size] * layout.block_size + li % layout.block_size
     first = layout.kv_heads_of_rank(rank).start
-    planes = region.view(torch.uint8).reshape(2 * layout.num_layers, -1, layout.kv_heads_per_rank,
-                                              layout.head_nbytes)
+    # gathered in the cache's own dtype (a byte-wise gather is several times slower), bytes taken after
+    planes = region.reshape(2 * layout.num_layers, -1, layout.kv_heads_per_rank, region.shape[-1])
     idx = torch.as_tensor(slots, device=region.device)
     local = torch.as_tensor([h - first for h in heads], device=region.device)
-    # [planes, tokens, heads, bytes] -> one contiguous row of every layer's K and V per (token, head)
-    rows = planes.index_select(1, idx).index_select(2, local).permute(1, 2, 0, 3).contiguous().cpu().numpy()
+    # [planes, tokens, heads, dim] -> one contiguous row of every layer's K and V per (token, head)
+    rows = planes.index_select(1, idx).index_select(2, local).permute(1, 2, 0, 3).contiguous().cpu()
+    rows = rows.view(torch.uint8).reshape(len(toks), len(heads), -1).numpy()
     for i, t in enumerate(toks.tolist()):
         b = t // block_tokens
         for j, h in enumerate(heads):

@@ -48,8 +48,8 @@ def partial_checksums(layout: KVLayout, rank: int, region: torch.Tensor, block_t
     idx = torch.as_tensor(slots, device=region.device)
     local = torch.as_tensor([h - first for h in heads], device=region.device)
     # [planes, tokens, heads, dim] -> one contiguous row of every layer's K and V per (token, head)
-    rows = planes.index_select(1, idx).index_select(2, local).permute(1, 2, 0, 3).contiguous().cpu()
-    rows = rows.view(torch.uint8).reshape(len(toks), len(heads), -1).numpy()
+    gathered = planes.index_select(1, idx).index_select(2, local).permute(1, 2, 0, 3).contiguous().cpu()
+    rows: np.ndarray = gathered.view(torch.uint8).reshape(len(toks), len(heads), -1).numpy()
     for i, t in enumerate(toks.tolist()):
         b = t // block_tokens
         for j, h in enumerate(heads):

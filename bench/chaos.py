@@ -463,7 +463,8 @@ def run_chaos(cfg: ChaosConfig, work_dir: str | os.PathLike[str] | None = None) 
     pod_args = ["--heartbeat-interval-s", "0.5"]
     topo = Topology(model=str(model), router_port=0, http_port=None, block_size=s.block_size,
                     prefill=[PodSpec("prefill", name=f"p{i}", extra_args=[*pod_args, "--lease-ttl-s",
-                                                                          f"{cfg.lease_ttl_s:g}"]) for i in range(2)],
+                                                                          f"{cfg.lease_ttl_s:g}",
+                                                                          "--kv-checksum"]) for i in range(2)],
                     decode=[PodSpec("decode", s.decode_tp, s.decode_dcp, num_kv_blocks=s.decode_num_kv_blocks,
                                     name="d0", extra_args=pod_args)],
                     router_args=["--max-queue-len", str(s.router_max_queue_len), "--max-queue-wait-s",

@@ -29,6 +29,7 @@ def pods(tiny_model, tmp_path_factory):
     prefill = Proc([sys.executable, "-m", "prefill_svc", "--model", str(tiny_model), "--port", "0",
                     "--metrics-port", "0", "--kv-transport", "tcp", "--num-kv-blocks", "800",
                     "--prefill-chunk-size", "512", "--max-num-batched-tokens", "4096", "--pod-id", "prefill-e2e",
+                    "--kv-checksum",
                     "--ready-file", str(ready_file), "--log-level", "WARNING"],
                    tmp / "prefill.log", lambda p: ready_file.exists())
     decode_metrics = free_port()

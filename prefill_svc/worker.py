@@ -86,6 +86,7 @@ class PrefillResult:
     compute_s: float
     ttl_s: float
     first_token_top: tuple[list[int], list[float]] | None = None  # when top_logprobs > 0
+    kv_checksums: list[int] | None = None  # per logical KV block, when the pod computes them
 
 
 @dataclass
@@ -385,6 +386,7 @@ class PrefillWorker(KVConnectorScheduler):
         self._leases[job.lease_id] = lease
         self._lease_of_request[job.request_id] = job.lease_id
         handoff = None
+        checksums = None
         if error is not None:
             what = error[1]
             self._release(job.lease_id, "aborted")
@@ -395,10 +397,18 @@ class PrefillWorker(KVConnectorScheduler):
             self._release(job.lease_id, "aborted")  # nothing to transfer: the request is complete
         elif self.kv is not None and ls is not None:
             handoff = self.kv.handoff(ls)
+            if self.config.kv_checksum:
+                try:
+                    checksums = self.kv.checksums(ls)
+                except Exception as e:
+                    self._release(job.lease_id, "aborted")
+                    self._settle(job.future, exc=PrefillError(f"checksumming the KV failed: {e}"))
+                    self._emit("failed", job.request_id)
+                    return
         self._requests_finished += 1
         res = PrefillResult(job.request_id, tok, lp, job.prompt_len, out.cached_tokens, reason is not None, reason,
                             None if reason else job.lease_id, handoff, table, started - job.arrival, now - started,
-                            job.ttl_s, out.new_top_logprobs[0] if out.new_top_logprobs else None)
+                            job.ttl_s, out.new_top_logprobs[0] if out.new_top_logprobs else None, checksums)
         self._settle(job.future, res)
         self._emit("first_token", job.request_id)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import EngineConfig  # re-exported: the config lives where no torch is imported
+from pdserve.engine.config import MAX_N, EngineConfig  # re-exported: the config lives where no torch is imported
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_connector import KVConnectorScheduler, KVConnectorSpec
 from pdserve.engine.model_runner import build_step_input
@@ -27,7 +27,6 @@ from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("pdserve.engine")
 
-MAX_N = 128  # sequences per request (parallel sampling / best_of); more is a mistake, not a workload
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -432,6 +431,7 @@ class LLMEngine:
         upto = max(tr.emitted, len(visible) - hold)
         delta = visible[tr.emitted:upto]
         tr.emitted = upto
+        cached = seq.num_cached_prefix  # freeing the blocks below resets it
         finished = reason is not None
         if finished:
             self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)
@@ -446,7 +446,7 @@ class LLMEngine:
         first_out = len(seq.output_ids) == 1 and seq.prompt_logprobs is not None
         out = RequestOutput(seq.group or seq.request_id, [tok], [lp], delta, finished, reason,
                             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-                            cached_tokens=seq.num_cached_prefix, new_top_logprobs=[top], index=seq.index,
+                            cached_tokens=cached, new_top_logprobs=[top], index=seq.index,
                             prompt_logprobs=list(seq.prompt_lps) if first_out else None)
         return out
 

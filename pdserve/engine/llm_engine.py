@@ -433,7 +433,7 @@ class LLMEngine:
         tr.emitted = upto
         cached = seq.num_cached_prefix  # freeing the blocks below resets it
         finished = reason is not None
-        if finished:
+        if reason is not None:
             self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)
             if seq.hold_kv:
                 self.held[seq.request_id] = seq

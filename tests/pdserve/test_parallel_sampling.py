@@ -154,3 +154,15 @@ def test_prompt_logprobs_equal_transformers_log_softmax(path):
         vals, idx = ref[p].topk(3)
         assert top_ids == idx.tolist()
         assert torch.allclose(torch.tensor(top_lps), vals, atol=1e-4)
+
+
+def test_fork_copies_each_dcp_ranks_partial_block_on_a_real_cache(tiny_factory):
+    path = tiny_factory("llama", num_heads=8, num_kv_heads=1)
+    sp = SamplingParams(temperature=1.0, seed=99, max_tokens=8, ignore_eos=True)
+    # TP 2 with DCP 2: each rank holds 5 of the 10 prompt tokens, so each rank's last block is copied at the fork
+    with LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64, tensor_parallel_size=2,
+                                decode_context_parallel_size=2, enable_prefix_caching=False)) as eng:
+        singles = [eng.generate([PROMPT], child_params(sp, i))[0]["token_ids"] for i in range(3)]
+        (res,) = eng.generate([PROMPT], sp, n=3)
+        assert [c["token_ids"] for c in res["choices"]] == singles
+        assert eng.blocks.free_per_rank() == [64, 64]

@@ -64,8 +64,8 @@ def ids_of(tokens: list[str]) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
-def sample(oai, seed: int | None, n: int = 1, **kw):
-    return oai.completions.create(model="", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=seed, n=n,
+def sample(oai, seed: int | None, n: int = 1, max_tokens: int = 10, **kw):
+    return oai.completions.create(model="", prompt=PROMPT, max_tokens=max_tokens, temperature=1.0, seed=seed, n=n,
                                   logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
                                   **kw)
 
@@ -165,3 +165,10 @@ def test_echo_logprobs_equal_transformers_log_softmax(oai, tiny):
                                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     assert lp.tokens[n:] == plain.choices[0].logprobs.tokens
     assert lp.text_offset[n] == len(prompt)
+
+
+def test_n_with_max_tokens_1_ends_on_the_prefill_pod(oai):
+    singles = [ids_of(sample(oai, 40 + i, max_tokens=1).choices[0].logprobs.tokens) for i in range(3)]
+    r = sample(oai, 40, n=3, max_tokens=1)
+    assert [ids_of(c.logprobs.tokens) for c in r.choices] == singles and len({s[0] for s in singles}) > 1
+    assert [c.finish_reason for c in r.choices] == ["length"] * 3 and r.usage.completion_tokens == 3

@@ -208,6 +208,11 @@ class CompletionBuilder:
     def build(self, finish_reason: str | None = None, client_ttft_s: float | None = None,
               client_e2e_s: float | None = None) -> Completion:
         last = self.last
+        # A sequence that never ended on its own (the request was cancelled / failed) takes the request's reason.
+        fallback = finish_reason if finish_reason is not None else (last.finish_reason if last else None)
+        first = self.subs.get(0)
+        if self.n > 1 and finish_reason is None and first is not None and first.last is not None:
+            finish_reason = first.last.finish_reason  # the top-level fields are choice 0's
         usage = last.usage if last is not None and last.usage is not None else Usage(
             completion_tokens=len(self.token_ids))
         timing = last.timing if last is not None and last.timing is not None else Timing()
@@ -222,7 +227,7 @@ class CompletionBuilder:
             prompt_token_ids=self.prompt_token_ids, error_message=last.error_message if last else "",
             tokens=list(self.tokens) if self.want_logprobs else None,
             top_tokens=list(self.top_tokens) if self.top_tokens else None,
-            choices=None if self.n == 1 else [self._choice(i, finish_reason) for i in range(self.n)],
+            choices=None if self.n == 1 else [self._choice(i, fallback) for i in range(self.n)],
             prompt_logprobs=self.prompt_logprobs)
 
     def _choice(self, i: int, finish_reason: str | None) -> Completion:

@@ -172,3 +172,18 @@ def test_n_with_max_tokens_1_ends_on_the_prefill_pod(oai):
     r = sample(oai, 40, n=3, max_tokens=1)
     assert [ids_of(c.logprobs.tokens) for c in r.choices] == singles and len({s[0] for s in singles}) > 1
     assert [c.finish_reason for c in r.choices] == ["length"] * 3 and r.usage.completion_tokens == 3
+
+
+def test_sdk_returns_the_n_choices_and_prompt_logprobs(cluster, oai):
+    from pdserve.client import Client
+
+    with Client(cluster.router) as client:
+        c = client.generate(PROMPT, max_tokens=5, temperature=1.0, seed=9, n=3, ignore_eos=True, logprobs=True,
+                            prompt_logprobs=1)
+    http = sample(oai, 9, n=3, max_tokens=5)
+    assert [ch.index for ch in c.choices] == [0, 1, 2]
+    assert [ch.token_ids for ch in c.choices] == [ids_of(h.logprobs.tokens) for h in http.choices]
+    assert c.token_ids == c.choices[0].token_ids and c.usage.completion_tokens == 15
+    pl = c.prompt_logprobs
+    assert pl.token_ids == PROMPT and pl.logprobs[0] is None and len(pl.logprobs) == len(PROMPT)
+    assert all(len(t) == 1 for t in pl.top_logprobs[1:])

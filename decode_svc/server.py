@@ -234,8 +234,13 @@ class DecodeServer:
         if handoff.num_tokens != len(req.prompt_token_ids):
             raise InvalidArgument(f"kv_handle covers {handoff.num_tokens} tokens but the prompt has "
                                   f"{len(req.prompt_token_ids)}")
+        checksums = tuple(req.kv_handle.block_checksums)
+        if checksums and len(checksums) != -(-handoff.num_tokens // handoff.layout.block_size):
+            raise InvalidArgument(f"kv_handle has {len(checksums)} block checksums for {handoff.num_tokens} tokens in "
+                                  f"blocks of {handoff.layout.block_size}")
         return TransferKVSource(handoff.to_json(), handoff.num_tokens, self._puller_factory,
-                                self.config.kv_transfer_timeout_s)
+                                self.config.kv_transfer_timeout_s, checksums, handoff.layout.block_size,
+                                req.kv_handle.prefill_pod_id)
 
 
 def _transfer_modes(backend: str) -> list[int]:

@@ -267,6 +267,7 @@ class PrefillServer:
         if res.handoff is not None:
             kh = handoff_to_kv_handle(res.handoff, self.pod_id, res.ttl_s)
             kh.transfer_mode = mode
+            kh.block_checksums.extend(res.kv_checksums or ())
         else:  # no KV transport: the lease only holds the blocks (ReleaseKV / TTL)
             kh = pb.KVHandle(lease_id=res.lease_id, prefill_pod_id=self.pod_id,
                              num_layers=self.worker.layout.num_layers, num_tokens=res.num_prompt_tokens,

@@ -88,6 +88,7 @@ class PrefillResult:
     # n > 1: every sequence's (token, logprob, top alternatives, finish reason or None), in index order.
     firsts: list[tuple[int, float, tuple[list[int], list[float]] | None, str | None]] = field(default_factory=list)
     prompt_logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    kv_checksums: list[int] | None = None  # per logical KV block, when the pod computes them
 
 
 @dataclass
@@ -401,6 +402,7 @@ class PrefillWorker(KVConnectorScheduler):
         self._leases[job.lease_id] = lease
         self._lease_of_request[job.request_id] = job.lease_id
         handoff = None
+        checksums = None
         if error is not None:
             what = error[1]
             self._release(job.lease_id, "aborted")
@@ -411,13 +413,21 @@ class PrefillWorker(KVConnectorScheduler):
             self._release(job.lease_id, "aborted")  # nothing to transfer: the request is complete
         elif self.kv is not None and ls is not None:
             handoff = self.kv.handoff(ls)
+            if self.config.kv_checksum:
+                try:
+                    checksums = self.kv.checksums(ls)
+                except Exception as e:
+                    self._release(job.lease_id, "aborted")
+                    self._settle(job.future, exc=PrefillError(f"checksumming the KV failed: {e}"))
+                    self._emit("failed", job.request_id)
+                    return
         self._requests_finished += 1
         res = PrefillResult(job.request_id, tok, lp, job.prompt_len, out.cached_tokens, reason is not None, reason,
                             None if reason else job.lease_id, handoff, table, started - job.arrival, now - started,
                             job.ttl_s, out.new_top_logprobs[0] if out.new_top_logprobs else None,
                             [(o.new_token_ids[0], o.new_logprobs[0], o.new_top_logprobs[0] if o.new_top_logprobs
                               else None, r) for o, r in zip(outs, reasons)] if len(outs) > 1 else [],
-                            out.prompt_logprobs)
+                            out.prompt_logprobs, checksums)
         self._settle(job.future, res)
         self._emit("first_token", job.request_id)
 

@@ -16,6 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--device", default="cpu", help="torch device of the benchmarks that take one (engine)")
+    p.add_argument("--chaos", action="store_true", help="soak: inject faults (kills, freezes, KV path drops) in load")
     p.set_defaults(func=run_bench)
 
 
@@ -33,6 +34,11 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"benchmark {args.name!r} runs on cpu only (no --device)")
             return 2
         kw["device"] = args.device
+    if args.chaos:
+        if "chaos" not in inspect.signature(module.run).parameters:
+            print(f"benchmark {args.name!r} has no --chaos mode (soak has)")
+            return 2
+        kw["chaos"] = True
     try:
         result = module.run(quick=args.quick, **kw)
     except BenchUnavailable as e:

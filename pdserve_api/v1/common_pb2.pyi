@@ -246,7 +246,7 @@ class WorkerCapacity(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrent_transfers: _Optional[int] = ..., transfer_modes: _Optional[_Iterable[_Union[TransferMode, str]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("lease_id", "prefill_pod_id", "kv_transfer_address", "agent_name", "num_layers", "num_tokens", "expires_at_unix_ms", "ttl_s", "transfer_mode", "layout", "block_tables")
+    __slots__ = ("lease_id", "prefill_pod_id", "kv_transfer_address", "agent_name", "num_layers", "num_tokens", "expires_at_unix_ms", "ttl_s", "transfer_mode", "layout", "block_tables", "block_checksums")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_POD_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class KVHandle(_message.Message):
     TRANSFER_MODE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     prefill_pod_id: str
     kv_transfer_address: str
@@ -269,7 +270,8 @@ class KVHandle(_message.Message):
     transfer_mode: TransferMode
     layout: KVLayout
     block_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
-    def __init__(self, lease_id: _Optional[str] = ..., prefill_pod_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_s: _Optional[float] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ...) -> None: ...
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., prefill_pod_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_s: _Optional[float] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")

@@ -30,7 +30,7 @@ from pdserve.pod.convert import (kv_handle_to_handoff, kv_layout_for_model, layo
                                  parallel_to_proto)
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
 from pdserve.pod.registrar import Registrar
-from pdserve.pod.sampling import engine_params, refuse_unsupported
+from pdserve.pod.sampling import engine_params, num_sequences, refuse_unsupported
 from pdserve.sampling import SamplingParams
 from pdserve.security import bind, grpc_options
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
@@ -336,8 +336,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
             started = True
             stream = _TokenStream(params.logprobs, t_start)
             while not done:
-                chunk, done = stream.chunk(await _drain(events))
-                if chunk is not None:
+                chunks, done = stream.chunks(await _drain(events))
+                for chunk in chunks:
                     yield chunk
         finally:
             s.active_streams -= 1
@@ -370,6 +370,19 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         def sink(ev: RequestOutput | Failure) -> None:
             aloop.call_soon_threadsafe(events.put_nowait, ev)
 
+        try:
+            n = num_sequences(request.sampling_params)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
+        if n == 1:
+            firsts, first_lps = [request.first_token_id], [request.first_token_logprob]
+        elif len(request.first_token_ids) == n and len(request.first_token_logprobs) == n:
+            firsts, first_lps = list(request.first_token_ids), list(request.first_token_logprobs)
+        else:
+            raise InvalidArgument(f"sampling_params asks for {n} sequences: first_token_ids and first_token_logprobs "
+                                  f"must have {n} entries each, got {len(request.first_token_ids)} and "
+                                  f"{len(request.first_token_logprobs)}")
+
         def start(pod: DecodePod) -> None:
             reserved = rid in pod.reservations
             if draining and not reserved:
@@ -378,12 +391,11 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 raise RequestExists(f"request {rid!r} is already decoding on this pod")
             engine.subscribe(rid, sink)
             try:
-                out = pod.submit(rid, list(request.prompt_token_ids), params, request.first_token_id,
-                                 request.first_token_logprob, source)
+                outs = pod.submit_all(rid, list(request.prompt_token_ids), params, firsts, first_lps, source)
             except BaseException:
                 engine.unsubscribe(rid)
                 raise
-            if out is not None:
+            for out in outs or ():
                 engine.emit(out)
 
         await s.call(start)
@@ -406,19 +418,33 @@ async def _drain(q: asyncio.Queue[RequestOutput | Failure]) -> list[RequestOutpu
 
 
 class _TokenStream:
-    """Turns a request's engine events into TokenChunks. The first output is prefill's first token (its KV
-    landed): not repeated in the stream. A Failure before it is the call's gRPC status (decode.proto); after it,
-    a final chunk with FINISH_REASON_ERROR."""
+    """Turns a request's engine events into TokenChunks, one per sequence (index) with news. Each sequence's first
+    output is prefill's first token (its KV landed): not repeated in the stream. A Failure before it is the call's
+    gRPC status (decode.proto); after it, a final chunk with FINISH_REASON_ERROR."""
 
     def __init__(self, logprobs: bool, t_start: float) -> None:
         self.logprobs = logprobs
         self.t_start = t_start
         self.t_landed: float | None = None
+        self.landed: set[int] = set()  # sequences whose first token was seen
 
-    def chunk(self, evs: list[RequestOutput | Failure]) -> tuple[decode_pb2.TokenChunk | None, bool]:
-        """(the chunk to send, or None; whether the stream is done)."""
-        chunk = decode_pb2.TokenChunk()
-        done = False
+    def chunks(self, evs: list[RequestOutput | Failure]) -> tuple[list[decode_pb2.TokenChunk], bool]:
+        """(the chunks to send, whether the stream is done)."""
+        by_index: dict[int, list[RequestOutput | Failure]] = {}
+        for ev in evs:
+            by_index.setdefault(0 if isinstance(ev, Failure) else ev.index, []).append(ev)
+        out, done = [], False
+        for index, group in by_index.items():
+            chunk, ended = self.chunk(group, index)
+            done = done or ended
+            if chunk is not None:
+                out.append(chunk)
+        return out, done
+
+    def chunk(self, evs: list[RequestOutput | Failure], index: int = 0) -> tuple[decode_pb2.TokenChunk | None, bool]:
+        """(the chunk of sequence index to send, or None; whether the stream is done)."""
+        chunk = decode_pb2.TokenChunk(index=index)
+        done = ended = False
         for ev in evs:
             if isinstance(ev, Failure):
                 if self.t_landed is None:
@@ -430,6 +456,8 @@ class _TokenStream:
             if ev.new_token_ids:
                 if self.t_landed is None:
                     self.t_landed = time.monotonic()
+                if index not in self.landed:
+                    self.landed.add(index)
                 else:
                     chunk.token_ids.extend(ev.new_token_ids)
                     if self.logprobs:
@@ -438,16 +466,17 @@ class _TokenStream:
                         if top is not None:
                             chunk.top_logprobs.add(token_ids=top[0], logprobs=top[1])
                 chunk.num_output_tokens = ev.completion_tokens
-            if ev.finished:
-                done = True
+            if ev.finish_reason is not None:  # this sequence ended (ev.finished: the whole request did)
+                done = ev.finished
+                ended = True
                 chunk.finish_reason = _FINISH[ev.finish_reason]
                 break
-        if done:
+        if ended or done:
             now = time.monotonic()
             landed = self.t_landed or now
             chunk.kv_transfer_s = landed - self.t_start
             chunk.decode_s = now - landed
-        return (chunk if chunk.token_ids or done else None), done
+        return (chunk if chunk.token_ids or done or ended else None), done
 
 
 def _layout_mismatch(prefill: common_pb2.KVLayout, mine: common_pb2.KVLayout) -> str | None:

@@ -47,6 +47,9 @@ class DecodeConfig:
         "choices": KV_TRANSFER_BACKENDS, "help": "KV data path for pulls from prefill pods (auto: NIXL when usable, "
                                                  "else TCP)"})
     kv_transfer_timeout_s: float = field(default=120.0, metadata={"help": "one request's KV pull, every layer"})
+    ucx_transports: str | None = field(default=None, metadata={
+        "help": "UCX transports of the NIXL data path (UCX_TLS), e.g. tcp between nodes without RDMA, "
+                 "rc,cuda_copy,cuda_ipc on InfiniBand; unset: UCX picks from what the host has"})
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -93,17 +93,18 @@ class PullerFactory:
     backend: str = "auto"  # kv_transfer.factory: "auto" (NIXL if usable, else TCP), "nixl", "tcp"
     auth_token: str = ""  # the cluster token presented to prefill pods' KV endpoints ("" = none)
     tls: "TLSConfig | None" = None  # the pod's TLS settings, used to dial those endpoints
+    ucx_transports: str | None = None  # UCX_TLS of a NIXL puller (None: UCX's choice)
 
     @classmethod
     def for_engine(cls, engine: "LLMEngine", backend: str = "auto", auth_token: str = "",
-                   tls: "TLSConfig | None" = None) -> "PullerFactory":
+                   tls: "TLSConfig | None" = None, ucx_transports: str | None = None) -> "PullerFactory":
         from pdserve.pod.convert import kv_layout_for_model
 
         cfg = engine.config
         layout = kv_layout_for_model(engine.model_config, str(engine.executor.kv_cache.dtype), cfg.block_size,
                                      tp_size=cfg.tensor_parallel_size, dcp_size=cfg.decode_context_parallel_size,
                                      interleave=cfg.dcp_kv_cache_interleave_size, num_blocks=cfg.num_kv_blocks)
-        return cls(layout, backend, auth_token, tls)
+        return cls(layout, backend, auth_token, tls, ucx_transports)
 
     def layout(self) -> "KVLayout":
         return self.kv_layout
@@ -112,7 +113,7 @@ class PullerFactory:
         from kv_transfer.factory import make_puller
 
         return make_puller(self.layout(), runner.ps.tp_rank, runner.kv_cache, backend=self.backend,
-                           auth_token=self.auth_token, tls=self.tls)
+                           auth_token=self.auth_token, tls=self.tls, ucx_transports=self.ucx_transports)
 
 
 class DecodeKVConnector(KVConnectorWorker):

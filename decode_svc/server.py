@@ -85,7 +85,9 @@ class DecodeServer:
         self.max_model_len = await self.call(lambda pod: pod.max_model_len)
         backend, token, tls = self.config.kv_transfer_backend, self.config.serving.cluster_token, self.config.tls
         # the factory is pickled to every rank: token and TLS reach the pullers with it
-        self._puller_factory = await self.call(lambda pod: PullerFactory.for_engine(pod.engine, backend, token, tls))
+        ucx = self.config.ucx_transports
+        self._puller_factory = await self.call(
+            lambda pod: PullerFactory.for_engine(pod.engine, backend, token, tls, ucx))
         self.transfer_modes = await asyncio.to_thread(_transfer_modes, backend)
         self._server = grpc.aio.server(options=grpc_options())
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(self), self._server)

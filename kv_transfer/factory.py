@@ -50,29 +50,31 @@ def _choose(backend: str, side: str) -> str:
 
 
 def make_publisher(
-    layout: KVLayout, regions: Mapping[int, torch.Tensor], *, backend: str = "auto", **kwargs: Any
+    layout: KVLayout, regions: Mapping[int, torch.Tensor], *, backend: str = "auto",
+    ucx_transports: str | None = None, **kwargs: Any
 ) -> KVPublisher:
     """Prefill side. ``kwargs``: on_free, host, port, lease_timeout_s, pin_ttl_s, auth_token, tls (see
-    publisher.Publisher)."""
+    publisher.Publisher). ``ucx_transports``: UCX_TLS of a NIXL publisher (e.g. "tcp"; None: UCX's choice)."""
     if _choose(backend, "publisher") == "nixl":
         from kv_transfer.nixl_transport import NixlPublisher
 
-        return NixlPublisher(layout, regions, **kwargs)
+        return NixlPublisher(layout, regions, ucx_transports=ucx_transports, **kwargs)
     from kv_transfer.fallback_transport import TcpPublisher
 
     return TcpPublisher(layout, regions, **kwargs)
 
 
 def make_puller(
-    layout: KVLayout, rank: int, region: torch.Tensor, *, backend: str = "auto", **kwargs: Any
+    layout: KVLayout, rank: int, region: torch.Tensor, *, backend: str = "auto", ucx_transports: str | None = None,
+    **kwargs: Any
 ) -> KVPuller:
-    """Decode side, one per decode tp rank. ``kwargs``: handshake_timeout_s, io_timeout_s, max_layers_per_read,
-    transfer_timeout_s, auth_token, tls (see puller.BasePuller). A NIXL puller still reads TCP-only publishers over
-    TCP."""
+    """Decode side, one per decode tp rank (``ucx_transports`` as for make_publisher). ``kwargs``:
+    handshake_timeout_s, io_timeout_s, max_layers_per_read, transfer_timeout_s, auth_token, tls (see
+    puller.BasePuller). A NIXL puller still reads TCP-only publishers over TCP."""
     if _choose(backend, "puller") == "nixl":
         from kv_transfer.nixl_transport import NixlPuller
 
-        return NixlPuller(layout, rank, region, **kwargs)
+        return NixlPuller(layout, rank, region, ucx_transports=ucx_transports, **kwargs)
     from kv_transfer.fallback_transport import TcpPuller
 
     return TcpPuller(layout, rank, region, **kwargs)

@@ -20,6 +20,7 @@ A publisher without NIXL (or a peer that did not offer it) is read over TCP inst
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -61,8 +62,13 @@ def import_nixl() -> Any:
     return nixl
 
 
-def _new_agent(prefix: str, backends: Sequence[str], *, sync: str = "STRICT", ucx_workers: int = 1) -> Any:
+def _new_agent(prefix: str, backends: Sequence[str], *, sync: str = "STRICT", ucx_workers: int = 1,
+               ucx_transports: str | None = None) -> Any:
     nixl = import_nixl()
+    if ucx_transports:
+        # UCX reads its transport list (UCX_TLS) from the environment when the backend is created, so the setting
+        # is the process's: every agent of one pod process shares it.
+        os.environ["UCX_TLS"] = ucx_transports
     name = f"{prefix}-{uuid.uuid4().hex[:12]}"
     # Why no NIXL progress thread: the Python API runs it with no delay, and each one then burns about
     # half a core even when idle (docs/performance.md); on CPU boxes and next to a GPU worker that is waste.
@@ -95,6 +101,7 @@ class NixlPublisher(Publisher):
         regions: Mapping[int, torch.Tensor],
         *,
         nixl_backends: Sequence[str] = ("UCX",),
+        ucx_transports: str | None = None,  # UCX_TLS for this process's agent, e.g. "tcp" (None: UCX's choice)
         tick_s: float = 0.02,  # idle notification poll period (done/unpin latency: frees only)
         busy_tick_s: float = 0.0005,  # while a READ may be in flight: the target must progress for it
         busy_linger_s: float = 0.5,  # keep polling fast this long after a handshake or pin
@@ -104,7 +111,7 @@ class NixlPublisher(Publisher):
         self._busy_linger_s = busy_linger_s
         self._busy_until = 0.0
         # The agent must exist before the control server answers its first hello.
-        self._agent = _new_agent("pdkv-prefill", nixl_backends)
+        self._agent = _new_agent("pdkv-prefill", nixl_backends, ucx_transports=ucx_transports)
         ordered = [regions[r] for r in sorted(regions)]
         self._reg_descs = [self._agent.register_memory(t) for t in ordered]  # once, for the process lifetime
         xfer = self._agent.get_xfer_descs(ordered)
@@ -184,6 +191,7 @@ class NixlPuller(TcpPuller):
         region: torch.Tensor,
         *,
         nixl_backends: Sequence[str] = ("UCX",),
+        ucx_transports: str | None = None,  # UCX_TLS for this process's agent, e.g. "tcp" (None: UCX's choice)
         max_read_bytes: int = 256 << 20,
         min_segment_bytes: int | None = None,
         stage_bytes: int = 64 << 20,
@@ -231,7 +239,8 @@ class NixlPuller(TcpPuller):
         # exclusively. STRICT takes one mutex around every call, and the two parts of a split READ then
         # serialize (docs/performance.md). What RW does not cover is one handle from two threads at once (per-handle
         # state is unlocked, NIXL src/core/nixl_agent.cpp): every handle here lives in one thread only.
-        self._agent = _new_agent(f"pdkv-decode{rank}", nixl_backends, sync="RW", ucx_workers=self.parallel_reads)
+        self._agent = _new_agent(f"pdkv-decode{rank}", nixl_backends, sync="RW", ucx_workers=self.parallel_reads,
+                                 ucx_transports=ucx_transports)
         self._reg = self._agent.register_memory(region)  # once; every read lands inside it
         self._mem, self._dev = _mem_of(region)
         self._base = region.data_ptr()

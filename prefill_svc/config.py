@@ -35,6 +35,9 @@ class PrefillConfig:
     kv_checksum: bool = field(default=False, metadata={
         "help": "send a checksum of each KV block with the hand-off; decode pods check what they read against it "
                 "(costs a pass over the prompt's KV on both sides: docs/performance.md)"})
+    ucx_transports: str | None = field(default=None, metadata={
+        "help": "UCX transports of the NIXL data path (UCX_TLS), e.g. tcp between nodes without RDMA, "
+                 "rc,cuda_copy,cuda_ipc on InfiniBand; unset: UCX picks from what the host has"})
     max_leases: int = field(default=1024, metadata={
         "help": "KV leases held at once; beyond that Prefill answers RESOURCE_EXHAUSTED"})
 

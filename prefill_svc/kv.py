@@ -44,16 +44,18 @@ class RankKVSpec:
     lease_timeout_s: float
     auth_token: str = ""  # the cluster token decode pods must prove they hold ("" = no check)
     tls: "TLSConfig | None" = None  # the pod's TLS: the KV control endpoints serve it too
+    ucx_transports: str | None = None  # UCX_TLS of a NIXL publisher (None: UCX's choice)
 
 
 def make_publisher(transport: str, layout: KVLayout, tp_rank: int, region: torch.Tensor, host: str,
                    lease_timeout_s: float, on_free: Callable[[str, str, str], None], auth_token: str = "",
-                   tls: "TLSConfig | None" = None):
+                   tls: "TLSConfig | None" = None, ucx_transports: str | None = None):
     """A kv_transfer publisher for one rank's region (NIXL when usable and asked for / "auto", else TCP)."""
     from kv_transfer.factory import make_publisher as factory_make
 
     return factory_make(layout, {tp_rank: region}, backend=transport, on_free=on_free, host=host,
-                        lease_timeout_s=lease_timeout_s, auth_token=auth_token, tls=tls)
+                        lease_timeout_s=lease_timeout_s, auth_token=auth_token, tls=tls,
+                        ucx_transports=ucx_transports)
 
 
 class PrefillKVPublisher(KVConnectorWorker):
@@ -70,7 +72,8 @@ class PrefillKVPublisher(KVConnectorWorker):
         self.wake: Callable[[], None] | None = None  # rank 0: nudges the engine loop when a lease is freed
         self.region = runner.kv_cache
         self.publisher = make_publisher(spec.transport, self.layout, self.tp_rank, runner.kv_cache, spec.host,
-                                        spec.lease_timeout_s, self._on_free, spec.auth_token, spec.tls)
+                                        spec.lease_timeout_s, self._on_free, spec.auth_token, spec.tls,
+                                        spec.ucx_transports)
 
     @property
     def endpoint(self) -> str:
@@ -132,12 +135,13 @@ class KVHost:
     """Engine-thread side of the pod's publishers (all calls from the engine thread)."""
 
     def __init__(self, engine: Any, layout: KVLayout, transport: str, host: str, lease_timeout_s: float,
-                 wake: Callable[[], None], auth_token: str = "", tls: "TLSConfig | None" = None) -> None:
+                 wake: Callable[[], None], auth_token: str = "", tls: "TLSConfig | None" = None,
+                 ucx_transports: str | None = None) -> None:
         self.engine = engine
         self.layout = layout
         self.tp_size = layout.tp_size
         # token and TLS travel to every rank process inside the spec (pickled), not through the environment
-        spec = RankKVSpec(transport, layout.to_dict(), host, lease_timeout_s, auth_token, tls)
+        spec = RankKVSpec(transport, layout.to_dict(), host, lease_timeout_s, auth_token, tls, ucx_transports)
         results = engine.executor.start_kv_connector(KVConnectorSpec(PrefillKVPublisher, (spec,)))
         errs = [r for r in results if isinstance(r, Exception)]
         if errs:

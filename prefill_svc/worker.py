@@ -230,7 +230,7 @@ class PrefillWorker(KVConnectorScheduler):
                 self.kv = KVHost(self.engine, self.layout, self.config.kv_transport,
                                  self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,
                                  wake=thread.wake, auth_token=self.config.serving.cluster_token,
-                                 tls=self.config.tls)
+                                 tls=self.config.tls, ucx_transports=self.config.ucx_transports)
             self.engine.set_kv_connector(self)  # the rank side was started by KVHost
         except BaseException:  # raised by start()
             if self.engine is not None:

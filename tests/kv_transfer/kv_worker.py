@@ -14,8 +14,9 @@ from typing import Any
 
 from kv_reference import empty_region, full_kv, write_rank
 
-from kv_transfer.factory import make_publisher
+from kv_transfer.factory import make_publisher, make_puller
 from kv_transfer.layout import KVLayout
+from kv_transfer.transport import KVHandoff
 
 
 def _serve(conn: Any) -> None:
@@ -38,6 +39,7 @@ def _serve(conn: Any) -> None:
                     layout, regions, backend=a["backend"],
                     on_free=lambda lid, rid, why, k=key: freed[k].append((lid, why)),
                     lease_timeout_s=a.get("lease_timeout_s", 30.0), pin_ttl_s=a.get("pin_ttl_s", 10.0),
+                    ucx_transports=a.get("ucx_transports"),
                 )
                 conn.send(("ok", pubs[key].name))
             elif cmd == "publish":
@@ -112,3 +114,40 @@ class PrefillWorker:
             except Exception:
                 pass
         self.kill()
+
+
+def _decode_child(conn: Any, layout: dict, tables: list[list[int]], handoff: str, ucx_transports: str | None,
+                  opts: dict[str, Any]) -> None:
+    pullers = []
+    try:
+        lay = KVLayout.from_dict(layout)
+        regions = [empty_region(lay, 500 + r) for r in range(lay.tp_size)]
+        pullers = [make_puller(lay, r, regions[r], backend="nixl", ucx_transports=ucx_transports, **opts)
+                   for r in range(lay.tp_size)]
+        h = KVHandoff.from_json(handoff)
+        results = [p.pull(h, tables[r], timeout_s=30) for r, p in enumerate(pullers)]
+        conn.send(("ok", (regions, [res.transport for res in results])))
+    except BaseException as e:  # reported to the test
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+    finally:
+        for p in pullers:
+            p.close()
+
+
+def pull_in_own_process(layout: KVLayout, tables: list[list[int]], handoff: KVHandoff, ucx_transports: str | None,
+                        timeout: float = 120.0, **opts: Any) -> tuple[str, Any]:
+    """Every decode rank's NIXL puller in a fresh spawned process (UCX's transport list is a per-process setting, so
+    it must not leak into the test process): ("ok", (regions, transports)) or ("err", what failed)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_child, args=(child, layout.to_dict(), tables, handoff.to_json(), ucx_transports,
+                                                   opts), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(timeout):
+            raise TimeoutError(f"decode process did not answer in {timeout}s")
+        return parent.recv()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()

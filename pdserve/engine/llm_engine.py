@@ -20,6 +20,7 @@ from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.model.config import ModelConfig
 from pdserve.parallel_config import ModelParallelInfo, validate_parallel_config
 from pdserve.sampling import Sampler, SamplingParams
+from pdserve.structured import GrammarBackend, StructuredOutputError
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("pdserve.engine")
@@ -102,7 +103,7 @@ class LLMEngine:
         self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.decode_context_parallel_size,
                                    cfg.dcp_kv_cache_interleave_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size)
-        self.sampler = Sampler(sorted(getattr(self, "eos_ids", ())))
+        self.sampler = Sampler(sorted(getattr(self, "eos_ids", ())), self._grammar_backend)
         self._tracked: dict[str, _Tracked] = {}
         self._arrival = itertools.count()
         self.num_prompt_tokens_computed = 0  # prefill work actually done (prefix hits excluded)
@@ -111,6 +112,11 @@ class LLMEngine:
         # The KV connector's driver side: builds each step's metadata for every rank's worker side (kv_connector.py).
         self.kv_scheduler: KVConnectorScheduler | None = None
         self.num_generated_tokens = 0
+
+    def _grammar_backend(self) -> GrammarBackend:
+        """Structured output's backend for this model's tokenizer and logits width (built on first use)."""
+        return GrammarBackend.for_tokenizer(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
+                                            sorted(self.eos_ids))
 
     # --- requests ---
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -128,6 +134,11 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise RequestError(f"logit_bias token id {bad} is out of range [0, {vocab})")
+        if params.structured is not None:
+            try:
+                self.sampler.compile(params.structured)  # cached: a spec compiles once per tokenizer
+            except StructuredOutputError as e:
+                raise RequestError(f"structured output: {e}") from None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, hold_kv: bool = False) -> str:

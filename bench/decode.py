@@ -9,7 +9,12 @@
    (SmolLM2 at TP 9 where the parallel rules allow it; a tiny 12-query / 1-KV-head checkpoint at TP 6 for all three).
    Target: count(DCP d) >= 0.95 * d * count(DCP 1).
 
-Quick mode: fewer tokens, batches 1 and 32, and the TP 9 x DCP 3 pod only (shared memory and gloo)."""
+3. Sampling cost per decode step at batch 8 on the in-process engine (SmolLM2, TP 1), plain seeded sampling against
+   the same with presence / frequency / repetition penalties and against a structured-output constraint (xgrammar's
+   token bitmask, a JSON schema), timed side by side in interleaved rounds. Target: ratio <= 1.15.
+
+Quick mode: fewer tokens, batches 1 and 32, and the TP 9 x DCP 3 pod only (shared memory and gloo); fewer sampling
+rounds."""
 from __future__ import annotations
 
 import math
@@ -67,11 +72,11 @@ def _hf_decode_tok_s(model, prompts: list[list[int]], new_tokens: int, repeat: i
     return len(prompts) * (new_tokens - 1) / max(tn - t1, 1e-9)
 
 
-def _engine_decode_tok_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
+def _engine_decode_tok_s(engine, prompts: list[list[int]], new_tokens: int, sp: Any = None) -> float:
     """The in-process engine: prefill every prompt, then time the decode steps (tokens after the first)."""
     from pdserve.sampling import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    sp = sp or SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     ids = {engine.add_request(p, sp) for p in prompts}
     started: set[str] = set()
     while len(started) < len(ids):  # prefill steps until every request has its first token
@@ -222,9 +227,72 @@ def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
                           "block_size": CAPACITY_BLOCK, "capacity": raw}
 
 
+# A schema the model stays inside for the whole run (an open-ended list of strings), so every step is masked.
+SAMPLING_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+                   "required": ["notes"]}
+
+
+def _sampling_cost(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, Any]]:
+    from pdserve.default_model import ensure_default_model
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.sampling import SamplingParams
+    from pdserve.structured import StructuredSpec
+
+    bs, new_tokens, rounds = 8, (24 if quick else 64), (3 if quick else 5)
+    prompt_len = 32
+    base = dict(temperature=1.0, seed=0, max_tokens=new_tokens, ignore_eos=True)
+    variants = {
+        "plain": SamplingParams(**base),
+        "penalties": SamplingParams(**base, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+        "structured_json": SamplingParams(**base, structured=StructuredSpec.json_schema(SAMPLING_SCHEMA)),
+    }
+    engine = LLMEngine(EngineConfig(model=str(ensure_default_model()), num_kv_blocks=bs * 8 + 8, max_num_seqs=bs,
+                                    enable_prefix_caching=False))
+    tok_s: dict[str, list[float]] = {k: [] for k in variants}
+    sampler_s: dict[str, list[float]] = {k: [] for k in variants}  # the sampler's own time per call
+    real_sample = engine.sampler.sample
+    current: list[str] = []
+
+    def timed_sample(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return real_sample(*a, **k)
+        finally:
+            if current:
+                sampler_s[current[0]].append(time.perf_counter() - t)
+
+    engine.sampler.sample = timed_sample  # type: ignore[method-assign]
+    try:
+        prompts = _prompts(bs, prompt_len, engine.model_config.vocab_size)
+        for sp in variants.values():  # warm-up (and the grammar's compile, cached afterwards)
+            _engine_decode_tok_s(engine, prompts[:bs], 3, SamplingParams(**{**sp.__dict__, "max_tokens": 3}))
+        for _ in range(rounds):  # interleaved, so drift of the machine hits every variant alike
+            for name, sp in variants.items():
+                current[:] = [name]
+                tok_s[name].append(_engine_decode_tok_s(engine, prompts, new_tokens, sp))
+    finally:
+        engine.shutdown()
+    sampler_ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in sampler_s.items() if v}  # median per step
+    best = {k: max(v) for k, v in tok_s.items()}
+    ratios = {f"{k}_bs{bs}_vs_plain": best["plain"] / best[k] for k in ("structured_json", "penalties")}
+    row: dict[str, Any] = {"metric": f"engine decode step time, batch {bs}, vs plain sampling",
+                           **{f"{k} tok/s": v for k, v in best.items()},
+                           **{k: v for k, v in ratios.items()},
+                           **{f"{k} sampler ms/step": v for k, v in sampler_ms.items()},
+                           "target <= 1.15": "; ".join(f"{k}: {'ok' if v <= 1.15 else 'MISSED'}"
+                                                        for k, v in ratios.items())}
+    raw = {"sampling_cost": {"batch": bs, "new_tokens": new_tokens, "prompt_tokens": prompt_len, "rounds": rounds,
+                             "schema": SAMPLING_SCHEMA, "decode_tok_s": tok_s,
+                             "sampler_ms_per_step_median": sampler_ms,
+                             "threads": torch.get_num_threads()}}
+    return [row], ratios, raw
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     cap_rows, cap_ratios, cap_raw = _capacity()
+    s_rows, s_ratios, s_raw = _sampling_cost(quick)
     tp_rows, tp_ratios, tp_raw = _throughput(quick)
-    return {"benchmark": "decode", "quick": quick, "table": tp_rows + cap_rows, "ratios": {**tp_ratios, **cap_ratios},
-            **tp_raw, **cap_raw, "seconds": time.perf_counter() - t0}
+    return {"benchmark": "decode", "quick": quick, "table": tp_rows + s_rows + cap_rows,
+            "ratios": {**tp_ratios, **s_ratios, **cap_ratios}, **tp_raw, **s_raw, **cap_raw,
+            "seconds": time.perf_counter() - t0}

@@ -12,6 +12,7 @@ what keeps a preempted-and-recomputed sequence's matcher right.
 xgrammar (and torch) are imported on first use: a process that never sees a constraint does not pay for them."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -99,6 +100,7 @@ def _json_kwargs() -> dict[str, Any]:
     return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
+@functools.lru_cache(maxsize=256)  # agents resend the same schema with every request; failures are not cached
 def check_spec(spec: StructuredSpec) -> None:
     """Compile spec to a grammar without a tokenizer (what a router can do): raises StructuredOutputError naming the
     problem. Slow the first time (imports xgrammar); call it off an event loop."""

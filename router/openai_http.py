@@ -151,7 +151,7 @@ def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
     if not given:
         return None
     kind = given[0]
-    if kind == "response_format":
+    if kind == "response_format" and isinstance(rf, dict):
         if rf["type"] == "json_object":
             return {"json_object": True}
         js = rf.get("json_schema")

@@ -198,3 +198,18 @@ def test_tool_choice_none_renders_no_tools_and_auto_renders_them(oai):
     plain = prompt_tokens()
     assert prompt_tokens(tools=[WEATHER], tool_choice="none") == plain
     assert prompt_tokens(tools=[WEATHER], tool_choice="auto") > plain + 20
+
+
+def test_auto_parses_a_hermes_call_the_model_writes(oai):
+    # The random model will not write a call by itself: a guided_choice makes it write exactly one.
+    call = 'On it. <tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>'
+    kw = dict(tools=[WEATHER, TIME], max_tokens=60, extra_body={"guided_choice": [call]})
+    r = chat(oai, "Time?", **kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "On it."
+    assert [(c.function.name, check_call(c)) for c in msg.tool_calls] == [("get_time", {"zone": "cet"})]
+    chunks = [c.choices[0] for c in chat(oai, "Time?", stream=True, **kw) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "On it. "  # text before the call, streamed
+    calls = [tc for c in chunks for tc in (c.delta.tool_calls or [])]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [("get_time", {"zone": "cet"})]
+    assert chunks[-1].finish_reason == "tool_calls"

@@ -11,7 +11,8 @@
 
 3. Sampling cost per decode step at batch 8 on the in-process engine (SmolLM2, TP 1), plain seeded sampling against
    the same with presence / frequency / repetition penalties and against a structured-output constraint (xgrammar's
-   token bitmask, a JSON schema), timed side by side in interleaved rounds. Target: ratio <= 1.15.
+   token bitmask, a JSON schema), each decode step timed, side by side in interleaved rounds; the ratio compares the
+   fastest steps (robust to other load), medians are reported too. Target: ratio <= 1.15.
 
 Quick mode: fewer tokens, batches 1 and 32, and the TP 9 x DCP 3 pod only (shared memory and gloo); fewer sampling
 rounds."""
@@ -72,11 +73,11 @@ def _hf_decode_tok_s(model, prompts: list[list[int]], new_tokens: int, repeat: i
     return len(prompts) * (new_tokens - 1) / max(tn - t1, 1e-9)
 
 
-def _engine_decode_tok_s(engine, prompts: list[list[int]], new_tokens: int, sp: Any = None) -> float:
+def _engine_decode_tok_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
     """The in-process engine: prefill every prompt, then time the decode steps (tokens after the first)."""
     from pdserve.sampling import SamplingParams
 
-    sp = sp or SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     ids = {engine.add_request(p, sp) for p in prompts}
     started: set[str] = set()
     while len(started) < len(ids):  # prefill steps until every request has its first token
@@ -232,13 +233,30 @@ SAMPLING_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "
                    "required": ["notes"]}
 
 
+def _decode_step_times(engine, prompts: list[list[int]], sp: Any) -> list[float]:
+    """Seconds of each decode step (every request past its first token) of one batch on the in-process engine."""
+    for p in prompts:
+        engine.add_request(p, sp)
+    started: set[str] = set()
+    while len(started) < len(prompts):  # prefill steps until every request has its first token
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def _sampling_cost(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, Any]]:
+    """Plain sampling vs penalties vs a JSON-schema constraint, per decode step at batch 8, interleaved rounds. The
+    headline is the fastest step of each (robust to other load on the machine); medians are in the JSON too."""
     from pdserve.default_model import ensure_default_model
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.sampling import SamplingParams
     from pdserve.structured import StructuredSpec
 
-    bs, new_tokens, rounds = 8, (24 if quick else 64), (3 if quick else 5)
+    bs, new_tokens, rounds = 8, (8 if quick else 16), (10 if quick else 20)  # short rounds: more quiet windows
     prompt_len = 32
     base = dict(temperature=1.0, seed=0, max_tokens=new_tokens, ignore_eos=True)
     variants = {
@@ -248,43 +266,29 @@ def _sampling_cost(quick: bool) -> tuple[list[dict], dict[str, float], dict[str,
     }
     engine = LLMEngine(EngineConfig(model=str(ensure_default_model()), num_kv_blocks=bs * 8 + 8, max_num_seqs=bs,
                                     enable_prefix_caching=False))
-    tok_s: dict[str, list[float]] = {k: [] for k in variants}
-    sampler_s: dict[str, list[float]] = {k: [] for k in variants}  # the sampler's own time per call
-    real_sample = engine.sampler.sample
-    current: list[str] = []
-
-    def timed_sample(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return real_sample(*a, **k)
-        finally:
-            if current:
-                sampler_s[current[0]].append(time.perf_counter() - t)
-
-    engine.sampler.sample = timed_sample  # type: ignore[method-assign]
+    steps: dict[str, list[float]] = {k: [] for k in variants}
     try:
         prompts = _prompts(bs, prompt_len, engine.model_config.vocab_size)
         for sp in variants.values():  # warm-up (and the grammar's compile, cached afterwards)
-            _engine_decode_tok_s(engine, prompts[:bs], 3, SamplingParams(**{**sp.__dict__, "max_tokens": 3}))
+            _decode_step_times(engine, prompts, SamplingParams(**{**sp.__dict__, "max_tokens": 3}))
         for _ in range(rounds):  # interleaved, so drift of the machine hits every variant alike
             for name, sp in variants.items():
-                current[:] = [name]
-                tok_s[name].append(_engine_decode_tok_s(engine, prompts, new_tokens, sp))
+                steps[name] += _decode_step_times(engine, prompts, sp)
     finally:
         engine.shutdown()
-    sampler_ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in sampler_s.items() if v}  # median per step
-    best = {k: max(v) for k, v in tok_s.items()}
-    ratios = {f"{k}_bs{bs}_vs_plain": best["plain"] / best[k] for k in ("structured_json", "penalties")}
-    row: dict[str, Any] = {"metric": f"engine decode step time, batch {bs}, vs plain sampling",
-                           **{f"{k} tok/s": v for k, v in best.items()},
-                           **{k: v for k, v in ratios.items()},
-                           **{f"{k} sampler ms/step": v for k, v in sampler_ms.items()},
+    fastest = {k: min(v) for k, v in steps.items()}
+    median = {k: sorted(v)[len(v) // 2] for k, v in steps.items()}
+    ratios = {f"{k}_bs{bs}_vs_plain": fastest[k] / fastest["plain"] for k in ("structured_json", "penalties")}
+    row: dict[str, Any] = {"metric": f"engine decode step, batch {bs}, vs plain sampling (fastest step)",
+                           **{f"{k} ms/step": 1e3 * v for k, v in fastest.items()},
+                           **{f"{k} median ms/step": 1e3 * v for k, v in median.items()},
+                           **ratios,
                            "target <= 1.15": "; ".join(f"{k}: {'ok' if v <= 1.15 else 'MISSED'}"
                                                         for k, v in ratios.items())}
     raw = {"sampling_cost": {"batch": bs, "new_tokens": new_tokens, "prompt_tokens": prompt_len, "rounds": rounds,
-                             "schema": SAMPLING_SCHEMA, "decode_tok_s": tok_s,
-                             "sampler_ms_per_step_median": sampler_ms,
-                             "threads": torch.get_num_threads()}}
+                             "schema": SAMPLING_SCHEMA, "fastest_step_s": fastest, "median_step_s": median,
+                             "median_ratio_vs_plain": {k: median[k] / median["plain"] for k in median},
+                             "steps": {k: len(v) for k, v in steps.items()}, "threads": torch.get_num_threads()}}
     return [row], ratios, raw
 
 

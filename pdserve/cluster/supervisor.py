@@ -99,13 +99,16 @@ def _libc_prctl() -> Callable[..., int] | None:
 _PRCTL = _libc_prctl()
 
 
-def _child_preexec(parent_pid: int) -> Callable[[], None]:
+def _child_preexec(parent_pid: int, cpus: tuple[int, ...] | None = None,
+                   deathsig: bool = True) -> Callable[[], None]:
     prctl = _PRCTL
 
     def setup() -> None:  # runs in the forked child, before exec
-        if prctl is not None:
+        if cpus is not None:  # before exec: the pod and every rank it spawns inherit the placement
+            os.sched_setaffinity(0, cpus)
+        if deathsig and prctl is not None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the supervisor died between fork and prctl
+        if deathsig and os.getppid() != parent_pid:  # the supervisor died between fork and prctl
             os._exit(1)
 
     return setup
@@ -256,6 +259,8 @@ class LocalCluster:
         self.topology.assign_ports()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.services = self._plan()
+        for line in self.topology.placement():
+            self.echo(f"placement {line}")
         try:
             self._start_reaper()
             # Everything is spawned before this process opens any gRPC channel (no threads exist at fork time).
@@ -299,7 +304,7 @@ class LocalCluster:
         if s.spec is None:
             return 1
         tp = s.spec.tensor_parallel_size if isinstance(s.spec.tensor_parallel_size, int) else 1
-        return max(1, len(os.sched_getaffinity(0)) // tp)
+        return max(1, len(s.spec.cpus or os.sched_getaffinity(0)) // tp)  # a pinned pod: the cores it was given
 
     def _spawn(self, s: Service) -> None:
         self.echo(f"starting {s.name}: {' '.join(s.argv[1:])}")
@@ -311,8 +316,9 @@ class LocalCluster:
         try:
             s.proc = subprocess.Popen(s.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                       start_new_session=True, env=env,
-                                      preexec_fn=_child_preexec(os.getpid())
-                                      if threading.current_thread() is threading.main_thread() else None)
+                                      preexec_fn=_child_preexec(
+                                          os.getpid(), s.spec.cpus if s.spec is not None else None,
+                                          deathsig=threading.current_thread() is threading.main_thread()))
             self._tell_reaper(str(s.proc.pid))  # its own session: pgid == pid
         finally:
             logf.close()

@@ -14,6 +14,8 @@ YAML (every key optional; flags given on the command line override the file):
       - {tp: 1, port: 0}                    # port 0 = any free port
     decode:
       - {tp: 2, dcp: 2, interleave: 1}      # tp/dcp "auto": see Topology._auto_dcp
+    # cpus: on any pod, the cores it (and its TP ranks) may run on: [0, 1] or "0-3,8"; default: every core
+    # unified: [{cpus: "0-1"}]            # colocated pods that prefill and decode their own requests (no P/D)
     # a role may also be a count plus shared settings:  prefill: {count: 2, tp: 1}
 
 The whole topology is checked once, with pdserve.parallel_config (the rules the pods themselves apply), before any
@@ -52,6 +54,7 @@ class PodSpec:
     num_kv_blocks: int | None = None  # per rank; None: the pod's default
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the pod's command line
+    cpus: tuple[int, ...] | None = None  # cores of the pod and its ranks (sched_setaffinity); None: every core
     name: str = ""  # "prefill-0", "decode-1", ... (assigned by Topology)
 
     @property
@@ -62,11 +65,45 @@ class PodSpec:
 
     def describe(self) -> str:
         s = f"tp={self.tensor_parallel_size}"
-        if self.role == "decode":
+        if self.role != "prefill":
             s += f" dcp={self.decode_context_parallel_size}"
             if self.dcp_kv_cache_interleave_size != 1:
                 s += f" interleave={self.dcp_kv_cache_interleave_size}"
+        if self.cpus is not None:
+            s += f" cpus={format_cpus(self.cpus)}"
         return s
+
+
+def parse_cpus(v: Any, what: str = "cpus") -> tuple[int, ...]:
+    """A core list as taskset / cpuset write it ("0-3,8") or a list of ints, sorted and without repeats."""
+    out: set[int] = set()
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = [v]
+    if isinstance(v, str):
+        try:
+            for part in v.replace(" ", "").split(","):
+                lo, sep, hi = part.partition("-")
+                out.update(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+        except ValueError:
+            raise TopologyError(f"{what}: expected cores like \"0-3,8\" or [0, 1], got {v!r}") from None
+    elif isinstance(v, (list, tuple)) and all(isinstance(c, int) and not isinstance(c, bool) for c in v):
+        out.update(v)
+    else:
+        raise TopologyError(f"{what}: expected cores like \"0-3,8\" or [0, 1], got {v!r}")
+    if not out or min(out) < 0:
+        raise TopologyError(f"{what}: expected at least one core number >= 0, got {v!r}")
+    return tuple(sorted(out))
+
+
+def format_cpus(cpus: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5" (the cpuset syntax of docker compose and taskset -c)."""
+    parts: list[str] = []
+    for c in cpus:
+        if parts and c == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{c}"
+        else:
+            parts.append(str(c))
+    return ",".join(parts)
 
 
 def default_prefill() -> PodSpec:
@@ -212,6 +249,11 @@ class Topology:
         if kw.get("num_kv_blocks") is not None:
             for p in t.pods:
                 p.num_kv_blocks = kw["num_kv_blocks"]
+        for role in ("prefill", "decode", "unified"):
+            if kw.get(f"{role}_cpus") is not None:
+                cpus = parse_cpus(kw[f"{role}_cpus"], f"--{role}-cpus")
+                for p in getattr(t, role, []):
+                    p.cpus = cpus
         return t
 
     # ------------------------------------------------------------------------------------------------------------
@@ -252,7 +294,23 @@ class Topology:
                 p.name = p.name or f"{role}-{i}"
                 self._resolve_pod(p, model)
         self._check_ports()
+        self._check_cpus()
         return self
+
+    def _check_cpus(self) -> None:
+        """Every pinned pod's cores must be ones this process may use (sched_setaffinity would fail in the child)."""
+        allowed = os.sched_getaffinity(0)
+        for p in self.pods:
+            if p.cpus is not None and not set(p.cpus) <= allowed:
+                raise TopologyError(f"{p.name}: cpus {format_cpus(p.cpus)} include cores this machine does not offer "
+                                    f"(available: {format_cpus(tuple(sorted(allowed)))}); pick cores from those")
+
+    def placement(self) -> list[str]:
+        """One line per pod: where it runs (what `pdserve up` logs before starting anything)."""
+        every = format_cpus(tuple(sorted(os.sched_getaffinity(0))))
+        return [f"{p.name}: cpus {format_cpus(p.cpus) if p.cpus is not None else every + ' (unpinned)'}, "
+                f"{max(1, len(p.cpus or os.sched_getaffinity(0)) // int(p.tensor_parallel_size))} thread(s) "
+                f"per rank x {p.tensor_parallel_size} rank(s)" for p in self.pods]
 
     def _resolve_pod(self, p: PodSpec, model: ModelParallelInfo) -> None:
         tp, dcp = p.tensor_parallel_size, p.decode_context_parallel_size
@@ -364,7 +422,7 @@ _POD_KEYS = {
     "dcp": "decode_context_parallel_size", "decode_context_parallel_size": "decode_context_parallel_size",
     "interleave": "dcp_kv_cache_interleave_size", "dcp_kv_cache_interleave_size": "dcp_kv_cache_interleave_size",
     "port": "port", "num_kv_blocks": "num_kv_blocks", "max_num_seqs": "max_num_seqs", "args": "extra_args",
-    "name": "name",
+    "name": "name", "cpus": "cpus",
 }
 
 
@@ -404,6 +462,8 @@ def _pod(role: str, i: int, spec: Any) -> PodSpec:
             value = _args(value, f"{where}.args")
         elif attr == "name":
             value = _str(value, f"{where}.name")
+        elif attr == "cpus":
+            value = None if value is None else parse_cpus(value, f"{where}.cpus")
         setattr(pod, attr, value)
     return pod
 

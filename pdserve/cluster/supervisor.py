@@ -51,7 +51,7 @@ class Interrupted(BaseException):
 @dataclass
 class Service:
     name: str  # "router", "router-1", "openai-http", "prefill-0", "decode-0", ...
-    kind: str  # "router" | "http" | "prefill" | "decode"
+    kind: str  # "router" | "http" | "prefill" | "decode" | "unified"
     argv: list[str]
     address: str  # host:port it serves (gRPC, or HTTP for "http")
     log_path: Path
@@ -236,6 +236,13 @@ class LocalCluster:
                                                  dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
                                                  port=p.port, pod_id=p.name, **self._pod_common(p))]
             services.append(Service(p.name, "decode", argv + list(p.extra_args), f"{h}:{p.port}",
+                                    self.log_dir / f"{p.name}.log", p))
+        for p in t.unified:  # a decode pod that also computes prompts: one engine, no KV transfer
+            argv = [*py, "decode_svc", *argv_for(DecodeConfig, common, tensor_parallel_size=p.tensor_parallel_size,
+                                                 decode_context_parallel_size=p.decode_context_parallel_size,
+                                                 dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
+                                                 port=p.port, pod_id=p.name, unified=True, **self._pod_common(p))]
+            services.append(Service(p.name, "unified", argv + list(p.extra_args), f"{h}:{p.port}",
                                     self.log_dir / f"{p.name}.log", p))
         return services
 
@@ -504,7 +511,7 @@ class LocalCluster:
             return
         self._stopped = True
         started = [s for s in self.services if s.proc is not None]
-        fronts = [s for s in started if s.kind in ("http", "prefill", "decode")]
+        fronts = [s for s in started if s.kind in ("http", "prefill", "decode", "unified")]
         routers = [s for s in started if s.kind == "router"]
         for phase in (fronts, routers):
             self._terminate(phase, grace)

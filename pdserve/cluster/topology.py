@@ -46,7 +46,7 @@ class TopologyError(ValueError):
 
 @dataclass
 class PodSpec:
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "unified"
     tensor_parallel_size: int | str = 1  # or "auto" (decode)
     decode_context_parallel_size: int | str = 1  # or "auto" (decode)
     dcp_kv_cache_interleave_size: int = 1
@@ -114,6 +114,10 @@ def default_decode() -> PodSpec:
     return PodSpec(role="decode", tensor_parallel_size=AUTO, decode_context_parallel_size=AUTO)
 
 
+def default_unified() -> PodSpec:
+    return PodSpec(role="unified")
+
+
 @dataclass
 class Topology:
     model: str | None = None  # checkpoint directory; None: the default model
@@ -126,6 +130,7 @@ class Topology:
     dtype: str | None = None  # EngineConfig.dtype of every pod (a prefill and a decode pod must agree); None: auto
     prefill: list[PodSpec] = field(default_factory=lambda: [default_prefill()])
     decode: list[PodSpec] = field(default_factory=lambda: [default_decode()])
+    unified: list[PodSpec] = field(default_factory=list)  # colocated pods (a decode_svc started with --unified)
     router_args: list[str] = field(default_factory=list)
     num_routers: int = 1  # every pod registers with all of them; the first is router_port
     extra_router_ports: list[int] = field(default_factory=list)  # routers 2..N (0 or missing: any free port)
@@ -134,7 +139,7 @@ class Topology:
 
     @property
     def pods(self) -> list[PodSpec]:
-        return [*self.prefill, *self.decode]
+        return [*self.prefill, *self.decode, *self.unified]
 
     @property
     def router_ports(self) -> list[int]:
@@ -164,7 +169,8 @@ class Topology:
     def from_dict(cls, data: Any) -> "Topology":
         if not isinstance(data, Mapping):
             raise TopologyError(f"the topology must be a mapping, got {type(data).__name__}")
-        known = {"model", "host", "block_size", "max_model_len", "device", "dtype", "router", "prefill", "decode"}
+        known = {"model", "host", "block_size", "max_model_len", "device", "dtype", "router", "prefill", "decode",
+                 "unified"}
         _no_unknown(data, known, "topology")
         topo = cls()
         if data.get("model") is not None:
@@ -205,9 +211,11 @@ class Topology:
             topo.http_port = None if hp is None or hp == -1 or hp is False else _port(hp, "router.http_port")
         if "args" in router:
             topo.router_args = _args(router["args"], "router.args")
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", "unified"):
             if role in data:
                 setattr(topo, role, _pods(role, data[role]))
+        if data.get("unified") and "prefill" not in data and "decode" not in data:
+            topo.prefill, topo.decode = [], []  # unified pods alone serve; no default P/D pair beside them
         return topo
 
     def with_overrides(self, **kw: Any) -> "Topology":
@@ -215,7 +223,8 @@ class Topology:
         ``prefill_pods``/``decode_pods`` (counts), ``prefill_tp``, ``decode_tp``, ``decode_dcp``,
         ``dcp_interleave``, ``num_kv_blocks``."""
         t = dataclasses.replace(self, prefill=[dataclasses.replace(p) for p in self.prefill],
-                                decode=[dataclasses.replace(p) for p in self.decode], warnings=[],
+                                decode=[dataclasses.replace(p) for p in self.decode],
+                                unified=[dataclasses.replace(p) for p in self.unified], warnings=[],
                                 extra_router_ports=list(self.extra_router_ports))
         if kw.get("num_routers") is not None:
             if kw["num_routers"] < 1:
@@ -226,8 +235,13 @@ class Topology:
                 setattr(t, name, kw[name])
         if "http_port" in kw and kw["http_port"] is not None:
             t.http_port = None if kw["http_port"] < 0 else kw["http_port"]
+        if kw.get("unified"):  # `pdserve up --unified`: colocated pods instead of the P/D pair
+            t.prefill, t.decode = [], []
+            t.unified = t.unified or [default_unified()]
         for role in ("prefill", "decode"):
             n = kw.get(f"{role}_pods")
+            if kw.get("unified") and n is None:
+                continue
             pods = getattr(t, role)
             if n is not None:
                 if n < 1:
@@ -271,10 +285,13 @@ class Topology:
         """Check everything once and fill in "auto" sizes and pod names; returns self. Raises TopologyError.
         cores: CPU cores the pods share (default: this process's CPU affinity). one_role: allow a cluster without
         decode (or without prefill) pods, which cannot generate but serves one role (e.g. prefill-only tests)."""
-        if not self.prefill and not (one_role and self.decode):
-            raise TopologyError("the cluster needs at least one prefill pod")
-        if not self.decode and not (one_role and self.prefill):
-            raise TopologyError("the cluster needs at least one decode pod")
+        if not self.prefill and not (one_role and self.decode) and not self.unified:
+            raise TopologyError("the cluster needs at least one prefill pod (or unified pods)")
+        if not self.decode and not (one_role and self.prefill) and not self.unified:
+            raise TopologyError("the cluster needs at least one decode pod (or unified pods)")
+        if self.unified and bool(self.prefill) != bool(self.decode):
+            raise TopologyError("unified pods serve alone or beside a prefill/decode pair (where they act as decode "
+                                "targets): give both prefill and decode pods, or neither")
         if self.model is not None:
             mp = Path(self.model)
             if not (mp / "config.json").is_file():
@@ -288,7 +305,7 @@ class Topology:
                 raise TopologyError(f"cannot read the model's config: {e}") from None
         self.warnings, self.notes = [], []
         self._cores = cores if cores is not None else len(os.sched_getaffinity(0))
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", "unified"):
             for i, p in enumerate(getattr(self, role)):
                 p.role = role
                 p.name = p.name or f"{role}-{i}"
@@ -314,6 +331,9 @@ class Topology:
 
     def _resolve_pod(self, p: PodSpec, model: ModelParallelInfo) -> None:
         tp, dcp = p.tensor_parallel_size, p.decode_context_parallel_size
+        if p.role == "unified":  # "auto" picks no DCP: the pod computes whole prompts on its own ranks
+            p.tensor_parallel_size = tp = 1 if tp == AUTO else tp
+            p.decode_context_parallel_size = dcp = 1 if dcp == AUTO else dcp
         if p.role == "prefill":
             if tp == AUTO:
                 tp = p.tensor_parallel_size = 1

@@ -12,6 +12,7 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     ROLE_PREFILL: _ClassVar[Role]
     ROLE_DECODE: _ClassVar[Role]
+    ROLE_UNIFIED: _ClassVar[Role]
 
 class PodState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,6 +50,7 @@ class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
+ROLE_UNIFIED: Role
 POD_STATE_UNSPECIFIED: PodState
 POD_STATE_STARTING: PodState
 POD_STATE_READY: PodState

@@ -51,8 +51,9 @@ def test_greedy_tokens_match_transformers_through_the_router(cluster, tiny):
     want = hf_greedy(tiny, ps, NEW_TOKENS)
 
     async def one(stub, ids):
-        req = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), sampling_params=common_pb2.SamplingParams(
-            temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        req = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
+                                         sampling_params=common_pb2.SamplingParams(
+                                             temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
         return [m async for m in stub.Generate(req, timeout=120)]
 
     async def body():

@@ -40,12 +40,16 @@ class StepTimes:
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope), the intercept kept >= 0."""
+    """Least-squares (intercept, slope), both kept >= 0 (a noisy measurement must not make more work cheaper)."""
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     var = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    return max(0.0, my - slope * mx), slope
+    if slope < 0:
+        return my, 0.0
+    if my - slope * mx < 0:
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return my - slope * mx, slope
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
 from pdserve.errors import ServiceError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kv_transfer.layout import KVLayout
     from pdserve.engine.executor import Executor
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_runner import ModelRunner
@@ -88,15 +89,7 @@ class TransferKVSource:
 class PullerFactory:
     """Builds a decode rank's kv_transfer puller over its cache (picklable; called in the rank's process)."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
-    tp_size: int
-    dcp_size: int
-    interleave: int
-    num_blocks: int
+    kv_layout: "KVLayout"  # the decode pod's cache (GQA or MLA), as kv_transfer sees each rank's region
     backend: str = "auto"  # kv_transfer.factory: "auto" (NIXL if usable, else TCP), "nixl", "tcp"
     auth_token: str = ""  # the cluster token presented to prefill pods' KV endpoints ("" = none)
     tls: "TLSConfig | None" = None  # the pod's TLS settings, used to dial those endpoints
@@ -104,17 +97,16 @@ class PullerFactory:
     @classmethod
     def for_engine(cls, engine: "LLMEngine", backend: str = "auto", auth_token: str = "",
                    tls: "TLSConfig | None" = None) -> "PullerFactory":
-        mc, cfg, cache = engine.model_config, engine.config, engine.executor.kv_cache
-        return cls(mc.num_layers, mc.num_kv_heads, mc.head_dim, str(cache.dtype).removeprefix("torch."),
-                   cfg.block_size, cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
-                   cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, backend, auth_token, tls)
+        from pdserve.pod.convert import kv_layout_for_model
 
-    def layout(self):
-        from kv_transfer.layout import KVLayout
+        cfg = engine.config
+        layout = kv_layout_for_model(engine.model_config, str(engine.executor.kv_cache.dtype), cfg.block_size,
+                                     tp_size=cfg.tensor_parallel_size, dcp_size=cfg.decode_context_parallel_size,
+                                     interleave=cfg.dcp_kv_cache_interleave_size, num_blocks=cfg.num_kv_blocks)
+        return cls(layout, backend, auth_token, tls)
 
-        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                        dtype=self.dtype, block_size=self.block_size, tp_size=self.tp_size, dcp_size=self.dcp_size,
-                        interleave=self.interleave, num_blocks=self.num_blocks)
+    def layout(self) -> "KVLayout":
+        return self.kv_layout
 
     def __call__(self, runner: "ModelRunner") -> Any:
         from kv_transfer.factory import make_puller

@@ -26,7 +26,8 @@ from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, grpc_errors
 from pdserve.parallel_config import kv_dtype_mismatch
-from pdserve.pod.convert import kv_handle_to_handoff, model_shape_to_proto, parallel_to_proto
+from pdserve.pod.convert import (kv_handle_to_handoff, kv_layout_for_model, layout_to_proto, model_shape_to_proto,
+                                 parallel_to_proto)
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
 from pdserve.pod.registrar import Registrar
 from pdserve.pod.sampling import engine_params, num_sequences, refuse_unsupported
@@ -161,14 +162,10 @@ class DecodeServer:
         return await asyncio.wrap_future(self.engine.call(fn))
 
     def _layout_of(self, pod: DecodePod) -> common_pb2.KVLayout:
-        mc = pod.engine.model_config
-        cache = pod.engine.executor.kv_cache
-        return common_pb2.KVLayout(
-            num_layers=mc.num_layers, block_size=pod.block_size, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, dtype=str(cache.dtype).removeprefix("torch."), tp_size=pod.tp,
-            dcp_size=pod.dcp, dcp_kv_cache_interleave_size=pod.interleave, pipeline_parallel_size=1,
-            num_blocks=pod.num_blocks, num_kv_heads_per_rank=cache.shape[4], use_mla=False,
-            element_size=cache.element_size())
+        layout = kv_layout_for_model(pod.engine.model_config, str(pod.engine.executor.kv_cache.dtype),
+                                     pod.block_size, tp_size=pod.tp, dcp_size=pod.dcp, interleave=pod.interleave,
+                                     num_blocks=pod.num_blocks)
+        return layout_to_proto(layout)
 
     # --- registry messages (router) ---
     def _model_shape_of(self, pod: DecodePod) -> common_pb2.ModelShape:
@@ -483,6 +480,10 @@ class _TokenStream:
 
 
 def _layout_mismatch(prefill: common_pb2.KVLayout, mine: common_pb2.KVLayout) -> str | None:
+    if prefill.num_layers and prefill.use_mla != mine.use_mla:
+        kind = {True: "an MLA latent cache", False: "a K/V cache"}
+        return (f"prefill layout is {kind[prefill.use_mla]} but this decode pod has {kind[mine.use_mla]}: "
+                f"different models")
     for name in ("num_layers", "num_kv_heads", "head_dim"):
         a, b = getattr(prefill, name), getattr(mine, name)
         if a and a != b:

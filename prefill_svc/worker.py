@@ -28,6 +28,7 @@ from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.engine.shm import RankFailure
 from pdserve.errors import ServiceError
+from pdserve.pod.convert import kv_layout_for_model
 from pdserve.pod.engine_thread import EngineThread
 from pdserve.sampling import SamplingParams
 from prefill_svc.config import PrefillConfig
@@ -221,11 +222,10 @@ class PrefillWorker(KVConnectorScheduler):
         try:
             self.engine = LLMEngine(self.config.engine)
             mc = self.engine.model_config
-            self.layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                   dtype=str(self.engine.executor.kv_cache.dtype),
-                                   block_size=self.config.engine.block_size,
-                                   tp_size=self.config.engine.tensor_parallel_size,
-                                   num_blocks=self.config.engine.num_kv_blocks)
+            self.layout = kv_layout_for_model(mc, str(self.engine.executor.kv_cache.dtype),
+                                              self.config.engine.block_size,
+                                              tp_size=self.config.engine.tensor_parallel_size,
+                                              num_blocks=self.config.engine.num_kv_blocks)
             if self.config.kv_transport != "none":
                 self.kv = KVHost(self.engine, self.layout, self.config.kv_transport,
                                  self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,

@@ -324,6 +324,35 @@ def check_attention_torch_cuda(ctx: Ctx) -> dict[str, Any]:
     return figures
 
 
+def check_mla_decode_flashinfer(ctx: Ctx) -> dict[str, Any]:
+    """flashinfer's MLA decode (absorbed form, DeepSeek-V3's 512 + 64 latent) on CUDA against the torch MLA kernels on
+    CPU over the same bf16-rounded paged latent cache: scattered blocks, an empty DCP shard, out and natural-log LSE."""
+    ctx.flashinfer()
+    from pdserve.attention.base import AttentionMetadata
+    from pdserve.attention.flashinfer_mla import FlashInferMLABackend
+    from pdserve.attention.torch_mla import TorchMLABackend
+
+    g = torch.Generator().manual_seed(0)
+    heads, rank, rope, bs, blocks = 16, 512, 64, 16, 64
+    lens = torch.tensor([37, 0, 130, 16])
+    perm = torch.randperm(blocks, generator=g)
+    tables = perm[: 4 * 9].view(4, 9)
+    latent = torch.randn(blocks, bs, rank + rope, generator=g).to(torch.bfloat16).float()
+    q = torch.randn(4, heads, rank + rope, generator=g).to(torch.bfloat16).float()
+    meta = AttentionMetadata(False, torch.zeros(4, dtype=torch.long), [0, 1, 2, 3, 4], [0, 0, 0, 0], lens, tables)
+    scale = (128 + 64) ** -0.5
+    ref_out, ref_lse = TorchMLABackend().forward_decode(q, latent, meta, scale, rank)
+    be = FlashInferMLABackend(torch.device("cuda"))
+    out, lse = be.forward_decode(q.to("cuda", torch.bfloat16), latent.to("cuda", torch.bfloat16), meta, scale, rank)
+    torch.cuda.synchronize()
+    live = lens > 0
+    err = {"out_max_abs_err": _max_err(out, ref_out), "lse_max_abs_err": _max_err(lse[live.cuda()], ref_lse[live]),
+           "empty_shard_lse_is_minus_inf": bool(torch.isinf(lse[1]).all())}
+    if max(err["out_max_abs_err"], err["lse_max_abs_err"]) > 5e-2 or not err["empty_shard_lse_is_minus_inf"]:
+        raise AssertionError(f"flashinfer MLA decode differs from the torch MLA kernels: {err}")
+    return err
+
+
 # --- the engine -----------------------------------------------------------------------------------------------------
 def check_engine_fp32(ctx: Ctx) -> dict[str, Any]:
     """LLMEngine on the device, greedy, token-identical to transformers on the same device (fp32)."""
@@ -592,6 +621,7 @@ CHECKS: list[tuple[str, Callable[[Ctx], dict[str, Any]]]] = [
     ("attention_torch_vs_dense", check_attention_harness),
     ("attention_flashinfer_vs_torch", check_attention_flashinfer),
     ("attention_torch_cuda_vs_cpu", check_attention_torch_cuda),
+    ("mla_decode_flashinfer_vs_torch", check_mla_decode_flashinfer),
     ("engine_vs_transformers_fp32", check_engine_fp32),
     ("engine_vs_transformers_bf16", check_engine_bf16),
     ("engine_mla_vs_transformers", check_engine_mla),

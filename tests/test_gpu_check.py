@@ -14,8 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CPU_CHECKS = {"model", "attention_torch_vs_dense", "engine_vs_transformers_fp32", "engine_mla_vs_transformers",
               "kv_transfer_device_to_device", "prefill_decode_kv_transfer", "bench_engine_quick"}
-CUDA_CHECKS = {"attention_flashinfer_vs_torch", "attention_torch_cuda_vs_cpu", "engine_vs_transformers_bf16",
-               "nccl_tp_gt_1"}
+CUDA_CHECKS = {"attention_flashinfer_vs_torch", "attention_torch_cuda_vs_cpu", "mla_decode_flashinfer_vs_torch",
+               "engine_vs_transformers_bf16", "nccl_tp_gt_1"}
 
 
 def _driver():

@@ -21,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", metavar="URL",
                    help="serve: load an OpenAI-compatible server already running on loopback instead of the sides")
     p.add_argument("--rates", type=float, nargs="+", metavar="RPS", help="serve: request rates to sweep")
+    p.add_argument("--chaos", action="store_true", help="soak: inject faults (kills, freezes, KV path drops) in load")
     p.set_defaults(func=run_bench)
 
 
@@ -39,7 +40,7 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
         kw["device"] = args.device
     params = inspect.signature(module.run).parameters
-    for name in ("out", "goodput", "endpoint", "rates"):  # options only some benchmarks take
+    for name in ("out", "goodput", "endpoint", "rates", "chaos"):  # options only some benchmarks take
         value = getattr(args, name, None)
         if value and name != "out" and name not in params:
             print(f"benchmark {args.name!r} takes no --{name}")

@@ -9,6 +9,11 @@ Ctrl-C (or SIGTERM) stops everything: HTTP front and pods first, then the router
 --stop-timeout is killed (a second Ctrl-C kills at once). No process is ever left behind, even if `pdserve up` itself
 is killed: every service dies with it.
 
+--restart on-failure (or always) heals the cluster as Kubernetes would: a service that crashes, or that stops
+passing its health check (a pod whose TP rank died, a frozen process), is started again on the same port after an
+exponential back-off (--restart-backoff, doubling up to --restart-backoff-max); a restarted pod registers with the
+routers again by itself. Each restart is logged.
+
 Exit status: 0 after a clean stop; 1 if the cluster could not start or a service died; 2 on a bad topology.
 """
 from __future__ import annotations
@@ -100,6 +105,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ask", metavar="PROMPT",
                    help="once ready, send PROMPT as a chat message (greedy), stream the answer, then stop everything")
     p.add_argument("--ask-max-tokens", type=int, default=128, metavar="N", help="answer length limit for --ask")
+    from pdserve.cluster.restart import RESTART_MODES, RestartPolicy
+
+    d = RestartPolicy()
+    p.add_argument("--restart", choices=RESTART_MODES, default="never",
+                   help="restart policy of every service (default never: a service that dies stops the cluster)")
+    p.add_argument("--restart-backoff", type=float, default=d.backoff_s, metavar="S",
+                   help=f"delay before the first restart, doubled for each crash in a row (default {d.backoff_s:g})")
+    p.add_argument("--restart-backoff-max", type=float, default=d.backoff_max_s, metavar="S",
+                   help=f"longest delay between restarts (default {d.backoff_max_s:g})")
     add_security_arguments(p)
     p.set_defaults(func=run_up)
     return p
@@ -168,8 +182,15 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     # Why random by default: a local cluster's pods still authenticate each other, and nobody has to pick a secret.
     token = args.cluster_token or secrets.token_urlsafe(24)
+    from pdserve.cluster.restart import RestartPolicy
+
+    try:
+        policy = RestartPolicy(args.restart, backoff_s=args.restart_backoff, backoff_max_s=args.restart_backoff_max)
+    except ValueError as e:
+        _err(str(e))
+        return 2
     cluster = LocalCluster(topo, log_dir=args.log_dir, echo=echo, cluster_token=token, api_key=args.api_key or "",
-                           tls=tls)
+                           tls=tls, restart_policy=policy)
     if args.dry_run:
         topo.assign_ports()
         plan = cluster._plan()
@@ -199,6 +220,7 @@ def run_up(args: argparse.Namespace) -> int:
             return _ask(cluster.endpoints.router, args.ask, args.ask_max_tokens, api_key=args.api_key, tls=tls)
         print("Press Ctrl-C to stop.", flush=True)
         while True:
+            cluster.heal()
             dead = cluster.dead_services()
             if dead:
                 for s in dead:

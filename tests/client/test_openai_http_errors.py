@@ -66,15 +66,17 @@ def _assert_openai_error(body: dict, *, param=None, code=None, type_=None, messa
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"model": "m", "prompt": "x", "n": 2}, "n"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "n": 200}, "n"),
+    ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True}, "echo"),
     ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
     ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
     ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"1": "big"}}, "logit_bias"),
     ("/v1/completions", {"model": "m", "prompt": "x", "min_p": "low"}, "min_p"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "n": 3, "best_of": 2}, "best_of"),
     ("/v1/completions", {"model": "m"}, "prompt"),
     ("/v1/completions", {"model": "m", "prompt": [1, "a"]}, "prompt"),
     ("/v1/completions", {"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
@@ -173,8 +175,8 @@ def test_openai_client_raises_typed_errors_with_the_server_message(srv, servicer
     servicer.script = abort_with(grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue full")
     with pytest.raises(openai.RateLimitError, match="router queue full"):
         client.completions.create(model="m", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.completions.create(model="m", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="'n' must be an integer"):
+        client.completions.create(model="m", prompt="x", n=0)
 
 
 def test_models_lists_the_ready_models(srv, servicer):

@@ -10,7 +10,7 @@ import grpc
 import openai
 import pytest
 
-from conftest import hf_greedy
+from hf_helpers import hf_greedy
 from e2e_helpers import HEARTBEAT_S, service_env
 from pdserve.cluster.supervisor import LocalCluster
 from pdserve.cluster.topology import PodSpec, Topology

@@ -7,7 +7,9 @@
    first over the time after the first token, on every side.
 2. KV capacity: for a fixed per-rank KV budget, how many 2,048-token sequences AllocateKV admits at DCP 1, 2 and 3
    (SmolLM2 at TP 9 where the parallel rules allow it; a tiny 12-query / 1-KV-head checkpoint at TP 6 for all three).
-   Target: count(DCP d) >= 0.95 * d * count(DCP 1).
+   Target: count(DCP d) >= 0.95 * d * count(DCP 1). The same for an MLA model of DeepSeek-V3's shape at TP 8,
+   DCP 1, 2, 4 and 8 (ratios.kv_capacity_mla_dcp{d}_vs_dcp1_x_{d}), and the KV bytes per token per rank of MLA
+   against a GQA model of the same hidden size.
 
 3. Sampling cost per decode step at batch 8 on the in-process engine (SmolLM2, TP 1), plain seeded sampling against
    the same with presence / frequency / repetition penalties and against a structured-output constraint (xgrammar's
@@ -31,6 +33,8 @@ from bench.common import timed
 CAPACITY_SEQ_LEN = 2048
 CAPACITY_BUDGET_MIB = 256  # per rank
 CAPACITY_BLOCK = 16
+MLA_TP = 8
+MLA_BUDGET_MIB = 2048  # per rank: a 2,048-token DeepSeek-V3 sequence takes ~137 MiB of latent cache at DCP 1
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -163,17 +167,25 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
 
 
 # --- KV capacity: the AllocateKV admission path (DecodePod.reserve) over the engine's block manager ---
-def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int) -> dict[str, Any]:
+def _kv_bytes_per_block(model_path: str, tp: int, block_size: int) -> tuple[int, str]:
+    """Bytes one KV block takes on one rank, from the engine's own cache layout (GQA or MLA) and KV dtype."""
+    from pdserve.engine.kv_cache import KVCacheLayout
+    from pdserve.engine.llm_engine import resolve_dtype
+    from pdserve.model.config import ModelConfig
+
+    mc = ModelConfig.from_path(model_path)
+    dtype = resolve_dtype("auto", mc)
+    return KVCacheLayout.for_model(mc, tp, block_size).bytes_per_block(getattr(torch, dtype)), dtype
+
+
+def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int, seq_len: int = CAPACITY_SEQ_LEN) -> dict[str, Any]:
     from decode_svc.config import DecodeConfig
     from pdserve.cli_config import build
     from decode_svc.pod import DecodePod
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.model.config import ModelConfig
     from pdserve.parallel_config import ParallelConfigError
 
-    mc = ModelConfig.from_path(model_path)
-    heads_per_rank = max(1, mc.num_kv_heads // tp)
-    block_bytes = mc.num_layers * 2 * CAPACITY_BLOCK * heads_per_rank * mc.head_dim * 4  # fp32 cache
+    block_bytes, dtype = _kv_bytes_per_block(model_path, tp, CAPACITY_BLOCK)
     num_blocks = budget_bytes // block_bytes
     try:
         cfg = build(DecodeConfig, model=model_path, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
@@ -181,20 +193,61 @@ def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int) -> dict[str
     except ParallelConfigError as e:
         return {"allowed": False, "refusal": e.message, "blocks_per_rank": num_blocks}
     # Admission is pure block accounting: an engine without model ranks counts exactly what a live pod admits.
-    pod = DecodePod(cfg, engine=LLMEngine.bookkeeping(cfg.engine, CAPACITY_SEQ_LEN + 1))
+    pod = DecodePod(cfg, engine=LLMEngine.bookkeeping(cfg.engine, seq_len + 1))
     n = 0
-    while pod.reserve(f"cap{n}", CAPACITY_SEQ_LEN) is not None:
+    while pod.reserve(f"cap{n}", seq_len) is not None:
         n += 1
     per_seq = [len(t) for t in pod.block_tables_of("cap0")] if n else []
-    return {"allowed": True, "admitted": n, "blocks_per_rank": num_blocks, "blocks_per_seq_per_rank": per_seq,
-            "used_blocks_per_rank": pod.used_blocks_per_rank()}
+    return {"allowed": True, "admitted": n, "blocks_per_rank": num_blocks, "block_bytes": block_bytes,
+            "kv_dtype": dtype, "blocks_per_seq_per_rank": per_seq, "used_blocks_per_rank": pod.used_blocks_per_rank()}
+
+
+def _capacity_row(name: str, key: str, path: str, tp: int, dcps: tuple[int, ...], budget_mib: int, seq_len: int,
+                  ratios: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    res = {dcp: _admitted(path, tp, dcp, budget_mib << 20, seq_len) for dcp in dcps}
+    base = res[1]["admitted"]
+    row: dict[str, Any] = {"metric": f"{seq_len}-token seqs admitted, {budget_mib} MiB/rank, {name}", "TP": tp}
+    checks = []
+    for dcp, r in res.items():
+        if not r["allowed"]:
+            row[f"DCP{dcp}"] = "refused"
+            continue
+        row[f"DCP{dcp}"] = r["admitted"]
+        if dcp > 1:
+            ratio = r["admitted"] / (dcp * base)
+            ratios[f"kv_capacity_{key}_dcp{dcp}_vs_dcp1_x_{dcp}"] = ratio
+            checks.append(f"DCP{dcp}: {ratio:.3f} x (DCP x DCP1) {'ok' if ratio >= 0.95 else 'MISSED'}")
+    row["target >= 0.95"] = "; ".join(checks)
+    return row, {"tp": tp, "kv_budget_mib_per_rank": budget_mib, "seq_len": seq_len,
+                 **{f"dcp{d}": r for d, r in res.items()}}
+
+
+def _write_deepseek_v3_shape(path: Path) -> None:
+    """DeepSeek-V3's attention and cache shape (61 layers, 128 heads, kv_lora_rank 512 + rope 64, bf16); admission
+    needs the config only, so the MoE is cut to what the config class accepts."""
+    from transformers import DeepseekV3Config
+
+    DeepseekV3Config(vocab_size=256, hidden_size=7168, intermediate_size=64, moe_intermediate_size=64,
+                     num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+                     kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                     n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=3,
+                     max_position_embeddings=4096, torch_dtype="bfloat16",
+                     architectures=["DeepseekV3ForCausalLM"]).save_pretrained(str(path))
+
+
+def _write_gqa_same_hidden(path: Path) -> None:
+    """A GQA model of DeepSeek-V3's hidden size and depth, Llama style: 56 heads of 128, 8 KV heads, bf16."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=7168, intermediate_size=64, num_hidden_layers=61, num_attention_heads=56,
+                num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, torch_dtype="bfloat16",
+                architectures=["LlamaForCausalLM"]).save_pretrained(str(path))
 
 
 def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
     from pdserve.default_model import ensure_default_model
     from transformers import LlamaConfig
 
-    budget = CAPACITY_BUDGET_MIB << 20
     tmp = tempfile.TemporaryDirectory(prefix="pdserve-bench-cap-")
     # Admission needs the shape only: a config.json with SmolLM2's per-rank KV bytes (30 layers, head_dim 64, one KV
     # head per rank) but 12 query heads and 1 KV head, so that TP 6 allows DCP 1, 2 and 3.
@@ -202,27 +255,19 @@ def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
     LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=64, num_hidden_layers=30, num_attention_heads=12,
                 num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
                 architectures=["LlamaForCausalLM"]).save_pretrained(str(tiny))
-    models = [("SmolLM2-135M", str(ensure_default_model()), 9), ("tiny 12q/1kv", str(tiny), 6)]
+    mla, gqa = Path(tmp.name) / "deepseek-v3-shape", Path(tmp.name) / "gqa-7168"
+    _write_deepseek_v3_shape(mla)
+    _write_gqa_same_hidden(gqa)
     rows, ratios, raw = [], {}, {}
-    for name, path, tp in models:
-        res = {dcp: _admitted(path, tp, dcp, budget) for dcp in (1, 2, 3)}
-        base = res[1]["admitted"]
-        row: dict[str, Any] = {
-            "metric": f"{CAPACITY_SEQ_LEN}-token seqs admitted, {CAPACITY_BUDGET_MIB} MiB/rank, {name}", "TP": tp}
-        checks = []
-        for dcp, r in res.items():
-            if not r["allowed"]:
-                row[f"DCP{dcp}"] = "refused"
-                continue
-            row[f"DCP{dcp}"] = r["admitted"]
-            if dcp > 1:
-                ratio = r["admitted"] / (dcp * base)
-                key = "smollm2" if name.startswith("SmolLM2") else "tiny"
-                ratios[f"kv_capacity_{key}_dcp{dcp}_vs_dcp1_x_{dcp}"] = ratio
-                checks.append(f"DCP{dcp}: {ratio:.3f} x (DCP x DCP1) {'ok' if ratio >= 0.95 else 'MISSED'}")
-        row["target >= 0.95"] = "; ".join(checks)
+    for name, key, path, tp in (("SmolLM2-135M", "smollm2", str(ensure_default_model()), 9),
+                                ("tiny 12q/1kv", "tiny", str(tiny), 6)):
+        row, raw[name] = _capacity_row(name, key, path, tp, (1, 2, 3), CAPACITY_BUDGET_MIB, CAPACITY_SEQ_LEN, ratios)
         rows.append(row)
-        raw[name] = {"tp": tp, **{f"dcp{d}": r for d, r in res.items()}}
+    # MLA: every TP rank holds the whole latent, so DCP can go all the way to TP.
+    row, raw["DeepSeek-V3 shape (MLA)"] = _capacity_row("DeepSeek-V3 shape (MLA)", "mla", str(mla), MLA_TP,
+                                                         (1, 2, 4, 8), MLA_BUDGET_MIB, CAPACITY_SEQ_LEN, ratios)
+    rows.append(row)
+    rows.append(_kv_bytes_row(str(mla), str(gqa), raw))
     tmp.cleanup()
     return rows, ratios, {"kv_budget_mib_per_rank": CAPACITY_BUDGET_MIB, "seq_len": CAPACITY_SEQ_LEN,
                           "block_size": CAPACITY_BLOCK, "capacity": raw}
@@ -290,6 +335,21 @@ def _sampling_cost(quick: bool) -> tuple[list[dict], dict[str, float], dict[str,
                              "median_ratio_vs_plain": {k: median[k] / median["plain"] for k in median},
                              "steps": {k: len(v) for k, v in steps.items()}, "threads": torch.get_num_threads()}}
     return [row], ratios, raw
+
+
+def _kv_bytes_row(mla: str, gqa: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """KV bytes one token takes on one rank at TP 8: MLA (by DCP) against GQA of the same hidden size (DCP 1 only:
+    8 KV heads over TP 8 leave no DCP > 1)."""
+    mla_tok = _kv_bytes_per_block(mla, MLA_TP, CAPACITY_BLOCK)[0] / CAPACITY_BLOCK
+    gqa_tok = _kv_bytes_per_block(gqa, MLA_TP, CAPACITY_BLOCK)[0] / CAPACITY_BLOCK
+    row: dict[str, Any] = {"metric": "KV bytes/token/rank, hidden 7168, 61 layers, bf16", "TP": MLA_TP,
+                           "GQA 56q/8kv DCP1": gqa_tok}
+    per_rank = {"gqa_56q8kv_dcp1": gqa_tok}
+    for dcp in (1, 2, 4, 8):
+        row[f"MLA DCP{dcp}"] = mla_tok / dcp  # each rank stores 1/dcp of the tokens, the whole latent of each
+        per_rank[f"mla_dcp{dcp}"] = mla_tok / dcp
+    raw["kv_bytes_per_token_per_rank"] = per_rank
+    return row
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -32,6 +32,11 @@ returned. "end->landed" = last layer landed minus prefill step end (the time dec
 negative when the KV was complete before sampling finished); "share of prefill" = that (floored at 0) / prefill time.
 ratios: end_to_decode_start_vs_prefill_streaming_{on,off}_N (target on <= 0.10) and transfer_vs_prefill_N (the
 unhidden transfer, streaming off).
+
+Checksum rows: the cost of the KV block checksums (pdserve/pod/kv_checksum.py, off by default, ``--kv-checksum`` on a
+prefill pod): the prefill pod's sums over its region and the decode pod's over what its ranks read (decode TP/DCP as
+above; ranks one after the other here, in parallel in a pod). ratios: checksum_vs_transfer_N = (prefill + decode
+checksum seconds) / seconds of the TP 1 pull of the same request on the fastest path measured.
 """
 
 from __future__ import annotations
@@ -306,6 +311,47 @@ def _streaming(
     return rows, raw, ratios
 
 
+def _checksum_cost(token_counts: list[int], raw: dict[str, Any], repeat: int
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, float]]:
+    """Seconds (best of ``repeat``) of the prefill side's and the decode side's block checksums of one request."""
+    from pdserve.pod.kv_checksum import partial_checksums
+
+    rows, out, ratios = [], {}, {}
+    rng = np.random.default_rng(1)
+    for tokens in token_counts:
+        src = _layout(tokens)
+        src_region = empty_kv(*src.region_shape(), dtype=torch.float32).normal_()
+        src_table = rng.permutation(src.num_blocks)[:src.blocks_needed(tokens, 0)].tolist()
+        nbytes = tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            partial_checksums(src, 0, src_region, src_table, tokens, BLOCK)
+            best = min(best, time.perf_counter() - t0)
+        times = {"prefill": best}
+        for tp, dcp in ((1, 1), (9, 3)):
+            dst = _layout(tokens, tp, dcp)
+            regions = [empty_kv(*dst.region_shape(), dtype=torch.float32).normal_() for _ in range(tp)]
+            tables = [rng.permutation(dst.num_blocks)[:dst.blocks_needed(tokens, r)].tolist() for r in range(tp)]
+            best = float("inf")
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                for r in range(tp):
+                    partial_checksums(dst, r, regions[r], tables[r], tokens, BLOCK)
+                best = min(best, time.perf_counter() - t0)
+            times[f"decode tp{tp}dcp{dcp}"] = best
+        del src_region
+        for side, secs in times.items():
+            rows.append({"path": f"checksum ({side})", "decode tp/dcp": side.removeprefix("decode tp")
+                         .replace("dcp", "/") if side != "prefill" else "-", "tokens": tokens, "MB": nbytes / 1e6,
+                         "seconds": secs, "GB/s": nbytes / secs / 1e9})
+        out[f"checksum_{tokens}"] = times
+        pulls = [v["seconds"] for k, v in raw.items() if k.endswith(f"_tp1dcp1_{tokens}") and "seconds" in v]
+        if pulls:
+            ratios[f"checksum_vs_transfer_{tokens}"] = (times["prefill"] + times["decode tp1dcp1"]) / min(pulls)
+    return rows, out, ratios
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     from kv_transfer.factory import make_puller, nixl_available
     from kv_transfer.plan import plan_reshard
@@ -395,6 +441,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+    c_rows, c_raw, c_ratios = _checksum_cost(token_counts if not quick else token_counts[:1], raw, repeat)
+    rows += c_rows
+    raw.update(c_raw)
+    ratios.update(c_ratios)
     s_rows, s_raw, s_ratios = _streaming(quick, "nixl" if nixl_ok else "tcp")
     rows += s_rows
     raw.update(s_raw)

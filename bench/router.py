@@ -1,10 +1,10 @@
 """Router overhead and routed requests/s, on a real loopback cluster (``pdserve bench router``).
 
-Processes: ``python -m router``, one prefill pod and one decode pod (tiny random llama checkpoint, so the pods'
-compute is small next to the router's work), and this client. The main requests have max_tokens=1, which the router
-serves with one pod call: Prefill (the prefill pod samples the only token and keeps no KV; no decode pod, no
-AllocateKV / Decode / CancelDecode). A quarter as many max_tokens=4 requests measure the full journey's overhead
-(AllocateKV + Prefill before the first token, then the Decode stream).
+Processes: two ``python -m router`` replicas (every pod registers with both), one prefill pod and one decode pod (tiny
+random llama checkpoint, so the pods' compute is small next to the router's work), and this client. The main requests
+have max_tokens=1, which the router serves with one pod call: Prefill (the prefill pod samples the only token and keeps
+no KV; no decode pod, no AllocateKV / Decode / CancelDecode). A quarter as many max_tokens=4 requests measure the full
+journey's overhead (AllocateKV + Prefill before the first token, then the Decode stream).
 
 - Router overhead per request = the client's time to first token minus the pods' own time on that path, where the
   pods' time is the router's measured duration of the pod calls on the path (Prefill; AllocateKV too for longer
@@ -12,7 +12,10 @@ AllocateKV / Decode / CancelDecode). A quarter as many max_tokens=4 requests mea
   router gRPC hop (client stack included), admission, placement, tokenizer-free validation, the detokenizer and the
   router's event loop. "router-internal" leaves out
   the client hop: router TTFT (arrival -> first token handed to gRPC) minus the pod calls.
-- Routed requests/s: many concurrent clients, max_tokens=1, wall clock.
+- Routed requests/s: many concurrent clients, max_tokens=1, wall clock; through one router, then spread over both
+  (``ratios.routed_req_s_2_routers_vs_1``). Each row reports the CPU per request of the routers and of every process,
+  and what the machine's cores allow at that cost, since on a few shared cores the pods and the client bound the ratio
+  before the routers do.
 - gRPC floor: the client's time to the first message of a no-op streaming call (same messages, a grpc.aio server
   process that yields at once), alternating with the router requests so both see the same machine load: the part of
   the overhead no router logic can remove (this client's own cost included), and a gauge of how loaded the (shared)
@@ -27,9 +30,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 TARGET_P99_MS = 2.0
+TARGET_INTERNAL_P99_MS = 1.0  # the router's own code, under load, in every row
+TARGET_ROUTER_SCALING = 1.6  # routed requests/s, 2 routers over 1
 DECODE_MAX_TOKENS = 4  # the decode-path rows: max_tokens > 1 books a decode pod
 DEFINITIONS = {
     "router overhead": "client time to first token minus the durations of the pod calls on that path as the router "
@@ -144,7 +149,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, vocab: int,
+async def _measure(addresses: list[str], n_seq: int, n_load: int, concurrency: int, vocab: int,
                    pids: dict[str, int]) -> dict[str, Any]:
     import grpc
 
@@ -159,7 +164,7 @@ async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, voca
 
     echo_proc, echo_port = _start_echo()
     try:
-        async with grpc.aio.insecure_channel(address) as ch, \
+        async with grpc.aio.insecure_channel(addresses[0]) as ch, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as echo_ch:
             stub, echo = router_pb2_grpc.RouterStub(ch), router_pb2_grpc.RouterStub(echo_ch)
             for _ in range(30):  # warm-up: channels, code paths, the pods' first forward passes
@@ -179,13 +184,31 @@ async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, voca
         echo_proc.kill()
         echo_proc.wait()
 
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = router_pb2_grpc.RouterStub(ch)
+    # Routed requests/s through one router, then through both (the client spread evenly over them); the rounds
+    # alternate (1, 2, 2, 1) so that drift of the shared machine falls on both rows alike.
+    rounds: dict[int, list[dict[str, Any]]] = {1: [], len(addresses): []}
+    for n_routers in (1, len(addresses), len(addresses), 1):
+        rounds[n_routers].append(await _load(addresses[:n_routers], n_load // 2, concurrency, req, pids))
+    return {"sequential": seq, "floor": floor, "decode_path": dec,
+            "load_rounds": {n: _merge_rounds(rs) for n, rs in rounds.items()}}
 
+
+async def _load(addresses: list[str], n: int, concurrency: int, req: Callable[[], Any],
+                pids: dict[str, int]) -> dict[str, Any]:
+    """``n`` max_tokens=1 requests from ``concurrency`` workers, worker i on router i % len(addresses)."""
+    import grpc
+
+    from pdserve_api.v1 import router_pb2_grpc
+
+    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    try:
+        stubs = [router_pb2_grpc.RouterStub(ch) for ch in channels]
+        for stub in stubs:  # connect every channel before the clock starts
+            await _one(stub, req())
         load: list[dict[str, float]] = []
-        remaining = n_load
+        remaining = n
 
-        async def worker() -> None:
+        async def worker(stub: Any) -> None:
             nonlocal remaining
             while remaining > 0:
                 remaining -= 1
@@ -194,16 +217,26 @@ async def _measure(address: str, n_seq: int, n_load: int, concurrency: int, voca
         cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
         client0 = time.process_time()  # this client's own CPU (it shares the machine with the processes measured)
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(concurrency)))
         wall = time.perf_counter() - t0
-        cpu = {name: (_cpu_s(pid) - cpu0[name]) / len(load) for name, pid in pids.items()}
-        cpu["bench client"] = (time.process_time() - client0) / len(load)
-    return {"sequential": seq, "load": load, "load_wall_s": wall, "floor": floor, "cpu_s_per_request": cpu,
-            "decode_path": dec}
+        cpu = {name: _cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
+        cpu["bench client"] = time.process_time() - client0
+    finally:
+        for ch in channels:
+            await ch.close()
+    return {"load": load, "wall_s": wall, "cpu_s": cpu}
 
 
-def _start_cluster(work: Path) -> tuple[Any, Any, Any, float]:
-    """Router + one prefill + one decode pod (TP 1) on a tiny checkpoint, through LocalCluster (``pdserve up``'s)."""
+def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one row as one: requests pooled, wall and CPU summed; CPU per request by process."""
+    load = [r for rd in rounds for r in rd["load"]]
+    cpu = {k: sum(rd["cpu_s"][k] for rd in rounds) / len(load) for k in rounds[0]["cpu_s"]}
+    return {"load": load, "wall_s": sum(rd["wall_s"] for rd in rounds), "cpu_s_per_request": cpu}
+
+
+def _start_cluster(work: Path, num_routers: int) -> tuple[Any, Any, Any, float]:
+    """``num_routers`` routers + one prefill + one decode pod (TP 1) on a tiny checkpoint, through LocalCluster
+    (``pdserve up``'s); every pod registers with every router."""
     import os
 
     from pdserve.cluster.supervisor import LocalCluster
@@ -213,9 +246,9 @@ def _start_cluster(work: Path) -> tuple[Any, Any, Any, float]:
 
     model = write_tiny_checkpoint(work / "tiny", "llama", num_kv_heads=1, tokenizer_from=ensure_default_model())
     interval = 0.5
-    topo = Topology(model=str(model), router_port=0, http_port=None,
+    topo = Topology(model=str(model), router_port=0, http_port=None, num_routers=num_routers,
                     prefill=[PodSpec("prefill", num_kv_blocks=1024,
-                                     extra_args=["--heartbeat-interval", str(interval)])],
+                                     extra_args=["--heartbeat-interval-s", str(interval)])],
                     decode=[PodSpec("decode", num_kv_blocks=1024)],
                     router_args=["--heartbeat-interval-s", str(interval), "--eviction-timeout-s", "10",
                                  "--missed-heartbeats-unhealthy", "8", "--log-level", "WARNING"]).resolve()
@@ -229,25 +262,49 @@ def _start_cluster(work: Path) -> tuple[Any, Any, Any, float]:
     return cluster, topo, endpoints, time.perf_counter() - t0
 
 
+def _load_rows(n_routers: int, res: dict[str, Any], router_names: list[str], cores: int) -> tuple[list, dict]:
+    """Table rows and figures of one load row (``n_routers`` routers in use)."""
+    load, cpu = res["load"], res["cpu_s_per_request"]
+    rps = len(load) / res["wall_s"]
+    internal = [r["router_ttft"] - r["pod"] - r["queue"] for r in load]
+    router_cpu_ms = sum(cpu[n] for n in router_names) * 1000  # every router's CPU, idle ones included
+    all_cpu_ms = sum(v for k, v in cpu.items()) * 1000
+    label = f"{n_routers} router{'s' if n_routers > 1 else ''}"
+    rows = [
+        _row(f"{label}: router-internal overhead under load (router TTFT - pod calls - queue)", internal,
+             requests_per_s=rps, target_p99_ms=TARGET_INTERNAL_P99_MS),
+        _row(f"{label}: client TTFT under load", [r["client_ttft"] for r in load], requests_per_s=rps),
+        {"measure": f"{label}: CPU per routed request (ms): routers / all processes incl. client",
+         "n": len(load), "router_cpu_ms": router_cpu_ms, "all_cpu_ms": all_cpu_ms,
+         "machine_ceiling_requests_per_s": cores * 1000 / all_cpu_ms if all_cpu_ms else None,
+         "by_process_ms": {k: v * 1000 for k, v in cpu.items()}},
+    ]
+    return rows, {"rps": rps, "internal_p99_ms": _pct(internal, 99) * 1000, "router_cpu_ms": router_cpu_ms,
+                  "all_cpu_ms": all_cpu_ms, "client_cpu_ms": cpu["bench client"] * 1000}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
+    import os
+
     n_seq, n_load, concurrency = (200, 300, 16) if quick else (2000, 3000, 32)
+    num_routers = 2
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-router-"))
-    cluster, topo, endpoints, t_up = _start_cluster(work)
+    cluster, topo, endpoints, t_up = _start_cluster(work, num_routers)
     try:
         pids = {s.name: s.pid for s in cluster.services if s.pid is not None}
-        res = _run_loop(_measure(endpoints.router, n_seq, n_load, concurrency, 256, pids))
+        router_names = [s.name for s in cluster.services if s.kind == "router"]
+        res = _run_loop(_measure(endpoints.routers, n_seq, n_load, concurrency, 256, pids))
     finally:
         cluster.stop(grace=3.0)  # a benchmark needs no graceful drain
 
-    seq, load = res["sequential"], res["load"]
+    cores = len(os.sched_getaffinity(0))
+    seq = res["sequential"]
     overhead = [r["client_ttft"] - r["pod"] for r in seq]
     internal = [r["router_ttft"] - r["pod"] - r["queue"] for r in seq]
     with_pod_hop = [r["client_ttft"] - r["pod_self"] for r in seq]
     over_floor = [o - f for o, f in zip(overhead, res["floor"])]  # each request against the no-op call next to it
-    load_overhead = [r["client_ttft"] - r["pod"] - r["queue"] for r in load]
-    rps = len(load) / res["load_wall_s"]
-    cpu = res["cpu_s_per_request"]
-    router_cpu_ms = cpu["router"] * 1000
+    one_rows, one = _load_rows(1, res["load_rounds"][1], router_names, cores)
+    many_rows, many = _load_rows(num_routers, res["load_rounds"][num_routers], router_names, cores)
     table = [
         _row("router overhead (client TTFT - pod calls), sequential", overhead, target_p99_ms=TARGET_P99_MS),
         _row("router-internal overhead (router TTFT - pod calls), sequential", internal),
@@ -261,13 +318,8 @@ def run(quick: bool = False) -> dict[str, Any]:
              [r["client_ttft"] - r["pod"] for r in res["decode_path"]]),
         _row(f"pod calls on the path (AllocateKV + Prefill), max_tokens={DECODE_MAX_TOKENS}, sequential",
              [r["pod"] for r in res["decode_path"]]),
-        _row(f"router overhead under load (concurrency {concurrency})", load_overhead),
-        _row(f"client TTFT under load (concurrency {concurrency})", [r["client_ttft"] for r in load],
-             requests_per_s=rps),
-        {"measure": "router CPU per routed request under load (ms); ceiling = 1 core / it",
-         "n": len(load), "mean_ms": router_cpu_ms, "requests_per_s": 1000 / router_cpu_ms if router_cpu_ms else None},
-        {"measure": "bench client CPU per request under load (ms)", "n": len(load),
-         "mean_ms": cpu["bench client"] * 1000},
+        *one_rows,
+        *many_rows,
     ]
     p99 = _pct(overhead, 99) * 1000
     ratios = {
@@ -278,10 +330,17 @@ def run(quick: bool = False) -> dict[str, Any]:
         "overhead_p50_over_grpc_floor_p50": statistics.median(overhead) / statistics.median(res["floor"]),
         "overhead_incl_pod_hop_p99_over_target": _pct(with_pod_hop, 99) * 1000 / TARGET_P99_MS,
         "overhead_p50_share_of_ttft": statistics.median(overhead) / statistics.median(r["client_ttft"] for r in seq),
-        "routed_requests_per_s_max_tokens_1": rps,
-        "router_cpu_ms_per_request": router_cpu_ms,
-        "router_cpu_share_of_all_cpu_per_request": cpu["router"] / sum(v for k, v in cpu.items() if k in pids),
-        "bench_client_cpu_ms_per_request": cpu["bench client"] * 1000,
+        "routed_requests_per_s_max_tokens_1": one["rps"],
+        f"routed_req_s_{num_routers}_routers_vs_1": many["rps"] / one["rps"],
+        "router_cpu_ms_per_request": one["router_cpu_ms"],
+        f"router_cpu_ms_per_request_{num_routers}_routers": many["router_cpu_ms"],
+        "router_cpu_share_of_all_cpu_per_request": one["router_cpu_ms"] / (one["all_cpu_ms"] - one["client_cpu_ms"]),
+        "bench_client_cpu_ms_per_request": one["client_cpu_ms"],
+        "router_internal_p99_ms_under_load_1_router": one["internal_p99_ms"],
+        f"router_internal_p99_ms_under_load_{num_routers}_routers": many["internal_p99_ms"],
+        # what the cores allow at the CPU every request costs all processes: the bound on the routers' ratio
+        f"machine_ceiling_req_s_{num_routers}_routers_vs_1_router_rps":
+            (cores * 1000 / many["all_cpu_ms"]) / one["rps"] if many["all_cpu_ms"] else None,
     }
     return {
         "benchmark": "router",
@@ -290,11 +349,17 @@ def run(quick: bool = False) -> dict[str, Any]:
         "ratios": ratios,
         "definitions": DEFINITIONS,
         "target": {"overhead_p99_ms": TARGET_P99_MS, "met": p99 <= TARGET_P99_MS,
-                   "internal_met": _pct(internal, 99) * 1000 <= TARGET_P99_MS},
-        "setup": {"prefill_pods": 1, "decode_pods": 1, "model": "tiny random llama (2 layers, 8 heads, 1 KV head)",
+                   "internal_met": _pct(internal, 99) * 1000 <= TARGET_P99_MS,
+                   "internal_p99_under_load_ms": TARGET_INTERNAL_P99_MS,
+                   "internal_under_load_met": max(one["internal_p99_ms"], many["internal_p99_ms"])
+                   <= TARGET_INTERNAL_P99_MS,
+                   f"routed_req_s_{num_routers}_routers_vs_1": TARGET_ROUTER_SCALING},
+        "setup": {"routers": num_routers, "prefill_pods": 1, "decode_pods": 1, "cores": cores,
+                  "model": "tiny random llama (2 layers, 8 heads, 1 KV head)",
                   "max_tokens": 1, "decode_path_max_tokens": DECODE_MAX_TOKENS, "prompt_tokens": 16,
-                  "sequential_requests": n_seq, "load_requests": n_load, "concurrency": concurrency,
+                  "sequential_requests": n_seq, "load_requests_per_row": n_load, "concurrency": concurrency,
+                  "load_rounds": "1 router, 2 routers, 2 routers, 1 router; half the load requests each",
                   "cluster_start_s": t_up, "notes": topo.notes},
-        "raw": {"sequential": seq, "decode_path": res["decode_path"], "load": load, "load_wall_s": res["load_wall_s"],
-                "grpc_floor_s": res["floor"], "cpu_s_per_request_by_process": cpu},
+        "raw": {"sequential": seq, "decode_path": res["decode_path"], "grpc_floor_s": res["floor"],
+                "load_by_routers": {str(n): r for n, r in res["load_rounds"].items()}},
     }

@@ -81,6 +81,9 @@ class SoakConfig:
     alone_sample: int = 12  # distinct requests also sent alone to the quiet cluster (must match the offline engine)
     model: str | None = None  # checkpoint dir; None: a tiny random llama (1 KV head), "smollm2": the default model
     seed: int = 0
+    # False: the SDK names each request, a fresh id per retry (a retry that fails over to another router must not
+    # meet the first attempt's decode reservation under the same id)
+    client_request_ids: bool = True
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -134,6 +137,7 @@ class Outcome:
     finish_reason: str | None = None
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # arrival (monotonic) of each streamed token
     queue_s: float = 0.0
     t_start: float = 0.0
     t_end: float = 0.0
@@ -228,12 +232,16 @@ def _cmdline(p: Any) -> list[str]:
 # The requests
 # ----------------------------------------------------------------------------------------------------------------
 
-async def _one(client: Any, p: Planned, cfg: SoakConfig) -> Outcome:
+async def _one(client: Any, p: Planned, cfg: SoakConfig, live: list[Outcome] | None = None) -> Outcome:
+    """One request to its end. ``live``: the outcome is appended there at once (its tokens fill in as they come)."""
     from pdserve.client import PdserveError
 
     o = Outcome(p.index, "completed", t_start=time.monotonic())
+    if live is not None:
+        live.append(o)
     stream = client.generate_stream(p.prompt, max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True,
-                                    request_id=f"soak-{cfg.seed}-{p.index}", timeout=cfg.request_timeout_s)
+                                    request_id=f"soak-{cfg.seed}-{p.index}" if cfg.client_request_ids else None,
+                                    timeout=cfg.request_timeout_s)
     last_t: float | None = None
     rpc_sent = False
 
@@ -248,6 +256,7 @@ async def _one(client: Any, p: Planned, cfg: SoakConfig) -> Outcome:
                     o.itl_s.extend([(now - last_t) / len(chunk.token_ids)] * len(chunk.token_ids))
                 last_t = now
                 o.tokens.extend(chunk.token_ids)
+                o.token_times.extend([now] * len(chunk.token_ids))
             if chunk.finished:
                 o.finish_reason = chunk.finish_reason
                 o.usage_tokens = chunk.usage.completion_tokens if chunk.usage else None
@@ -557,7 +566,11 @@ QUICK = SoakConfig(num_requests=120, concurrency=12, distinct_prompts=40, max_to
 FULL = SoakConfig(num_requests=2000, distinct_prompts=250)
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, chaos: bool = False) -> dict[str, Any]:
+    if chaos:  # the same soak while a seeded nemesis kills and freezes processes (bench/chaos.py)
+        from bench.chaos import run as run_chaos
+
+        return run_chaos(quick=quick)
     cfg = QUICK if quick else FULL
     model = os.environ.get("PDSERVE_SOAK_MODEL")  # "smollm2" or a checkpoint directory; unset: the tiny one
     if model:

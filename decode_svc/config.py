@@ -47,6 +47,9 @@ class DecodeConfig:
         "choices": KV_TRANSFER_BACKENDS, "help": "KV data path for pulls from prefill pods (auto: NIXL when usable, "
                                                  "else TCP)"})
     kv_transfer_timeout_s: float = field(default=120.0, metadata={"help": "one request's KV pull, every layer"})
+    unified: bool = field(default=False, metadata={
+        "help": "colocated pod: register as ROLE_UNIFIED and compute the prompts of requests sent without a KV handle "
+                "itself (chunked prefill between decode steps), besides decoding KV from prefill pods"})
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -20,6 +20,7 @@ from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
 from pdserve.errors import ServiceError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kv_transfer.layout import KVLayout
     from pdserve.engine.executor import Executor
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_runner import ModelRunner
@@ -37,8 +38,9 @@ class KVDeliveryError(ServiceError):
 class KVSource(Protocol):
     num_tokens: int
 
-    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int:
-        """Runs on every rank (in the rank's process): copy this rank's tokens/heads into block_table."""
+    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int | tuple[int, list[int]]:
+        """Runs on every rank (in the rank's process): copy this rank's tokens/heads into block_table; the bytes
+        written, with this rank's share of the per-block checksums when the source carries checksums."""
         ...
 
 
@@ -54,6 +56,9 @@ class TransferKVSource:
     num_tokens: int
     puller_factory: Callable[["ModelRunner"], Any]
     timeout_s: float | None = None
+    checksums: tuple[int, ...] = ()  # per logical block of checksum_block_tokens, from the prefill pod; () = none
+    checksum_block_tokens: int = 0
+    prefill_pod: str = ""
 
     def keepalive(self, conn: "DecodeKVConnector") -> None:
         """Renew the prefill lease while the request waits for decode blocks (rank 0, in the pod's process)."""
@@ -61,32 +66,30 @@ class TransferKVSource:
 
         conn.puller(self.puller_factory).renew(KVHandoff.from_json(self.handoff_json))
 
-    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int:
+    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int | tuple[int, list[int]]:
         from kv_transfer.transport import KVHandoff, KVTransferError, grpc_status_code
 
         runner = conn.runner
         puller = conn.puller(self.puller_factory)
         try:
             handoff = KVHandoff.from_json(self.handoff_json)
-            return int(puller.pull(handoff, block_table, timeout_s=self.timeout_s).nbytes)
+            nbytes = int(puller.pull(handoff, block_table, timeout_s=self.timeout_s).nbytes)
         except Exception as e:
             code = grpc_status_code(e) if isinstance(e, KVTransferError) else grpc.StatusCode.ABORTED
             raise KVDeliveryError(f"KV transfer failed on rank {runner.ps.tp_rank}: {e}", code) from e
+        if not self.checksums:
+            return nbytes
+        from pdserve.pod.kv_checksum import partial_checksums
+
+        return nbytes, partial_checksums(puller.layout, runner.ps.tp_rank, runner.kv_cache, block_table,
+                                         self.num_tokens, self.checksum_block_tokens)
 
 
 @dataclass(frozen=True)
 class PullerFactory:
     """Builds a decode rank's kv_transfer puller over its cache (picklable; called in the rank's process)."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
-    tp_size: int
-    dcp_size: int
-    interleave: int
-    num_blocks: int
+    kv_layout: "KVLayout"  # the decode pod's cache (GQA or MLA), as kv_transfer sees each rank's region
     backend: str = "auto"  # kv_transfer.factory: "auto" (NIXL if usable, else TCP), "nixl", "tcp"
     auth_token: str = ""  # the cluster token presented to prefill pods' KV endpoints ("" = none)
     tls: "TLSConfig | None" = None  # the pod's TLS settings, used to dial those endpoints
@@ -94,17 +97,16 @@ class PullerFactory:
     @classmethod
     def for_engine(cls, engine: "LLMEngine", backend: str = "auto", auth_token: str = "",
                    tls: "TLSConfig | None" = None) -> "PullerFactory":
-        mc, cfg, cache = engine.model_config, engine.config, engine.executor.kv_cache
-        return cls(mc.num_layers, mc.num_kv_heads, mc.head_dim, str(cache.dtype).removeprefix("torch."),
-                   cfg.block_size, cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
-                   cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, backend, auth_token, tls)
+        from pdserve.pod.convert import kv_layout_for_model
 
-    def layout(self):
-        from kv_transfer.layout import KVLayout
+        cfg = engine.config
+        layout = kv_layout_for_model(engine.model_config, str(engine.executor.kv_cache.dtype), cfg.block_size,
+                                     tp_size=cfg.tensor_parallel_size, dcp_size=cfg.decode_context_parallel_size,
+                                     interleave=cfg.dcp_kv_cache_interleave_size, num_blocks=cfg.num_kv_blocks)
+        return cls(layout, backend, auth_token, tls)
 
-        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                        dtype=self.dtype, block_size=self.block_size, tp_size=self.tp_size, dcp_size=self.dcp_size,
-                        interleave=self.interleave, num_blocks=self.num_blocks)
+    def layout(self) -> "KVLayout":
+        return self.kv_layout
 
     def __call__(self, runner: "ModelRunner") -> Any:
         from kv_transfer.factory import make_puller
@@ -164,4 +166,20 @@ def deliver(executor: "Executor", source: KVSource, tables: list[list[int]]) -> 
             if isinstance(r, KVDeliveryError):
                 raise r
             raise KVDeliveryError(f"rank {rank} could not write its KV: {type(r).__name__}: {r}")
-    return [int(r) for r in results], time.perf_counter() - t0
+    expected = getattr(source, "checksums", ())
+    if expected:
+        check_checksums(source, [r[1] for r in results])
+    return [int(r[0]) if isinstance(r, tuple) else int(r) for r in results], time.perf_counter() - t0
+
+
+def check_checksums(source: Any, parts: list[list[int]]) -> None:
+    """Compare what the ranks read with the prefill pod's checksums; DATA_LOSS naming the pod and block if not."""
+    from pdserve.pod.kv_checksum import combine, first_mismatch
+
+    bad = first_mismatch(source.checksums, combine(parts))
+    if bad is not None:
+        b = source.checksum_block_tokens
+        raise KVDeliveryError(
+            f"KV read from prefill pod {source.prefill_pod or '(unnamed)'} failed its checksum at block {bad} (tokens "
+            f"{bad * b}..{min(source.num_tokens, (bad + 1) * b) - 1}): the bytes read are not the bytes published; "
+            f"the request is refused and its KV freed", grpc.StatusCode.DATA_LOSS)

@@ -68,7 +68,7 @@ class _Times:
 
     def __init__(self, started: float) -> None:
         self.started = started
-        self.last: float | None = None  # when the request's latest token was emitted
+        self.last: dict[int, float] = {}  # per sequence (n > 1), when its latest token was emitted
 
 
 class VllmDecodeObserver:
@@ -95,9 +95,10 @@ class VllmDecodeObserver:
             return
         now = time.monotonic()
         if isinstance(ev, RequestOutput) and ev.new_token_ids:
-            if t.last is not None:
-                self.vllm.token_gap(now - t.last)
-            t.last = now
+            last = t.last.get(ev.index)
+            if last is not None:  # gaps within one sequence: the n of a request step together
+                self.vllm.token_gap(now - last)
+            t.last[ev.index] = now
         if ev.finished:
             del self._times[ev.request_id]
             reason = _VLLM_REASON.get(ev.finish_reason, "error") if isinstance(ev, RequestOutput) else "error"

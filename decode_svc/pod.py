@@ -61,8 +61,8 @@ class _Queued:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    first_token: int
-    first_logprob: float
+    first_tokens: list[int]  # one per sequence (n of them for parallel sampling)
+    first_logprobs: list[float]
     source: KVSource
     deadline: float
     renewed_at: float = 0.0
@@ -186,12 +186,25 @@ class DecodePod:
         that token ends the request), or None when the request was queued for blocks (it then starts in a later
         step(), or ends with a RESOURCE_EXHAUSTED Failure after wait_s). Raises RequestError (bad request),
         RequestExists, KVDeliveryError (nothing is kept then)."""
+        outs = self.submit_all(request_id, prompt_ids, params, [first_token], [first_logprob], source, wait_s)
+        return None if outs is None else outs[0]
+
+    def submit_all(self, request_id: str, prompt_ids: list[int], params: SamplingParams, first_tokens: list[int],
+                   first_logprobs: list[float], source: KVSource, wait_s: float | None = None
+                   ) -> list[RequestOutput] | None:
+        """submit for a request of n = len(first_tokens) sequences sharing the prompt's KV (the engine forks it when
+        it lands): one first output per sequence, in index order."""
         eng = self.engine
         prompt_ids = list(prompt_ids)
         eng.validate_prompt(prompt_ids, params)
         vocab = eng.model_config.vocab_size
-        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab:
-            raise RequestError(f"first_token_id {first_token!r} is out of range [0, {vocab})")
+        if not first_tokens or len(first_tokens) != len(first_logprobs):
+            raise RequestError(f"{len(first_tokens)} first tokens but {len(first_logprobs)} logprobs: give one of each "
+                               f"per sequence")
+        bad = next((t for t in first_tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
+                   None)
+        if bad is not None:
+            raise RequestError(f"first_token_id {bad!r} is out of range [0, {vocab})")
         if source.num_tokens != len(prompt_ids):
             raise RequestError(f"the KV handle covers {source.num_tokens} tokens but the prompt has "
                                f"{len(prompt_ids)}")
@@ -200,12 +213,12 @@ class DecodePod:
             if res.num_tokens != len(prompt_ids):
                 raise RequestError(f"request {request_id!r} reserved KV for {res.num_tokens} tokens but the prompt "
                                    f"has {len(prompt_ids)}")
-            seq = eng.adopt(res.seq, prompt_ids, params)
+            seq = eng.adopt(res.seq, prompt_ids, params, len(first_tokens))
             del self.reservations[request_id]
-            return self._deliver_and_land(seq, first_token, first_logprob, source)
+            return self._deliver_and_land(seq, first_tokens, first_logprobs, source)
         if self.knows(request_id):
             raise RequestExists(f"request {request_id!r} is already decoding on this pod")
-        q = _Queued(request_id, prompt_ids, params, first_token, first_logprob, source,
+        q = _Queued(request_id, prompt_ids, params, list(first_tokens), list(first_logprobs), source,
                     self.clock() + (self.config.admission_timeout_s if wait_s is None else wait_s))
         # FIFO: nobody overtakes queued or preempted requests.
         if not self.queue and not eng.scheduler.waiting:
@@ -215,18 +228,27 @@ class DecodePod:
         self.queue.append(q)
         return None
 
-    def _try_admit(self, q: _Queued) -> RequestOutput | None:
+    def submit_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> None:
+        """Unified pod: the engine computes the prompt itself (its chunked prefill steps alternate with decode
+        steps) and waits in the engine's queue for blocks; every token, the first included, comes out of step().
+        Raises RequestError (bad request), RequestExists."""
+        if self.knows(request_id):
+            raise RequestExists(f"request {request_id!r} is already decoding on this pod")
+        self.engine.add_request(list(prompt_ids), params, request_id=request_id, n=n)
+
+    def _try_admit(self, q: _Queued) -> list[RequestOutput] | None:
         eng = self.engine
         if self._num_admitted() >= self.config.engine.max_num_seqs:
             return None
         # Keep a block per rank in hand for the running sequences, as the scheduler does for new prompts.
-        seq = eng.add_awaiting_kv(q.prompt_ids, q.params, q.request_id, headroom=1 if eng.scheduler.running else 0)
+        seq = eng.add_awaiting_kv(q.prompt_ids, q.params, q.request_id, headroom=1 if eng.scheduler.running else 0,
+                                  n=len(q.first_tokens))
         if seq is None:
             return None
-        return self._deliver_and_land(seq, q.first_token, q.first_logprob, q.source)
+        return self._deliver_and_land(seq, q.first_tokens, q.first_logprobs, q.source)
 
-    def _deliver_and_land(self, seq: Sequence, first_token: int, first_logprob: float,
-                          source: KVSource) -> RequestOutput:
+    def _deliver_and_land(self, seq: Sequence, first_tokens: list[int], first_logprobs: list[float],
+                          source: KVSource) -> list[RequestOutput]:
         eng = self.engine
         try:
             nbytes, secs = deliver(eng.executor, source, seq.block_tables)
@@ -235,10 +257,10 @@ class DecodePod:
             raise
         self.kv_bytes_received += sum(nbytes)
         self.kv_seconds[seq.request_id] = secs
-        out = eng.start_decoding(seq, first_token, first_logprob)
-        if out.finished:
+        outs = eng.start_decoding_all(seq, first_tokens, first_logprobs)
+        if any(o.finished for o in outs):
             self.kv_seconds.pop(seq.request_id, None)
-        return out
+        return outs
 
     # --- the loop ---
     def step(self) -> list[RequestOutput | Failure]:
@@ -275,7 +297,7 @@ class DecodePod:
             if out is None:
                 break
             self.queue.popleft()
-            events.append(out)
+            events.extend(out)
         return events
 
     KEEPALIVE_S = 5.0

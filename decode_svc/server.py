@@ -26,10 +26,11 @@ from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, grpc_errors
 from pdserve.parallel_config import kv_dtype_mismatch
-from pdserve.pod.convert import kv_handle_to_handoff, model_shape_to_proto, parallel_to_proto
+from pdserve.pod.convert import (kv_handle_to_handoff, kv_layout_for_model, layout_to_proto, model_shape_to_proto,
+                                 parallel_to_proto)
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
 from pdserve.pod.registrar import Registrar
-from pdserve.pod.sampling import engine_params, refuse_unsupported
+from pdserve.pod.sampling import engine_params, num_sequences, refuse_unsupported
 from pdserve.sampling import SamplingParams
 from pdserve.security import bind, grpc_options
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
@@ -161,14 +162,10 @@ class DecodeServer:
         return await asyncio.wrap_future(self.engine.call(fn))
 
     def _layout_of(self, pod: DecodePod) -> common_pb2.KVLayout:
-        mc = pod.engine.model_config
-        cache = pod.engine.executor.kv_cache
-        return common_pb2.KVLayout(
-            num_layers=mc.num_layers, block_size=pod.block_size, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, dtype=str(cache.dtype).removeprefix("torch."), tp_size=pod.tp,
-            dcp_size=pod.dcp, dcp_kv_cache_interleave_size=pod.interleave, pipeline_parallel_size=1,
-            num_blocks=pod.num_blocks, num_kv_heads_per_rank=cache.shape[4], use_mla=False,
-            element_size=cache.element_size())
+        layout = kv_layout_for_model(pod.engine.model_config, str(pod.engine.executor.kv_cache.dtype),
+                                     pod.block_size, tp_size=pod.tp, dcp_size=pod.dcp, interleave=pod.interleave,
+                                     num_blocks=pod.num_blocks)
+        return layout_to_proto(layout)
 
     # --- registry messages (router) ---
     def _model_shape_of(self, pod: DecodePod) -> common_pb2.ModelShape:
@@ -188,7 +185,8 @@ class DecodeServer:
             return None
         cfg = self.config
         return registry_pb2.RegisterWorkerRequest(
-            pod_id=cfg.serving.pod_id, role=common_pb2.ROLE_DECODE, address=self.address, kv_transfer_address="",
+            pod_id=cfg.serving.pod_id, role=common_pb2.ROLE_UNIFIED if cfg.unified else common_pb2.ROLE_DECODE,
+            address=self.address, kv_transfer_address="",
             model=cfg.serving.served_model_name or Path(cfg.engine.model).name, model_shape=self._model_shape,
             parallel=parallel_to_proto(cfg.engine.tensor_parallel_size, cfg.engine.decode_context_parallel_size,
                                        cfg.engine.dcp_kv_cache_interleave_size),
@@ -223,7 +221,11 @@ class DecodeServer:
             asyncio.get_running_loop().create_task(self._health.set(SERVICE_NAME,
                                                                     health_pb2.HealthCheckResponse.NOT_SERVING))
 
-    def make_source(self, req: decode_pb2.DecodeRequest) -> KVSource:
+    def make_source(self, req: decode_pb2.DecodeRequest) -> KVSource | None:
+        """Where the prompt KV comes from; None on a unified pod for a request without a KV handle (it computes
+        the prompt itself)."""
+        if self.config.unified and req.kv_handle.ByteSize() == 0:  # no handle, or an empty one
+            return None
         addr = req.kv_handle.kv_transfer_address
         if not addr:
             raise InvalidArgument("kv_handle.kv_transfer_address is empty")
@@ -234,8 +236,13 @@ class DecodeServer:
         if handoff.num_tokens != len(req.prompt_token_ids):
             raise InvalidArgument(f"kv_handle covers {handoff.num_tokens} tokens but the prompt has "
                                   f"{len(req.prompt_token_ids)}")
+        checksums = tuple(req.kv_handle.block_checksums)
+        if checksums and len(checksums) != -(-handoff.num_tokens // handoff.layout.block_size):
+            raise InvalidArgument(f"kv_handle has {len(checksums)} block checksums for {handoff.num_tokens} tokens in "
+                                  f"blocks of {handoff.layout.block_size}")
         return TransferKVSource(handoff.to_json(), handoff.num_tokens, self._puller_factory,
-                                self.config.kv_transfer_timeout_s)
+                                self.config.kv_transfer_timeout_s, checksums, handoff.layout.block_size,
+                                req.kv_handle.prefill_pod_id)
 
 
 def _transfer_modes(backend: str) -> list[int]:
@@ -332,10 +339,10 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         try:
             await self._start(request, params, source, events)
             started = True
-            stream = _TokenStream(params.logprobs, t_start)
+            stream = _TokenStream(params.logprobs, t_start, first_is_new=source is None)
             while not done:
-                chunk, done = stream.chunk(await _drain(events))
-                if chunk is not None:
+                chunks, done = stream.chunks(await _drain(events))
+                for chunk in chunks:
                     yield chunk
         finally:
             s.active_streams -= 1
@@ -343,7 +350,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 engine = s.engine
                 engine.call(lambda pod: engine.cancel(pod, request.request_id))
 
-    def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, KVSource]:
+    def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, KVSource | None]:
         """Field checks, sampling params and the KV source, before the engine is involved."""
         s = self.s
         problem = decode_request_problem(request)
@@ -356,7 +363,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         except ValueError as e:  # SamplingParamsError, or a KV source that cannot be built from the handle
             raise InvalidArgument(str(e)) from e
 
-    async def _start(self, request: decode_pb2.DecodeRequest, params: SamplingParams, source: KVSource,
+    async def _start(self, request: decode_pb2.DecodeRequest, params: SamplingParams, source: KVSource | None,
                      events: asyncio.Queue[RequestOutput | Failure]) -> None:
         """Take the reservation over (or queue) on the engine thread, subscribed to the request's events."""
         s = self.s
@@ -368,6 +375,19 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         def sink(ev: RequestOutput | Failure) -> None:
             aloop.call_soon_threadsafe(events.put_nowait, ev)
 
+        try:
+            n = num_sequences(request.sampling_params)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
+        if n == 1 or source is None:  # a unified pod samples every first token itself
+            firsts, first_lps = [request.first_token_id], [request.first_token_logprob]
+        elif len(request.first_token_ids) == n and len(request.first_token_logprobs) == n:
+            firsts, first_lps = list(request.first_token_ids), list(request.first_token_logprobs)
+        else:
+            raise InvalidArgument(f"sampling_params asks for {n} sequences: first_token_ids and first_token_logprobs "
+                                  f"must have {n} entries each, got {len(request.first_token_ids)} and "
+                                  f"{len(request.first_token_logprobs)}")
+
         def start(pod: DecodePod) -> None:
             reserved = rid in pod.reservations
             if draining and not reserved:
@@ -376,12 +396,14 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 raise RequestExists(f"request {rid!r} is already decoding on this pod")
             engine.subscribe(rid, sink)
             try:
-                out = pod.submit(rid, list(request.prompt_token_ids), params, request.first_token_id,
-                                 request.first_token_logprob, source)
+                if source is None:  # unified pod: the prompt is computed here, its tokens come from step()
+                    pod.submit_prompt(rid, list(request.prompt_token_ids), params, n)
+                    return
+                outs = pod.submit_all(rid, list(request.prompt_token_ids), params, firsts, first_lps, source)
             except BaseException:
                 engine.unsubscribe(rid)
                 raise
-            if out is not None:
+            for out in outs or ():
                 engine.emit(out)
 
         await s.call(start)
@@ -404,19 +426,35 @@ async def _drain(q: asyncio.Queue[RequestOutput | Failure]) -> list[RequestOutpu
 
 
 class _TokenStream:
-    """Turns a request's engine events into TokenChunks. The first output is prefill's first token (its KV
-    landed): not repeated in the stream. A Failure before it is the call's gRPC status (decode.proto); after it,
-    a final chunk with FINISH_REASON_ERROR."""
+    """Turns a request's engine events into TokenChunks, one per sequence (index) with news. Each sequence's first
+    output is prefill's first token (its KV landed): not repeated in the stream. A Failure before it is the call's
+    gRPC status (decode.proto); after it, a final chunk with FINISH_REASON_ERROR."""
 
-    def __init__(self, logprobs: bool, t_start: float) -> None:
+    def __init__(self, logprobs: bool, t_start: float, first_is_new: bool = False) -> None:
         self.logprobs = logprobs
         self.t_start = t_start
-        self.t_landed: float | None = None
+        # unified pod computing the prompt itself: the first output is a new token, streamed; no KV transfer
+        self.first_is_new = first_is_new
+        self.t_landed: float | None = t_start if first_is_new else None
+        self.landed: set[int] = set()  # sequences whose first token was seen
 
-    def chunk(self, evs: list[RequestOutput | Failure]) -> tuple[decode_pb2.TokenChunk | None, bool]:
-        """(the chunk to send, or None; whether the stream is done)."""
-        chunk = decode_pb2.TokenChunk()
-        done = False
+    def chunks(self, evs: list[RequestOutput | Failure]) -> tuple[list[decode_pb2.TokenChunk], bool]:
+        """(the chunks to send, whether the stream is done)."""
+        by_index: dict[int, list[RequestOutput | Failure]] = {}
+        for ev in evs:
+            by_index.setdefault(0 if isinstance(ev, Failure) else ev.index, []).append(ev)
+        out, done = [], False
+        for index, group in by_index.items():
+            chunk, ended = self.chunk(group, index)
+            done = done or ended
+            if chunk is not None:
+                out.append(chunk)
+        return out, done
+
+    def chunk(self, evs: list[RequestOutput | Failure], index: int = 0) -> tuple[decode_pb2.TokenChunk | None, bool]:
+        """(the chunk of sequence index to send, or None; whether the stream is done)."""
+        chunk = decode_pb2.TokenChunk(index=index)
+        done = ended = False
         for ev in evs:
             if isinstance(ev, Failure):
                 if self.t_landed is None:
@@ -428,6 +466,8 @@ class _TokenStream:
             if ev.new_token_ids:
                 if self.t_landed is None:
                     self.t_landed = time.monotonic()
+                if index not in self.landed and not self.first_is_new:
+                    self.landed.add(index)
                 else:
                     chunk.token_ids.extend(ev.new_token_ids)
                     if self.logprobs:
@@ -436,19 +476,24 @@ class _TokenStream:
                         if top is not None:
                             chunk.top_logprobs.add(token_ids=top[0], logprobs=top[1])
                 chunk.num_output_tokens = ev.completion_tokens
-            if ev.finished:
-                done = True
+            if ev.finish_reason is not None:  # this sequence ended (ev.finished: the whole request did)
+                done = ev.finished
+                ended = True
                 chunk.finish_reason = _FINISH[ev.finish_reason]
                 break
-        if done:
+        if ended or done:
             now = time.monotonic()
             landed = self.t_landed or now
             chunk.kv_transfer_s = landed - self.t_start
             chunk.decode_s = now - landed
-        return (chunk if chunk.token_ids or done else None), done
+        return (chunk if chunk.token_ids or done or ended else None), done
 
 
 def _layout_mismatch(prefill: common_pb2.KVLayout, mine: common_pb2.KVLayout) -> str | None:
+    if prefill.num_layers and prefill.use_mla != mine.use_mla:
+        kind = {True: "an MLA latent cache", False: "a K/V cache"}
+        return (f"prefill layout is {kind[prefill.use_mla]} but this decode pod has {kind[mine.use_mla]}: "
+                f"different models")
     for name in ("num_layers", "num_kv_heads", "head_dim"):
         a, b = getattr(prefill, name), getattr(mine, name)
         if a and a != b:

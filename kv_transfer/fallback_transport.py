@@ -41,7 +41,7 @@ class TcpPuller(BasePuller):
     def _read(self, src: _Source, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float) -> int:
         src.path = src.path or "tcp"
         # Bound the staging buffer: split a big group into sub-groups of at most staging_limit bytes.
-        per_layer = 2 * src.base.total_nbytes
+        per_layer = rp.planes_per_layer * src.base.total_nbytes
         step = max(1, self.staging_limit // max(per_layer, 1))
         return sum(
             self._read_group(src, handoff, rp, range(a, min(a + step, layers.stop)), deadline)
@@ -50,7 +50,8 @@ class TcpPuller(BasePuller):
 
     def _read_group(self, src: _Source, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float) -> int:
         plane_bytes = src.base.total_nbytes
-        total = plane_bytes * 2 * len(layers)
+        planes = rp.planes_per_layer
+        total = plane_bytes * planes * len(layers)
         if total == 0:
             return 0
         buf = getattr(self._tls, "staging", None)
@@ -75,9 +76,9 @@ class TcpPuller(BasePuller):
             raise TransferUnavailable(f"lease {handoff.lease_id}: short read from {src.session.endpoint}")
         # Only now touch the region: everything for the group arrived.
         for i, layer in enumerate(layers):
-            for kv in (0, 1):
-                plane = 2 * layer + kv
-                start = (2 * i + kv) * plane_bytes
+            for kv in range(planes):
+                plane = rp.plane_index(layer, kv)
+                start = (planes * i + kv) * plane_bytes
                 self.region_bytes.scatter(
                     buf[start : start + plane_bytes],
                     src.base.dst_offset + plane * rp.dst_plane_nbytes,

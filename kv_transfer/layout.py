@@ -1,10 +1,16 @@
 """One side's KV cache layout (docs/DESIGN.md "KV cache layout"), as byte arithmetic.
 
 Every rank holds one contiguous region shaped
-``[num_layers, 2, num_blocks, block_size, kv_heads_local, head_dim]``; the transfer code only ever
-sees that region as bytes, so everything here answers "which bytes": which kv heads a TP rank
-holds, which tokens a DCP rank holds (and at which local index), and the byte offset of one
-(layer, k/v, block, slot, local head) row.
+``[num_layers, 2, num_blocks, block_size, kv_heads_local, head_dim]`` (GQA), or
+``[num_layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` (MLA: one latent row per
+token, shared by all query heads, whole on every TP rank). The transfer code only ever sees that
+region as bytes, so everything here answers "which bytes": which kv heads a TP rank holds, which
+tokens a DCP rank holds (and at which local index), and the byte offset of one
+(layer, plane, block, slot, local head) row. A plane is one layer's K or V (GQA) or its latent
+(MLA); every plane of a region has the same geometry, which is what the planner relies on.
+
+MLA is described as a single KV "head" of ``head_dim = kv_lora_rank + qk_rope_head_dim`` that every
+TP rank replicates, with one plane per layer: all of GQA's head/token rules then hold unchanged.
 
 Scalar rules come from ``pdserve.parallel_config`` (the one module that owns vLLM's layout rules);
 the per-token helpers here are the same formulas written to also take numpy arrays, so the planner
@@ -63,6 +69,14 @@ class KVLayout:
     dcp_size: int = 1
     interleave: int = 1
     num_blocks: int = 0
+    use_mla: bool = False  # latent cache: one plane per layer, num_kv_heads 1, head_dim = the latent width
+
+    @classmethod
+    def mla(cls, num_layers: int, latent_dim: int, dtype: Any, block_size: int, tp_size: int = 1, dcp_size: int = 1,
+            interleave: int = 1, num_blocks: int = 0) -> "KVLayout":
+        """An MLA cache: ``latent_dim`` = kv_lora_rank + qk_rope_head_dim values per token and layer."""
+        return cls(num_layers=num_layers, num_kv_heads=1, head_dim=latent_dim, dtype=dtype, block_size=block_size,
+                   tp_size=tp_size, dcp_size=dcp_size, interleave=interleave, num_blocks=num_blocks, use_mla=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -71,6 +85,9 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks < 0:
             raise ValueError("KVLayout.num_blocks must be >= 0")
+        object.__setattr__(self, "use_mla", bool(self.use_mla))
+        if self.use_mla and self.num_kv_heads != 1:
+            raise ValueError(f"an MLA layout has one latent kv head, got num_kv_heads={self.num_kv_heads}")
         tp, kvh = self.tp_size, self.num_kv_heads
         if (tp <= kvh and kvh % tp) or (tp > kvh and tp % kvh):
             raise ValueError(f"tp_size {tp} and num_kv_heads {kvh}: one must divide the other")
@@ -126,8 +143,13 @@ class KVLayout:
         return _ITEMSIZE[self.dtype]
 
     @property
+    def kv_planes(self) -> int:
+        """Planes per layer: K and V (GQA), or the latent alone (MLA)."""
+        return 1 if self.use_mla else 2
+
+    @property
     def head_nbytes(self) -> int:
-        """One token's K (or V) for one head."""
+        """One token's K (or V, or MLA latent) for one head."""
         return self.head_dim * self.itemsize
 
     @property
@@ -139,16 +161,18 @@ class KVLayout:
     def block_nbytes(self) -> int:
         return self.block_size * self.token_nbytes
 
-    def region_shape(self, num_blocks: int | None = None) -> tuple[int, int, int, int, int, int]:
+    def region_shape(self, num_blocks: int | None = None) -> tuple[int, ...]:
         nb = self._num_blocks(num_blocks)
+        if self.use_mla:
+            return (self.num_layers, nb, self.block_size, self.head_dim)
         return (self.num_layers, 2, nb, self.block_size, self.kv_heads_per_rank, self.head_dim)
 
     def plane_nbytes(self, num_blocks: int | None = None) -> int:
-        """Bytes of one (layer, k/v) plane of a rank's region: the stride between planes."""
+        """Bytes of one plane (a layer's K, V or latent) of a rank's region: the stride between planes."""
         return self._num_blocks(num_blocks) * self.block_nbytes
 
     def region_nbytes(self, num_blocks: int | None = None) -> int:
-        return self.num_layers * 2 * self.plane_nbytes(num_blocks)
+        return self.num_layers * self.kv_planes * self.plane_nbytes(num_blocks)
 
     def byte_offset(
         self,
@@ -159,8 +183,8 @@ class KVLayout:
         local_head: int | IntOrArray = 0,
         num_blocks: int | None = None,
     ) -> IntOrArray:
-        """Offset of row (layer, k/v, block, slot-in-block, local head) inside a rank's region."""
-        plane = layer * 2 + kv
+        """Offset of row (layer, k/v, block, slot-in-block, local head) inside a rank's region (MLA: kv 0)."""
+        plane = layer * self.kv_planes + kv
         return (
             plane * self.plane_nbytes(num_blocks)
             + block * self.block_nbytes
@@ -171,11 +195,12 @@ class KVLayout:
     # ---- misc -------------------------------------------------------------------------------
     def same_model(self, other: "KVLayout") -> bool:
         """Both sides describe the same KV tensor (the only thing a re-shard cannot change)."""
-        return (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype) == (
+        return (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.use_mla) == (
             other.num_layers,
             other.num_kv_heads,
             other.head_dim,
             other.dtype,
+            other.use_mla,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -304,7 +304,7 @@ class NixlPuller(TcpPuller):
             return super()._read(src, handoff, rp, layers, deadline)
         src.path = "nixl"
         # One READ per at most max_read_bytes (or a staging buffer): a READ must finish well within its pin's TTL.
-        per_layer = 2 * (staged.stage_plane_nbytes if staged is not None else src.base.total_nbytes)
+        per_layer = rp.planes_per_layer * (staged.stage_plane_nbytes if staged is not None else src.base.total_nbytes)
         step = max(1, (self.stage_bytes if staged is not None else self.max_read_bytes) // max(per_layer, 1))
         return sum(
             self._read_nixl(src, peer, handoff, rp, range(a, min(a + step, layers.stop)), deadline, staged)
@@ -349,7 +349,7 @@ class NixlPuller(TcpPuller):
         staged: StagedPlan | None,
     ) -> int:
         base = src.base
-        planes = range(2 * layers.start, 2 * layers.stop)
+        planes = range(rp.plane_index(layers.start, 0), rp.plane_index(layers.stop, 0))
         # Lease check + pin: prefill keeps these blocks until our verified unpin (or the pin TTL).
         reply, _ = src.client.call(self._msg("pin", handoff, layers_needed=layers.stop))
         if staged is None:
@@ -363,7 +363,7 @@ class NixlPuller(TcpPuller):
         src.client.call(self._msg("unpin", handoff, pin=reply["pin"], verify=True))
         if staged is not None:  # only confirmed data reaches the region
             scatter(staged, stage, self.region, planes, rp.dst_plane_nbytes)
-        return int(base.nbytes.sum()) * 2 * len(layers)
+        return int(base.nbytes.sum()) * rp.planes_per_layer * len(layers)
 
     def _split(self, local: np.ndarray, remote: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """``parallel_reads`` parts of equal bytes (cuts on 4 KB multiples, a descriptor straddling a cut is cut
@@ -466,7 +466,7 @@ class NixlPuller(TcpPuller):
             if r not in peer.regions:
                 raise BadTransferRequest(f"{peer.agent} does not serve prefill rank {r}")
             addr, length, dev = peer.regions[r]
-            if length < rp.src_plane_nbytes * 2 * self.layout.num_layers:
+            if length < rp.src_plane_nbytes * rp.planes_per_layer * self.layout.num_layers:
                 raise BadTransferRequest(f"prefill rank {r} region is smaller than its layout says")
             m = staged.run_rank == r
             src_addr[m] = addr + staged.run_src_offset[m]
@@ -480,8 +480,9 @@ class NixlPuller(TcpPuller):
         return local, remote
 
     def _descs(self, base, peer: _NixlPeer, rp: RankPlan, layers: range) -> tuple[np.ndarray, np.ndarray]:
-        """Nx3 (address, length, device) arrays for every (layer, k/v) plane of the group."""
-        planes = np.array([2 * layer + kv for layer in layers for kv in (0, 1)], dtype=np.int64)
+        """Nx3 (address, length, device) arrays for every plane of the group's layers."""
+        planes = np.array([rp.plane_index(layer, kv) for layer in layers for kv in range(rp.planes_per_layer)],
+                          dtype=np.int64)
         n = len(base)
         src_addr = np.empty(n, np.int64)
         src_dev = np.empty(n, np.int64)
@@ -489,7 +490,7 @@ class NixlPuller(TcpPuller):
             if r not in peer.regions:
                 raise BadTransferRequest(f"{peer.agent} does not serve prefill rank {r}")
             addr, length, dev = peer.regions[r]
-            if length < rp.src_plane_nbytes * 2 * self.layout.num_layers:
+            if length < rp.src_plane_nbytes * rp.planes_per_layer * self.layout.num_layers:
                 raise BadTransferRequest(f"prefill rank {r} region is smaller than its layout says")
             m = base.src_rank == r
             src_addr[m] = addr + base.src_offset[m]

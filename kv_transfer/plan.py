@@ -1,13 +1,17 @@
 """Re-shard plan: which bytes of which prefill rank land where in each decode rank's region.
 
 A pure function of the two layouts and the block tables. The plan is computed once for the
-(layer 0, K) plane and shifted per (layer, k/v) plane, because every plane of a region has the
-same block/slot/head geometry: only the plane's base offset changes. That keeps an 8k-token,
+(layer 0, K) plane and shifted per plane (a layer's K or V; an MLA layer's latent), because every
+plane of a region has the same block/slot/head geometry: only the plane's base offset changes. That keeps an 8k-token,
 30-layer plan in the low milliseconds and lets a transport move any layer (group) on its own.
 
 Segments are byte copies ``(src_rank, src_offset, dst_offset, nbytes)``; adjacent rows that are
 contiguous on both sides (consecutive heads of a slot, consecutive slots of a block, and even
 consecutive blocks when both block tables happen to be consecutive) are merged into one.
+
+MLA caches are one replicated latent "head" with one plane per layer (see layout.py), so the same
+planner gives each decode rank exactly the tokens of its DCP shard, spread over the prefill ranks
+that all hold the whole latent.
 """
 
 from __future__ import annotations
@@ -71,14 +75,18 @@ class RankPlan:
     base: Segments
     src_plane_nbytes: int
     dst_plane_nbytes: int
+    planes_per_layer: int = 2  # K and V; 1 for an MLA latent cache
+
+    def plane_index(self, layer: int, kv: int) -> int:
+        return self.planes_per_layer * layer + kv
 
     def plane_segments(self, layer: int, kv: int) -> Segments:
-        plane = 2 * layer + kv
+        plane = self.plane_index(layer, kv)
         return self.base.shifted(plane * self.src_plane_nbytes, plane * self.dst_plane_nbytes)
 
     def layer_segments(self, layer: int) -> Segments:
-        """K then V of one layer."""
-        return Segments.concat([self.plane_segments(layer, 0), self.plane_segments(layer, 1)])
+        """Every plane of one layer (K then V, or the latent)."""
+        return Segments.concat([self.plane_segments(layer, kv) for kv in range(self.planes_per_layer)])
 
     def segments(self, layers: range) -> Segments:
         return Segments.concat([self.layer_segments(layer) for layer in layers])
@@ -88,7 +96,7 @@ class RankPlan:
 
     @property
     def nbytes_per_layer(self) -> int:
-        return 2 * self.base.total_nbytes
+        return self.planes_per_layer * self.base.total_nbytes
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,7 @@ def plan_reshard(
             base=_plan_rank_plane0(src, src_tables, dst, d, dst_table, tokens),
             src_plane_nbytes=src.plane_nbytes(),
             dst_plane_nbytes=dst.plane_nbytes(),
+            planes_per_layer=dst.kv_planes,
         )
     return ReshardPlan(src=src, dst=dst, num_tokens=num_tokens, layers=layers, ranks=ranks)
 
@@ -172,8 +181,9 @@ def _plan_rank_plane0(
     parts = []
     dst_heads = dst.kv_heads_of_rank(d)
     for h in dst_heads:
-        # Spread replicas: the i-th decode rank holding head h reads from the i-th replica.
-        spread = dst.ranks_holding_head(h).index(d)
+        # Spread replicas: the i-th decode rank reading these tokens of head h reads from the i-th replica
+        # (with MLA every rank holds the one latent head, and ranks of the same dcp_rank read the same tokens).
+        spread = [r for r in dst.ranks_holding_head(h) if dst.dcp_rank(r) == dst.dcp_rank(d)].index(d)
         src_rank = np.empty_like(toks, dtype=np.int32)
         head_off = np.empty_like(toks)
         for sd in range(src.dcp_size):

@@ -252,7 +252,7 @@ class Publisher(KVPublisher):
             self.leases.unpin(lease_id, pin)
 
     def _stream(self, conn: ServerConn, lease_id: str, pin: int, layers: range, ranks, offs, nbs) -> None:
-        plane_nbytes = self.layout.plane_nbytes()
+        plane_nbytes, planes = self.layout.plane_nbytes(), self.layout.kv_planes
         buf = np.empty(self.chunk_bytes, np.uint8)
         fill = 0
 
@@ -268,8 +268,8 @@ class Publisher(KVPublisher):
 
         rank_list, nb_list = ranks.tolist(), nbs.tolist()
         for layer in layers:
-            for kv in (0, 1):
-                base = (2 * layer + kv) * plane_nbytes
+            for kv in range(planes):
+                base = (planes * layer + kv) * plane_nbytes
                 for r, o, n in zip(rank_list, (offs + base).tolist(), nb_list):
                     src = self._bytes[r]
                     if n >= DIRECT_SEND_BYTES and not src.is_cuda:

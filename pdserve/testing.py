@@ -110,15 +110,13 @@ class EnginePrefill:
     def __init__(self, model: str | Path, *, num_kv_blocks: int = 512, block_size: int = 16,
                  lease_timeout_s: float = 120.0) -> None:
         from kv_transfer.factory import make_publisher
-        from kv_transfer.layout import KVLayout
         from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+        from pdserve.pod.convert import kv_layout_for_model
 
         self.engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size,
                                              enable_prefix_caching=False))
         mc, cache = self.engine.model_config, self.engine.executor.kv_cache
-        layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                          dtype=str(cache.dtype).removeprefix("torch."), block_size=block_size, tp_size=1,
-                          num_blocks=num_kv_blocks)
+        layout = kv_layout_for_model(mc, str(cache.dtype), block_size, num_blocks=num_kv_blocks)
         self.publisher = make_publisher(layout, {0: cache}, backend="tcp", lease_timeout_s=lease_timeout_s)
         self._done: dict[tuple[int, ...], tuple[str, int, float]] = {}  # prompt -> (request id, first, logprob)
 

@@ -32,6 +32,9 @@ class PrefillConfig:
     kv_host: str | None = field(default=None, metadata={
         "help": "listen host of the per-rank KV endpoints (default: the advertise host)"})
     lease_ttl_s: float = field(default=30.0, metadata={"help": "KV held this long without decode contact is freed"})
+    kv_checksum: bool = field(default=False, metadata={
+        "help": "send a checksum of each KV block with the hand-off; decode pods check what they read against it "
+                "(costs a pass over the prompt's KV on both sides: docs/performance.md)"})
     max_leases: int = field(default=1024, metadata={
         "help": "KV leases held at once; beyond that Prefill answers RESOURCE_EXHAUSTED"})
 

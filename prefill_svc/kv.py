@@ -68,6 +68,7 @@ class PrefillKVPublisher(KVConnectorWorker):
         self._freed: list[tuple[str, str]] = []  # (lease id, reason)
         self._errors: list[tuple[str, int, str]] = []  # (lease id, layer, what failed)
         self.wake: Callable[[], None] | None = None  # rank 0: nudges the engine loop when a lease is freed
+        self.region = runner.kv_cache
         self.publisher = make_publisher(spec.transport, self.layout, self.tp_rank, runner.kv_cache, spec.host,
                                         spec.lease_timeout_s, self._on_free, spec.auth_token, spec.tls)
 
@@ -100,6 +101,15 @@ class PrefillKVPublisher(KVConnectorWorker):
             except Exception as e:  # never break the forward pass; the engine thread fails the request
                 with self._lock:
                     self._errors.append((ls.lease_id, layer, repr(e)))
+
+    def checksums(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        """This rank's share of the request's per-block KV checksums (pdserve/pod/kv_checksum.py)."""
+        from pdserve.pod.kv_checksum import partial_checksums
+
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+        return partial_checksums(self.layout, self.tp_rank, self.region, block_ids, num_tokens,
+                                 self.layout.block_size)
 
     def take_finished(self) -> tuple[list[tuple[str, str]], list[tuple[str, int, str]]]:
         with self._lock:
@@ -143,6 +153,16 @@ class KVHost:
     def handoff(self, ls: LeaseStart) -> KVHandoff:
         return KVHandoff(ls.lease_id, ls.request_id, ls.num_tokens, self.layout,
                          [list(ls.block_ids)] * self.tp_size, list(self.endpoints), self.transport)
+
+    def checksums(self, ls: LeaseStart) -> list[int]:
+        """The per-block checksums of a lease's KV, over what every rank publishes (a collective over the pod)."""
+        from pdserve.pod.kv_checksum import combine
+
+        parts = self.engine.executor.connector_call("checksums", list(ls.block_ids), ls.num_tokens)
+        for rank, p in enumerate(parts):
+            if isinstance(p, BaseException):
+                raise RuntimeError(f"rank {rank} could not checksum its KV: {p!r}") from p
+        return combine(parts)
 
     def take(self, poll_others: bool) -> tuple[list[tuple[int, str, str]], list[tuple[int, str, int, str]]]:
         """(rank, lease id, reason) of leases freed since the last call, and (rank, lease id, layer, what) of

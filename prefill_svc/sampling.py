@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.pod.sampling import engine_params, refuse_unsupported
+from pdserve.pod.sampling import engine_params, num_sequences, refuse_unsupported
 from pdserve.sampling import SamplingParams, SamplingParamsError
 from pdserve_api.v1 import common_pb2 as pb
 
@@ -17,6 +17,8 @@ class ClientParams:
     stop_token_ids: frozenset[int]
     ignore_eos: bool
     min_tokens: int = 0
+    n: int = 1  # sequences sampled from the prompt's logits (SamplingParams n / best_of)
+    prompt_logprobs: int | None = None
 
 
 def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, ClientParams]:
@@ -34,5 +36,6 @@ def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, ClientPa
     # and min_tokens (capped at that one token) tell the sampler whether to mask EOS / stop tokens.
     params = engine_params(sp, max_tokens=1, ignore_eos=sp.ignore_eos, logprobs=True, min_tokens=min(sp.min_tokens, 1))
     client = ClientParams(sp.max_tokens if sp.HasField("max_tokens") else None, frozenset(sp.stop_token_ids),
-                          sp.ignore_eos, sp.min_tokens)
+                          sp.ignore_eos, sp.min_tokens, num_sequences(sp),
+                          sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None)
     return params, client

@@ -251,11 +251,23 @@ class PrefillServer:
         if res.first_token_top is not None:
             resp.first_token_top_logprobs.token_ids.extend(res.first_token_top[0])
             resp.first_token_top_logprobs.logprobs.extend(res.first_token_top[1])
+        for tok, lp, top, reason in res.firsts:
+            ft = resp.first_tokens.add(token_id=tok, logprob=lp, finished=reason is not None,
+                                       finish_reason=_FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED))
+            if top is not None:
+                ft.top_logprobs.token_ids.extend(top[0])
+                ft.top_logprobs.logprobs.extend(top[1])
+        if res.prompt_logprobs is not None:
+            resp.prompt_logprobs.SetInParent()
+            for lp, ids, lps in res.prompt_logprobs:
+                resp.prompt_logprobs.logprobs.append(lp)
+                resp.prompt_logprobs.top_logprobs.add(token_ids=ids, logprobs=lps)
         if res.finished:
             return resp
         if res.handoff is not None:
             kh = handoff_to_kv_handle(res.handoff, self.pod_id, res.ttl_s)
             kh.transfer_mode = mode
+            kh.block_checksums.extend(res.kv_checksums or ())
         else:  # no KV transport: the lease only holds the blocks (ReleaseKV / TTL)
             kh = pb.KVHandle(lease_id=res.lease_id, prefill_pod_id=self.pod_id,
                              num_layers=self.worker.layout.num_layers, num_tokens=res.num_prompt_tokens,

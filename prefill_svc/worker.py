@@ -28,6 +28,7 @@ from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.engine.shm import RankFailure
 from pdserve.errors import ServiceError
+from pdserve.pod.convert import kv_layout_for_model
 from pdserve.pod.engine_thread import EngineThread
 from pdserve.sampling import SamplingParams
 from prefill_svc.config import PrefillConfig
@@ -85,6 +86,10 @@ class PrefillResult:
     compute_s: float
     ttl_s: float
     first_token_top: tuple[list[int], list[float]] | None = None  # when top_logprobs > 0
+    # n > 1: every sequence's (token, logprob, top alternatives, finish reason or None), in index order.
+    firsts: list[tuple[int, float, tuple[list[int], list[float]] | None, str | None]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    kv_checksums: list[int] | None = None  # per logical KV block, when the pod computes them
 
 
 @dataclass
@@ -217,11 +222,10 @@ class PrefillWorker(KVConnectorScheduler):
         try:
             self.engine = LLMEngine(self.config.engine)
             mc = self.engine.model_config
-            self.layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                   dtype=str(self.engine.executor.kv_cache.dtype),
-                                   block_size=self.config.engine.block_size,
-                                   tp_size=self.config.engine.tensor_parallel_size,
-                                   num_blocks=self.config.engine.num_kv_blocks)
+            self.layout = kv_layout_for_model(mc, str(self.engine.executor.kv_cache.dtype),
+                                              self.config.engine.block_size,
+                                              tp_size=self.config.engine.tensor_parallel_size,
+                                              num_blocks=self.config.engine.num_kv_blocks)
             if self.config.kv_transport != "none":
                 self.kv = KVHost(self.engine, self.layout, self.config.kv_transport,
                                  self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,
@@ -280,8 +284,11 @@ class PrefillWorker(KVConnectorScheduler):
                     continue
                 if self._step_publishes:  # learn every rank's publish errors before answering
                     self._collect_freed(force_poll=True)
+                by_request: dict[str, list[Any]] = {}  # a request of n has n outputs (its first tokens)
                 for out in outputs:
-                    self._on_output(out)
+                    by_request.setdefault(out.request_id, []).append(out)
+                for outs in by_request.values():
+                    self._on_output(outs)
             self._update_stats()
             self._flush_settled()
 
@@ -330,7 +337,8 @@ class PrefillWorker(KVConnectorScheduler):
             ttl = ttl_s if (ttl_s and ttl_s > 0 and self.kv is None) else self.config.lease_ttl_s
             job = _Job(request_id, lease_id or new_lease_id(), len(prompt_ids), client, ttl, fut)
             try:
-                eng.add_request(prompt_ids, params, request_id, hold_kv=True)
+                eng.add_request(prompt_ids, params, request_id, hold_kv=True, n=client.n,
+                                prompt_logprobs=client.prompt_logprobs)
             except RequestError as e:
                 raise InvalidRequest(str(e)) from e
             self._jobs[request_id] = job
@@ -360,18 +368,27 @@ class PrefillWorker(KVConnectorScheduler):
             return KVConnectorMetadata(tuple(starts))
         return None
 
-    def _on_output(self, out: Any) -> None:
+    def _first_reason(self, job: _Job, tok: int) -> str | None:
+        """Why a sequence ends at its first token (None: it goes on to decode)."""
+        c, eng = job.client, self.engine
+        if c.min_tokens <= 1 and (tok in c.stop_token_ids or (tok in eng.eos_ids and not c.ignore_eos)):
+            return "stop"
+        if c.max_tokens == 1 or job.prompt_len + 1 >= eng.max_model_len:
+            return "length"
+        return None
+
+    def _on_output(self, outs: list[Any]) -> None:
+        """The first token(s) of one request: one output per sequence (n of them for parallel sampling)."""
         eng = self.engine
+        outs = sorted(outs, key=lambda o: o.index)
+        out = outs[0]
         job = self._jobs.pop(out.request_id, None)
         if job is None:
             return
         tok, lp = out.new_token_ids[0], out.new_logprobs[0]
-        c = job.client
-        reason = None
-        if c.min_tokens <= 1 and (tok in c.stop_token_ids or (tok in eng.eos_ids and not c.ignore_eos)):
-            reason = "stop"
-        elif c.max_tokens == 1 or job.prompt_len + 1 >= eng.max_model_len:
-            reason = "length"
+        reasons = [self._first_reason(job, o.new_token_ids[0]) for o in outs]
+        # The KV goes to decode unless every sequence already ended.
+        reason = reasons[0] if all(r is not None for r in reasons) else None
         seq = eng.held.get(out.request_id)
         table = list(seq.block_tables[0]) if seq is not None and seq.block_tables else []
         now = time.monotonic()
@@ -385,6 +402,7 @@ class PrefillWorker(KVConnectorScheduler):
         self._leases[job.lease_id] = lease
         self._lease_of_request[job.request_id] = job.lease_id
         handoff = None
+        checksums = None
         if error is not None:
             what = error[1]
             self._release(job.lease_id, "aborted")
@@ -395,10 +413,21 @@ class PrefillWorker(KVConnectorScheduler):
             self._release(job.lease_id, "aborted")  # nothing to transfer: the request is complete
         elif self.kv is not None and ls is not None:
             handoff = self.kv.handoff(ls)
+            if self.config.kv_checksum:
+                try:
+                    checksums = self.kv.checksums(ls)
+                except Exception as e:
+                    self._release(job.lease_id, "aborted")
+                    self._settle(job.future, exc=PrefillError(f"checksumming the KV failed: {e}"))
+                    self._emit("failed", job.request_id)
+                    return
         self._requests_finished += 1
         res = PrefillResult(job.request_id, tok, lp, job.prompt_len, out.cached_tokens, reason is not None, reason,
                             None if reason else job.lease_id, handoff, table, started - job.arrival, now - started,
-                            job.ttl_s, out.new_top_logprobs[0] if out.new_top_logprobs else None)
+                            job.ttl_s, out.new_top_logprobs[0] if out.new_top_logprobs else None,
+                            [(o.new_token_ids[0], o.new_logprobs[0], o.new_top_logprobs[0] if o.new_top_logprobs
+                              else None, r) for o, r in zip(outs, reasons)] if len(outs) > 1 else [],
+                            out.prompt_logprobs, checksums)
         self._settle(job.future, res)
         self._emit("first_token", job.request_id)
 

@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
+from pdserve.engine.config import MAX_N
 from pdserve.errors import ServiceError
 from pdserve.pod.sampling import structured_spec, unsupported_fields
 from pdserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParamsError
@@ -235,12 +236,17 @@ class RouterCore:
         reserve = self.config.reserve_output_tokens
         if max_tokens_eff is not None:
             reserve = min(reserve, max(0, max_tokens_eff - 1))
-        kv_tokens = len(prompt_ids) + reserve
+        # n sequences share the prompt's KV: each needs its own output room and a copy of the prompt's last block.
+        seqs = max(sp.n, sp.best_of, 1)
+        kv_tokens = len(prompt_ids) + seqs * reserve + (seqs - 1) * self.config.prefix_block_size
         if max_len:
             kv_tokens = min(kv_tokens, max_len)
+        want_logprobs = sp.logprobs or sp.top_logprobs > 0
+        if sp.best_of > max(sp.n, 1):
+            sp.logprobs = True  # the router ranks the candidates by cumulative logprob (want_logprobs: the client's)
         return Prepared(
             request_id=rid, prompt_ids=prompt_ids, params=sp, max_tokens=max_tokens,
-            want_logprobs=sp.logprobs or sp.top_logprobs > 0, kv_tokens=kv_tokens,
+            want_logprobs=want_logprobs, kv_tokens=kv_tokens,
             block_hashes=block_hashes(prompt_ids, self.config.prefix_block_size),
             affinity_key=prefix_key(prompt_ids, self.config.prefix_block_size, self.config.affinity_hash_blocks),
             prefill_only=max_tokens == 1,
@@ -367,6 +373,14 @@ def _check_sampling(sp: common_pb2.SamplingParams, vocab: int) -> None:
             f"{sorted(t for t in sp.logit_bias if t < 0 or t >= vocab)[:8]}")
     if any(not math.isfinite(v) for v in sp.logit_bias.values()):
         bad("logit_bias values must be finite numbers")
+    if sp.n < 0 or sp.n > MAX_N:
+        bad(f"n must be in [1, {MAX_N}] (0: 1), got {sp.n}")
+    if sp.best_of < 0 or sp.best_of > MAX_N:
+        bad(f"best_of must be in [1, {MAX_N}] (0: n), got {sp.best_of}")
+    if sp.best_of and sp.best_of < max(sp.n, 1):
+        bad(f"best_of must be greater than or equal to n, got n={max(sp.n, 1)} and best_of={sp.best_of}.")
+    if sp.HasField("prompt_logprobs") and not 0 <= sp.prompt_logprobs <= MAX_LOGPROBS:
+        bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {sp.prompt_logprobs}")
     # Well-formed but not implemented by pdserve's pods (they refuse the same list, pdserve/pod/sampling.py). Refused
     # here, before any pod is contacted: a pod refusing them mid-journey would cost KV round trips, or, at decode,
     # end a stream that already sent its first token in an error instead of a clean INVALID_ARGUMENT.

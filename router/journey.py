@@ -55,29 +55,49 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
     core.metrics.inflight.inc()
     deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
     ans = _Answer(core, request, prep, context, arrival)
-    out = OutputAssembler(core.tokenizer, stop=list(prep.params.stop), stop_token_ids=prep.params.stop_token_ids,
-                          eos_token_ids=core.eos_token_ids, ignore_eos=prep.params.ignore_eos,
-                          min_tokens=prep.params.min_tokens,
-                          skip_special_tokens=(prep.params.skip_special_tokens
-                                               if prep.params.HasField("skip_special_tokens") else True))
     try:
+        if core.registry.serves_unified():  # colocated pods compute the prompt themselves: no prefill pod, no KV
+            async with contextlib.aclosing(_unified(core, flight, prep, ans, deadline)) as tokens:
+                async for msg in tokens:
+                    yield msg
+            return
+
         # 2-4. Book decode KV, place prefill, AllocateKV, Prefill.
         pre = await _to_first_token(core, flight, prep, ans, deadline)
 
-        # 5. The first token goes to the client now (it came from prefill).
-        piece = out.add([pre.first_token_id], final=pre.finished)
-        msg = ans.message(piece.token_ids, piece.text, [pre.first_token_logprob], [pre.first_token_top_logprobs])
-        done = _ended(out, piece, ans.sent, prep.max_tokens,
-                      pre.finish_reason if pre.finished else common_pb2.FINISH_REASON_UNSPECIFIED)
-        if done is None and pre.finished:  # prefill says it is over even if it gave no known reason
-            done = (pre.finish_reason or common_pb2.FINISH_REASON_LENGTH, "")
-        if done is not None:
-            yield ans.finish(msg, *done)
+        # 5. The first token of every sequence goes to the client now (it came from prefill).
+        ch = _Choices(core, prep, ans)
+        if len(pre.first_tokens) > 1:
+            firsts = list(pre.first_tokens)
+        else:
+            firsts = [common_pb2.SampledToken(token_id=pre.first_token_id, logprob=pre.first_token_logprob,
+                                              top_logprobs=pre.first_token_top_logprobs, finished=pre.finished,
+                                              finish_reason=pre.finish_reason)]
+        if len(firsts) != ch.count:
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"the prefill pod returned {len(firsts)} first tokens for "
+                                                         f"{ch.count} sequences")
+        msgs = []
+        for i, ft in enumerate(firsts):
+            msg = ch.add(i, [ft.token_id], [ft.logprob], [ft.top_logprobs],
+                         ft.finish_reason if ft.finished else common_pb2.FINISH_REASON_UNSPECIFIED, first=True)
+            if ft.finished and not ch.done[i]:  # prefill says it is over even if it gave no known reason
+                ch.end(i, msg, ft.finish_reason or common_pb2.FINISH_REASON_LENGTH, "")
+            if i == 0 and pre.HasField("prompt_logprobs"):
+                msg.prompt_logprobs.CopyFrom(pre.prompt_logprobs)
+                msg.prompt_logprobs.token_ids[:] = prep.prompt_ids
+                tok = core.tokenizer
+                msg.prompt_logprobs.tokens[:] = [tok.decode([t], skip_special_tokens=False) for t in prep.prompt_ids]
+                for alt in msg.prompt_logprobs.top_logprobs:
+                    alt.tokens[:] = [tok.decode([t], skip_special_tokens=False) for t in alt.token_ids]
+            msgs.append(msg)
+        ch.pod_ended.update(i for i, ft in enumerate(firsts) if ft.finished)
+        for msg in ch.release(msgs):
+            yield msg
+        if ch.all_done:
             return
-        yield msg
 
-        # 6. Decode: the decode pod pulls the KV under the lease and streams the tokens after the first one.
-        async with contextlib.aclosing(_decode(core, flight, prep, pre, out, ans, deadline)) as tokens:
+        # 6. Decode: the decode pod pulls the KV under the lease and streams the tokens after the first ones.
+        async with contextlib.aclosing(_decode(core, flight, prep, pre, firsts, ch, ans, deadline)) as tokens:
             async for msg in tokens:
                 yield msg
 
@@ -144,18 +164,23 @@ async def _to_first_token(core: RouterCore, flight: Flight, prep: Prepared, ans:
 
 
 async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill_pb2.PrefillResponse,
-                  out: OutputAssembler, ans: _Answer, deadline: float | None
+                  firsts: list[common_pb2.SampledToken], ch: _Choices, ans: _Answer, deadline: float | None
                   ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-    """Step 6: the Decode stream, detokenized and cut at stop strings / max_tokens, as client messages."""
+    """Step 6: the Decode stream (chunks of the n sequences), detokenized and cut at stop strings / max_tokens per
+    sequence, as client messages."""
     ans.t_decode = time.monotonic()
     ended_normally = False
     pod = flight.decode_pod
     assert pod is not None  # booked in step 2 (prefill-only requests end at step 5)
-    stream = core.decode_stub(pod).Decode(decode_pb2.DecodeRequest(
+    req = decode_pb2.DecodeRequest(
         request_id=prep.request_id, prompt_token_ids=prep.prompt_ids, first_token_id=pre.first_token_id,
         first_token_logprob=pre.first_token_logprob, sampling_params=prep.params, kv_handle=pre.kv_handle,
-        num_cached_tokens=pre.num_cached_tokens),
-        timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
+        num_cached_tokens=pre.num_cached_tokens)
+    if ch.count > 1:
+        req.first_token_ids.extend(ft.token_id for ft in firsts)
+        req.first_token_logprobs.extend(ft.logprob for ft in firsts)
+    stream = core.decode_stub(pod).Decode(
+        req, timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
     try:
         while True:
             chunk = await flight.read(pod, stream)
@@ -163,35 +188,150 @@ async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill
                 raise _DecodeFailed("the decode stream ended without a final chunk")
             if chunk.token_ids or chunk.finish_reason in _FINISH:
                 flight.kv_consumed = True  # decode streams only once it holds every layer
-            ids = _new_tokens(chunk, ans.sent, prep.request_id)
-            if prep.max_tokens is not None:
-                ids = ids[:max(0, prep.max_tokens - ans.sent)]
+            i = chunk.index
+            if not 0 <= i < ch.count:
+                raise _DecodeFailed(f"decode pod {pod!r} sent a chunk for sequence {i} of {ch.count}")
             final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-            if final:
-                ans.timing.kv_transfer_s = chunk.kv_transfer_s
-                if chunk.finish_reason in _FINISH:
-                    flight.decode_done = ended_normally = True
-            piece = out.add(ids, final=final)
-            msg = ans.message(piece.token_ids, piece.text, list(chunk.logprobs), list(chunk.top_logprobs))
-            if final and chunk.finish_reason not in _FINISH and not out.finished:
+            if final and chunk.finish_reason not in _FINISH and not ch.done[i]:
                 if chunk.finish_reason == common_pb2.FINISH_REASON_CANCELLED and flight.cancelled:
                     raise Cancelled()
                 what = chunk.error_message or common_pb2.FinishReason.Name(chunk.finish_reason)
-                if msg.token_ids:
-                    yield msg
+                msg = ch.add(i, _new_tokens(chunk, ch.sent[i], prep.request_id), list(chunk.logprobs),
+                             list(chunk.top_logprobs), common_pb2.FINISH_REASON_UNSPECIFIED, final=True)
+                for m in ch.release([msg]) if msg.token_ids else ():
+                    yield m
                 raise _DecodeFailed(f"decode pod {flight.decode_pod!r} ended the request: {what}")
-            done = _ended(out, piece, ans.sent, prep.max_tokens, chunk.finish_reason)
-            if done is not None:
+            if final:
+                ch.pod_ended.add(i)
+                ans.timing.kv_transfer_s = chunk.kv_transfer_s
+            if ch.done[i]:  # ended here already (a stop string): the pod's rest of it is dropped
+                continue
+            msg = ch.add(i, _new_tokens(chunk, ch.sent[i], prep.request_id), list(chunk.logprobs),
+                         list(chunk.top_logprobs), chunk.finish_reason, final=final)
+            if ch.all_done:
                 ans.timing.decode_s = time.monotonic() - ans.t_decode
-                yield ans.finish(msg, *done)  # a router-side stop leaves the decode pod to the clean-up
-                return
-            if msg.token_ids or msg.text:
-                yield msg
+                flight.decode_done = ended_normally = len(ch.pod_ended) == ch.count
+            for m in ch.release([msg]):
+                yield m
+            if ch.all_done:
+                return  # a router-side stop leaves the decode pod to the clean-up
     finally:
         if ended_normally:
             core.spawn(_drain(stream, core.config.cleanup_timeout_s))  # collect the status off the hot path
         else:
             stream.cancel()
+
+
+async def _unified(core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer,
+                   deadline: float | None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+    """A unified pod's journey: book its KV as for a decode pod (queue if none has room), then one Decode call
+    without a KV handle; the pod prefills in its own engine and streams every token, the first one included."""
+    if prep.params.HasField("prompt_logprobs"):
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "prompt logprobs (echo with logprobs) are computed by prefill pods; this cluster serves "
+                           "through unified pods only: ask without them or add a prefill pod")
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    others = frozenset(v.pod_id for v in core.registry.decode_views((common_pb2.ROLE_DECODE,)))
+    try:
+        flight.admitted = await core.admission.admit(prep.kv_tokens, left, others,
+                                                     on_wait=lambda f: flight.set_pending(f))
+    except asyncio.CancelledError:
+        if flight.cancelled:
+            raise Cancelled() from None
+        raise
+    finally:
+        flight.set_pending(None)
+    ans.timing.queue_s = flight.admitted.queue_s
+    core.metrics.queue.observe(ans.timing.queue_s)
+    pod = flight.decode_pod = ans.routing.decode_pod_id = flight.admitted.pod_id
+    try:
+        async with contextlib.aclosing(_decode(core, flight, prep, prefill_pb2.PrefillResponse(), [],
+                                               _Choices(core, prep, ans), ans, deadline)) as tokens:
+            async for msg in tokens:
+                yield msg
+    except grpc.aio.AioRpcError as e:
+        if ans.sent:
+            raise
+        # before any token the pod's own status is the answer (a bad prompt is INVALID_ARGUMENT, not UNAVAILABLE)
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            core.registry.suspect(pod)
+        raise ServiceError(e.code(), f"unified pod {pod!r}: {e.details()}") from None
+
+
+class _Choices:
+    """The n sequences of a request as the client sees them: per sequence its detokenizer and stop rules, tokens
+    sent, whether it ended. With best_of > n the messages wait here until every candidate ended, and the n with the
+    highest cumulative logprob go out, renumbered in that order (vLLM / OpenAI best_of)."""
+
+    def __init__(self, core: RouterCore, prep: Prepared, ans: _Answer) -> None:
+        sp = prep.params
+        self.prep, self.ans = prep, ans
+        self.n = max(sp.n, 1)
+        self.count = max(self.n, sp.best_of)
+        self.outs = [OutputAssembler(core.tokenizer, stop=list(sp.stop), stop_token_ids=sp.stop_token_ids,
+                                     eos_token_ids=core.eos_token_ids, ignore_eos=sp.ignore_eos,
+                                     min_tokens=sp.min_tokens,
+                                     skip_special_tokens=(sp.skip_special_tokens
+                                                          if sp.HasField("skip_special_tokens") else True))
+                     for _ in range(self.count)]
+        self.sent = [0] * self.count
+        self.done = [False] * self.count
+        self.cum_logprob = [0.0] * self.count
+        self.pod_ended: set[int] = set()  # sequences the pods reported ended
+        self.buffered: list[list[router_pb2.GenerateResponse]] = [[] for _ in range(self.count)]
+
+    @property
+    def all_done(self) -> bool:
+        return all(self.done)
+
+    @property
+    def best_of(self) -> bool:
+        return self.count > self.n
+
+    def add(self, i: int, ids: list[int], logprobs: list[float], top: list[Any],
+            pod_reason: common_pb2.FinishReason, final: bool = False, first: bool = False
+            ) -> router_pb2.GenerateResponse:
+        """Sequence i's new tokens as a client message (ended, with its reason, when they complete it)."""
+        prep = self.prep
+        if prep.max_tokens is not None:
+            ids = ids[:max(0, prep.max_tokens - self.sent[i])]
+        piece = self.outs[i].add(ids, final=final or pod_reason != common_pb2.FINISH_REASON_UNSPECIFIED)
+        self.cum_logprob[i] += sum(logprobs[:len(piece.token_ids)])
+        msg = self.ans.message(piece.token_ids, piece.text, logprobs, top)
+        msg.index = i
+        self.sent[i] += len(piece.token_ids)
+        done = _ended(self.outs[i], piece, self.sent[i], prep.max_tokens, pod_reason)
+        if done is not None:
+            self.end(i, msg, *done)
+        return msg
+
+    def end(self, i: int, msg: router_pb2.GenerateResponse, reason: common_pb2.FinishReason, stop: str) -> None:
+        self.done[i] = True
+        msg.finish_reason = reason
+        msg.stop_reason = stop
+
+    def release(self, msgs: list[router_pb2.GenerateResponse]) -> list[router_pb2.GenerateResponse]:
+        """What goes to the client now: msgs (or, with best_of, nothing until all ended, then the chosen ones). The
+        request's last message carries usage, timing and routing."""
+        if self.best_of:
+            for m in msgs:
+                self.buffered[m.index].append(m)
+            if not self.all_done:
+                return []
+            ranked = sorted(range(self.count), key=lambda k: -self.cum_logprob[k])[:self.n]
+            msgs = []
+            for new, k in enumerate(ranked):
+                for m in self.buffered[k]:
+                    m.index = new
+                    msgs.append(m)
+            self.ans.sent = sum(self.sent[k] for k in ranked)  # usage counts the returned sequences, as vLLM does
+        else:
+            msgs = [m for m in msgs if m.token_ids or m.text or m.finish_reason
+                    or m.HasField("prompt_logprobs") or m.prompt_token_ids]
+        if self.all_done and msgs:
+            last = msgs[-1]
+            self.ans.finish(last, last.finish_reason, last.stop_reason)
+        return msgs
 
 
 class _Answer:

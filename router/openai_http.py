@@ -15,15 +15,16 @@ side: how this front reaches a router that serves TLS.
 
 Supported request fields: model, prompt (text, token ids, or a list of either) / messages (text content or text
 parts), max_tokens / max_completion_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty,
-logit_bias, logprobs (completions: an int; chat: a bool with top_logprobs), echo (completions, text prompts, without
-logprobs), stream, stream_options.include_usage, n=1, user (ignored), plus vLLM's extras top_k, min_p, min_tokens,
+logit_bias, logprobs (completions: an int; chat: a bool with top_logprobs), echo (completions, text prompts; with
+logprobs the prompt tokens' logprobs too), n (the prompt is prefilled once for all n), best_of (completions, not
+streamed), stream, stream_options.include_usage, user (ignored), plus vLLM's extras top_k, min_p, min_tokens,
 repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids. Structured output:
 response_format (text, json_object, json_schema) and vLLM's guided_json, guided_regex, guided_choice, guided_grammar
 (guided_decoding_backend "xgrammar"), on both endpoints. Chat tools: tools, tool_choice (none, auto, required, a
 named function) and parallel_tool_calls; tools go to the chat template, calls come back as tool_calls (parsed with
 the --tool-call-parser; with required or a named function the arguments are constrained by the function's JSON
-schema). Any other OpenAI field with a non-default value (echo with logprobs, best_of > 1, n > 1, functions, ...)
-is refused with a 400 rather than silently ignored.
+schema). Any other OpenAI field with a non-default value (functions, suffix, ...) is refused with a 400 rather than
+silently ignored.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import grpc
 from aiohttp import web
 
 from pdserve.client import AsyncClient, PdserveError
+from pdserve.engine.config import MAX_N
 from pdserve.client.aio import AsyncGenerateStream
 from pdserve.client.types import GenerateChunk
 from pdserve.security import TLSConfig, check_https_serving, secrets_match
@@ -131,6 +133,7 @@ class Parsed:
     tools: list[dict[str, Any]] | None = None  # what the chat template gets (None: tool_choice none / no tools)
     tool_choice: str = "none"  # none, auto, required, or "function" (named)
     tool_name: str = ""  # the named function
+    n: int = 1
 
 
 def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -243,8 +246,10 @@ def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: i
     if not isinstance(model, str):
         raise bad("'model' must be a string", "model")
     n = body.get("n")
-    if n is not None and n != 1:
-        raise bad("only n=1 is supported", "n")
+    if n is None:
+        n = 1
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise bad(f"'n' must be an integer in [1, {MAX_N}]", "n")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -322,7 +327,9 @@ def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: i
     structured = _structured(body)
     if structured is not None:
         s["structured_output"] = structured
-    return Parsed(model=model, stream=stream, include_usage=include_usage, sampling=s, request_id=rid,
+    if n > 1:
+        s["n"] = n
+    return Parsed(model=model, stream=stream, include_usage=include_usage, sampling=s, request_id=rid, n=n,
                   tokens_as_ids=bool(as_ids))
 
 
@@ -345,10 +352,17 @@ def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]
         if lp < 0:
             raise bad("`logprobs` must be a positive value.", "logprobs")
         if p.echo:
-            raise bad("echo with logprobs (prompt logprobs) is not supported", "echo")
+            p.sampling["prompt_logprobs"] = lp
         _want_logprobs(p, lp)
-    if body.get("best_of") not in (None, 1):
-        raise bad("only best_of=1 is supported", "best_of")
+    best_of = body.get("best_of")
+    if best_of is not None:
+        if not _is_int(best_of) or not p.n <= best_of <= MAX_N:
+            raise bad(f"best_of must be an integer in [n, {MAX_N}] (n={p.n}), got {best_of!r}", "best_of")
+        if best_of > p.n:
+            if p.stream:
+                raise bad("best_of > n cannot be streamed: the best sequences are known only when all end",
+                          "best_of")
+            p.sampling["best_of"] = best_of
     if body.get("suffix"):
         raise bad("suffix is not supported", "suffix")
     if "prompt" not in body or body["prompt"] is None:
@@ -474,6 +488,25 @@ def completion_logprobs(c: Any, as_ids: bool, offset: int = 0) -> dict[str, Any]
         offsets.append(offset)
         offset += len(texts[i]) if i < len(texts) else 0
     return {"tokens": toks, "token_logprobs": lps[:len(toks)], "top_logprobs": top_out, "text_offset": offsets}
+
+
+def echo_logprobs(pl: Any, as_ids: bool) -> dict[str, list[Any]]:
+    """The prompt's part of an echoed completions logprobs object: its tokens, their logprobs (None for the first,
+    as OpenAI), alternatives (each also holding the prompt token itself, like vLLM) and text offsets from 0."""
+    toks = [_tok(t, pl.tokens[i] if i < len(pl.tokens) else "", as_ids) for i, t in enumerate(pl.token_ids)]
+    tops: list[dict[str, float] | None] = []
+    offsets, at = [], 0
+    for i, tok in enumerate(toks):
+        alts, names = pl.top_logprobs[i], pl.top_tokens[i]
+        if alts is None:
+            tops.append(None)
+        else:
+            d = {_tok(a, names.get(a, ""), as_ids): lp for a, lp in alts.items()}
+            d.setdefault(tok, pl.logprobs[i])
+            tops.append(d)
+        offsets.append(at)
+        at += len(pl.tokens[i]) if i < len(pl.tokens) else 0
+    return {"tokens": toks, "token_logprobs": list(pl.logprobs), "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(c: Any, as_ids: bool) -> dict[str, Any]:
@@ -634,35 +667,55 @@ class OpenAIHttpServer:
         model = await self._response_model(p.model)
 
         want_lp = p.top_logprobs is not None
-        echo = [pr if p.echo and isinstance(pr, str) else "" for pr in prompts]
-        offsets = [0] * len(prompts)  # text_offset of the next token, per choice
 
-        def choice(i: int, text: str, finish: str | None, c: Any = None) -> dict[str, Any]:
+        n = p.n
+        # Choice k of prompt i is index i * n + k (OpenAI's and vLLM's numbering); each echoes its prompt once.
+        echo = [pr if p.echo and isinstance(pr, str) else "" for pr in prompts for _ in range(n)]
+        offsets = [0] * (len(prompts) * n)  # text_offset of the next token, per choice
+        prompt_lps: dict[int, Any] = {}  # prompt i -> its prompt logprobs (echo with logprobs), until sent
+
+        head_sent: set[int] = set()  # choices whose logprobs already began with the echoed prompt's
+
+        def choice(j: int, text: str, finish: str | None, c: Any = None) -> dict[str, Any]:
             lp = None
             if want_lp and c is not None:
-                lp = completion_logprobs(c, p.tokens_as_ids, offsets[i])
-                offsets[i] = (lp["text_offset"][-1] + len(c.tokens[-1])) if c.token_ids and c.tokens else offsets[i]
-            return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+                head = None
+                if j // n in prompt_lps and j not in head_sent:  # echo with logprobs: the prompt's come first
+                    head_sent.add(j)
+                    head = echo_logprobs(prompt_lps[j // n], p.tokens_as_ids)
+                    offsets[j] = len(prompts[j // n])
+                lp = completion_logprobs(c, p.tokens_as_ids, offsets[j])
+                offsets[j] = (lp["text_offset"][-1] + len(c.tokens[-1])) if c.token_ids and c.tokens else offsets[j]
+                if head is not None:
+                    lp = {k: head[k] + lp[k] for k in lp}
+            return {"index": j, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if not p.stream:
             comps = await self._gather(streams)
             usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-            for c in comps:
+            out = []
+            for i, c in enumerate(comps):
                 for k, v in _usage(c.usage).items():
                     if isinstance(v, int):
                         usage[k] += v
-            return web.json_response({
-                "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [choice(i, echo[i] + c.text, _FINISH.get(c.finish_reason or "", c.finish_reason), c)
-                            for i, c in enumerate(comps)],
-                "usage": usage})
+                if c.prompt_logprobs is not None:
+                    prompt_lps[i] = c.prompt_logprobs
+                for sub in (c.choices or [c]):
+                    j = i * n + sub.index
+                    out.append(choice(j, echo[j] + sub.text, _FINISH.get(sub.finish_reason or "", sub.finish_reason),
+                                      sub))
+            return web.json_response({"id": cid, "object": "text_completion", "created": int(time.time()),
+                                      "model": model, "choices": out, "usage": usage})
 
         def frame(i: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
-            if not chunk.text and not chunk.finished and not (want_lp and chunk.token_ids) and not echo[i]:
+            j = i * n + chunk.index
+            if chunk.prompt_logprobs is not None:
+                prompt_lps[i] = chunk.prompt_logprobs
+            if not chunk.text and not chunk.finished and not (want_lp and chunk.token_ids) and not echo[j]:
                 return []
-            text, echo[i] = echo[i] + chunk.text, ""  # the prompt goes out once, ahead of the first tokens
+            text, echo[j] = echo[j] + chunk.text, ""  # the prompt goes out once, ahead of the first tokens
             return [{"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                     "choices": [choice(i, text, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason)
+                     "choices": [choice(j, text, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason)
                                         if chunk.finished else None, chunk)]}]
 
         def usage_frame(total: dict[str, int]) -> dict[str, Any]:
@@ -687,64 +740,72 @@ class OpenAIHttpServer:
 
         if not p.stream:
             (c,) = await self._gather([stream])
-            content, calls = self._tool_calls(p, c.text)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
             return web.json_response({
                 "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": chat_logprobs(c, p.tokens_as_ids) if want_lp else None,
-                             "finish_reason": finish_of(c.finish_reason, calls)}],
+                "choices": [self._chat_choice(p, ch, want_lp, finish_of) for ch in (c.choices or [c])],
                 "usage": _usage(c.usage)})
 
-        def chunk_obj(delta: dict[str, Any], finish: str | None, lp: Any = None) -> dict[str, Any]:
+        def chunk_obj(delta: dict[str, Any], finish: str | None, lp: Any = None, index: int = 0) -> dict[str, Any]:
             return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
         marker = self.tool_parser.start_marker
-        text_so_far = [""]  # all the text; with tools, what is not sent yet starts at sent[0]
-        sent = [0]
+        text_so_far: dict[int, str] = {}  # per choice: all its text; with tools, what is not sent yet starts at sent
+        sent: dict[int, int] = {}
 
         def frame(i: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
             out = []
             if p.tool_choice == "none":
                 if chunk.text or (want_lp and chunk.token_ids):
                     out.append(chunk_obj({"content": chunk.text}, None,
-                                         chat_logprobs(chunk, p.tokens_as_ids) if want_lp else None))
+                                         chat_logprobs(chunk, p.tokens_as_ids) if want_lp else None, chunk.index))
                 if chunk.finished:
-                    out.append(chunk_obj({}, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason)))
+                    out.append(chunk_obj({}, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason),
+                                         index=chunk.index))
                 return out
             # With tools: auto streams text until a call may be starting (held back from a possible marker on);
-            # required / named calls, and every call, go out whole when the generation ends.
-            text_so_far[0] += chunk.text
-            full = text_so_far[0]
+            # required / named calls, and every call, go out whole when the generation ends. Per choice index.
+            k = chunk.index
+            text_so_far[k] = full = text_so_far.get(k, "") + chunk.text
+            done = sent.get(k, 0)
             if p.tool_choice == "auto" and not chunk.finished and marker not in full:
                 upto = len(full)
-                for k in range(1, len(marker)):
-                    if full.endswith(marker[:k]):
-                        upto = len(full) - k
-                if upto > sent[0]:
-                    out.append(chunk_obj({"content": full[sent[0]:upto]}, None))
-                    sent[0] = upto
+                for j in range(1, len(marker)):
+                    if full.endswith(marker[:j]):
+                        upto = len(full) - j
+                if upto > done:
+                    out.append(chunk_obj({"content": full[done:upto]}, None, index=k))
+                    sent[k] = done = upto
             if chunk.finished:
                 content, calls = self._tool_calls(p, full)
                 if calls:
-                    rest = (content or "")[sent[0]:] if content and len(content) > sent[0] else ""
+                    rest = (content or "")[done:] if content and len(content) > done else ""
                     if rest:
-                        out.append(chunk_obj({"content": rest}, None))
-                    out.append(chunk_obj({"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]}, None))
-                elif len(full) > sent[0]:
-                    out.append(chunk_obj({"content": full[sent[0]:]}, None))
-                out.append(chunk_obj({}, finish_of(chunk.finish_reason, calls)))
+                        out.append(chunk_obj({"content": rest}, None, index=k))
+                    out.append(chunk_obj({"tool_calls": [dict(c, index=j) for j, c in enumerate(calls)]}, None,
+                                         index=k))
+                elif len(full) > done:
+                    out.append(chunk_obj({"content": full[done:]}, None, index=k))
+                out.append(chunk_obj({}, finish_of(chunk.finish_reason, calls), index=k))
             return out
 
         def usage_frame(total: dict[str, int]) -> dict[str, Any]:
             return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                     "choices": [], "usage": total}
 
-        head = [chunk_obj({"role": "assistant", "content": ""}, None)]
+        head = [chunk_obj({"role": "assistant", "content": ""}, None, index=k) for k in range(p.n)]
         return await self._stream(request, [stream], frame, head, usage_frame if p.include_usage else None)
+
+    def _chat_choice(self, p: Parsed, c: Any, want_lp: bool,
+                     finish_of: Callable[[str | None, list[dict[str, Any]]], str | None]) -> dict[str, Any]:
+        """One finished chat choice: its message (tool calls parsed out of the text) and finish reason."""
+        content, calls = self._tool_calls(p, c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": c.index, "message": message,
+                "logprobs": chat_logprobs(c, p.tokens_as_ids) if want_lp else None,
+                "finish_reason": finish_of(c.finish_reason, calls)}
 
     def _tool_calls(self, p: Parsed, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The message's content and OpenAI tool_calls for a finished generation."""
@@ -813,9 +874,7 @@ class OpenAIHttpServer:
                      ) -> AsyncIterator[tuple[int, Any]]:
         if len(streams) == 1:
             yield 0, firsts[0]
-            if firsts[0].finished:
-                return
-            try:
+            try:  # a finished stream stops at once (a finished chunk may end only one of n sequences)
                 async for c in streams[0]:
                     yield 0, c
             except PdserveError as e:
@@ -826,9 +885,8 @@ class OpenAIHttpServer:
         async def pump(i: int, s: AsyncGenerateStream, first: GenerateChunk) -> None:
             await queue.put((i, first))
             try:
-                if not first.finished:
-                    async for c in s:
-                        await queue.put((i, c))
+                async for c in s:
+                    await queue.put((i, c))
             except PdserveError as e:
                 await queue.put((i, e))
             finally:

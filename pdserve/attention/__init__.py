@@ -1,4 +1,4 @@
-"""Attention backends: pick flashinfer on CUDA when installed, else the torch CPU backend."""
+"""Attention backends: pick flashinfer on CUDA when installed, else the torch backend (CPU, or CUDA as fallback)."""
 from __future__ import annotations
 
 import logging
@@ -22,8 +22,9 @@ def select_backend(device: torch.device | str = "cpu", prefer: str | None = None
             from pdserve.attention.flashinfer_backend import FlashInferAttentionBackend
 
             backend: AttentionBackend = FlashInferAttentionBackend(device)
-        except ImportError as e:
-            log.warning("flashinfer requested but not importable (%s); using the torch backend", e)
+        except (ImportError, OSError, RuntimeError) as e:  # absent, or built for another CUDA / driver
+            log.warning("flashinfer requested but not usable (%s: %s); using the torch backend on %s",
+                        type(e).__name__, e, device)
             from pdserve.attention.torch_backend import TorchAttentionBackend
 
             backend = TorchAttentionBackend()
@@ -36,10 +37,22 @@ def select_backend(device: torch.device | str = "cpu", prefer: str | None = None
 
 
 def select_mla_backend(backend: AttentionBackend) -> MLAAttentionBackend:
-    """The MLA kernels to pair with the chosen attention backend (torch's everywhere until an MLA GPU backend lands)."""
+    """The MLA kernels to pair with the chosen attention backend: flashinfer's MLA decode next to its GQA kernels
+    (CUDA), the torch ones everywhere else."""
     from pdserve.attention.torch_mla import TorchMLABackend
 
-    if backend.name != "torch":
-        log.warning("attention backend %s has no MLA kernels; MLA layers use the torch ones", backend.name)
-    log.info("MLA attention backend: torch")
-    return TorchMLABackend()
+    mla: MLAAttentionBackend
+    if backend.name == "flashinfer":
+        try:
+            from pdserve.attention.flashinfer_mla import FlashInferMLABackend
+
+            mla = FlashInferMLABackend(getattr(backend, "device", torch.device("cuda")))
+        except (ImportError, AttributeError) as e:  # a flashinfer without the MLA wrapper
+            log.warning("flashinfer has no usable MLA wrapper (%s); MLA layers use the torch kernels", e)
+            mla = TorchMLABackend()
+    else:
+        if backend.name != "torch":
+            log.warning("attention backend %s has no MLA kernels; MLA layers use the torch ones", backend.name)
+        mla = TorchMLABackend()
+    log.info("MLA attention backend: %s", mla.name)
+    return mla

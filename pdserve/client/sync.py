@@ -76,7 +76,7 @@ class GenerateStream:
         self._done = False
         self._failed: PdserveError | None = None
         self._got_message = False
-        self._builder = CompletionBuilder(request.request_id)
+        self._builder = CompletionBuilder(request.request_id, max(request.sampling_params.n, 1))
         self._t0 = time.monotonic()
         self._t_first: float | None = None
         self._t_end: float | None = None
@@ -236,10 +236,8 @@ class GenerateStream:
         self._got_message = True
         if self._t_first is None and len(msg.token_ids):
             self._t_first = now
-        final = msg.finish_reason != 0
-        chunk = chunk_from_proto(msg, self.client_ttft_s, (now - self._t0) if final else None)
-        self._builder.add(chunk)
-        if final:
+        chunk = chunk_from_proto(msg, self.client_ttft_s, (now - self._t0) if msg.finish_reason != 0 else None)
+        if self._builder.add(chunk):  # the request ended (all n sequences)
             if chunk.finish_reason == "error":
                 self._failed = GenerationFailedError(
                     chunk.error_message or "the request failed after tokens were streamed",

@@ -95,10 +95,30 @@ class GenerateChunk:
     error_message: str = ""
     tokens: list[str] = field(default_factory=list)  # each token's own text, when logprobs are returned
     top_tokens: list[dict[int, str]] = field(default_factory=list)  # the text of each top_logprobs alternative
+    index: int = 0  # which of the request's n sequences (n > 1); each ends with its own finished chunk
+    prompt_logprobs: PromptLogprobs | None = None  # first chunk, when prompt_logprobs was asked for
 
     @property
     def finished(self) -> bool:
+        """This chunk ends its sequence (with n == 1: the request)."""
         return self.finish_reason is not None
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's tokens with their logprobs (position 0 has none: None) and top alternatives."""
+
+    token_ids: list[int]
+    tokens: list[str]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+    top_tokens: list[dict[int, str] | None]
+
+    @classmethod
+    def from_proto(cls, p: common_pb2.PromptLogprobs) -> "PromptLogprobs":
+        return cls(list(p.token_ids), list(p.tokens), [None, *p.logprobs],
+                   [None, *(dict(zip(t.token_ids, t.logprobs)) for t in p.top_logprobs)],
+                   [None, *(dict(zip(t.token_ids, t.tokens)) for t in p.top_logprobs)])
 
 
 @dataclass
@@ -119,6 +139,10 @@ class Completion:
     error_message: str = ""
     tokens: list[str] | None = None  # each token's own text, when logprobs were asked for
     top_tokens: list[dict[int, str]] | None = None  # the text of each top_logprobs alternative
+    # n > 1: every sequence's completion in index order (the fields above are choice 0's, usage the request's).
+    choices: list[Completion] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    index: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -129,8 +153,12 @@ class Completion:
 class CompletionBuilder:
     """Accumulates chunks into a Completion (used by the streams and by the whole-text calls)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, n: int = 1) -> None:
         self.request_id = request_id
+        self.n = n
+        self.subs: dict[int, CompletionBuilder] = {}  # n > 1: one builder per sequence
+        self.ended: set[int] = set()
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -141,7 +169,25 @@ class CompletionBuilder:
         self.prompt_token_ids: list[int] | None = None
         self.last: GenerateChunk | None = None
 
-    def add(self, c: GenerateChunk) -> None:
+    def add(self, c: GenerateChunk) -> bool:
+        """Take a chunk; True when it ends the request (every sequence ended, or a cancel / error ended all)."""
+        if c.prompt_logprobs is not None:
+            self.prompt_logprobs = c.prompt_logprobs
+        if self.n == 1:
+            self._add(c)
+            return c.finished
+        self.subs.setdefault(c.index, CompletionBuilder(self.request_id))._add(c)
+        if c.index == 0:
+            self._add(c)
+            self.last = None
+        if c.finished:
+            self.ended.add(c.index)
+        if c.finished and (len(self.ended) >= self.n or c.finish_reason in ("cancelled", "error")):
+            self.last = c
+            return True
+        return False
+
+    def _add(self, c: GenerateChunk) -> None:
         self.request_id = c.request_id or self.request_id
         self.text_parts.append(c.text)
         self.token_ids.extend(c.token_ids)
@@ -163,6 +209,11 @@ class CompletionBuilder:
     def build(self, finish_reason: str | None = None, client_ttft_s: float | None = None,
               client_e2e_s: float | None = None) -> Completion:
         last = self.last
+        # A sequence that never ended on its own (the request was cancelled / failed) takes the request's reason.
+        fallback = finish_reason if finish_reason is not None else (last.finish_reason if last else None)
+        first = self.subs.get(0)
+        if self.n > 1 and finish_reason is None and first is not None and first.last is not None:
+            finish_reason = first.last.finish_reason  # the top-level fields are choice 0's
         usage = last.usage if last is not None and last.usage is not None else Usage(
             completion_tokens=len(self.token_ids))
         timing = last.timing if last is not None and last.timing is not None else Timing()
@@ -176,7 +227,17 @@ class CompletionBuilder:
             top_logprobs=list(self.top_logprobs) if self.top_logprobs else None,
             prompt_token_ids=self.prompt_token_ids, error_message=last.error_message if last else "",
             tokens=list(self.tokens) if self.want_logprobs else None,
-            top_tokens=list(self.top_tokens) if self.top_tokens else None)
+            top_tokens=list(self.top_tokens) if self.top_tokens else None,
+            choices=None if self.n == 1 else [self._choice(i, fallback) for i in range(self.n)],
+            prompt_logprobs=self.prompt_logprobs)
+
+    def _choice(self, i: int, finish_reason: str | None) -> Completion:
+        sub = self.subs.get(i) or CompletionBuilder(self.request_id)
+        own = sub.last.finish_reason if sub.last is not None else finish_reason
+        c = sub.build(own)
+        c.index = i
+        c.usage = Usage(completion_tokens=len(c.token_ids))
+        return c
 
 
 def chunk_from_proto(m: router_pb2.GenerateResponse, client_ttft_s: float | None = None,
@@ -186,9 +247,11 @@ def chunk_from_proto(m: router_pb2.GenerateResponse, client_ttft_s: float | None
         request_id=m.request_id, token_ids=list(m.token_ids), text=m.text, logprobs=list(m.logprobs),
         top_logprobs=[dict(zip(t.token_ids, t.logprobs)) for t in m.top_logprobs],
         finish_reason=finish_reason_name(m.finish_reason), stop_reason=m.stop_reason,
-        usage=Usage.from_proto(m.usage) if final else None,
-        timing=Timing.from_proto(m.timing, client_ttft_s, client_e2e_s) if final else None,
-        routing=Routing.from_proto(m.routing) if final else None,
+        usage=Usage.from_proto(m.usage) if final and m.HasField("usage") else None,
+        timing=Timing.from_proto(m.timing, client_ttft_s, client_e2e_s) if final and m.HasField("timing") else None,
+        routing=Routing.from_proto(m.routing) if final and m.HasField("routing") else None,
+        index=m.index, prompt_logprobs=(PromptLogprobs.from_proto(m.prompt_logprobs)
+                                        if m.HasField("prompt_logprobs") else None),
         prompt_token_ids=list(m.prompt_token_ids) if len(m.prompt_token_ids) else None,
         error_message=m.error_message, tokens=list(m.tokens),
         top_tokens=[dict(zip(t.token_ids, t.tokens)) for t in m.top_logprobs])
@@ -200,7 +263,8 @@ def chunk_from_proto(m: router_pb2.GenerateResponse, client_ttft_s: float | None
 
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs",
                     "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias", "structured_output")
+                    "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias", "n", "best_of",
+                    "prompt_logprobs", "structured_output")
 
 
 def structured_output(value: Any) -> common_pb2.StructuredOutput:

@@ -5,6 +5,8 @@ signal to the group reaches all of them); stop() sends SIGTERM to each group, wa
 If the supervisor itself dies without stopping them (even by SIGKILL), two things make sure nothing survives it:
 - each service's direct process gets PR_SET_PDEATHSIG (SIGKILL when the supervisor goes away), and
 - a small watchdog process (pdserve.cluster.reaper) holds a pipe from the supervisor; at EOF it kills every group.
+Under a restart policy (pdserve.cluster.restart) ``heal()`` restarts services that exited or failed their liveness
+probe, with exponential back-off; ``supervise_in_background()`` runs it on a thread.
 
     cluster = LocalCluster(Topology(model="/path/ckpt").resolve())
     with cluster:                       # start() ... stop()
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from pdserve.cluster.restart import RestartEvent, RestartPolicy, ServiceHealth
 from pdserve.cluster.topology import PodSpec, Topology, router_name
 
 if TYPE_CHECKING:
@@ -51,7 +54,7 @@ class Interrupted(BaseException):
 @dataclass
 class Service:
     name: str  # "router", "router-1", "openai-http", "prefill-0", "decode-0", ...
-    kind: str  # "router" | "http" | "prefill" | "decode"
+    kind: str  # "router" | "http" | "prefill" | "decode" | "unified"
     argv: list[str]
     address: str  # host:port it serves (gRPC, or HTTP for "http")
     log_path: Path
@@ -99,13 +102,16 @@ def _libc_prctl() -> Callable[..., int] | None:
 _PRCTL = _libc_prctl()
 
 
-def _child_preexec(parent_pid: int) -> Callable[[], None]:
+def _child_preexec(parent_pid: int, cpus: tuple[int, ...] | None = None,
+                   deathsig: bool = True) -> Callable[[], None]:
     prctl = _PRCTL
 
     def setup() -> None:  # runs in the forked child, before exec
-        if prctl is not None:
+        if cpus is not None:  # before exec: the pod and every rank it spawns inherit the placement
+            os.sched_setaffinity(0, cpus)
+        if deathsig and prctl is not None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the supervisor died between fork and prctl
+        if deathsig and os.getppid() != parent_pid:  # the supervisor died between fork and prctl
             os._exit(1)
 
     return setup
@@ -136,7 +142,7 @@ class LocalCluster:
                  python: str = sys.executable, env: dict[str, str] | None = None,
                  echo: Callable[[str], None] | None = None, drain_timeout_s: float = 5.0,
                  cluster_token: str = "", api_key: str = "", tls: TLSConfig | None = None,
-                 num_routers: int | None = None) -> None:
+                 num_routers: int | None = None, restart_policy: RestartPolicy | None = None) -> None:
         if num_routers is not None:  # shorthand for the topology's router count
             if num_routers < 1:
                 raise ValueError(f"num_routers must be >= 1, got {num_routers}")
@@ -175,6 +181,13 @@ class LocalCluster:
         self._signalled: int | None = None
         self._raised = False
         self._critical = 0  # > 0 while a child is being spawned: a signal then waits until it is registered
+        self.restart_policy = restart_policy or RestartPolicy()
+        self.restart_events: list[RestartEvent] = []
+        self._health: dict[str, ServiceHealth] = {}
+        self._probe_channels: dict[str, object] = {}
+        self._lock = threading.RLock()  # heal() (maybe on its own thread) against kill / restart / stop
+        self._stopping = threading.Event()
+        self._heal_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Commands
@@ -234,6 +247,13 @@ class LocalCluster:
                                                  port=p.port, pod_id=p.name, **self._pod_common(p))]
             services.append(Service(p.name, "decode", argv + list(p.extra_args), f"{h}:{p.port}",
                                     self.log_dir / f"{p.name}.log", p))
+        for p in t.unified:  # a decode pod that also computes prompts: one engine, no KV transfer
+            argv = [*py, "decode_svc", *argv_for(DecodeConfig, common, tensor_parallel_size=p.tensor_parallel_size,
+                                                 decode_context_parallel_size=p.decode_context_parallel_size,
+                                                 dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
+                                                 port=p.port, pod_id=p.name, unified=True, **self._pod_common(p))]
+            services.append(Service(p.name, "unified", argv + list(p.extra_args), f"{h}:{p.port}",
+                                    self.log_dir / f"{p.name}.log", p))
         return services
 
     @staticmethod
@@ -256,6 +276,8 @@ class LocalCluster:
         self.topology.assign_ports()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.services = self._plan()
+        for line in self.topology.placement():
+            self.echo(f"placement {line}")
         try:
             self._start_reaper()
             # Everything is spawned before this process opens any gRPC channel (no threads exist at fork time).
@@ -267,6 +289,10 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        now = time.monotonic()
+        pol = self.restart_policy
+        self._health = {s.name: ServiceHealth(started_at=now, serving=True, next_probe=now + pol.liveness_period_s)
+                        for s in self.services}
         t = self.topology
         self.endpoints = Endpoints(
             router=f"{t.host}:{t.router_port}",
@@ -299,7 +325,7 @@ class LocalCluster:
         if s.spec is None:
             return 1
         tp = s.spec.tensor_parallel_size if isinstance(s.spec.tensor_parallel_size, int) else 1
-        return max(1, len(os.sched_getaffinity(0)) // tp)
+        return max(1, len(s.spec.cpus or os.sched_getaffinity(0)) // tp)  # a pinned pod: the cores it was given
 
     def _spawn(self, s: Service) -> None:
         self.echo(f"starting {s.name}: {' '.join(s.argv[1:])}")
@@ -311,8 +337,9 @@ class LocalCluster:
         try:
             s.proc = subprocess.Popen(s.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                       start_new_session=True, env=env,
-                                      preexec_fn=_child_preexec(os.getpid())
-                                      if threading.current_thread() is threading.main_thread() else None)
+                                      preexec_fn=_child_preexec(
+                                          os.getpid(), s.spec.cpus if s.spec is not None else None,
+                                          deathsig=threading.current_thread() is threading.main_thread()))
             self._tell_reaper(str(s.proc.pid))  # its own session: pgid == pid
         finally:
             logf.close()
@@ -337,6 +364,8 @@ class LocalCluster:
             signal.signal(sig, handler)
 
     def _raise_pending(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # a restart on the healing thread: the main thread raises at its next spawn or stop
         if self._signalled is not None and self._critical == 0 and not self._raised and not self._stopped:
             self._raised = True
             raise Interrupted(self._signalled)
@@ -444,7 +473,115 @@ class LocalCluster:
     # Run / stop
     # ------------------------------------------------------------------------------------------------------------
     def dead_services(self) -> list[Service]:
-        return [s for s in self.services if s.exited() is not None]
+        """Services that exited and that the restart policy will not start again."""
+        out = []
+        for s in self.services:
+            rc = s.exited()
+            if rc is not None and not self.restart_policy.restarts(rc):
+                out.append(s)
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Restart policy
+    # ------------------------------------------------------------------------------------------------------------
+    def heal(self) -> None:
+        """Apply the restart policy once: probe the live services, kill one that failed its liveness probe too
+        often, and restart each service that exited once its back-off is over. A restarted pod registers with the
+        routers by itself, as at start. Cheap when nothing is wrong; a probe waits at most liveness_timeout_s."""
+        pol = self.restart_policy
+        if not pol.enabled:
+            return
+        with self._lock:
+            for s in self.services:
+                if self._stopping.is_set():
+                    return
+                if s.proc is None:
+                    continue
+                h = self._health.setdefault(s.name, ServiceHealth(started_at=time.monotonic()))
+                now = time.monotonic()
+                reason = "exited"
+                rc = s.exited()
+                if rc is None and h.restart_at is None and now >= h.next_probe:
+                    ok = self._probe(s, pol.liveness_timeout_s)
+                    h.next_probe = time.monotonic() + pol.liveness_period_s
+                    if ok:
+                        h.serving, h.probe_failures = True, 0
+                    elif h.serving:
+                        h.probe_failures += 1
+                        if h.probe_failures >= pol.liveness_failures:
+                            self._announce(f"{s.name} failed {h.probe_failures} liveness probes in a row: killing it")
+                            self._kill_group(s)
+                            rc, reason = s.proc.wait(), "liveness"
+                if rc is None:
+                    continue
+                if h.restart_at is None:
+                    if not pol.restarts(rc):
+                        continue
+                    if now - h.started_at >= pol.reset_after_s:
+                        h.consecutive = 0  # it ran long enough: not a crash loop
+                    h.consecutive += 1
+                    delay = pol.delay(h.consecutive)
+                    h.restart_at, h.exit_code, h.reason, h.delay_s = now + delay, rc, reason, delay
+                    self._announce(f"{s.name} exited with status {rc}"
+                                   f"{' (liveness probe failed)' if reason == 'liveness' else ''}; restarting it in "
+                                   f"{delay:g}s (restart {h.consecutive} in a row, policy {pol.mode})")
+                if time.monotonic() >= h.restart_at:
+                    self._respawn(s, h)
+
+    def _respawn(self, s: Service, h: ServiceHealth) -> None:
+        assert s.proc is not None and h.restart_at is not None and h.exit_code is not None
+        self._kill_group(s)  # ranks its dead leader left behind
+        self._spawn(s)
+        now = time.monotonic()
+        self.restart_events.append(RestartEvent(s.name, h.exit_code, h.reason, h.delay_s, now, s.proc.pid))
+        self._announce(f"restarted {s.name} (pid {s.proc.pid}) after exit status {h.exit_code}")
+        h.started_at, h.restart_at, h.exit_code, h.reason = now, None, None, "exited"
+        h.serving, h.probe_failures, h.next_probe = False, 0, now + self.restart_policy.liveness_period_s
+
+    def _announce(self, line: str) -> None:
+        log.warning("%s", line)
+        self.echo(line)
+
+    def _kill_group(self, s: Service) -> None:
+        assert s.proc is not None
+        try:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _probe(self, s: Service, timeout: float) -> bool:
+        """One liveness probe: the HTTP front's /health answers 200, a gRPC service's health says SERVING."""
+        if s.kind == "http":
+            return _http_ok(f"{self.http_scheme}://{s.address}/health", self._front_tls())
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from pdserve.security import sync_channel
+
+        ch = self._probe_channels.get(s.name)
+        if ch is None:
+            ch = self._probe_channels[s.name] = sync_channel(s.address, self.tls)
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def supervise_in_background(self, period_s: float = 0.2) -> None:
+        """Run heal() every ``period_s`` on a daemon thread until stop() (for callers whose main thread is busy,
+        such as a benchmark driving load). Services it restarts are still covered by the reaper."""
+        if self._heal_thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stopping.wait(period_s):
+                try:
+                    self.heal()
+                except Exception:  # keep healing: one failed restart must not end supervision
+                    log.exception("applying the restart policy failed")
+
+        self._heal_thread = threading.Thread(target=loop, name="cluster-heal", daemon=True)
+        self._heal_thread.start()
 
     @property
     def router_address(self) -> str:
@@ -463,7 +600,12 @@ class LocalCluster:
         raise KeyError(f"no service {name!r}; this cluster runs {', '.join(s.name for s in self.services)}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to one service's whole process group (its ranks included); for SIGKILL, reap it."""
+        """Send ``sig`` to one service's whole process group (its ranks included); for SIGKILL, reap it (under a
+        restart policy heal() then starts it again)."""
+        with self._lock:
+            self._kill(name, sig)
+
+    def _kill(self, name: str, sig: int) -> None:
         s = self.service(name)
         assert s.proc is not None, f"{name} was never started"
         try:
@@ -477,10 +619,13 @@ class LocalCluster:
         """Kill one service if it still runs and start it again with the same command line and port, then wait until
         it serves. Nothing else is touched: a restarted router starts with an empty registry and the pods must
         register again by themselves; a restarted pod registers as it does at start. Its log is appended to."""
-        s = self.service(name)
-        if s.proc is not None and s.proc.poll() is None:
-            self.kill(name)
-        self._spawn(s)
+        with self._lock:
+            s = self.service(name)
+            if s.proc is not None and s.proc.poll() is None:
+                self._kill(name, signal.SIGKILL)
+            self._spawn(s)
+            now = time.monotonic()
+            self._health[name] = ServiceHealth(started_at=now, next_probe=now + self.restart_policy.liveness_period_s)
         self._wait_healthy([s], time.monotonic() + timeout)
 
     def log_tails(self, n: int = 30) -> str:
@@ -496,9 +641,16 @@ class LocalCluster:
         phase, SIGKILL what is left, reap. Idempotent."""
         if self._stopped:
             return
-        self._stopped = True
+        self._stopping.set()
+        if self._heal_thread is not None and self._heal_thread is not threading.current_thread():
+            self._heal_thread.join(30)
+        with self._lock:  # a heal() in progress finishes its restart first; none starts after this
+            self._stopped = True
+        for ch in self._probe_channels.values():
+            ch.close()  # type: ignore[attr-defined]
+        self._probe_channels.clear()
         started = [s for s in self.services if s.proc is not None]
-        fronts = [s for s in started if s.kind in ("http", "prefill", "decode")]
+        fronts = [s for s in started if s.kind in ("http", "prefill", "decode", "unified")]
         routers = [s for s in started if s.kind == "router"]
         for phase in (fronts, routers):
             self._terminate(phase, grace)

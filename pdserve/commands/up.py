@@ -9,6 +9,11 @@ Ctrl-C (or SIGTERM) stops everything: HTTP front and pods first, then the router
 --stop-timeout is killed (a second Ctrl-C kills at once). No process is ever left behind, even if `pdserve up` itself
 is killed: every service dies with it.
 
+--restart on-failure (or always) heals the cluster as Kubernetes would: a service that crashes, or that stops
+passing its health check (a pod whose TP rank died, a frozen process), is started again on the same port after an
+exponential back-off (--restart-backoff, doubling up to --restart-backoff-max); a restarted pod registers with the
+routers again by itself. Each restart is logged.
+
 Exit status: 0 after a clean stop; 1 if the cluster could not start or a service died; 2 on a bad topology.
 """
 from __future__ import annotations
@@ -61,6 +66,13 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV blocks per rank on every pod")
     p.add_argument("--max-model-len", type=int, metavar="N", help="context length served")
     p.add_argument("--device", metavar="DEV", help="device of every pod: cpu, cuda (default: the pods' default)")
+    p.add_argument("--unified", action="store_true", default=None,
+                   help="colocated serving: one unified pod (prefill and decode in one engine, chunked prefill "
+                        "between decode steps, no KV transfer) instead of the prefill/decode pair")
+    p.add_argument("--unified-cpus", metavar="CORES", help="cores of every unified pod and its ranks")
+    p.add_argument("--prefill-cpus", metavar="CORES", help="cores of every prefill pod and its ranks, e.g. 0 or "
+                   "0-3,8 (sched_setaffinity; threads per rank = cores / TP); default: every core")
+    p.add_argument("--decode-cpus", metavar="CORES", help="cores of every decode pod and its ranks (as --prefill-cpus)")
     p.add_argument("--dtype", choices=DTYPES, help="weights, activations and KV cache of every pod (default: auto, "
                                                    "the checkpoint's dtype)")
 
@@ -73,7 +85,9 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         prefill_pods=args.prefill_pods, prefill_tp=args.prefill_tp, decode_pods=args.decode_pods,
         decode_tp=args.decode_tp, decode_dcp=args.decode_dcp, dcp_interleave=args.dcp_interleave,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        device=args.device, dtype=args.dtype)
+        device=args.device, dtype=args.dtype, prefill_cpus=getattr(args, "prefill_cpus", None),
+        decode_cpus=getattr(args, "decode_cpus", None), unified=getattr(args, "unified", None),
+        unified_cpus=getattr(args, "unified_cpus", None))
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -91,6 +105,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ask", metavar="PROMPT",
                    help="once ready, send PROMPT as a chat message (greedy), stream the answer, then stop everything")
     p.add_argument("--ask-max-tokens", type=int, default=128, metavar="N", help="answer length limit for --ask")
+    from pdserve.cluster.restart import RESTART_MODES, RestartPolicy
+
+    d = RestartPolicy()
+    p.add_argument("--restart", choices=RESTART_MODES, default="never",
+                   help="restart policy of every service (default never: a service that dies stops the cluster)")
+    p.add_argument("--restart-backoff", type=float, default=d.backoff_s, metavar="S",
+                   help=f"delay before the first restart, doubled for each crash in a row (default {d.backoff_s:g})")
+    p.add_argument("--restart-backoff-max", type=float, default=d.backoff_max_s, metavar="S",
+                   help=f"longest delay between restarts (default {d.backoff_max_s:g})")
     add_security_arguments(p)
     p.set_defaults(func=run_up)
     return p
@@ -159,8 +182,15 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     # Why random by default: a local cluster's pods still authenticate each other, and nobody has to pick a secret.
     token = args.cluster_token or secrets.token_urlsafe(24)
+    from pdserve.cluster.restart import RestartPolicy
+
+    try:
+        policy = RestartPolicy(args.restart, backoff_s=args.restart_backoff, backoff_max_s=args.restart_backoff_max)
+    except ValueError as e:
+        _err(str(e))
+        return 2
     cluster = LocalCluster(topo, log_dir=args.log_dir, echo=echo, cluster_token=token, api_key=args.api_key or "",
-                           tls=tls)
+                           tls=tls, restart_policy=policy)
     if args.dry_run:
         topo.assign_ports()
         plan = cluster._plan()
@@ -169,7 +199,8 @@ def run_up(args: argparse.Namespace) -> int:
                           "http_port": topo.http_port, "notes": topo.notes,
                           "pods": [{"name": p.name, "role": p.role, "port": p.port, "tp": p.tensor_parallel_size,
                                     "dcp": p.decode_context_parallel_size,
-                                    "interleave": p.dcp_kv_cache_interleave_size} for p in topo.pods],
+                                    "interleave": p.dcp_kv_cache_interleave_size,
+                                    "cpus": None if p.cpus is None else list(p.cpus)} for p in topo.pods],
                           "commands": {s.name: s.argv for s in plan}}, indent=1))
         return 0
 
@@ -189,6 +220,7 @@ def run_up(args: argparse.Namespace) -> int:
             return _ask(cluster.endpoints.router, args.ask, args.ask_max_tokens, api_key=args.api_key, tls=tls)
         print("Press Ctrl-C to stop.", flush=True)
         while True:
+            cluster.heal()
             dead = cluster.dead_services()
             if dead:
                 for s in dead:

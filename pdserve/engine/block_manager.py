@@ -53,6 +53,12 @@ class BlockAllocator:
         self.ref[block] += 1
         return block
 
+    def share(self, block: int) -> None:
+        """One more holder of an allocated block (a forked sequence reading the same KV)."""
+        if self.ref[block] <= 0:
+            raise RuntimeError(f"KV block {block} is not allocated: it cannot be shared")
+        self.ref[block] += 1
+
     def release(self, block: int) -> None:
         if self.ref[block] <= 0:
             raise RuntimeError(f"double free of KV block {block}")
@@ -116,6 +122,33 @@ class BlockManager:
         seq.num_computed = 0
         seq.num_cached_prefix = 0
 
+    def fork(self, parent: Sequence, num_tokens: int) -> tuple[list[list[int]], list[tuple[int, int, int]]] | None:
+        """Block tables for a sequence that continues from parent's first num_tokens tokens (parallel sampling).
+
+        Full blocks are shared (one more reference each: nobody writes them again); a partly filled last block is
+        copied into a fresh block, since the child writes its next tokens into the rest of it (copy-on-write, done
+        at the fork because every child writes at once). Returns (tables per DCP rank, [(DCP rank, source block,
+        destination block)] for the caller to copy), or None (nothing taken) when a rank has no free block for its
+        copy."""
+        bs = self.block_size
+        splits = [divmod(dcp_local_count(num_tokens, self.dcp_size, self.interleave, r), bs)
+                  for r in range(self.dcp_size)]
+        if any(rem and self.ranks[r].num_free < 1 for r, (_, rem) in enumerate(splits)):
+            return None
+        tables: list[list[int]] = []
+        copies: list[tuple[int, int, int]] = []
+        for r, (full, rem) in enumerate(splits):
+            alloc, src = self.ranks[r], parent.block_tables[r]
+            table = list(src[:full])
+            for b in table:
+                alloc.share(b)
+            if rem:
+                dst = alloc.allocate()
+                copies.append((r, src[full], dst))
+                table.append(dst)
+            tables.append(table)
+        return tables, copies
+
     # --- prefix cache (DCP 1 only) ---
     def _hashes(self, ids: list[int], n_blocks: int) -> list[bytes]:
         out, prev = [], b""
@@ -127,8 +160,8 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached full blocks of seq's prompt; returns how many tokens they cover."""
-        if not self.prefix_caching or seq.block_tables:
-            return 0
+        if not self.prefix_caching or seq.block_tables or seq.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position's logits: nothing may come from the cache
         # At least one token must be computed to produce logits, so the last prompt token never comes from cache.
         n_full = (seq.num_tokens - 1) // self.block_size
         alloc, table = self.ranks[0], []

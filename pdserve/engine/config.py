@@ -10,6 +10,7 @@ CPU_COLLECTIVES = ("auto", "shm", "gloo")
 CPU_PINNING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
+MAX_N = 128  # sequences per request (parallel sampling / best_of); more is a mistake, not a workload
 
 
 @dataclass

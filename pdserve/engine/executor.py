@@ -151,6 +151,10 @@ class RankCall:
     args: tuple = ()
 
 
+def _copy_blocks(runner: ModelRunner, per_rank: list[list[tuple[int, int]]]) -> None:
+    runner.copy_blocks(per_rank[runner.ps.dcp_rank])
+
+
 def _connector_start(runner: ModelRunner, spec: KVConnectorSpec) -> Any:
     return runner.start_kv_connector(spec)
 
@@ -357,6 +361,16 @@ class Executor:
         out = self.channel.gather(mine)
         assert out is not None
         return out
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy KV blocks on every rank: copies are (DCP rank, source block, destination block); each TP rank
+        applies those of its DCP rank. Raises the first rank's failure."""
+        per_rank: list[list[tuple[int, int]]] = [[] for _ in range(self.spec.dcp_size)]
+        for r, src, dst in copies:
+            per_rank[r].append((src, dst))
+        for res in self.call_all_ranks(_copy_blocks, per_rank):
+            if isinstance(res, Exception):
+                raise res
 
     def start_kv_connector(self, spec: KVConnectorSpec) -> list[Any]:
         """Build spec's connector worker on every rank; each rank's info() (exceptions as values), in rank order."""

@@ -13,8 +13,8 @@ Two sides:
   steps without metadata call nothing (no cost on the decode hot path).
 
 The driver reaches the workers only through named operations (``Executor.connector_call``): ``take_finished``,
-``deliver``, ``abort``, ``info`` and ``close`` (``KVConnectorWorker.OPS``), each run on every rank, results in rank
-order. Role implementations (the prefill publisher, the decode puller) live with their services.
+``deliver``, ``checksums``, ``abort``, ``info`` and ``close`` (``KVConnectorWorker.OPS``), each run on every rank,
+results in rank order. Role implementations (the prefill publisher, the decode puller) live with their services.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class KVConnectorWorker(ABC):
     Hooks run on the rank's forward thread and must never raise (record failures and report them through
     ``take_finished``). Named operations run when the driver asks (``Executor.connector_call``)."""
 
-    OPS = frozenset({"take_finished", "deliver", "abort", "info", "close"})
+    OPS = frozenset({"take_finished", "deliver", "checksums", "abort", "info", "close"})
 
     def __init__(self, runner: "ModelRunner") -> None:
         self.runner = runner
@@ -116,6 +116,10 @@ class KVConnectorWorker(ABC):
     def deliver(self, *args: Any) -> Any:
         """Write KV that arrives from elsewhere into this rank's cache."""
         raise NotImplementedError(f"{type(self).__name__} does not receive KV")
+
+    def checksums(self, *args: Any) -> Any:
+        """Checksums of KV this rank holds (a prefill rank: its share over a request's blocks, for the hand-off)."""
+        raise NotImplementedError(f"{type(self).__name__} does not checksum KV")
 
     def abort(self, ids: list[str], reason: str) -> None:
         """Give up on these transfers."""

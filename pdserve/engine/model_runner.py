@@ -13,7 +13,7 @@ import torch
 
 from pdserve.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.block_manager import dcp_local_count, dcp_slot
-from pdserve.engine.kv_cache import KVCacheLayout
+from pdserve.engine.kv_cache import MLA, KVCacheLayout
 from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorSpec, KVConnectorWorker
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.model.config import ModelConfig
@@ -36,6 +36,9 @@ class StepInput:
     context_lens: list[torch.Tensor]
     block_tables: list[torch.Tensor]
     kv_meta: KVConnectorMetadata | None = None  # the KV connector's metadata for this step (kv_connector.py)
+    # Driver only (never broadcast; only TP rank 0 computes logits): logits rows after the sampled ones, per
+    # sequence asking for prompt logprobs: (index into step.seqs, first row, rows, first position).
+    prompt_rows: list[tuple[int, int, int, int]] | None = None
 
     def encode(self) -> bytes:
         """[is_prefill, T, B, L, dcp, meta bytes, table widths...] then every array, then the encoded kv_meta."""
@@ -93,6 +96,18 @@ def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave:
         if start + n == seq.num_tokens:  # this chunk reaches the end: its last row predicts the next token
             logit_rows.append(cu[-1] - 1)
             sample_rows.append(i)
+    prompt_rows = []
+    extra: list[int] = []
+    for i, (seq, n) in enumerate(zip(step.seqs, step.chunk_lens)):
+        if seq.prompt_logprobs is None:
+            continue
+        # Position p's logits score prompt token p + 1; positions already scored (before a preemption) are skipped.
+        first = max(seq.num_computed, len(seq.prompt_lps))
+        last = min(seq.num_computed + n, len(seq.prompt_ids) - 1)
+        if first < last:
+            row0 = cu[i] + first - seq.num_computed
+            prompt_rows.append((i, len(logit_rows) + len(extra), last - first, first))
+            extra.extend(range(row0, row0 + last - first))
     tables = []
     for r in range(dcp):
         width = max(len(s.block_tables[r]) for s in step.seqs)
@@ -106,11 +121,12 @@ def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave:
         positions=torch.tensor(pos, dtype=torch.int64),
         cu_seqlens_q=cu,
         query_start_pos=starts,
-        logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
+        logits_indices=torch.tensor(logit_rows + extra, dtype=torch.int64),
         sample_rows=sample_rows,
         slot_mappings=[torch.tensor(s, dtype=torch.int64) for s in slots],
         context_lens=[torch.tensor(c, dtype=torch.int64) for c in ctx],
         block_tables=tables,
+        prompt_rows=prompt_rows or None,
     )
 
 
@@ -143,6 +159,15 @@ class ModelRunner:
         conn, self.kv_connector = self.kv_connector, None
         if conn is not None:
             conn.close()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer) from src to dst, for each (src, dst) of this rank."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        axis = 1 if self.kv_layout.kind == MLA else 2  # the block axis of the cache tensor (kv_cache.py)
+        self.kv_cache.index_copy_(axis, dst, self.kv_cache.index_select(axis, src))
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Logits of the rows to sample on TP rank 0; None on the other ranks."""

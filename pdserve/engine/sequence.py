@@ -37,6 +37,12 @@ class Sequence:
     stop_text_len: int | None = None  # where to cut the text when a stop string matched
     num_preemptions: int = 0
     hold_kv: bool = False  # prefill pods: keep the blocks when finished, until LLMEngine.release()
+    n: int = 1  # sequences to sample from the prompt's logits (parallel sampling); 1 once forked
+    index: int = 0  # position in its group of n (0 for single requests)
+    group: str | None = None  # the parent request id, for the members of a group of n
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and its k top alternatives
+    # Per prompt position 1.. (computed so far): (logprob of the prompt token, top ids, top logprobs).
+    prompt_lps: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -44,6 +44,17 @@ def refuse_unsupported(sp: pb.SamplingParams, who: str) -> None:
                                   f"{who}: leave unset (or at the neutral value)")
 
 
+def num_sequences(sp: pb.SamplingParams) -> int:
+    """Sequences a pod generates for the request: best_of when set (the router keeps the best n), else n.
+    Raises SamplingParamsError for values out of range (the engine bounds n itself)."""
+    if sp.n < 0 or sp.best_of < 0:
+        raise SamplingParamsError(f"n and best_of must be >= 1 (0: unset), got n={sp.n}, best_of={sp.best_of}")
+    n = max(sp.n, 1)
+    if sp.best_of and sp.best_of < n:
+        raise SamplingParamsError(f"best_of must be greater than or equal to n, got n={n} and best_of={sp.best_of}.")
+    return max(n, sp.best_of)
+
+
 def engine_params(sp: pb.SamplingParams, max_tokens: int, ignore_eos: bool, logprobs: bool,
                   min_tokens: int | None = None) -> SamplingParams:
     """The engine's SamplingParams from the proto's sampling fields (the caller decides the stop rules).

@@ -12,6 +12,7 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     ROLE_PREFILL: _ClassVar[Role]
     ROLE_DECODE: _ClassVar[Role]
+    ROLE_UNIFIED: _ClassVar[Role]
 
 class PodState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,6 +50,7 @@ class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
+ROLE_UNIFIED: Role
 POD_STATE_UNSPECIFIED: PodState
 POD_STATE_STARTING: PodState
 POD_STATE_READY: PodState
@@ -73,7 +75,7 @@ LEASE_STATE_FAILED: LeaseState
 LEASE_STATE_CANCELLED: LeaseState
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias", "structured_output")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias", "structured_output", "n", "best_of", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +101,9 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    BEST_OF_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -117,7 +122,10 @@ class SamplingParams(_message.Message):
     min_p: float
     logit_bias: _containers.ScalarMap[int, float]
     structured_output: StructuredOutput
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., skip_special_tokens: _Optional[bool] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    n: int
+    best_of: int
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., skip_special_tokens: _Optional[bool] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class StringList(_message.Message):
     __slots__ = ("values",)
@@ -262,7 +270,7 @@ class WorkerCapacity(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrent_transfers: _Optional[int] = ..., transfer_modes: _Optional[_Iterable[_Union[TransferMode, str]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("lease_id", "prefill_pod_id", "kv_transfer_address", "agent_name", "num_layers", "num_tokens", "expires_at_unix_ms", "ttl_s", "transfer_mode", "layout", "block_tables")
+    __slots__ = ("lease_id", "prefill_pod_id", "kv_transfer_address", "agent_name", "num_layers", "num_tokens", "expires_at_unix_ms", "ttl_s", "transfer_mode", "layout", "block_tables", "block_checksums")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_POD_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +282,7 @@ class KVHandle(_message.Message):
     TRANSFER_MODE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     prefill_pod_id: str
     kv_transfer_address: str
@@ -285,7 +294,8 @@ class KVHandle(_message.Message):
     transfer_mode: TransferMode
     layout: KVLayout
     block_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
-    def __init__(self, lease_id: _Optional[str] = ..., prefill_pod_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_s: _Optional[float] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ...) -> None: ...
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., prefill_pod_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_s: _Optional[float] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -324,6 +334,32 @@ class TopLogprobs(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     tokens: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs", "finished", "finish_reason")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: TopLogprobs
+    finished: bool
+    finish_reason: FinishReason
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("logprobs", "top_logprobs", "token_ids", "tokens")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -36,7 +36,7 @@ class AllocateKVResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[_common_pb2.BlockTable, _Mapping]]] = ..., agent_name: _Optional[str] = ..., transfer_modes: _Optional[_Iterable[_Union[_common_pb2.TransferMode, str]]] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "first_token_logprob", "sampling_params", "kv_handle", "num_cached_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "first_token_logprob", "sampling_params", "kv_handle", "num_cached_tokens", "first_token_ids", "first_token_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class DecodeRequest(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -51,10 +53,12 @@ class DecodeRequest(_message.Message):
     sampling_params: _common_pb2.SamplingParams
     kv_handle: _common_pb2.KVHandle
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "top_logprobs", "finish_reason", "num_output_tokens", "kv_transfer_s", "decode_s", "error_message")
+    __slots__ = ("token_ids", "logprobs", "top_logprobs", "finish_reason", "num_output_tokens", "kv_transfer_s", "decode_s", "error_message", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +67,7 @@ class TokenChunk(_message.Message):
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
@@ -71,7 +76,8 @@ class TokenChunk(_message.Message):
     kv_transfer_s: float
     decode_s: float
     error_message: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_output_tokens: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., error_message: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_output_tokens: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., error_message: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class CancelDecodeRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -40,7 +40,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[_Union[DecodeTarget, _Mapping]] = ..., transfer_mode: _Optional[_Union[_common_pb2.TransferMode, str]] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "first_token_top_logprobs", "num_prompt_tokens", "num_cached_tokens", "kv_handle", "finished", "finish_reason", "queue_s", "compute_s")
+    __slots__ = ("first_token_id", "first_token_logprob", "first_token_top_logprobs", "num_prompt_tokens", "num_cached_tokens", "kv_handle", "finished", "finish_reason", "queue_s", "compute_s", "first_tokens", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class PrefillResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
     first_token_top_logprobs: _common_pb2.TopLogprobs
@@ -61,7 +63,9 @@ class PrefillResponse(_message.Message):
     finish_reason: _common_pb2.FinishReason
     queue_s: float
     compute_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    first_tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampledToken]
+    prompt_logprobs: _common_pb2.PromptLogprobs
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., first_tokens: _Optional[_Iterable[_Union[_common_pb2.SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class CancelPrefillRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -70,7 +70,7 @@ class RoutingInfo(_message.Message):
     def __init__(self, prefill_pod_id: _Optional[str] = ..., decode_pod_id: _Optional[str] = ..., transfer_mode: _Optional[_Union[_common_pb2.TransferMode, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "stop_reason", "usage", "timing", "routing", "prompt_token_ids", "error_message", "tokens")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "stop_reason", "usage", "timing", "routing", "prompt_token_ids", "error_message", "tokens", "index", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -97,7 +99,9 @@ class GenerateResponse(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     error_message: str
     tokens: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., routing: _Optional[_Union[RoutingInfo, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., error_message: _Optional[str] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+    index: int
+    prompt_logprobs: _common_pb2.PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., routing: _Optional[_Union[RoutingInfo, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., error_message: _Optional[str] = ..., tokens: _Optional[_Iterable[str]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class ValidateConfigRequest(_message.Message):
     __slots__ = ("model_path", "shape", "parallel", "block_size", "role")

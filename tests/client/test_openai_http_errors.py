@@ -13,7 +13,8 @@ import grpc
 import openai
 import pytest
 
-from client_helpers import ServerThread, abort_with
+from client_helpers import ServerThread, abort_with, final_message
+from pdserve_api.v1 import router_pb2
 from router.openai_http import parse_chat, parse_completion, start_openai_http
 
 
@@ -65,15 +66,17 @@ def _assert_openai_error(body: dict, *, param=None, code=None, type_=None, messa
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"model": "m", "prompt": "x", "n": 2}, "n"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "n": 200}, "n"),
+    ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True}, "echo"),
     ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
     ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
     ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"1": "big"}}, "logit_bias"),
     ("/v1/completions", {"model": "m", "prompt": "x", "min_p": "low"}, "min_p"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "n": 3, "best_of": 2}, "best_of"),
     ("/v1/completions", {"model": "m"}, "prompt"),
     ("/v1/completions", {"model": "m", "prompt": [1, "a"]}, "prompt"),
     ("/v1/completions", {"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
@@ -174,8 +177,8 @@ def test_openai_client_raises_typed_errors_with_the_server_message(srv, servicer
     servicer.script = abort_with(grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue full")
     with pytest.raises(openai.RateLimitError, match="router queue full"):
         client.completions.create(model="m", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.completions.create(model="m", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="'n' must be an integer"):
+        client.completions.create(model="m", prompt="x", n=0)
 
 
 def test_models_lists_the_ready_models(srv, servicer):
@@ -192,3 +195,46 @@ def test_parsers_directly():
     assert prompts == [[1, 2], [3]] and p.stream and p.include_usage
     p, msgs, agp = parse_chat({"messages": [{"role": "user", "content": None}], "add_generation_prompt": False})
     assert msgs == [{"role": "user", "content": ""}] and agp is False and p.sampling == {}
+
+
+DEAD_ROUTER = "127.0.0.1:1"  # nothing listens: UNAVAILABLE before any token
+
+
+def _answers(n, request, context):
+    async def gen():
+        yield final_message(request.request_id, "ok")
+    return gen()
+
+
+def _fails_after_a_token(n, request, context):
+    async def gen():
+        yield router_pb2.GenerateResponse(request_id=request.request_id, token_ids=[7], text="a")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "decode failed after 1 tokens were sent: worker died")
+    return gen()
+
+
+def test_front_fails_over_to_another_router_before_the_first_token_only():
+    """The front given several routers (one dead) answers every request through the live one; a failure after a
+    token reached the client is reported in the stream, naming the router, and the request is not sent again."""
+    s = ServerThread(extra=lambda srv: start_openai_http(f"{DEAD_ROUTER},{srv.address}", "127.0.0.1", 0))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.extra.port}/v1", api_key="unused", max_retries=0)
+        s.servicer.script = _answers
+        for _ in range(4):  # whichever router the front starts with, every call completes
+            out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert out.choices[0].message.content == "ok"
+            assert client.completions.create(model="m", prompt="hi").choices[0].text == "ok"
+        assert len(s.servicer.calls) == 8
+
+        s.servicer.calls.clear()
+        s.servicer.script = _fails_after_a_token
+        for _ in range(2):
+            texts = []
+            with pytest.raises(openai.APIError, match=f"router {s.address} failed mid-stream: .*worker died"):
+                for chunk in client.chat.completions.create(model="m", stream=True,
+                                                            messages=[{"role": "user", "content": "hi"}]):
+                    texts.append(chunk.choices[0].delta.content if chunk.choices else None)
+            assert "a" in texts
+        assert len(s.servicer.calls) == 2  # one call per request: nothing re-sent after a token
+    finally:
+        s.stop()

@@ -70,6 +70,7 @@ def test_ask_answers_then_stops_everything(tmp_path, tiny):
         assert up.proc.returncode == 0, up.tail()
         assert "> What is the capital of France?" in out and "5 completion tokens" in out
         assert "all processes stopped" in out
+        assert "did not stop" not in out and "killing" not in out  # every drained pod exited by itself
         assert up.wait_all_gone(10) == []
     finally:
         up.kill()

@@ -88,6 +88,22 @@ def test_gpu_one_node(render):
     assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
 
 
+def test_deepseek_v3_mla_decode_tp8_dcp8(render):
+    """The MLA example passes the chart's parallel check (tp % dcp only) and runs decode as TP 8 x DCP 8."""
+    docs = _rendered(render, [EX / "deepseek-v3-gpu.yaml"])
+    (prefill,) = find(docs, "Deployment", "prefill")
+    (decode,) = find(docs, "StatefulSet", "decode")
+    assert decode["spec"]["replicas"] == 2
+    assert _container(prefill)["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert _container(decode)["resources"]["limits"]["nvidia.com/gpu"] == 8  # DCP reuses the TP ranks
+    (cm,) = find(docs, "ConfigMap")
+    d = entrypoint.resolve("decode", yaml.safe_load(cm["data"]["pdserve.yaml"]), {})
+    assert (d["tensor_parallel_size"], d["decode_context_parallel_size"], d["dtype"]) == (8, 8, "bfloat16")
+    # The same numbers without MLA (128 KV heads over TP 8) allow no DCP: the chart refuses them.
+    refused = render([EX / "deepseek-v3-gpu.yaml"], ["model.useMla=false"])
+    assert not refused.ok and "invalid parallel config: Decode context para" in refused.output
+
+
 def test_multi_node(render):
     docs = _rendered(render, [EX / "multi-node.yaml"], api_versions=checks.EXAMPLE_API_VERSIONS["multi-node"])
     (router,) = find(docs, "Deployment", "router")
@@ -115,7 +131,7 @@ def test_multi_node(render):
     assert pdbs["pdserve-router"].get("minAvailable") == 1 and "maxUnavailable" not in pdbs["pdserve-router"]
 
 
-@pytest.mark.parametrize("example", ["default", "cpu-dev", "gpu-1node", "multi-node", "mtls"])
+@pytest.mark.parametrize("example", ["default", "cpu-dev", "gpu-1node", "multi-node", "mtls", "deepseek-v3-gpu"])
 def test_configmap_becomes_service_flags(render, example):
     values = [] if example == "default" else [EX / f"{example}.yaml"]
     docs = _rendered(render, values, api_versions=checks.EXAMPLE_API_VERSIONS.get(example, ()))

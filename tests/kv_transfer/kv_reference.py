@@ -15,9 +15,9 @@ _TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 def full_kv(layout: KVLayout, num_tokens: int, seed: int) -> torch.Tensor:
-    """The whole request's KV: [layers, 2, tokens, kv_heads, head_dim]."""
+    """The whole request's KV: [layers, planes, tokens, kv_heads, head_dim] (MLA: one plane, one latent head)."""
     g = torch.Generator().manual_seed(seed)
-    shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+    shape = (layout.num_layers, layout.kv_planes, num_tokens, layout.num_kv_heads, layout.head_dim)
     return torch.randn(shape, generator=g).to(_TORCH_DTYPE[layout.dtype])
 
 
@@ -31,6 +31,8 @@ def write_rank(layout: KVLayout, rank: int, full: torch.Tensor, table: list[int]
     """Store into ``region`` the KV rank ``rank`` would hold had it computed the request itself."""
     heads = list(layout.kv_heads_of_rank(rank))
     my_dcp = layout.dcp_rank(rank)
+    # Why a view: an MLA region [layers, blocks, block_size, latent] is the GQA one with one plane and one head.
+    region = region.view(layout.num_layers, layout.kv_planes, -1, layout.block_size, len(heads), layout.head_dim)
     for t in range(full.shape[2]):
         if (t // layout.interleave) % layout.dcp_size != my_dcp:
             continue

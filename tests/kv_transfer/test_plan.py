@@ -183,3 +183,90 @@ def test_plan_speed_8k_tokens_30_layers(dst_tp, dst_dcp):
     assert plan.total_nbytes == 30 * 2 * 8192 * 3 * 64 * 4  # each head once per DCP group; one group here
     assert n > 0
     assert dt_s < 0.5, f"plan took {dt_s * 1e3:.1f} ms"  # ~10-30 ms here; loose bound for a shared box
+
+
+# ---- MLA latent caches --------------------------------------------------------------------------
+def _mla(tp, dcp=1, inter=1, bs=16, nb=24, layers=3, dim=12, dtype="float32"):
+    return KVLayout.mla(layers, dim, dtype, bs, tp_size=tp, dcp_size=dcp, interleave=inter, num_blocks=nb)
+
+
+MLA_DECODE = [(1, 1), (2, 2), (4, 2), (4, 4), (8, 8), (2, 1), (8, 4)]
+MLA_CASES = [
+    (_mla(src_tp, bs=sbs), _mla(tp, dcp, inter, bs=dbs))
+    for src_tp in (1, 2, 4)
+    for tp, dcp in MLA_DECODE
+    for inter in (1, 4)
+    for sbs, dbs in ((16, 16), (32, 16), (16, 32))
+]
+
+
+def test_mla_layout_shape_and_bytes():
+    lay = _mla(8, 8, 4, bs=16, nb=10, layers=2, dim=12)
+    assert lay.kv_planes == 1 and lay.kv_heads_per_rank == 1
+    assert lay.region_shape() == (2, 10, 16, 12)
+    region = torch.arange(int(np.prod(lay.region_shape())), dtype=torch.float32).view(lay.region_shape())
+    for layer, block, slot in [(0, 0, 0), (1, 9, 15), (1, 3, 7)]:
+        assert lay.byte_offset(layer, 0, block, slot) == int(region[layer, block, slot, 0].item()) * 4
+    assert lay.region_nbytes() == region.numel() * 4
+    assert KVLayout.from_dict(lay.to_dict()) == lay
+    # every rank keeps the whole latent: DCP only splits tokens, so dcp == tp is valid
+    assert all(lay.kv_heads_of_rank(r) == range(0, 1) for r in range(8))
+    with pytest.raises(ValueError, match="one latent kv head"):
+        KVLayout(2, 2, 12, "float32", 16, use_mla=True)
+    with pytest.raises(ValueError, match="must divide"):
+        _mla(4, 3)
+    assert not _mla(1).same_model(_layout(1, 1, dim=12))  # a GQA cache of the same width is another tensor
+
+
+@pytest.mark.parametrize("src,dst", MLA_CASES, ids=lambda lay: (f"tp{lay.tp_size}dcp{lay.dcp_size}"
+                                                                 f"i{lay.interleave}bs{lay.block_size}"))
+def test_mla_plan_matches_reference(src, dst):
+    num_tokens = 1 + (hash((src, dst)) % 90)
+    _check_case(src, dst, num_tokens, seed=num_tokens)
+
+
+def test_mla_each_rank_gets_exactly_its_dcp_shard():
+    """Decode TP 8 x DCP 4 from prefill TP 2: a rank receives only its shard's tokens (one latent row each), and
+    ranks of different DCP groups with the same dcp_rank receive the same bytes."""
+    src, dst = _mla(2, nb=64), _mla(8, 4, 4, nb=64)
+    n = 101
+    rng = random.Random(5)
+    st, dt = random_tables(src, n, rng), random_tables(dst, n, rng)
+    dt[4:] = dt[:4]  # same tables in both DCP groups: the bytes written must then be the same too
+    plan = plan_reshard(src, st, dst, dt, n)
+    full = full_kv(src, n, 9)
+    regs = {}
+    for r in range(2):
+        regs[r] = empty_region(src, r)
+        write_rank(src, r, full, st[r], regs[r])
+    got = []
+    for d in range(8):
+        rp = plan.ranks[d]
+        assert rp.planes_per_layer == 1
+        assert rp.base.total_nbytes == dst.local_token_count(n, d % 4) * dst.token_nbytes
+        g = empty_region(dst, 77)
+        apply_segments({r: as_bytes(t) for r, t in regs.items()}, as_bytes(g), plan.segments(d))
+        got.append(g)
+    for d in range(4):
+        assert torch.equal(got[d], got[d + 4])
+        assert set(plan.ranks[d].src_ranks()) | set(plan.ranks[d + 4].src_ranks()) == {0, 1}  # replicas spread
+    assert plan.total_nbytes == 2 * n * src.num_layers * src.token_nbytes  # each token once per DCP group
+
+
+def test_mla_layer_subset():
+    src, dst = _mla(2, layers=5, dtype="bfloat16"), _mla(4, 4, 1, layers=5, dtype="bfloat16")
+    _check_case(src, dst, 40, seed=3, layers=range(1, 4))
+    plan = plan_reshard(src, [list(range(3))] * 2, dst, [[0]] * 4, 40, layers=range(2, 3))
+    assert plan.layer_segments(0, 2).total_nbytes == plan.ranks[0].nbytes_per_layer == 10 * 12 * 2
+
+
+def test_mla_plan_speed_8k_tokens():
+    """DeepSeek-V3's latent width (576) and 61 layers, decode TP 8 x DCP 8, fragmented tables."""
+    src = KVLayout.mla(61, 576, "bfloat16", 64, tp_size=2, num_blocks=512)
+    dst = KVLayout.mla(61, 576, "bfloat16", 64, tp_size=8, dcp_size=8, num_blocks=512)
+    rng = np.random.default_rng(0)
+    st = [rng.permutation(512)[:128].tolist()] * 2
+    dt = [rng.permutation(512)[: dst.blocks_needed(8192, r)].tolist() for r in range(8)]
+    plan = plan_reshard(src, st, dst, dt, 8192)
+    assert plan.total_nbytes == 61 * 8192 * 576 * 2
+    assert all(plan.ranks[d].base.total_nbytes == 1024 * 576 * 2 for d in range(8))

@@ -64,12 +64,12 @@ def workers():
 class PrefillSide:
     """Publishers of one (backend, kv heads, prefill tp) config spread over the worker processes."""
 
-    def __init__(self, workers, backend: str, kvh: int, src_tp: int, **opts) -> None:
+    def __init__(self, workers, backend: str, kvh: int, src_tp: int, layout: KVLayout | None = None, **opts) -> None:
         self.workers, self.backend, self.kvh = workers, backend, kvh
-        self.layout = _layout(kvh, src_tp)
-        self.seed = _seed(kvh, src_tp)
+        self.layout = layout or _layout(kvh, src_tp)
+        self.seed = _seed(kvh, src_tp) + (1000 if self.layout.use_mla else 0)
         self.tables = random_tables(self.layout, NUM_TOKENS, random.Random(self.seed))
-        self.key = f"{backend}-kvh{kvh}-tp{src_tp}-{opts.get('tag', '')}"
+        self.key = f"{backend}-kvh{kvh}-tp{src_tp}-mla{int(self.layout.use_mla)}-{opts.get('tag', '')}"
         for r in range(src_tp):
             name = workers[r].call(
                 "start", key=self.key, layout=self.layout.to_dict(), ranks=[r], tables=self.tables,
@@ -104,8 +104,9 @@ class PrefillSide:
 class DecodeSide:
     """All ranks of one decode pod: regions, block tables and one puller per rank."""
 
-    def __init__(self, backend: str, kvh: int, tp: int, dcp: int, **puller_opts) -> None:
-        self.layout = _layout(kvh, tp, dcp, block=32 if dcp == 2 else BLOCK)  # mixed block sizes too
+    def __init__(self, backend: str, kvh: int, tp: int, dcp: int, layout: KVLayout | None = None,
+                 **puller_opts) -> None:
+        self.layout = layout or _layout(kvh, tp, dcp, block=32 if dcp == 2 else BLOCK)  # mixed block sizes too
         self.tables = random_tables(self.layout, NUM_TOKENS, random.Random(7 * tp + dcp))
         self.regions = [empty_region(self.layout, 500 + r) for r in range(tp)]
         opts = {"handshake_timeout_s": 5.0, "io_timeout_s": 5.0, **puller_opts}
@@ -251,6 +252,104 @@ def test_streaming_layers_pulled_as_they_finish(workers, backend):
             lat = [got[n] - ready[n - 1] for n in range(1, NUM_LAYERS + 1)]
             print(f"{backend} rank {r}: per-layer ready->landed latency (ms): {[round(x * 1e3, 1) for x in lat]}")
             assert done_at[r] >= ready[-1], "decode finished before the last layer existed"
+    finally:
+        dec.close()
+
+
+# ---- MLA latent caches ---------------------------------------------------------------------------
+MLA_DIM = 24  # kv_lora_rank + qk_rope_head_dim of a tiny model
+
+
+def _mla(tp: int, dcp: int = 1, interleave: int = 1, block: int = BLOCK) -> KVLayout:
+    return KVLayout.mla(NUM_LAYERS, MLA_DIM, "float32", block, tp_size=tp, dcp_size=dcp, interleave=interleave,
+                        num_blocks=NUM_BLOCKS)
+
+
+MLA_CASES = [  # (prefill tp, decode tp, dcp, interleave): dcp == tp, dcp < tp, prefill TP != decode TP
+    (backend, src_tp, tp, dcp, inter)
+    for backend in BACKENDS
+    for src_tp, tp, dcp, inter in ((1, 2, 2, 1), (2, 4, 2, 4), (2, 8, 8, 1), (1, 4, 4, 4), (2, 1, 1, 1))
+]
+
+
+@pytest.mark.parametrize("backend,src_tp,tp,dcp,inter", MLA_CASES, ids=lambda v: str(getattr(v, "values", [v])[0]))
+def test_mla_reshard_byte_identical(workers, backend, src_tp, tp, dcp, inter):
+    """Each decode rank's latent cache ends up holding exactly its DCP shard's tokens, written as it would have
+    computed them itself; ranks of different DCP groups with the same dcp_rank hold the same bytes."""
+    pre = PrefillSide(workers, backend, 1, src_tp, layout=_mla(src_tp), tag=f"{tp}x{dcp}i{inter}")
+    dec = DecodeSide(backend, 1, tp, dcp, layout=_mla(tp, dcp, inter, block=32 if dcp == 2 else BLOCK))
+    try:
+        for r in range(dcp, tp):  # same tables per dcp_rank, as a decode pod allocates them
+            dec.tables[r] = dec.tables[r % dcp]
+        handoff = pre.publish()
+        full = pre.full()
+        results = dec.pull_all(handoff)
+        for r in range(tp):
+            want = empty_region(dec.layout, 500 + r)
+            write_rank(dec.layout, r, full, dec.tables[r], want)
+            assert dec.regions[r].shape == (NUM_LAYERS, NUM_BLOCKS, dec.layout.block_size, MLA_DIM)
+            assert torch.equal(dec.regions[r], want), f"decode rank {r} differs"
+            assert results[r].transport == backend
+            assert results[r].nbytes == dec.layout.local_token_count(NUM_TOKENS, r % dcp) * MLA_DIM * 4 * NUM_LAYERS
+            if r >= dcp:
+                assert _shard_equal(dec, r, r % dcp), f"decode ranks {r} and {r % dcp} hold different latents"
+        freed = _wait_for(lambda: [x for x in pre.freed() if x[0] == handoff.lease_id] or None, 5.0, "lease freed")
+        assert {why for _, why in freed} == {"done"}
+    finally:
+        dec.close()
+
+
+def _shard_equal(dec: "DecodeSide", a: int, b: int) -> bool:
+    """The slots holding the request are equal on ranks a and b (the rest is each rank's own garbage)."""
+    lay = dec.layout
+    li = torch.arange(lay.local_token_count(NUM_TOKENS, lay.dcp_rank(a)))
+
+    def rows(r: int) -> torch.Tensor:
+        return dec.regions[r][:, torch.tensor(dec.tables[r])[li // lay.block_size], li % lay.block_size]
+
+    return torch.equal(rows(a), rows(b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mla_streaming_layer_by_layer(workers, backend):
+    """Latent KV streams as GQA's does: every layer lands after prefill finished it, the first well before the last
+    exists."""
+    pre = PrefillSide(workers, backend, 1, 2, layout=_mla(2), tag="stream")
+    dec = DecodeSide(backend, 1, 4, 4, layout=_mla(4, 4, 4))
+    try:
+        handoff = pre.publish(layers_ready=0)
+        landed: dict[int, list[tuple[int, float]]] = {r: [] for r in range(4)}
+        results: dict = {}
+
+        def run(r):
+            def on_landed(n, r=r):
+                landed[r].append((n, time.monotonic()))
+            try:
+                results[r] = dec.pullers[r].pull(handoff, dec.tables[r], timeout_s=30, on_layers_landed=on_landed)
+            except BaseException as e:
+                results[r] = e
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
+        for t in threads:
+            t.start()
+        for w in workers:
+            w.call("stream", key=pre.key, lease_id=handoff.lease_id, delay=0.4)
+        for t in threads:
+            t.join(30)
+        ready_by_src = [w.call("ready_times", lease_id=handoff.lease_id) for w in workers]
+        plan = plan_reshard(pre.layout, pre.tables, dec.layout, dec.tables, NUM_TOKENS)
+        full = pre.full()
+        for r in range(4):
+            ready = [max(ts) for ts in zip(*(ready_by_src[s] for s in plan.ranks[r].src_ranks()))]
+            assert not isinstance(results[r], BaseException), results[r]
+            want = empty_region(dec.layout, 500 + r)
+            write_rank(dec.layout, r, full, dec.tables[r], want)
+            assert torch.equal(dec.regions[r], want)
+            got = dict(landed[r])
+            assert sorted(got) == list(range(1, NUM_LAYERS + 1))
+            for n in range(1, NUM_LAYERS + 1):
+                assert got[n] >= ready[n - 1], f"rank {r} layer {n} landed before prefill finished it"
+            assert got[1] < ready[-2], "layer 1 landed only at the end: no streaming"
     finally:
         dec.close()
 

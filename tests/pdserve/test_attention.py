@@ -70,3 +70,32 @@ def test_paged_decode_matches_prefill_last_row():
     dec = AttentionMetadata(False, slots[-1:], [0, 1], [n - 1], torch.tensor([n]), table)
     out_d, lse_d = be.forward(q[-1:], kv, dec, 0.35)
     assert torch.allclose(out_p[-1], out_d[0], atol=1e-6) and torch.allclose(lse_p[-1], lse_d[0], atol=1e-6)
+
+
+def test_flashinfer_mla_page_table_covers_the_torch_decode_slots():
+    """The CSR page table handed to flashinfer's MLA wrapper names, token for token, the cache slots the torch MLA
+    decode reads (DCP-sharded lengths, an empty shard, scattered blocks, padded tables)."""
+    from pdserve.attention.flashinfer_mla import mla_paged_indices
+
+    bs = 4
+    ctx = torch.tensor([9, 0, 4, 1])
+    tables = torch.tensor([[7, 2, 5, 0], [3, 0, 0, 0], [1, 0, 0, 0], [6, 0, 0, 0]])
+    meta = AttentionMetadata(False, torch.zeros(4, dtype=torch.long), [0, 1, 2, 3, 4], [0, 0, 0, 0], ctx, tables)
+    slots, _mask, empty = TorchAttentionBackend._decode_plan(meta, bs, torch.float32)
+    indptr, indices, kv_len = mla_paged_indices(meta, bs)
+    assert indptr.dtype == indices.dtype == kv_len.dtype == torch.int32
+    max_ctx = slots.numel() // 4
+    for i in range(4):
+        pages = indices[indptr[i]:indptr[i + 1]].long()
+        got = (pages.repeat_interleave(bs) * bs + torch.arange(bs).repeat(len(pages)))[: int(kv_len[i])]
+        n = max(int(ctx[i]), 1)  # an empty shard reads one (masked-out) row on both paths
+        assert got.tolist() == slots[i * max_ctx: i * max_ctx + n].tolist()
+    assert empty is not None and empty.tolist() == [False, True, False, False]
+
+
+def test_select_mla_backend_keeps_torch_off_cuda(caplog):
+    from pdserve.attention import select_backend, select_mla_backend
+
+    with caplog.at_level("INFO", logger="pdserve.attention"):
+        mla = select_mla_backend(select_backend("cpu"))
+    assert mla.name == "torch" and "MLA attention backend: torch" in caplog.text

@@ -100,3 +100,34 @@ def test_id_problem():
     assert id_problem("request_id", "x" * MAX_ID_LEN) is None
     assert "at most 256 printable" in id_problem("request_id", "x" * (MAX_ID_LEN + 1))
     assert id_problem("lease_id", "a\nb").startswith("lease_id must be")
+
+
+def test_mla_pod_layout_and_shape_reach_the_router_as_mla(tiny_factory):
+    """An MLA pod's kv_transfer layout survives the proto round trip, its model shape tells the router it is MLA (so
+    TP 8 x DCP 8 is valid), and the router's own layout for that config is the pod's; a decode pod refuses a K/V
+    prefill layout for it."""
+    from decode_svc.server import _layout_mismatch
+    from pdserve.model.config import ModelConfig
+    from pdserve.parallel_config import ParallelConfig
+    from pdserve.pod.convert import kv_layout_for_model, model_shape_to_proto
+    from router.validation import check_for_role, facts_from_shape, kv_layout_for
+
+    mc = ModelConfig.from_path(tiny_factory("deepseek_v3", num_heads=8))
+    lay = kv_layout_for_model(mc, "float32", 16, tp_size=8, dcp_size=8, interleave=4, num_blocks=64)
+    assert lay.use_mla and lay.region_shape() == (mc.num_layers, 64, 16, mc.mla.latent_dim)
+    proto = layout_to_proto(lay)
+    assert proto.use_mla and proto.num_kv_heads_per_rank == 1 and layout_from_proto(proto) == lay
+    shape = model_shape_to_proto(mc, 4096, "float32")
+    assert (shape.use_mla, shape.kv_lora_rank, shape.qk_rope_head_dim) == (True, mc.mla.kv_lora_rank,
+                                                                           mc.mla.qk_rope_head_dim)
+    facts = facts_from_shape(shape)
+    cfg = ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=8, dcp_kv_cache_interleave_size=4,
+                         block_size=16)
+    assert check_for_role(facts.info, cfg, pb.ROLE_DECODE).valid
+    routed = kv_layout_for(facts, cfg, pb.ROLE_DECODE)
+    for name in ("num_kv_heads", "head_dim", "use_mla", "num_kv_heads_per_rank", "dcp_size"):
+        assert getattr(routed, name) == getattr(proto, name), name
+    gqa = pb.KVLayout(num_layers=mc.num_layers, num_kv_heads=8, head_dim=mc.mla.latent_dim, dtype="float32")
+    assert "MLA" in (_layout_mismatch(gqa, proto) or "")
+    assert _layout_mismatch(layout_to_proto(kv_layout_for_model(mc, "float32", 16, tp_size=2, num_blocks=8)),
+                            proto) is None

@@ -14,6 +14,7 @@ import urllib.request
 import grpc
 import pytest
 
+from pdserve.net import free_port
 from prefill_ref import Proc, hf_greedy, random_prompt
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -28,13 +29,17 @@ def pods(tiny_model, tmp_path_factory):
     prefill = Proc([sys.executable, "-m", "prefill_svc", "--model", str(tiny_model), "--port", "0",
                     "--metrics-port", "0", "--kv-transport", "tcp", "--num-kv-blocks", "800",
                     "--prefill-chunk-size", "512", "--max-num-batched-tokens", "4096", "--pod-id", "prefill-e2e",
+                    "--kv-checksum",
                     "--ready-file", str(ready_file), "--log-level", "WARNING"],
                    tmp / "prefill.log", lambda p: ready_file.exists())
-    decode = Proc([sys.executable, "-m", "decode_svc", "--kv-transfer-backend", "tcp",
+    decode_metrics = free_port()
+    decode = Proc([sys.executable, "-m", "decode_svc", "--kv-transfer-backend", "tcp", "--metrics-port",
+                   str(decode_metrics),
                    "--kv-transfer-timeout-s", "60", "--model", str(tiny_model),
                    "--port", "0", "--num-kv-blocks", "800", "--pod-id", "decode-e2e", "--log-level", "WARNING"],
                   tmp / "decode.log", lambda p: "decode_svc ready" in p.output())
     info = json.loads(ready_file.read_text())
+    info["decode_metrics_port"] = decode_metrics
     port = int(re.search(r"DecodeWorker on [^:]+:(\d+)", decode.output()).group(1))
     pch, dch = grpc.insecure_channel(info["address"]), grpc.insecure_channel(f"127.0.0.1:{port}")
     yield prefill_pb2_grpc.PrefillWorkerStub(pch), decode_pb2_grpc.DecodeWorkerStub(dch), info, prefill, decode
@@ -42,10 +47,12 @@ def pods(tiny_model, tmp_path_factory):
         p.kill()
 
 
-def metric(info, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1))
+def metric(info, name: str, port_key: str = "metrics_port") -> float:
+    """A metric's value (summed over its label sets) on the prefill pod, or the decode pod's with port_key."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{info[port_key]}/metrics", timeout=5).read().decode()
+    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert values, f"{name} not exported"
+    return sum(float(v) for v in values)
 
 
 def generate(pstub, dstub, rid: str, ids: list[int]) -> tuple[list[int], prefill_pb2.PrefillResponse]:
@@ -96,5 +103,43 @@ def test_prefix_cache_hit_same_tokens_fewer_computed(pods, tiny_model):
     computed = metric(info, "pdserve_prefill_prompt_tokens_computed_total") - before
     assert pre.num_cached_tokens == 2048
     assert computed == len(ids) - 2048
+    assert tokens == hf_greedy(tiny_model, ids, NEW_TOKENS)
+    wait_leases_freed(info)
+
+
+def test_kv_read_in_the_wrong_order_is_refused_with_data_loss(pods, tiny_model):
+    """The hand-off reaches decode with the lease's block table reordered (as a stale or damaged table would): every
+    read stays inside the lease, so kv_transfer's bounds checks pass, but the bytes land at the wrong tokens. Decode
+    checks them against the prefill pod's block checksums and refuses the request (DATA_LOSS naming the pod and the
+    block) instead of streaming garbage; its KV blocks and the prefill lease are freed, and the same request with the
+    hand-off as sent decodes normally."""
+    pstub, dstub, info, *_ = pods
+    sp = pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    free_before = metric(info, "pdserve_decode_kv_blocks_free", "decode_metrics_port")
+    ids = random_prompt(40, seed=51)
+    alloc = dstub.AllocateKV(decode_pb2.AllocateKVRequest(request_id="victim", num_tokens=len(ids)), timeout=30)
+    pre = pstub.Prefill(prefill_pb2.PrefillRequest(
+        request_id="victim", prompt_token_ids=ids, sampling_params=sp,
+        decode_target=prefill_pb2.DecodeTarget(decode_pod_id="decode-e2e", layout=alloc.layout,
+                                               block_tables=alloc.block_tables,
+                                               transfer_modes=alloc.transfer_modes)), timeout=120)
+    handle = pb.KVHandle()
+    handle.CopyFrom(pre.kv_handle)
+    assert len(handle.block_checksums) == 3  # 40 tokens in blocks of 16
+    for t in handle.block_tables:
+        t.block_ids.reverse()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in dstub.Decode(decode_pb2.DecodeRequest(
+                request_id="victim", prompt_token_ids=ids, first_token_id=pre.first_token_id,
+                first_token_logprob=pre.first_token_logprob, sampling_params=sp, kv_handle=handle), timeout=60):
+            pass
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.details()
+    assert "prefill pod prefill-e2e failed its checksum at block 0 (tokens 0..15)" in err.value.details()
+    wait_leases_freed(info)
+    deadline = time.monotonic() + 20
+    while metric(info, "pdserve_decode_kv_blocks_free", "decode_metrics_port") != free_before:
+        assert time.monotonic() < deadline, "the refused request's decode KV was not freed"
+        time.sleep(0.1)
+    tokens, _ = generate(pstub, dstub, "victim-again", ids)
     assert tokens == hf_greedy(tiny_model, ids, NEW_TOKENS)
     wait_leases_freed(info)

@@ -7,9 +7,9 @@ front) with the official `openai` client, on a tiny random checkpoint with SmolL
 - logprobs (chat and completions shapes) equal transformers' fp32 log-softmax for the chosen and the top tokens;
 - min_tokens holds EOS back (even one forced by logit_bias) until reached; logit_bias forces and forbids tokens;
   min_p = 1 samples the most likely token whatever the seed; echo returns the prompt ahead of the completion;
-- values past vLLM's limits are HTTP 400 with vLLM's message; features not served (n > 1, echo with logprobs, a
-  response_format of an unknown type, the deprecated functions) are refused. Structured output and tools:
-  test_structured_e2e.py.
+- values past vLLM's limits are HTTP 400 with vLLM's message; what is not served (a response_format of an unknown
+  type, the deprecated functions) is refused. Structured output and tools: test_structured_e2e.py; n, best_of and
+  echo with logprobs: test_parallel_sampling_e2e.py.
 """
 from __future__ import annotations
 
@@ -247,8 +247,9 @@ def test_echo_returns_the_prompt_first(oai):
     ("completions", dict(max_tokens=3, extra_body={"min_tokens": 4}),
      "min_tokens must be less than or equal to max_tokens=3, got 4."),
     ("completions", dict(logit_bias={"999999": 5}), "logit_bias has token ids out of the model's vocabulary"),
-    ("completions", dict(echo=True, logprobs=1), "echo with logprobs"),
-    ("completions", dict(n=2), "only n=1"),
+    ("completions", dict(n=0), "'n' must be an integer in [1, 128]"),
+    ("completions", dict(n=3, best_of=2), "best_of must be an integer in [n, 128] (n=3)"),
+    ("completions", dict(best_of=3, stream=True), "best_of > n cannot be streamed"),
     ("chat", dict(logprobs=True, top_logprobs=21),
      "Requested sample logprobs of 21, which is greater than max allowed: 20"),
     ("chat", dict(top_logprobs=3), "when using `top_logprobs`, `logprobs` must be set to true."),

@@ -1,0 +1,189 @@
+"""n > 1, best_of and echo with prompt logprobs through the whole cluster (router + a prefill pod + a decode pod,
+separate processes, the OpenAI HTTP front) with the official `openai` client, on a tiny random checkpoint:
+
+- n = 4 with a seed gives 4 sequences, each equal to a single request seeded by vLLM's child rule (seed + i), while
+  the prefill pod computed the prompt once (its Prometheus counter of prompt tokens computed);
+- greedy n = 2 gives identical choices, streamed chunks carry their choice index;
+- best_of returns the n candidates with the highest cumulative logprob, in that order;
+- cancelling an n = 4 stream (the client goes away) gives every KV block back on the decode pod;
+- echo with logprobs returns the prompt tokens' logprobs (None first), equal to transformers' fp32 log-softmax.
+"""
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from e2e_helpers import e2e_cluster
+from pdserve.net import free_port
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [17, 923, 3045, 88, 412, 77, 1020, 5111, 64, 233, 9]  # 11 tokens: a partly filled last KV block
+BLOCKS = 256
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    return tiny_factory("llama", num_heads=8, num_kv_heads=1, vocab_size=49152)
+
+
+@pytest.fixture(scope="module")
+def ports():
+    return {"prefill": free_port(), "decode": free_port()}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny, ports):
+    c = e2e_cluster(tmp_path_factory.mktemp("nseq"), tiny, num_prefill=1, num_decode=1, decode_tp=1, decode_dcp=1,
+                    num_kv_blocks=BLOCKS, http=True, prefill_args=["--metrics-port", str(ports["prefill"])],
+                    decode_args=["--metrics-port", str(ports["decode"])])
+    endpoints = c.start()
+    try:
+        yield endpoints
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    with openai.OpenAI(base_url=f"{cluster.http}/v1", api_key="none", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+
+def ids_of(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def sample(oai, seed: int | None, n: int = 1, max_tokens: int = 10, **kw):
+    return oai.completions.create(model="", prompt=PROMPT, max_tokens=max_tokens, temperature=1.0, seed=seed, n=n,
+                                  logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                                  **kw)
+
+
+def test_n_seeded_equals_single_requests_with_child_seeds_and_prefills_once(oai, ports):
+    singles = [ids_of(sample(oai, 500 + i).choices[0].logprobs.tokens) for i in range(4)]
+    before = metric(ports["prefill"], "pdserve_prefill_prompt_tokens_computed_total")
+    r = sample(oai, 500, n=4)
+    time.sleep(0.6)  # the pod's counters follow its engine every 0.25 s
+    computed = metric(ports["prefill"], "pdserve_prefill_prompt_tokens_computed_total") - before
+    assert computed == len(PROMPT)  # one prefill for all four sequences
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [ids_of(c.logprobs.tokens) for c in r.choices] == singles
+    assert len({tuple(s) for s in singles}) == 4
+    assert r.usage.completion_tokens == 40
+
+
+def test_greedy_n_gives_identical_choices_and_streams_indexed_chunks(oai):
+    r = oai.completions.create(model="", prompt=PROMPT, max_tokens=8, temperature=0, n=2,
+                               extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2 and r.choices[0].text == r.choices[1].text
+    texts = {0: "", 1: ""}
+    ends = {}
+    for c in oai.completions.create(model="", prompt=PROMPT, max_tokens=8, temperature=0, n=2, stream=True,
+                                    extra_body={"ignore_eos": True}):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                ends[ch.index] = ch.finish_reason
+    assert texts == {0: r.choices[0].text, 1: r.choices[0].text} and ends == {0: "length", 1: "length"}
+    chat = oai.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                       temperature=0, n=3)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert len({c.message.content for c in chat.choices}) == 1
+
+
+def test_best_of_returns_the_n_highest_cumulative_logprobs(oai):
+    cands = sample(oai, 77, n=5)
+    cum = [sum(c.logprobs.token_logprobs) for c in cands.choices]
+    best = sample(oai, 77, n=2, best_of=5)
+    order = sorted(range(5), key=lambda k: -cum[k])[:2]
+    assert [ids_of(c.logprobs.tokens) for c in best.choices] == [ids_of(cands.choices[k].logprobs.tokens)
+                                                                  for k in order]
+    assert [c.index for c in best.choices] == [0, 1]
+    # without logprobs asked for, the choice is the same and no logprobs come back
+    plain = oai.completions.create(model="", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=77, n=2, best_of=5,
+                                   extra_body={"ignore_eos": True})
+    assert [c.text for c in plain.choices] == [c.text for c in best.choices]
+    assert all(c.logprobs is None for c in plain.choices)
+
+
+def test_cancelling_an_n4_stream_frees_every_kv_block(oai, ports):
+    def free() -> float:
+        return metric(ports["decode"], "pdserve_decode_kv_blocks_free")
+
+    assert free() == BLOCKS
+    stream = oai.completions.create(model="", prompt=PROMPT, max_tokens=2000, temperature=1.0, seed=1, n=4,
+                                    stream=True, extra_body={"ignore_eos": True})
+    seen = set()
+    for c in stream:
+        seen.update(ch.index for ch in c.choices if ch.text)
+        if len(seen) == 4:
+            break
+    assert seen == {0, 1, 2, 3}
+    assert free() < BLOCKS
+    stream.close()  # the client goes away: the router cancels, the decode pod frees all four sequences
+    deadline = time.monotonic() + 20
+    while free() != BLOCKS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert free() == BLOCKS
+
+
+def test_echo_logprobs_equal_transformers_log_softmax(oai, tiny):
+    import transformers
+
+    prompt = "The quick brown fox jumps over"
+    r = oai.completions.create(model="", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    tok = transformers.AutoTokenizer.from_pretrained(tiny)
+    ids = tok(prompt)["input_ids"]
+    n = len(ids)
+    assert ids_of(lp.tokens[:n]) == ids
+    assert r.choices[0].text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for p in range(1, n):
+        assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < 1e-4
+        vals, idx = ref[p - 1].topk(2)
+        alts = {int(k.removeprefix("token_id:")): v for k, v in lp.top_logprobs[p].items()}
+        for v, i in zip(vals.tolist(), idx.tolist()):
+            assert abs(alts[i] - v) < 1e-4
+    # the completion's own tokens follow, as without echo
+    plain = oai.completions.create(model="", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert lp.tokens[n:] == plain.choices[0].logprobs.tokens
+    assert lp.text_offset[n] == len(prompt)
+
+
+def test_n_with_max_tokens_1_ends_on_the_prefill_pod(oai):
+    singles = [ids_of(sample(oai, 40 + i, max_tokens=1).choices[0].logprobs.tokens) for i in range(3)]
+    r = sample(oai, 40, n=3, max_tokens=1)
+    assert [ids_of(c.logprobs.tokens) for c in r.choices] == singles and len({s[0] for s in singles}) > 1
+    assert [c.finish_reason for c in r.choices] == ["length"] * 3 and r.usage.completion_tokens == 3
+
+
+def test_sdk_returns_the_n_choices_and_prompt_logprobs(cluster, oai):
+    from pdserve.client import Client
+
+    with Client(cluster.router) as client:
+        c = client.generate(PROMPT, max_tokens=5, temperature=1.0, seed=9, n=3, ignore_eos=True, logprobs=True,
+                            prompt_logprobs=1)
+    http = sample(oai, 9, n=3, max_tokens=5)
+    assert [ch.index for ch in c.choices] == [0, 1, 2]
+    assert [ch.token_ids for ch in c.choices] == [ids_of(h.logprobs.tokens) for h in http.choices]
+    assert c.token_ids == c.choices[0].token_ids and c.usage.completion_tokens == 15
+    pl = c.prompt_logprobs
+    assert pl.token_ids == PROMPT and pl.logprobs[0] is None and len(pl.logprobs) == len(PROMPT)
+    assert all(len(t) == 1 for t in pl.top_logprobs[1:])

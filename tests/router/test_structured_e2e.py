@@ -129,6 +129,28 @@ def test_guided_regex_choice_and_grammar_hold(oai):
     assert re.fullmatch(r"\(\d(\+\d)?\)", r.choices[0].text)
 
 
+def test_every_one_of_n_sequences_follows_the_constraint(oai):
+    """n > 1 forks one prefilled prompt into sequences that each keep their own matcher (seeded apart): every choice
+    holds the regex, streamed or not, and so does each of the n tool-call argument objects of a named function."""
+    pattern = r"[A-F]{3}-\d{2,4}"
+    r = chat(oai, "Ids?", n=4, extra_body={"guided_regex": pattern}, seed=5, temperature=1.0, max_tokens=20)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert all(re.fullmatch(pattern, c.message.content) for c in r.choices), [c.message.content for c in r.choices]
+    texts: dict[int, str] = {}
+    for chunk in chat(oai, "Ids?", n=3, stream=True, extra_body={"guided_regex": pattern}, seed=6, temperature=1.0,
+                      max_tokens=20):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert sorted(texts) == [0, 1, 2] and all(re.fullmatch(pattern, t) for t in texts.values()), texts
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(oai, "Weather?", n=2, tools=[WEATHER], tool_choice=named, seed=7, temperature=1.0, max_tokens=120)
+    assert len(r.choices) == 2
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        (call,) = c.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
 @pytest.mark.parametrize("extra, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
      "Unsupported type"),

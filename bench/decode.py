@@ -11,7 +11,13 @@
    DCP 1, 2, 4 and 8 (ratios.kv_capacity_mla_dcp{d}_vs_dcp1_x_{d}), and the KV bytes per token per rank of MLA
    against a GQA model of the same hidden size.
 
-Quick mode: fewer tokens, batches 1 and 32, and the TP 9 x DCP 3 pod only (shared memory and gloo)."""
+3. Sampling cost per decode step at batch 8 on the in-process engine (SmolLM2, TP 1), plain seeded sampling against
+   the same with presence / frequency / repetition penalties and against a structured-output constraint (xgrammar's
+   token bitmask, a JSON schema), each decode step timed, side by side in interleaved rounds; the ratio compares the
+   fastest steps (robust to other load), medians are reported too. Target: ratio <= 1.15.
+
+Quick mode: fewer tokens, batches 1 and 32, and the TP 9 x DCP 3 pod only (shared memory and gloo); fewer sampling
+rounds."""
 from __future__ import annotations
 
 import math
@@ -267,6 +273,70 @@ def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
                           "block_size": CAPACITY_BLOCK, "capacity": raw}
 
 
+# A schema the model stays inside for the whole run (an open-ended list of strings), so every step is masked.
+SAMPLING_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+                   "required": ["notes"]}
+
+
+def _decode_step_times(engine, prompts: list[list[int]], sp: Any) -> list[float]:
+    """Seconds of each decode step (every request past its first token) of one batch on the in-process engine."""
+    for p in prompts:
+        engine.add_request(p, sp)
+    started: set[str] = set()
+    while len(started) < len(prompts):  # prefill steps until every request has its first token
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _sampling_cost(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, Any]]:
+    """Plain sampling vs penalties vs a JSON-schema constraint, per decode step at batch 8, interleaved rounds. The
+    headline is the fastest step of each (robust to other load on the machine); medians are in the JSON too."""
+    from pdserve.default_model import ensure_default_model
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.sampling import SamplingParams
+    from pdserve.structured import StructuredSpec
+
+    bs, new_tokens, rounds = 8, (8 if quick else 16), (10 if quick else 20)  # short rounds: more quiet windows
+    prompt_len = 32
+    base = dict(temperature=1.0, seed=0, max_tokens=new_tokens, ignore_eos=True)
+    variants = {
+        "plain": SamplingParams(**base),
+        "penalties": SamplingParams(**base, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+        "structured_json": SamplingParams(**base, structured=StructuredSpec.json_schema(SAMPLING_SCHEMA)),
+    }
+    engine = LLMEngine(EngineConfig(model=str(ensure_default_model()), num_kv_blocks=bs * 8 + 8, max_num_seqs=bs,
+                                    enable_prefix_caching=False))
+    steps: dict[str, list[float]] = {k: [] for k in variants}
+    try:
+        prompts = _prompts(bs, prompt_len, engine.model_config.vocab_size)
+        for sp in variants.values():  # warm-up (and the grammar's compile, cached afterwards)
+            _decode_step_times(engine, prompts, SamplingParams(**{**sp.__dict__, "max_tokens": 3}))
+        for _ in range(rounds):  # interleaved, so drift of the machine hits every variant alike
+            for name, sp in variants.items():
+                steps[name] += _decode_step_times(engine, prompts, sp)
+    finally:
+        engine.shutdown()
+    fastest = {k: min(v) for k, v in steps.items()}
+    median = {k: sorted(v)[len(v) // 2] for k, v in steps.items()}
+    ratios = {f"{k}_bs{bs}_vs_plain": fastest[k] / fastest["plain"] for k in ("structured_json", "penalties")}
+    row: dict[str, Any] = {"metric": f"engine decode step, batch {bs}, vs plain sampling (fastest step)",
+                           **{f"{k} ms/step": 1e3 * v for k, v in fastest.items()},
+                           **{f"{k} median ms/step": 1e3 * v for k, v in median.items()},
+                           **ratios,
+                           "target <= 1.15": "; ".join(f"{k}: {'ok' if v <= 1.15 else 'MISSED'}"
+                                                        for k, v in ratios.items())}
+    raw = {"sampling_cost": {"batch": bs, "new_tokens": new_tokens, "prompt_tokens": prompt_len, "rounds": rounds,
+                             "schema": SAMPLING_SCHEMA, "fastest_step_s": fastest, "median_step_s": median,
+                             "median_ratio_vs_plain": {k: median[k] / median["plain"] for k in median},
+                             "steps": {k: len(v) for k, v in steps.items()}, "threads": torch.get_num_threads()}}
+    return [row], ratios, raw
+
+
 def _kv_bytes_row(mla: str, gqa: str, raw: dict[str, Any]) -> dict[str, Any]:
     """KV bytes one token takes on one rank at TP 8: MLA (by DCP) against GQA of the same hidden size (DCP 1 only:
     8 KV heads over TP 8 leave no DCP > 1)."""
@@ -280,9 +350,13 @@ def _kv_bytes_row(mla: str, gqa: str, raw: dict[str, Any]) -> dict[str, Any]:
         per_rank[f"mla_dcp{dcp}"] = mla_tok / dcp
     raw["kv_bytes_per_token_per_rank"] = per_rank
     return row
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     cap_rows, cap_ratios, cap_raw = _capacity()
+    s_rows, s_ratios, s_raw = _sampling_cost(quick)
     tp_rows, tp_ratios, tp_raw = _throughput(quick)
-    return {"benchmark": "decode", "quick": quick, "table": tp_rows + cap_rows, "ratios": {**tp_ratios, **cap_ratios},
-            **tp_raw, **cap_raw, "seconds": time.perf_counter() - t0}
+    return {"benchmark": "decode", "quick": quick, "table": tp_rows + s_rows + cap_rows,
+            "ratios": {**tp_ratios, **s_ratios, **cap_ratios}, **tp_raw, **s_raw, **cap_raw,
+            "seconds": time.perf_counter() - t0}

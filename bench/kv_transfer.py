@@ -33,10 +33,10 @@ negative when the KV was complete before sampling finished); "share of prefill" 
 ratios: end_to_decode_start_vs_prefill_streaming_{on,off}_N (target on <= 0.10) and transfer_vs_prefill_N (the
 unhidden transfer, streaming off).
 
-Checksum rows: the cost of the KV block checksums (pdserve/pod/kv_checksum.py, off by default, `--kv-checksum` on a prefill pod): the prefill pod's
-sums over its region and the decode pod's over what its ranks read (decode TP/DCP as above; ranks one after the
-other here, in parallel in a pod). ratios: checksum_vs_transfer_N = (prefill + decode checksum seconds) / seconds
-of the TP 1 pull of the same request on the fastest path measured.
+Checksum rows: the cost of the KV block checksums (pdserve/pod/kv_checksum.py, off by default, ``--kv-checksum`` on a
+prefill pod): the prefill pod's sums over its region and the decode pod's over what its ranks read (decode TP/DCP as
+above; ranks one after the other here, in parallel in a pod). ratios: checksum_vs_transfer_N = (prefill + decode
+checksum seconds) / seconds of the TP 1 pull of the same request on the fastest path measured.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Router overhead and routed requests/s, on a real loopback cluster (``pdserve bench router``).
 
-Processes: two ``python -m router`` replicas (every pod registers with both), one prefill pod and one decode pod
-(tiny random llama checkpoint, so the pods' compute is small next to the router's work), and this client. The main requests have max_tokens=1, which the router
-serves with one pod call: Prefill (the prefill pod samples the only token and keeps no KV; no decode pod, no
-AllocateKV / Decode / CancelDecode). A quarter as many max_tokens=4 requests measure the full journey's overhead
-(AllocateKV + Prefill before the first token, then the Decode stream).
+Processes: two ``python -m router`` replicas (every pod registers with both), one prefill pod and one decode pod (tiny
+random llama checkpoint, so the pods' compute is small next to the router's work), and this client. The main requests
+have max_tokens=1, which the router serves with one pod call: Prefill (the prefill pod samples the only token and keeps
+no KV; no decode pod, no AllocateKV / Decode / CancelDecode). A quarter as many max_tokens=4 requests measure the full
+journey's overhead (AllocateKV + Prefill before the first token, then the Decode stream).
 
 - Router overhead per request = the client's time to first token minus the pods' own time on that path, where the
   pods' time is the router's measured duration of the pod calls on the path (Prefill; AllocateKV too for longer

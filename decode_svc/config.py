@@ -50,6 +50,9 @@ class DecodeConfig:
     ucx_transports: str | None = field(default=None, metadata={
         "help": "UCX transports of the NIXL data path (UCX_TLS), e.g. tcp between nodes without RDMA, "
                  "rc,cuda_copy,cuda_ipc on InfiniBand; unset: UCX picks from what the host has"})
+    unified: bool = field(default=False, metadata={
+        "help": "colocated pod: register as ROLE_UNIFIED and compute the prompts of requests sent without a KV handle "
+                "itself (chunked prefill between decode steps), besides decoding KV from prefill pods"})
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -228,6 +228,14 @@ class DecodePod:
         self.queue.append(q)
         return None
 
+    def submit_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> None:
+        """Unified pod: the engine computes the prompt itself (its chunked prefill steps alternate with decode
+        steps) and waits in the engine's queue for blocks; every token, the first included, comes out of step().
+        Raises RequestError (bad request), RequestExists."""
+        if self.knows(request_id):
+            raise RequestExists(f"request {request_id!r} is already decoding on this pod")
+        self.engine.add_request(list(prompt_ids), params, request_id=request_id, n=n)
+
     def _try_admit(self, q: _Queued) -> list[RequestOutput] | None:
         eng = self.engine
         if self._num_admitted() >= self.config.engine.max_num_seqs:

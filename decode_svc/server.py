@@ -187,7 +187,8 @@ class DecodeServer:
             return None
         cfg = self.config
         return registry_pb2.RegisterWorkerRequest(
-            pod_id=cfg.serving.pod_id, role=common_pb2.ROLE_DECODE, address=self.address, kv_transfer_address="",
+            pod_id=cfg.serving.pod_id, role=common_pb2.ROLE_UNIFIED if cfg.unified else common_pb2.ROLE_DECODE,
+            address=self.address, kv_transfer_address="",
             model=cfg.serving.served_model_name or Path(cfg.engine.model).name, model_shape=self._model_shape,
             parallel=parallel_to_proto(cfg.engine.tensor_parallel_size, cfg.engine.decode_context_parallel_size,
                                        cfg.engine.dcp_kv_cache_interleave_size),
@@ -222,7 +223,11 @@ class DecodeServer:
             asyncio.get_running_loop().create_task(self._health.set(SERVICE_NAME,
                                                                     health_pb2.HealthCheckResponse.NOT_SERVING))
 
-    def make_source(self, req: decode_pb2.DecodeRequest) -> KVSource:
+    def make_source(self, req: decode_pb2.DecodeRequest) -> KVSource | None:
+        """Where the prompt KV comes from; None on a unified pod for a request without a KV handle (it computes
+        the prompt itself)."""
+        if self.config.unified and req.kv_handle.ByteSize() == 0:  # no handle, or an empty one
+            return None
         addr = req.kv_handle.kv_transfer_address
         if not addr:
             raise InvalidArgument("kv_handle.kv_transfer_address is empty")
@@ -336,7 +341,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         try:
             await self._start(request, params, source, events)
             started = True
-            stream = _TokenStream(params.logprobs, t_start)
+            stream = _TokenStream(params.logprobs, t_start, first_is_new=source is None)
             while not done:
                 chunks, done = stream.chunks(await _drain(events))
                 for chunk in chunks:
@@ -347,7 +352,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 engine = s.engine
                 engine.call(lambda pod: engine.cancel(pod, request.request_id))
 
-    def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, KVSource]:
+    def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, KVSource | None]:
         """Field checks, sampling params and the KV source, before the engine is involved."""
         s = self.s
         problem = decode_request_problem(request)
@@ -360,7 +365,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         except ValueError as e:  # SamplingParamsError, or a KV source that cannot be built from the handle
             raise InvalidArgument(str(e)) from e
 
-    async def _start(self, request: decode_pb2.DecodeRequest, params: SamplingParams, source: KVSource,
+    async def _start(self, request: decode_pb2.DecodeRequest, params: SamplingParams, source: KVSource | None,
                      events: asyncio.Queue[RequestOutput | Failure]) -> None:
         """Take the reservation over (or queue) on the engine thread, subscribed to the request's events."""
         s = self.s
@@ -376,7 +381,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
             n = num_sequences(request.sampling_params)
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
-        if n == 1:
+        if n == 1 or source is None:  # a unified pod samples every first token itself
             firsts, first_lps = [request.first_token_id], [request.first_token_logprob]
         elif len(request.first_token_ids) == n and len(request.first_token_logprobs) == n:
             firsts, first_lps = list(request.first_token_ids), list(request.first_token_logprobs)
@@ -393,6 +398,9 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 raise RequestExists(f"request {rid!r} is already decoding on this pod")
             engine.subscribe(rid, sink)
             try:
+                if source is None:  # unified pod: the prompt is computed here, its tokens come from step()
+                    pod.submit_prompt(rid, list(request.prompt_token_ids), params, n)
+                    return
                 outs = pod.submit_all(rid, list(request.prompt_token_ids), params, firsts, first_lps, source)
             except BaseException:
                 engine.unsubscribe(rid)
@@ -424,10 +432,12 @@ class _TokenStream:
     output is prefill's first token (its KV landed): not repeated in the stream. A Failure before it is the call's
     gRPC status (decode.proto); after it, a final chunk with FINISH_REASON_ERROR."""
 
-    def __init__(self, logprobs: bool, t_start: float) -> None:
+    def __init__(self, logprobs: bool, t_start: float, first_is_new: bool = False) -> None:
         self.logprobs = logprobs
         self.t_start = t_start
-        self.t_landed: float | None = None
+        # unified pod computing the prompt itself: the first output is a new token, streamed; no KV transfer
+        self.first_is_new = first_is_new
+        self.t_landed: float | None = t_start if first_is_new else None
         self.landed: set[int] = set()  # sequences whose first token was seen
 
     def chunks(self, evs: list[RequestOutput | Failure]) -> tuple[list[decode_pb2.TokenChunk], bool]:
@@ -458,7 +468,7 @@ class _TokenStream:
             if ev.new_token_ids:
                 if self.t_landed is None:
                     self.t_landed = time.monotonic()
-                if index not in self.landed:
+                if index not in self.landed and not self.first_is_new:
                     self.landed.add(index)
                 else:
                     chunk.token_ids.extend(ev.new_token_ids)

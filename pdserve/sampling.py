@@ -2,14 +2,18 @@
 
 The sampler follows vLLM's definitions: logprobs are the log-softmax of the raw model logits; then logit_bias,
 min_tokens (stop tokens masked), the penalties (repetition over prompt + output tokens, frequency and presence
-over output tokens), temperature, min_p, top-k and top-p, in that order."""
+over output tokens), a structured-output constraint (xgrammar's token bitmask; pdserve/structured.py), temperature,
+min_p, top-k and top-p, in that order."""
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
+
+from pdserve.structured import GrammarBackend, Matcher, StructuredSpec
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
@@ -37,6 +41,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: StructuredSpec | None = None  # output constraint (JSON schema, regex, choice, grammar)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -89,6 +94,8 @@ class SamplingParams:
             bad("logit_bias keys must be non-negative token ids")
         if any(not num(v) for v in self.logit_bias.values()):
             bad("logit_bias values must be finite numbers")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            bad("structured must be a pdserve.structured.StructuredSpec")
         # OpenAI's range; vLLM clamps to it too.
         self.logit_bias = {int(k): min(100.0, max(-100.0, float(v))) for k, v in self.logit_bias.items()}
         self.stop = list(self.stop)
@@ -117,14 +124,35 @@ class SampleOutput(NamedTuple):
 class Sampler:
     """Samples one token per row; keeps a torch.Generator per seeded request so seeded runs reproduce."""
 
-    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, eos_token_ids: Sequence[int] = (),
+                 grammar_backend: Callable[[], GrammarBackend] | None = None) -> None:
+        """grammar_backend: builds the structured-output backend for this model's tokenizer, on first use."""
         self._generators: dict[str, torch.Generator] = {}
         self._prompt_masks: dict[str, torch.Tensor] = {}  # repetition penalty: prompt tokens, built once
+        self._matchers: dict[str, Matcher] = {}
         self.eos_token_ids = list(eos_token_ids)
+        self._make_backend = grammar_backend
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        if self._backend is None:
+            with self._backend_lock:
+                if self._backend is None:
+                    if self._make_backend is None:
+                        raise ValueError("this sampler has no tokenizer for structured output")
+                    self._backend = self._make_backend()
+        return self._backend
+
+    def compile(self, spec: StructuredSpec) -> None:
+        """Compile (and cache) a request's constraint ahead of its first step; raises StructuredOutputError."""
+        self.grammar.compile(spec)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._prompt_masks.pop(request_id, None)
+        self._matchers.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
                prompt_ids: Sequence[Sequence[int]] | None = None,
@@ -136,6 +164,12 @@ class Sampler:
             if prompt_ids is None or output_ids is None:
                 raise ValueError("penalties and min_tokens need each row's prompt_ids and output_ids")
             x = self._process(logits.float().clone(), params, request_ids, prompt_ids, output_ids)
+        constrained = [i for i, p in enumerate(params) if p.structured is not None]
+        if constrained:
+            if output_ids is None:
+                raise ValueError("structured output needs each row's output_ids")
+            x = self._constrain(logits, logits.float().clone() if x is logits else x, params, request_ids,
+                                output_ids, constrained)
         if all(p.greedy for p in params):
             tokens = x.argmax(dim=-1)
             out_t = tokens.tolist()
@@ -187,6 +221,28 @@ class Sampler:
             x[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
         # Extreme penalties can overflow: keep masked tokens at -inf and everything else finite.
         x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+        return x
+
+    def _constrain(self, logits: torch.Tensor, x: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+                   output_ids: Sequence[Sequence[int]], rows: list[int]) -> torch.Tensor:
+        """Mask, on a float32 copy, every token the row's grammar does not allow next (one bitmask for the batch)."""
+        g = self.grammar
+        bitmask = g.allocate_bitmask(x.shape[0])
+        masked = []
+        for i in rows:
+            m = self._matchers.get(request_ids[i])
+            if m is None:
+                m = self._matchers[request_ids[i]] = g.matcher(params[i].structured)  # type: ignore[arg-type]
+            m.catch_up(output_ids[i])
+            if m.fill(bitmask, i):
+                masked.append(i)
+        if masked:
+            g.apply_bitmask(x, bitmask, masked)
+            # min_tokens can mask the stop token a finished grammar asks for: then the grammar wins.
+            dead = [i for i in masked if bool(torch.isneginf(x[i]).all())]
+            if dead:
+                x[dead] = logits[dead].float()
+                g.apply_bitmask(x, bitmask, dead)
         return x
 
     def _penalize(self, x: torch.Tensor, params: list[SamplingParams], request_ids: list[str],

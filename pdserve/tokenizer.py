@@ -46,13 +46,16 @@ class Tokenizer:
         """The underlying `tokenizers.Tokenizer` (for its streaming decoder)."""
         return self._tok
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The template's text; tools (OpenAI tool objects) are passed to it as `tools`, as transformers'
+        apply_chat_template does (a template that does not use them renders none)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
         env.globals["raise_exception"] = _raise
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
         )
 

@@ -195,10 +195,16 @@ class OpenAIHttpConfig:
                                                         "--http-tls-require-client-cert")
     http_tls_require_client_cert: bool = _http_tls("require_client_cert", "mutual TLS: refuse HTTPS clients without "
                                                    "a certificate signed by --http-tls-ca-file", False)
+    tool_call_parser: str = field(default="hermes", metadata={
+        "help": "how the model writes tool calls (vLLM's --tool-call-parser): hermes = <tool_call>{json}</tool_call> "
+                "(Hermes, Qwen2.5, SmolLM / ChatML models)"})
 
     def __post_init__(self) -> None:
         if not _is_int(self.port) or not 0 <= self.port <= 65535:
             raise ValueError(f"OpenAIHttpConfig.port must be a port number in [0, 65535], got {self.port!r}")
+        from router.tool_parsers import tool_parser
+
+        tool_parser(self.tool_call_parser)  # an unknown name fails now, listing the known ones
         self.http_tls  # every certificate file is read now: a bad one fails here, naming its flag
         self.router_tls
 

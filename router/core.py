@@ -18,12 +18,14 @@ import grpc
 
 from pdserve.engine.config import MAX_N
 from pdserve.errors import ServiceError
-from pdserve.pod.sampling import unsupported_fields
-from pdserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from pdserve.pod.sampling import structured_spec, unsupported_fields
+from pdserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParamsError
+from pdserve.structured import StructuredOutputError, check_spec
 from pdserve.security import aio_channel
 from pdserve.tokenizer import Tokenizer
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
 from router.admission import Admission, Admitted
+from router.chat import template_inputs
 from router.config import RouterConfig
 from router.flight import Flight
 from router.metrics import RouterMetrics
@@ -220,6 +222,7 @@ class RouterCore:
                                f"most {max_len - 1} tokens")
         sp = req.sampling_params
         _check_sampling(sp, vocab)
+        await _check_structured(sp)
         if max_len and sp.min_tokens > max_len:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"sampling_params: min_tokens ({sp.min_tokens}) must not exceed max_model_len "
@@ -260,17 +263,12 @@ class RouterCore:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
             ids = await self._encode(req.text, True)
         else:
-            msgs = req.chat.messages
-            if not msgs:
+            if not req.chat.messages:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "chat prompt has no messages")
-            for i, m in enumerate(msgs):
-                if m.role not in ("system", "user", "assistant", "tool"):
-                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"chat message {i} has role {m.role!r}; use system, user, assistant or tool")
+            msgs, tools = template_inputs(req.chat)
             add_gen = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
             try:
-                text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs],
-                                                          add_generation_prompt=add_gen)
+                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_gen, tools=tools)
             except Exception as e:  # jinja2 errors, a model without a template
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat template: {e}")
             ids = await self._encode(text, False)  # the template writes the special tokens itself
@@ -299,6 +297,18 @@ def _check_request_id(rid: str) -> None:
     if not rid.isprintable():
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"request_id {rid!r} contains control characters; use printable characters only")
+
+
+async def _check_structured(sp: common_pb2.SamplingParams) -> None:
+    """An invalid output constraint is refused here, naming the problem, before any pod is contacted (compiling
+    without a tokenizer, off the event loop: the first one imports xgrammar)."""
+    try:
+        spec = structured_spec(sp)
+        if spec is not None:
+            await asyncio.to_thread(check_spec, spec)
+    except (SamplingParamsError, StructuredOutputError) as e:
+        msg = str(e) if str(e).startswith("structured_output") else f"structured_output: {e}"
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {msg}") from None
 
 
 def _check_sampling(sp: common_pb2.SamplingParams, vocab: int) -> None:

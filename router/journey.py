@@ -56,6 +56,12 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
     deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
     ans = _Answer(core, request, prep, context, arrival)
     try:
+        if core.registry.serves_unified():  # colocated pods compute the prompt themselves: no prefill pod, no KV
+            async with contextlib.aclosing(_unified(core, flight, prep, ans, deadline)) as tokens:
+                async for msg in tokens:
+                    yield msg
+            return
+
         # 2-4. Book decode KV, place prefill, AllocateKV, Prefill.
         pre = await _to_first_token(core, flight, prep, ans, deadline)
 
@@ -214,6 +220,42 @@ async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill
             core.spawn(_drain(stream, core.config.cleanup_timeout_s))  # collect the status off the hot path
         else:
             stream.cancel()
+
+
+async def _unified(core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer,
+                   deadline: float | None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+    """A unified pod's journey: book its KV as for a decode pod (queue if none has room), then one Decode call
+    without a KV handle; the pod prefills in its own engine and streams every token, the first one included."""
+    if prep.params.HasField("prompt_logprobs"):
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "prompt logprobs (echo with logprobs) are computed by prefill pods; this cluster serves "
+                           "through unified pods only: ask without them or add a prefill pod")
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    others = frozenset(v.pod_id for v in core.registry.decode_views((common_pb2.ROLE_DECODE,)))
+    try:
+        flight.admitted = await core.admission.admit(prep.kv_tokens, left, others,
+                                                     on_wait=lambda f: flight.set_pending(f))
+    except asyncio.CancelledError:
+        if flight.cancelled:
+            raise Cancelled() from None
+        raise
+    finally:
+        flight.set_pending(None)
+    ans.timing.queue_s = flight.admitted.queue_s
+    core.metrics.queue.observe(ans.timing.queue_s)
+    pod = flight.decode_pod = ans.routing.decode_pod_id = flight.admitted.pod_id
+    try:
+        async with contextlib.aclosing(_decode(core, flight, prep, prefill_pb2.PrefillResponse(), [],
+                                               _Choices(core, prep, ans), ans, deadline)) as tokens:
+            async for msg in tokens:
+                yield msg
+    except grpc.aio.AioRpcError as e:
+        if ans.sent:
+            raise
+        # before any token the pod's own status is the answer (a bad prompt is INVALID_ARGUMENT, not UNAVAILABLE)
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            core.registry.suspect(pod)
+        raise ServiceError(e.code(), f"unified pod {pod!r}: {e.details()}") from None
 
 
 class _Choices:

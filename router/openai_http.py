@@ -18,9 +18,13 @@ parts), max_tokens / max_completion_tokens, temperature, top_p, seed, stop, pres
 logit_bias, logprobs (completions: an int; chat: a bool with top_logprobs), echo (completions, text prompts; with
 logprobs the prompt tokens' logprobs too), n (the prompt is prefilled once for all n), best_of (completions, not
 streamed), stream, stream_options.include_usage, user (ignored), plus vLLM's extras top_k, min_p, min_tokens,
-repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids. Any other OpenAI
-field with a non-default value (tools, a non-text response_format, ...) is refused with a 400 rather than silently
-ignored.
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids. Structured output:
+response_format (text, json_object, json_schema) and vLLM's guided_json, guided_regex, guided_choice, guided_grammar
+(guided_decoding_backend "xgrammar"), on both endpoints. Chat tools: tools, tool_choice (none, auto, required, a
+named function) and parallel_tool_calls; tools go to the chat template, calls come back as tool_calls (parsed with
+the --tool-call-parser; with required or a named function the arguments are constrained by the function's JSON
+schema). Any other OpenAI field with a non-default value (functions, suffix, ...) is refused with a 400 rather than
+silently ignored.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from pdserve.client.aio import AsyncGenerateStream
 from pdserve.client.types import GenerateChunk
 from pdserve.security import TLSConfig, check_https_serving, secrets_match
 from router.config import OpenAIHttpConfig
+from router.tool_parsers import ParsedToolCall, ToolParser, calls_from_required, required_schema, tool_parser
 
 log = logging.getLogger("router.openai_http")
 
@@ -99,9 +104,11 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "prese
            # vLLM extensions
            "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
            "min_p", "request_id", "return_tokens_as_token_ids"}
+_COMMON |= {"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "guided_decoding_backend"}
 _COMPLETION_ONLY = {"prompt", "echo", "best_of", "suffix"}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-              "function_call", "parallel_tool_calls", "response_format", "add_generation_prompt", "metadata",
+              "function_call", "parallel_tool_calls", "add_generation_prompt", "metadata",
               "store", "service_tier", "modalities", "reasoning_effort"}
 
 
@@ -123,7 +130,110 @@ class Parsed:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     top_logprobs: int | None = None  # None: no logprobs in the response
     echo: bool = False
+    tools: list[dict[str, Any]] | None = None  # what the chat template gets (None: tool_choice none / no tools)
+    tool_choice: str = "none"  # none, auto, required, or "function" (named)
+    tool_name: str = ""  # the named function
     n: int = 1
+
+
+def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The SDK's structured_output from response_format or vLLM's guided_* fields (one of them at most)."""
+    given = [k for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if body.get(k) is not None]
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad("response_format.type must be one of text, json_object, json_schema", "response_format")
+        if rf["type"] != "text":
+            given.append("response_format")
+    if len(given) > 1:
+        raise bad(f"only one kind of structured output may be given, got {', '.join(given)}", given[1])
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend != "xgrammar":
+        raise bad(f"guided_decoding_backend {backend!r} is not available; this server uses xgrammar",
+                  "guided_decoding_backend")
+    if not given:
+        return None
+    kind = given[0]
+    if kind == "response_format" and isinstance(rf, dict):
+        if rf["type"] == "json_object":
+            return {"json_object": True}
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad("response_format json_schema needs a json_schema object with a 'schema' object",
+                      "response_format")
+        return {"json_schema": js.get("schema", {})}
+    v = body[kind]
+    if kind == "guided_json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise bad(f"guided_json is not valid JSON: {e}", kind) from None
+        if not isinstance(v, dict):
+            raise bad("guided_json must be a JSON schema object", kind)
+        return {"json_schema": v}
+    if kind == "guided_choice":
+        if not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v):
+            raise bad("guided_choice must be a non-empty list of strings", kind)
+        return {"choice": v}
+    if not isinstance(v, str) or not v:
+        raise bad(f"{kind} must be a non-empty string", kind)
+    return {"regex": v} if kind == "guided_regex" else {"grammar": v}
+
+
+def _tools(body: dict[str, Any], p: Parsed) -> None:
+    """tools / tool_choice / parallel_tool_calls -> what the template gets and the constraint, on p."""
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise bad(f"{name} is deprecated and not supported; use tools and tool_choice", name)
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("'tools' must be a list of tool objects", "tools")
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                          "tools")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    tools = tools or None
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
+                      "{\"name\": ...}}", "tool_choice")
+        names = [t["function"]["name"] for t in tools or []]
+        if fn["name"] not in names:
+            raise bad(f"tool_choice names function {fn['name']!r}, which is not in tools "
+                      f"({', '.join(names) or 'none'})", "tool_choice")
+        p.tool_choice, p.tool_name = "function", fn["name"]
+    elif choice in ("none", "auto", "required"):
+        p.tool_choice = choice
+    else:
+        raise bad(f"tool_choice {choice!r} is not one of none, auto, required or a named function", "tool_choice")
+    if p.tool_choice != "none" and not tools:
+        raise bad(f"tool_choice {choice!r} needs tools", "tool_choice")
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None and not isinstance(ptc, bool):
+        raise bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if p.tool_choice == "none":
+        return
+    p.tools = tools
+    if p.tool_choice in ("required", "function"):
+        if "structured_output" in p.sampling:
+            raise bad(f"tool_choice {choice!r} cannot be combined with response_format / guided decoding",
+                      "tool_choice")
+        if p.tool_choice == "required":
+            schema = required_schema(tools or [], ptc is not False)
+        else:
+            fn = next(t["function"] for t in tools or [] if t["function"]["name"] == p.tool_name)
+            schema = fn.get("parameters") or {"type": "object"}
+        p.sampling["structured_output"] = {"json_schema": schema}
 
 
 def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: int | None) -> Parsed:
@@ -214,6 +324,9 @@ def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: i
     rid = body.get("request_id")
     if rid is not None and (not isinstance(rid, str) or not rid):
         raise bad("'request_id' must be a non-empty string", "request_id")
+    structured = _structured(body)
+    if structured is not None:
+        s["structured_output"] = structured
     if n > 1:
         s["n"] = n
     return Parsed(model=model, stream=stream, include_usage=include_usage, sampling=s, request_id=rid, n=n,
@@ -272,7 +385,7 @@ def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]
     return p, prompts
 
 
-def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, str]], bool | None]:
+def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, Any]], bool | None]:
     p = _parse_common(body, _COMMON | _CHAT_ONLY, default_max_tokens=None)
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if lp is not None and not isinstance(lp, bool):
@@ -286,19 +399,11 @@ def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, str]], bool
             raise bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     if lp:
         _want_logprobs(p, top or 0)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad(f"{name} are not supported", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none", "auto"):
-            raise bad(f"{name} is not supported", name)
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("only response_format {\"type\": \"text\"} is supported", "response_format")
+    _tools(body, p)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
@@ -321,7 +426,29 @@ def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, str]], bool
             text = "".join(parts)
         else:
             raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-        out.append({"role": role, "content": text})
+        msg: dict[str, Any] = {"role": role, "content": text}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise bad(f"messages[{i}].tool_calls must be a list, on an assistant message", f"messages[{i}]")
+            for j, c in enumerate(calls):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                        or not isinstance(fn.get("arguments", ""), str):
+                    raise bad(f"messages[{i}].tool_calls[{j}] must have function.name and function.arguments "
+                              "(JSON text)", f"messages[{i}].tool_calls")
+                try:
+                    json.loads(fn.get("arguments") or "{}")
+                except json.JSONDecodeError as e:
+                    raise bad(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}",
+                              f"messages[{i}].tool_calls") from None
+            msg["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
+                msg[key] = m[key]
+        out.append(msg)
     agp = body.get("add_generation_prompt")
     if agp is not None and not isinstance(agp, bool):
         raise bad("'add_generation_prompt' must be a boolean", "add_generation_prompt")
@@ -414,8 +541,10 @@ class OpenAIHttpServer:
     mutual TLS: a client without a certificate signed by ``tls.ca_file`` is refused at the handshake."""
 
     def __init__(self, client: AsyncClient, host: str = "127.0.0.1", port: int = 8000, *,
-                 api_key: str | None = None, own_client: bool = False, tls: TLSConfig | None = None) -> None:
+                 api_key: str | None = None, own_client: bool = False, tls: TLSConfig | None = None,
+                 tool_call_parser: str = "hermes") -> None:
         check_https_serving(tls)
+        self.tool_parser: ToolParser = tool_parser(tool_call_parser)
         self.tls = tls
         self.client = client
         self.host = host
@@ -599,33 +728,65 @@ class OpenAIHttpServer:
         p, messages, agp = parse_chat(await self._json(request))
         rid = p.request_id or uuid.uuid4().hex
         stream = self.client.chat_stream(messages, add_generation_prompt=agp, model=p.model, request_id=rid,
-                                         **p.sampling)
+                                         tools=p.tools, **p.sampling)
         cid = f"chatcmpl-{rid}"
         model = await self._response_model(p.model)
         want_lp = p.top_logprobs is not None
+
+        def finish_of(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
+            finish = _FINISH.get(reason or "", reason)
+            # OpenAI: a call the model chose (auto / required) ends with "tool_calls"; a named one with "stop".
+            return "tool_calls" if calls and finish == "stop" and p.tool_choice != "function" else finish
 
         if not p.stream:
             (c,) = await self._gather([stream])
             return web.json_response({
                 "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": s.index, "message": {"role": "assistant", "content": s.text},
-                             "logprobs": chat_logprobs(s, p.tokens_as_ids) if want_lp else None,
-                             "finish_reason": _FINISH.get(s.finish_reason or "", s.finish_reason)}
-                            for s in (c.choices or [c])],
+                "choices": [self._chat_choice(p, ch, want_lp, finish_of) for ch in (c.choices or [c])],
                 "usage": _usage(c.usage)})
 
         def chunk_obj(delta: dict[str, Any], finish: str | None, lp: Any = None, index: int = 0) -> dict[str, Any]:
             return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                     "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
+        marker = self.tool_parser.start_marker
+        text_so_far: dict[int, str] = {}  # per choice: all its text; with tools, what is not sent yet starts at sent
+        sent: dict[int, int] = {}
+
         def frame(i: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
             out = []
-            if chunk.text or (want_lp and chunk.token_ids):
-                out.append(chunk_obj({"content": chunk.text}, None,
-                                     chat_logprobs(chunk, p.tokens_as_ids) if want_lp else None, chunk.index))
+            if p.tool_choice == "none":
+                if chunk.text or (want_lp and chunk.token_ids):
+                    out.append(chunk_obj({"content": chunk.text}, None,
+                                         chat_logprobs(chunk, p.tokens_as_ids) if want_lp else None, chunk.index))
+                if chunk.finished:
+                    out.append(chunk_obj({}, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason),
+                                         index=chunk.index))
+                return out
+            # With tools: auto streams text until a call may be starting (held back from a possible marker on);
+            # required / named calls, and every call, go out whole when the generation ends. Per choice index.
+            k = chunk.index
+            text_so_far[k] = full = text_so_far.get(k, "") + chunk.text
+            done = sent.get(k, 0)
+            if p.tool_choice == "auto" and not chunk.finished and marker not in full:
+                upto = len(full)
+                for j in range(1, len(marker)):
+                    if full.endswith(marker[:j]):
+                        upto = len(full) - j
+                if upto > done:
+                    out.append(chunk_obj({"content": full[done:upto]}, None, index=k))
+                    sent[k] = done = upto
             if chunk.finished:
-                out.append(chunk_obj({}, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason),
-                                     index=chunk.index))
+                content, calls = self._tool_calls(p, full)
+                if calls:
+                    rest = (content or "")[done:] if content and len(content) > done else ""
+                    if rest:
+                        out.append(chunk_obj({"content": rest}, None, index=k))
+                    out.append(chunk_obj({"tool_calls": [dict(c, index=j) for j, c in enumerate(calls)]}, None,
+                                         index=k))
+                elif len(full) > done:
+                    out.append(chunk_obj({"content": full[done:]}, None, index=k))
+                out.append(chunk_obj({}, finish_of(chunk.finish_reason, calls), index=k))
             return out
 
         def usage_frame(total: dict[str, int]) -> dict[str, Any]:
@@ -634,6 +795,30 @@ class OpenAIHttpServer:
 
         head = [chunk_obj({"role": "assistant", "content": ""}, None, index=k) for k in range(p.n)]
         return await self._stream(request, [stream], frame, head, usage_frame if p.include_usage else None)
+
+    def _chat_choice(self, p: Parsed, c: Any, want_lp: bool,
+                     finish_of: Callable[[str | None, list[dict[str, Any]]], str | None]) -> dict[str, Any]:
+        """One finished chat choice: its message (tool calls parsed out of the text) and finish reason."""
+        content, calls = self._tool_calls(p, c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": c.index, "message": message,
+                "logprobs": chat_logprobs(c, p.tokens_as_ids) if want_lp else None,
+                "finish_reason": finish_of(c.finish_reason, calls)}
+
+    def _tool_calls(self, p: Parsed, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The message's content and OpenAI tool_calls for a finished generation."""
+        if p.tool_choice == "auto":
+            content, parsed = self.tool_parser.parse(text)
+        elif p.tool_choice == "required":
+            parsed = calls_from_required(text)
+            content = None if parsed else text  # a truncated array stays visible as text
+        elif p.tool_choice == "function":
+            content, parsed = None, [ParsedToolCall(p.tool_name, text)]
+        else:
+            return text, []
+        return content, [c.openai() for c in parsed]
 
     # --- generation helpers ------------------------------------------------------------------------------------
     async def _gather(self, streams: list[AsyncGenerateStream]) -> list[Any]:
@@ -743,7 +928,7 @@ def _client_for(router: Any, api_key: str | None = None, tls: TLSConfig | None =
 
 async def start_openai_http(router: Any, host: str = "127.0.0.1", port: int = 8000, *,
                             api_key: str | None = None, router_tls: TLSConfig | None = None,
-                            tls: TLSConfig | None = None) -> OpenAIHttpServer:
+                            tls: TLSConfig | None = None, tool_call_parser: str = "hermes") -> OpenAIHttpServer:
     """Serve the OpenAI-compatible API on ``host:port`` (0: any free port, see ``.port``) in the running event
     loop, over ``router``'s gRPC Generate path. ``await server.stop()`` to stop it.
 
@@ -751,7 +936,8 @@ async def start_openai_http(router: Any, host: str = "127.0.0.1", port: int = 80
     serve HTTPS (mutual TLS with ``require_client_cert``; see pdserve.security.http_server_tls)."""
     check_https_serving(tls)  # before a client is made that would then need closing
     client, own = _client_for(router, api_key, router_tls)
-    server = OpenAIHttpServer(client, host, port, api_key=api_key, own_client=own, tls=tls)
+    server = OpenAIHttpServer(client, host, port, api_key=api_key, own_client=own, tls=tls,
+                              tool_call_parser=tool_call_parser)
     try:
         await server.start()
     except BaseException:
@@ -787,7 +973,7 @@ def main(argv: list[str] | None = None) -> int:
         import signal
 
         server = await start_openai_http(cfg.router, cfg.host, cfg.port, api_key=cfg.api_key,
-                                         router_tls=router_tls, tls=http_tls)
+                                         router_tls=router_tls, tls=http_tls, tool_call_parser=cfg.tool_call_parser)
         print(f"pdserve OpenAI-compatible API on {server.url}/v1 (router {cfg.router})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

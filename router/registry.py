@@ -35,6 +35,7 @@ DRAINING = common_pb2.POD_STATE_DRAINING
 UNHEALTHY = common_pb2.POD_STATE_UNHEALTHY
 PREFILL = common_pb2.ROLE_PREFILL
 DECODE = common_pb2.ROLE_DECODE
+UNIFIED = common_pb2.ROLE_UNIFIED  # prefills its own requests; takes decodes like a decode pod too
 
 
 @dataclass
@@ -170,8 +171,8 @@ class Registry:
         refused parallel config, different checkpoint) is answered accepted = false by _refusal instead."""
         if not req.pod_id:
             return "pod_id is empty: give every pod a unique, stable id"
-        if req.role not in (PREFILL, DECODE):
-            return "role must be ROLE_PREFILL or ROLE_DECODE"
+        if req.role not in (PREFILL, DECODE, UNIFIED):
+            return "role must be ROLE_PREFILL, ROLE_DECODE or ROLE_UNIFIED"
         if not req.address:
             return "address is empty: send the host:port of the pod's worker service"
         if req.role == PREFILL and not req.kv_transfer_address:
@@ -293,9 +294,9 @@ class Registry:
     def ready(self, role: int) -> list[PodEntry]:
         return [e for e in self.pods.values() if e.role == role and e.state == READY]
 
-    def decode_views(self) -> list[DecodeView]:
+    def decode_views(self, roles: tuple[int, ...] = (DECODE, UNIFIED)) -> list[DecodeView]:
         out = []
-        for e in self.ready(DECODE):
+        for e in [e for role in roles for e in self.ready(role)]:
             free = e.effective_free()
             cap = e.registration.capacity
             running = max(e.load.num_running_seqs + e.load.num_waiting_seqs, e.inflight)
@@ -375,4 +376,9 @@ class Registry:
 
     def ready_models(self) -> list[str]:
         roles = {e.role for e in self.pods.values() if e.state == READY}
-        return [self.model_name] if {PREFILL, DECODE} <= roles else []
+        return [self.model_name] if UNIFIED in roles or {PREFILL, DECODE} <= roles else []
+
+    def serves_unified(self) -> bool:
+        """Requests go to unified pods (prefill and decode in one engine): there are READY ones and no READY
+        prefill pod (with prefill pods, unified pods serve as decode targets of the P/D journey)."""
+        return bool(self.ready(UNIFIED)) and not self.ready(PREFILL)

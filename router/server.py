@@ -141,7 +141,7 @@ class RouterServer:
         m = self.core.metrics
         m.queue_depth.set(self.core.admission.depth)
         counts: dict[tuple[str, str], int] = {}
-        for role in ("ROLE_PREFILL", "ROLE_DECODE"):
+        for role in ("ROLE_PREFILL", "ROLE_DECODE", "ROLE_UNIFIED"):
             for state in ("POD_STATE_STARTING", "POD_STATE_READY", "POD_STATE_DRAINING", "POD_STATE_UNHEALTHY"):
                 counts[(role, state)] = 0
         for e in self.core.registry.pods.values():

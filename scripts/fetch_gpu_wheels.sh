@@ -10,6 +10,7 @@ limit=$((64 * 1024 * 1024))
 # The GPU machine has python 3.12, torch 2.11.0+cu130, transformers (so tokenizers, safetensors, numpy, pyyaml,
 # tqdm, jinja2 via torch), grpcio, protobuf, uvloop, pytest, hypothesis. What the checks import beyond that:
 pins=(
+    grpcio==1.85.1                  # the generated gRPC code's minimum (pdserve_api/v1/*_pb2_grpc.py); it has 1.84.0
     grpcio-health-checking==1.85.1  # every pod's health service
     prometheus-client==0.26.0       # the pods' metrics and kv_transfer's lease gauges
     nixl-cu13==1.5.1                # NIXL for CUDA 13 (torch cu130); bundles its UCX
@@ -27,8 +28,16 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 for pin in "${pins[@]}"; do
     echo "fetch_gpu_wheels: $pin"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        "${platforms[@]}" -d "$dest" "$pin"
+        "${platforms[@]}" -d "$dest/dl" "$pin"
 done
+# Wheels are deflate zips; their contents travel as one xz tarball at less than half the size (nixl-cu13 and grpcio:
+# 66 MB as wheels), and gpu_check.sh zips each back into its wheel for pip.
+echo "fetch_gpu_wheels: $(ls "$dest"/dl/*.whl | wc -l) wheels -> $dest/wheels.tar.xz"
+for w in "$dest"/dl/*.whl; do
+    python3 -m zipfile -e "$w" "$dest/unpacked/$(basename "$w")"
+done
+tar -C "$dest/unpacked" -cf - . | xz -T0 -9 > "$dest/wheels.tar.xz"
+rm -rf "$dest/dl" "$dest/unpacked"
 # the tokenizer of the default model (converted here once; the model itself stays behind)
 tok=$(PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 python3 -c \
     'from pdserve.default_model import ensure_default_model; print(ensure_default_model())')

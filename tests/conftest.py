@@ -5,7 +5,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -34,16 +33,3 @@ def tiny_factory(tmp_path_factory, smollm2_path):
 
     return make
 
-
-def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own generate, one prompt at a time (the ground truth)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    outs = []
-    for p in prompts:
-        g = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-        outs.append(g[0, len(p):].tolist())
-    return outs

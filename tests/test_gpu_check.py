@@ -6,14 +6,16 @@ import importlib.util
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-CPU_CHECKS = {"model", "attention_torch_vs_dense", "engine_vs_transformers_fp32", "kv_transfer_device_to_device",
-              "prefill_decode_kv_transfer", "bench_engine_quick"}
-CUDA_CHECKS = {"attention_flashinfer_vs_torch", "engine_vs_transformers_bf16", "nccl_tp_gt_1"}
+CPU_CHECKS = {"model", "attention_torch_vs_dense", "engine_vs_transformers_fp32", "engine_mla_vs_transformers",
+              "kv_transfer_device_to_device", "prefill_decode_kv_transfer", "bench_engine_quick"}
+CUDA_CHECKS = {"attention_flashinfer_vs_torch", "attention_torch_cuda_vs_cpu", "mla_decode_flashinfer_vs_torch",
+               "engine_vs_transformers_bf16", "nccl_tp_gt_1"}
 
 
 def _driver():
@@ -41,6 +43,11 @@ def test_dry_run_passes_cpu_checks_and_skips_cuda_ones(tmp_path, smollm2_path):
     assert status["engine_vs_transformers_fp32"]["figures"]["engine"] == \
         status["engine_vs_transformers_fp32"]["figures"]["transformers"]
     assert status["attention_torch_vs_dense"]["figures"]["worst"] <= 1e-4
+    mla = status["engine_mla_vs_transformers"]["figures"]
+    assert mla["engine"] == mla["transformers"] and len(mla["engine"][0]) == mla["new_tokens"]
+    # which attention ran is recorded, for the run and for each engine check
+    assert summary["attention_backend"] == "torch"
+    assert status["engine_vs_transformers_fp32"]["figures"]["attention_backend"] == "torch"
     assert (out / "gpu_check.log").stat().st_size > 0
     assert "dry run: carried wheels not installed" in r.stdout
 
@@ -87,3 +94,33 @@ def test_stand_in_model_has_smollm2s_shape(tmp_path, smollm2_path):
 def test_usage_error_without_out():
     r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_a_run_past_its_budget_skips_the_rest_and_keeps_its_summary_as_it_goes(tmp_path, monkeypatch):
+    """--budget-s: checks not started in time are skipped; summary.json is written after every check, so a run killed
+    from outside still leaves what it measured."""
+    mod = _driver()
+    seen = {}
+
+    def fast(ctx):
+        return {"n": 1}
+
+    def slow(ctx):
+        seen["during"] = json.loads((tmp_path / "summary.json").read_text())
+        time.sleep(1.0)
+        return {"n": 2}
+
+    def late(ctx):
+        raise AssertionError("must not start after the budget")
+
+    monkeypatch.setattr(mod, "environment", lambda ctx: {"device": "cpu"})
+    monkeypatch.setattr(mod, "CHECKS", [("fast", fast), ("slow", slow), ("late", late)])
+    assert mod.main(["--dry-run", "--out", str(tmp_path), "--budget-s", "0.5"]) == 0
+    during = seen["during"]
+    assert not during["complete"] and not during["ok"]
+    assert [(c["name"], c["status"]) for c in during["checks"]] == [("fast", "pass")]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["complete"] and summary["ok"]
+    assert [(c["name"], c["status"]) for c in summary["checks"]] == [("fast", "pass"), ("slow", "pass"),
+                                                                      ("late", "skipped")]
+    assert "out of time" in summary["checks"][2]["reason"]

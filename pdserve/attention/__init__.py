@@ -1,4 +1,4 @@
-"""Attention backends: pick flashinfer on CUDA when installed, else the torch CPU backend."""
+"""Attention backends: pick flashinfer on CUDA when installed, else the torch backend (CPU, or CUDA as fallback)."""
 from __future__ import annotations
 
 import logging
@@ -22,8 +22,9 @@ def select_backend(device: torch.device | str = "cpu", prefer: str | None = None
             from pdserve.attention.flashinfer_backend import FlashInferAttentionBackend
 
             backend: AttentionBackend = FlashInferAttentionBackend(device)
-        except ImportError as e:
-            log.warning("flashinfer requested but not importable (%s); using the torch backend", e)
+        except (ImportError, OSError, RuntimeError) as e:  # absent, or built for another CUDA / driver
+            log.warning("flashinfer requested but not usable (%s: %s); using the torch backend on %s",
+                        type(e).__name__, e, device)
             from pdserve.attention.torch_backend import TorchAttentionBackend
 
             backend = TorchAttentionBackend()

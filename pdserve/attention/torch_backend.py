@@ -1,4 +1,5 @@
-"""CPU attention over the paged cache with torch's fused flash kernel, which also returns the LSE."""
+"""Attention over the paged cache with torch's fused kernels, which also return the LSE: the CPU flash kernel on CPU,
+the memory-efficient (CUTLASS) kernel elsewhere, i.e. on CUDA when flashinfer is absent."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,40 @@ from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.merge import merge_attn_states
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+_BIAS_ALIGN = 16  # elements; the efficient kernel reads bias rows at an aligned stride (torch SDPA's preprocess_mask)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention with LSE: q [B, H, L, D] over k, v [B, Hkv, S, D] (H a multiple of Hkv), optional additive mask
+    broadcastable to [B, H, L, S] in q's dtype; causal aligns query i with key i. Returns (out [B, H, L, Dv], lse
+    [B, H, L] float32, natural log)."""
+    if q.device.type == "cpu":
+        return _flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+    h, s, dv = q.shape[1], k.shape[2], v.shape[-1]
+    if k.shape[1] != h:  # the efficient kernel needs one head count: each KV head serves h // hkv query heads
+        k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+    q, k, v = (_aligned(x) for x in (q, k, v))
+    bias = None
+    if mask is not None:
+        shape = (q.shape[0], h, q.shape[2], s)
+        bias = mask.expand(shape)
+        if bias.stride(-1) != 1 or any(st % _BIAS_ALIGN for st in bias.stride()[:-1]):
+            bias = torch.nn.functional.pad(mask, (0, -s % _BIAS_ALIGN))[..., :s].expand(shape)
+    out, lse = _efficient(q, k, v, bias, True, 0.0, causal, scale=scale)[:2]
+    return out[..., :dv], lse[..., : q.shape[2]]  # the kernel pads LSE rows to a multiple of 32
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x with 16-byte aligned head size and strides, as the efficient kernel needs (bf16 has no unaligned variant):
+    zero columns change neither scores nor outputs (those of V are sliced off)."""
+    align = 16 // x.element_size()
+    if x.shape[-1] % align:
+        return torch.nn.functional.pad(x, (0, -x.shape[-1] % align))
+    if x.stride(-1) != 1 or any(st % align for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n > 1):
+        return x.contiguous()
+    return x
 
 
 class TorchAttentionBackend:
@@ -34,7 +69,8 @@ class TorchAttentionBackend:
             start = meta.query_start_pos[i]
             if ctx == 0:  # a DCP rank that holds none of this sequence's tokens yet
                 outs.append(torch.zeros_like(qi))
-                lses.append(torch.full((n, hq), float("-inf")))  # LSE is float32 in every dtype, as the kernel's
+                # LSE is float32 in every dtype, as the kernel's
+                lses.append(torch.full((n, hq), float("-inf"), device=q.device))
                 continue
             qb = qi.transpose(0, 1).unsqueeze(0)
             plain = meta.sliding_window is None and meta.dcp_size == 1
@@ -58,13 +94,13 @@ class TorchAttentionBackend:
         # One query per sequence: view its Hq heads as [Hkv, group] rows so GQA needs no KV copy per head.
         b, hq, d = q.shape
         hkv, bs = kv_layer.shape[-2], kv_layer.shape[2]
-        slots, mask, empty = meta.derived.get("decode") or self._decode_plan(meta, bs, q.dtype)
+        slots, mask, empty = meta.derived.get("decode") or self._decode_plan(meta, bs, q.dtype, q.device)
         max_ctx = mask.shape[-1]
         # Contiguous [B, Hkv, L, D]: the CPU flash kernel is much slower on strided K/V (docs/performance.md).
         k = kv_layer[0].view(-1, hkv, d).index_select(0, slots).view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
         v = kv_layer[1].view(-1, hkv, d).index_select(0, slots).view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
         qg = q.view(b, hkv, hq // hkv, d)
-        o, lse = _flash(qg, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        o, lse = attend(qg, k, v, False, scale, mask)
         o, lse = o.reshape(b, hq, d), lse.reshape(b, hq)
         if empty is not None:
             o = o.masked_fill(empty.view(b, 1, 1), 0.0)
@@ -72,13 +108,15 @@ class TorchAttentionBackend:
         return o, lse
 
     @staticmethod
-    def _decode_plan(meta: AttentionMetadata, bs: int, dtype: torch.dtype):
-        """Flat cache slots of every sequence's keys, the padding/window mask, and which rows have no keys."""
+    def _decode_plan(meta: AttentionMetadata, bs: int, dtype: torch.dtype, device: torch.device):
+        """Flat cache slots of every sequence's keys, the padding/window mask, and which rows have no keys, all on
+        the queries' device (context_lens lives on the host)."""
         ctx = meta.context_lens
         b = ctx.shape[0]
         max_ctx = max(int(ctx.max()), 1)
-        idx = torch.arange(max_ctx)
-        table = meta.block_tables[:, : (max_ctx + bs - 1) // bs]
+        ctx = ctx.to(device)
+        idx = torch.arange(max_ctx, device=device)
+        table = meta.block_tables[:, : (max_ctx + bs - 1) // bs].to(device)
         slots = (table.gather(1, (idx // bs).unsqueeze(0).expand(b, -1)) * bs + idx % bs).reshape(-1)
         allowed = idx.unsqueeze(0) < ctx.unsqueeze(1)
         if meta.sliding_window is not None:
@@ -88,7 +126,10 @@ class TorchAttentionBackend:
             allowed[empty, 0] = True  # keep the kernel finite; these rows are zeroed after
         else:
             empty = None
-        mask = torch.zeros(b, max_ctx, dtype=dtype).masked_fill_(~allowed, float("-inf")).view(b, 1, 1, max_ctx)
+        # off CPU, rows at an aligned stride so attend() uses the mask of every layer as it is
+        width = max_ctx if device.type == "cpu" else -(-max_ctx // _BIAS_ALIGN) * _BIAS_ALIGN
+        mask = torch.zeros(b, width, dtype=dtype, device=device)[:, :max_ctx].masked_fill_(~allowed, float("-inf"))
+        mask = mask.view(b, 1, 1, max_ctx)
         meta.derived["decode"] = (slots, mask, empty)
         return slots, mask, empty
 
@@ -101,14 +142,14 @@ def attend_prefill_seq(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, met
     whole: the queries are the whole prompt so far (keys = queries, aligned); plain: no window and no DCP."""
     n = qb.shape[2]
     if whole:
-        o, lse = _flash(qb, kb, vb, 0.0, True, scale=scale)
+        o, lse = attend(qb, kb, vb, True, scale)
         return o[0].transpose(0, 1), lse[0].transpose(0, 1)
     if start > 0 and start + n == ctx and plain:
         # A later chunk of a chunked prefill: every earlier key is visible (no mask) and the chunk's own keys
         # are causal and aligned with its queries, so two fused calls merged by LSE replace one call with an
         # [n, ctx] mask (which costs a mask build per layer and the kernel's slow masked path).
-        o1, lse1 = _flash(qb, kb[:, :, :start], vb[:, :, :start], 0.0, False, scale=scale)
-        o2, lse2 = _flash(qb, kb[:, :, start:], vb[:, :, start:], 0.0, True, scale=scale)
+        o1, lse1 = attend(qb, kb[:, :, :start], vb[:, :, :start], False, scale)
+        o2, lse2 = attend(qb, kb[:, :, start:], vb[:, :, start:], True, scale)
         o, lse = merge_attn_states(torch.stack([o1[0].transpose(0, 1), o2[0].transpose(0, 1)]),
                                    torch.stack([lse1[0].transpose(0, 1), lse2[0].transpose(0, 1)]))
         return o.to(qb.dtype), lse  # the merge sums in float32
@@ -117,10 +158,11 @@ def attend_prefill_seq(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, met
     allowed = kpos <= qpos
     if meta.sliding_window is not None:
         allowed &= kpos > qpos - meta.sliding_window
+    allowed = allowed.to(qb.device)  # positions are host-side (query_start_pos, key_positions)
     none = ~allowed.any(dim=1)
     allowed[none, 0] = True  # keep the kernel finite; these rows are zeroed below
-    mask = torch.zeros(n, ctx, dtype=qb.dtype).masked_fill_(~allowed, float("-inf"))
-    o, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=mask.view(1, 1, n, ctx), scale=scale)
+    mask = torch.zeros(n, ctx, dtype=qb.dtype, device=qb.device).masked_fill_(~allowed, float("-inf"))
+    o, lse = attend(qb, kb, vb, False, scale, mask.view(1, 1, n, ctx))
     o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
     if bool(none.any()):
         o = o.masked_fill(none.view(n, 1, 1), 0.0)

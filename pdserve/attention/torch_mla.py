@@ -1,4 +1,5 @@
-"""CPU multi-head latent attention over the paged latent cache with torch's fused flash kernel (which returns LSE).
+"""Multi-head latent attention over the paged latent cache with torch's fused kernels (which return LSE; see
+torch_backend.attend: the flash kernel on CPU, the memory-efficient one on CUDA).
 
 Prefill expands the latent into per-head K/V (cheaper when queries are many); decode keeps the latent and attends
 with the absorbed query as one head shared by all query heads, reading each cached row once."""
@@ -9,7 +10,7 @@ from typing import Callable
 import torch
 
 from pdserve.attention.base import AttentionMetadata
-from pdserve.attention.torch_backend import TorchAttentionBackend, _flash, attend_prefill_seq
+from pdserve.attention.torch_backend import TorchAttentionBackend, attend, attend_prefill_seq
 
 
 class TorchMLABackend:
@@ -29,7 +30,7 @@ class TorchMLABackend:
             whole = start == 0 and n == ctx and plain
             if ctx == 0:  # a DCP rank that holds none of this sequence's tokens yet
                 outs.append(None)
-                lses.append(torch.full((n, q.shape[1]), float("-inf")))
+                lses.append(torch.full((n, q.shape[1]), float("-inf"), device=q.device))
                 continue
             if whole and new_latent is not None:  # its latent rows are exactly this step's
                 rows = new_latent[a:b]
@@ -46,7 +47,7 @@ class TorchMLABackend:
         dv = next((o.shape[-1] for o in outs if o is not None), None)
         if dv is None:  # no local keys for any sequence: the width comes from one (empty) expansion
             dv = expand(latent_layer.view(-1, c)[:0])[1].shape[-1]
-        outs = [torch.zeros(lse.shape[0], q.shape[1], dv, dtype=q.dtype) if o is None else o
+        outs = [torch.zeros(lse.shape[0], q.shape[1], dv, dtype=q.dtype, device=q.device) if o is None else o
                 for o, lse in zip(outs, lses)]
         if len(outs) == 1:
             return outs[0], lses[0]
@@ -56,11 +57,12 @@ class TorchMLABackend:
                        v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, c = q.shape
         bs = latent_layer.shape[1]
-        slots, mask, empty = meta.derived.get("decode") or TorchAttentionBackend._decode_plan(meta, bs, q.dtype)
+        plan = meta.derived.get("decode") or TorchAttentionBackend._decode_plan(meta, bs, q.dtype, q.device)
+        slots, mask, empty = plan
         max_ctx = mask.shape[-1]
         # One shared head: K and V are the same latent rows (V reads their first v_dim values), gathered once.
         kv = latent_layer.view(-1, c).index_select(0, slots).view(b, 1, max_ctx, c)
-        o, lse = _flash(q.view(b, 1, h, c), kv, kv, 0.0, False, attn_mask=mask, scale=scale)
+        o, lse = attend(q.view(b, 1, h, c), kv, kv, False, scale, mask)
         o, lse = o.reshape(b, h, c)[..., :v_dim], lse.reshape(b, h)
         if empty is not None:
             o = o.masked_fill(empty.view(b, 1, 1), 0.0)

@@ -82,12 +82,12 @@ DEFAULT: Any = _Default()  # "use the client's default" for timeout=
 
 def make_request(*, prompt: Prompt | None, messages: Iterable[Message] | None, add_generation_prompt: bool | None,
                  model: str | None, default_model: str, request_id: str | None, return_prompt_token_ids: bool,
-                 sampling: dict[str, Any]) -> router_pb2.GenerateRequest:
+                 sampling: dict[str, Any], tools: Any = None) -> router_pb2.GenerateRequest:
     return build_generate_request(
         prompt=prompt, messages=list(messages) if messages is not None else None,
         add_generation_prompt=add_generation_prompt, model=model if model is not None else default_model,
         request_id=request_id, return_prompt_token_ids=return_prompt_token_ids,
-        params=sampling_params(**sampling))
+        params=sampling_params(**sampling), tools=tools)
 
 
 def role_value(role: str | int | None) -> int:

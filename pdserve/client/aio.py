@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -340,13 +340,14 @@ class AsyncClient:
         return await self.generate_stream(prompt, **kw).until_done()
 
     def chat_stream(self, messages: Iterable[Message], *, add_generation_prompt: bool | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None,
                     max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                     top_k: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
                     model: str | None = None, request_id: str | None = None, timeout: Any = DEFAULT,
                     return_prompt_token_ids: bool = False, **sampling: Any) -> AsyncGenerateStream:
         req = make_request(prompt=None, messages=messages, add_generation_prompt=add_generation_prompt, model=model,
                            default_model=self.model, request_id=request_id,
-                           return_prompt_token_ids=return_prompt_token_ids,
+                           return_prompt_token_ids=return_prompt_token_ids, tools=tools,
                            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop=stop, **sampling))
         return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry, own_id=request_id is None)

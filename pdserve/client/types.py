@@ -1,6 +1,7 @@
 """Response types of the SDK (plain dataclasses) and the request builder shared by the sync and async clients."""
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence, Union
@@ -263,7 +264,33 @@ def chunk_from_proto(m: router_pb2.GenerateResponse, client_ttft_s: float | None
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs",
                     "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias", "n", "best_of",
-                    "prompt_logprobs")
+                    "prompt_logprobs", "structured_output")
+
+
+def structured_output(value: Any) -> common_pb2.StructuredOutput:
+    """A StructuredOutput from a dict with one key: ``{"json_schema": dict | str}``, ``{"json_object": True}``,
+    ``{"regex": str}``, ``{"choice": [str, ...]}`` or ``{"grammar": str}`` (EBNF); a StructuredOutput passes through."""
+    if isinstance(value, common_pb2.StructuredOutput):
+        return value
+    if not isinstance(value, Mapping) or len(value) != 1:
+        raise TypeError("structured_output must be a dict with exactly one of json_schema, json_object, regex, "
+                        "choice, grammar")
+    ((kind, v),) = value.items()
+    so = common_pb2.StructuredOutput()
+    if kind == "json_schema":
+        so.json_schema = v if isinstance(v, str) else json.dumps(v)
+    elif kind == "json_object":
+        so.json_object = bool(v)
+    elif kind == "choice":
+        if isinstance(v, str):
+            raise TypeError("structured_output choice must be a list of strings")
+        so.choice.values.extend(str(c) for c in v)
+    elif kind in ("regex", "grammar"):
+        setattr(so, kind, str(v))
+    else:
+        raise TypeError(f"unknown structured_output kind {kind!r}; use json_schema, json_object, regex, choice or "
+                        "grammar")
+    return so
 
 
 def sampling_params(**kw: Any) -> common_pb2.SamplingParams:
@@ -282,6 +309,8 @@ def sampling_params(**kw: Any) -> common_pb2.SamplingParams:
             sp.stop_token_ids.extend(int(v) for v in value)
         elif name == "logit_bias":
             sp.logit_bias.update({int(k): float(v) for k, v in dict(value).items()})
+        elif name == "structured_output":
+            sp.structured_output.CopyFrom(structured_output(value))
         else:
             setattr(sp, name, value)
     return sp
@@ -291,24 +320,34 @@ def new_request_id() -> str:
     return "sdk-" + uuid.uuid4().hex
 
 
-def _message_dict(m: Message) -> tuple[str, str]:
-    if isinstance(m, Mapping):
-        return str(m["role"]), str(m.get("content") or "")
-    role, content = m
-    return str(role), str(content)
+def chat_message(m: Message) -> router_pb2.ChatMessage:
+    """A ChatMessage from an OpenAI-style dict (role, content, and tool_calls / tool_call_id / name) or a
+    (role, content) pair. Tool-call arguments may be JSON text or an object."""
+    if not isinstance(m, Mapping):
+        role, content = m
+        return router_pb2.ChatMessage(role=str(role), content=str(content))
+    msg = router_pb2.ChatMessage(role=str(m["role"]), content=str(m.get("content") or ""),
+                                 tool_call_id=str(m.get("tool_call_id") or ""), name=str(m.get("name") or ""))
+    for c in m.get("tool_calls") or ():
+        fn = c.get("function", c)
+        args = fn.get("arguments", "")
+        msg.tool_calls.add(id=str(c.get("id") or ""), name=str(fn.get("name") or ""),
+                           arguments=args if isinstance(args, str) else json.dumps(args))
+    return msg
 
 
 def build_generate_request(*, prompt: Prompt | None = None, messages: Iterable[Message] | None = None,
                            add_generation_prompt: bool | None = None, model: str = "", request_id: str | None = None,
-                           return_prompt_token_ids: bool = False, params: common_pb2.SamplingParams | None = None
-                           ) -> router_pb2.GenerateRequest:
+                           return_prompt_token_ids: bool = False, params: common_pb2.SamplingParams | None = None,
+                           tools: Sequence[Mapping[str, Any]] | None = None) -> router_pb2.GenerateRequest:
+    """tools (chat only): OpenAI tool objects, passed to the model's chat template."""
     req = router_pb2.GenerateRequest(request_id=request_id or new_request_id(), model=model or "",
                                      return_prompt_token_ids=return_prompt_token_ids)
     if (prompt is None) == (messages is None):
         raise TypeError("give exactly one of prompt or messages")
     if messages is not None:
-        chat = router_pb2.ChatPrompt(messages=[router_pb2.ChatMessage(role=r, content=c)
-                                               for r, c in map(_message_dict, messages)])
+        chat = router_pb2.ChatPrompt(messages=[chat_message(m) for m in messages],
+                                     tools_json=json.dumps(list(tools)) if tools else "")
         if add_generation_prompt is not None:
             chat.add_generation_prompt = add_generation_prompt
         req.chat.CopyFrom(chat)

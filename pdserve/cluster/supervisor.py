@@ -54,7 +54,7 @@ class Interrupted(BaseException):
 @dataclass
 class Service:
     name: str  # "router", "router-1", "openai-http", "prefill-0", "decode-0", ...
-    kind: str  # "router" | "http" | "prefill" | "decode"
+    kind: str  # "router" | "http" | "prefill" | "decode" | "unified"
     argv: list[str]
     address: str  # host:port it serves (gRPC, or HTTP for "http")
     log_path: Path
@@ -102,13 +102,16 @@ def _libc_prctl() -> Callable[..., int] | None:
 _PRCTL = _libc_prctl()
 
 
-def _child_preexec(parent_pid: int) -> Callable[[], None]:
+def _child_preexec(parent_pid: int, cpus: tuple[int, ...] | None = None,
+                   deathsig: bool = True) -> Callable[[], None]:
     prctl = _PRCTL
 
     def setup() -> None:  # runs in the forked child, before exec
-        if prctl is not None:
+        if cpus is not None:  # before exec: the pod and every rank it spawns inherit the placement
+            os.sched_setaffinity(0, cpus)
+        if deathsig and prctl is not None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the supervisor died between fork and prctl
+        if deathsig and os.getppid() != parent_pid:  # the supervisor died between fork and prctl
             os._exit(1)
 
     return setup
@@ -244,6 +247,13 @@ class LocalCluster:
                                                  port=p.port, pod_id=p.name, **self._pod_common(p))]
             services.append(Service(p.name, "decode", argv + list(p.extra_args), f"{h}:{p.port}",
                                     self.log_dir / f"{p.name}.log", p))
+        for p in t.unified:  # a decode pod that also computes prompts: one engine, no KV transfer
+            argv = [*py, "decode_svc", *argv_for(DecodeConfig, common, tensor_parallel_size=p.tensor_parallel_size,
+                                                 decode_context_parallel_size=p.decode_context_parallel_size,
+                                                 dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
+                                                 port=p.port, pod_id=p.name, unified=True, **self._pod_common(p))]
+            services.append(Service(p.name, "unified", argv + list(p.extra_args), f"{h}:{p.port}",
+                                    self.log_dir / f"{p.name}.log", p))
         return services
 
     @staticmethod
@@ -266,6 +276,8 @@ class LocalCluster:
         self.topology.assign_ports()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.services = self._plan()
+        for line in self.topology.placement():
+            self.echo(f"placement {line}")
         try:
             self._start_reaper()
             # Everything is spawned before this process opens any gRPC channel (no threads exist at fork time).
@@ -313,7 +325,7 @@ class LocalCluster:
         if s.spec is None:
             return 1
         tp = s.spec.tensor_parallel_size if isinstance(s.spec.tensor_parallel_size, int) else 1
-        return max(1, len(os.sched_getaffinity(0)) // tp)
+        return max(1, len(s.spec.cpus or os.sched_getaffinity(0)) // tp)  # a pinned pod: the cores it was given
 
     def _spawn(self, s: Service) -> None:
         self.echo(f"starting {s.name}: {' '.join(s.argv[1:])}")
@@ -325,8 +337,9 @@ class LocalCluster:
         try:
             s.proc = subprocess.Popen(s.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                       start_new_session=True, env=env,
-                                      preexec_fn=_child_preexec(os.getpid())
-                                      if threading.current_thread() is threading.main_thread() else None)
+                                      preexec_fn=_child_preexec(
+                                          os.getpid(), s.spec.cpus if s.spec is not None else None,
+                                          deathsig=threading.current_thread() is threading.main_thread()))
             self._tell_reaper(str(s.proc.pid))  # its own session: pgid == pid
         finally:
             logf.close()
@@ -637,7 +650,7 @@ class LocalCluster:
             ch.close()  # type: ignore[attr-defined]
         self._probe_channels.clear()
         started = [s for s in self.services if s.proc is not None]
-        fronts = [s for s in started if s.kind in ("http", "prefill", "decode")]
+        fronts = [s for s in started if s.kind in ("http", "prefill", "decode", "unified")]
         routers = [s for s in started if s.kind == "router"]
         for phase in (fronts, routers):
             self._terminate(phase, grace)

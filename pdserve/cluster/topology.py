@@ -14,6 +14,8 @@ YAML (every key optional; flags given on the command line override the file):
       - {tp: 1, port: 0}                    # port 0 = any free port
     decode:
       - {tp: 2, dcp: 2, interleave: 1}      # tp/dcp "auto": see Topology._auto_dcp
+    # cpus: on any pod, the cores it (and its TP ranks) may run on: [0, 1] or "0-3,8"; default: every core
+    # unified: [{cpus: "0-1"}]            # colocated pods that prefill and decode their own requests (no P/D)
     # a role may also be a count plus shared settings:  prefill: {count: 2, tp: 1}
 
 The whole topology is checked once, with pdserve.parallel_config (the rules the pods themselves apply), before any
@@ -44,7 +46,7 @@ class TopologyError(ValueError):
 
 @dataclass
 class PodSpec:
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "unified"
     tensor_parallel_size: int | str = 1  # or "auto" (decode)
     decode_context_parallel_size: int | str = 1  # or "auto" (decode)
     dcp_kv_cache_interleave_size: int = 1
@@ -52,6 +54,7 @@ class PodSpec:
     num_kv_blocks: int | None = None  # per rank; None: the pod's default
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the pod's command line
+    cpus: tuple[int, ...] | None = None  # cores of the pod and its ranks (sched_setaffinity); None: every core
     name: str = ""  # "prefill-0", "decode-1", ... (assigned by Topology)
 
     @property
@@ -62,11 +65,45 @@ class PodSpec:
 
     def describe(self) -> str:
         s = f"tp={self.tensor_parallel_size}"
-        if self.role == "decode":
+        if self.role != "prefill":
             s += f" dcp={self.decode_context_parallel_size}"
             if self.dcp_kv_cache_interleave_size != 1:
                 s += f" interleave={self.dcp_kv_cache_interleave_size}"
+        if self.cpus is not None:
+            s += f" cpus={format_cpus(self.cpus)}"
         return s
+
+
+def parse_cpus(v: Any, what: str = "cpus") -> tuple[int, ...]:
+    """A core list as taskset / cpuset write it ("0-3,8") or a list of ints, sorted and without repeats."""
+    out: set[int] = set()
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = [v]
+    if isinstance(v, str):
+        try:
+            for part in v.replace(" ", "").split(","):
+                lo, sep, hi = part.partition("-")
+                out.update(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+        except ValueError:
+            raise TopologyError(f"{what}: expected cores like \"0-3,8\" or [0, 1], got {v!r}") from None
+    elif isinstance(v, (list, tuple)) and all(isinstance(c, int) and not isinstance(c, bool) for c in v):
+        out.update(v)
+    else:
+        raise TopologyError(f"{what}: expected cores like \"0-3,8\" or [0, 1], got {v!r}")
+    if not out or min(out) < 0:
+        raise TopologyError(f"{what}: expected at least one core number >= 0, got {v!r}")
+    return tuple(sorted(out))
+
+
+def format_cpus(cpus: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5" (the cpuset syntax of docker compose and taskset -c)."""
+    parts: list[str] = []
+    for c in cpus:
+        if parts and c == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{c}"
+        else:
+            parts.append(str(c))
+    return ",".join(parts)
 
 
 def default_prefill() -> PodSpec:
@@ -75,6 +112,10 @@ def default_prefill() -> PodSpec:
 
 def default_decode() -> PodSpec:
     return PodSpec(role="decode", tensor_parallel_size=AUTO, decode_context_parallel_size=AUTO)
+
+
+def default_unified() -> PodSpec:
+    return PodSpec(role="unified")
 
 
 @dataclass
@@ -89,6 +130,7 @@ class Topology:
     dtype: str | None = None  # EngineConfig.dtype of every pod (a prefill and a decode pod must agree); None: auto
     prefill: list[PodSpec] = field(default_factory=lambda: [default_prefill()])
     decode: list[PodSpec] = field(default_factory=lambda: [default_decode()])
+    unified: list[PodSpec] = field(default_factory=list)  # colocated pods (a decode_svc started with --unified)
     router_args: list[str] = field(default_factory=list)
     num_routers: int = 1  # every pod registers with all of them; the first is router_port
     extra_router_ports: list[int] = field(default_factory=list)  # routers 2..N (0 or missing: any free port)
@@ -97,7 +139,7 @@ class Topology:
 
     @property
     def pods(self) -> list[PodSpec]:
-        return [*self.prefill, *self.decode]
+        return [*self.prefill, *self.decode, *self.unified]
 
     @property
     def router_ports(self) -> list[int]:
@@ -127,7 +169,8 @@ class Topology:
     def from_dict(cls, data: Any) -> "Topology":
         if not isinstance(data, Mapping):
             raise TopologyError(f"the topology must be a mapping, got {type(data).__name__}")
-        known = {"model", "host", "block_size", "max_model_len", "device", "dtype", "router", "prefill", "decode"}
+        known = {"model", "host", "block_size", "max_model_len", "device", "dtype", "router", "prefill", "decode",
+                 "unified"}
         _no_unknown(data, known, "topology")
         topo = cls()
         if data.get("model") is not None:
@@ -168,9 +211,11 @@ class Topology:
             topo.http_port = None if hp is None or hp == -1 or hp is False else _port(hp, "router.http_port")
         if "args" in router:
             topo.router_args = _args(router["args"], "router.args")
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", "unified"):
             if role in data:
                 setattr(topo, role, _pods(role, data[role]))
+        if data.get("unified") and "prefill" not in data and "decode" not in data:
+            topo.prefill, topo.decode = [], []  # unified pods alone serve; no default P/D pair beside them
         return topo
 
     def with_overrides(self, **kw: Any) -> "Topology":
@@ -178,7 +223,8 @@ class Topology:
         ``prefill_pods``/``decode_pods`` (counts), ``prefill_tp``, ``decode_tp``, ``decode_dcp``,
         ``dcp_interleave``, ``num_kv_blocks``."""
         t = dataclasses.replace(self, prefill=[dataclasses.replace(p) for p in self.prefill],
-                                decode=[dataclasses.replace(p) for p in self.decode], warnings=[],
+                                decode=[dataclasses.replace(p) for p in self.decode],
+                                unified=[dataclasses.replace(p) for p in self.unified], warnings=[],
                                 extra_router_ports=list(self.extra_router_ports))
         if kw.get("num_routers") is not None:
             if kw["num_routers"] < 1:
@@ -189,8 +235,13 @@ class Topology:
                 setattr(t, name, kw[name])
         if "http_port" in kw and kw["http_port"] is not None:
             t.http_port = None if kw["http_port"] < 0 else kw["http_port"]
+        if kw.get("unified"):  # `pdserve up --unified`: colocated pods instead of the P/D pair
+            t.prefill, t.decode = [], []
+            t.unified = t.unified or [default_unified()]
         for role in ("prefill", "decode"):
             n = kw.get(f"{role}_pods")
+            if kw.get("unified") and n is None:
+                continue
             pods = getattr(t, role)
             if n is not None:
                 if n < 1:
@@ -212,6 +263,11 @@ class Topology:
         if kw.get("num_kv_blocks") is not None:
             for p in t.pods:
                 p.num_kv_blocks = kw["num_kv_blocks"]
+        for role in ("prefill", "decode", "unified"):
+            if kw.get(f"{role}_cpus") is not None:
+                cpus = parse_cpus(kw[f"{role}_cpus"], f"--{role}-cpus")
+                for p in getattr(t, role, []):
+                    p.cpus = cpus
         return t
 
     # ------------------------------------------------------------------------------------------------------------
@@ -229,10 +285,13 @@ class Topology:
         """Check everything once and fill in "auto" sizes and pod names; returns self. Raises TopologyError.
         cores: CPU cores the pods share (default: this process's CPU affinity). one_role: allow a cluster without
         decode (or without prefill) pods, which cannot generate but serves one role (e.g. prefill-only tests)."""
-        if not self.prefill and not (one_role and self.decode):
-            raise TopologyError("the cluster needs at least one prefill pod")
-        if not self.decode and not (one_role and self.prefill):
-            raise TopologyError("the cluster needs at least one decode pod")
+        if not self.prefill and not (one_role and self.decode) and not self.unified:
+            raise TopologyError("the cluster needs at least one prefill pod (or unified pods)")
+        if not self.decode and not (one_role and self.prefill) and not self.unified:
+            raise TopologyError("the cluster needs at least one decode pod (or unified pods)")
+        if self.unified and bool(self.prefill) != bool(self.decode):
+            raise TopologyError("unified pods serve alone or beside a prefill/decode pair (where they act as decode "
+                                "targets): give both prefill and decode pods, or neither")
         if self.model is not None:
             mp = Path(self.model)
             if not (mp / "config.json").is_file():
@@ -246,16 +305,35 @@ class Topology:
                 raise TopologyError(f"cannot read the model's config: {e}") from None
         self.warnings, self.notes = [], []
         self._cores = cores if cores is not None else len(os.sched_getaffinity(0))
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", "unified"):
             for i, p in enumerate(getattr(self, role)):
                 p.role = role
                 p.name = p.name or f"{role}-{i}"
                 self._resolve_pod(p, model)
         self._check_ports()
+        self._check_cpus()
         return self
+
+    def _check_cpus(self) -> None:
+        """Every pinned pod's cores must be ones this process may use (sched_setaffinity would fail in the child)."""
+        allowed = os.sched_getaffinity(0)
+        for p in self.pods:
+            if p.cpus is not None and not set(p.cpus) <= allowed:
+                raise TopologyError(f"{p.name}: cpus {format_cpus(p.cpus)} include cores this machine does not offer "
+                                    f"(available: {format_cpus(tuple(sorted(allowed)))}); pick cores from those")
+
+    def placement(self) -> list[str]:
+        """One line per pod: where it runs (what `pdserve up` logs before starting anything)."""
+        every = format_cpus(tuple(sorted(os.sched_getaffinity(0))))
+        return [f"{p.name}: cpus {format_cpus(p.cpus) if p.cpus is not None else every + ' (unpinned)'}, "
+                f"{max(1, len(p.cpus or os.sched_getaffinity(0)) // int(p.tensor_parallel_size))} thread(s) "
+                f"per rank x {p.tensor_parallel_size} rank(s)" for p in self.pods]
 
     def _resolve_pod(self, p: PodSpec, model: ModelParallelInfo) -> None:
         tp, dcp = p.tensor_parallel_size, p.decode_context_parallel_size
+        if p.role == "unified":  # "auto" picks no DCP: the pod computes whole prompts on its own ranks
+            p.tensor_parallel_size = tp = 1 if tp == AUTO else tp
+            p.decode_context_parallel_size = dcp = 1 if dcp == AUTO else dcp
         if p.role == "prefill":
             if tp == AUTO:
                 tp = p.tensor_parallel_size = 1
@@ -364,7 +442,7 @@ _POD_KEYS = {
     "dcp": "decode_context_parallel_size", "decode_context_parallel_size": "decode_context_parallel_size",
     "interleave": "dcp_kv_cache_interleave_size", "dcp_kv_cache_interleave_size": "dcp_kv_cache_interleave_size",
     "port": "port", "num_kv_blocks": "num_kv_blocks", "max_num_seqs": "max_num_seqs", "args": "extra_args",
-    "name": "name",
+    "name": "name", "cpus": "cpus",
 }
 
 
@@ -404,6 +482,8 @@ def _pod(role: str, i: int, spec: Any) -> PodSpec:
             value = _args(value, f"{where}.args")
         elif attr == "name":
             value = _str(value, f"{where}.name")
+        elif attr == "cpus":
+            value = None if value is None else parse_cpus(value, f"{where}.cpus")
         setattr(pod, attr, value)
     return pod
 

@@ -7,7 +7,7 @@ import inspect
 import json
 import sys
 
-BENCHMARKS = ("engine", "decode", "cluster", "kv_transfer", "prefill", "router", "soak", "peer")
+BENCHMARKS = ("engine", "decode", "cluster", "kv_transfer", "prefill", "router", "soak", "peer", "serve")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,6 +16,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--device", default="cpu", help="torch device of the benchmarks that take one (engine)")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
+                   help="serve: SLOs as vLLM's bench serve takes them, e.g. ttft:2000 tpot:150 (milliseconds)")
+    p.add_argument("--endpoint", metavar="URL",
+                   help="serve: load an OpenAI-compatible server already running on loopback instead of the sides")
+    p.add_argument("--rates", type=float, nargs="+", metavar="RPS", help="serve: request rates to sweep")
     p.add_argument("--chaos", action="store_true", help="soak: inject faults (kills, freezes, KV path drops) in load")
     p.set_defaults(func=run_bench)
 
@@ -34,13 +39,19 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"benchmark {args.name!r} runs on cpu only (no --device)")
             return 2
         kw["device"] = args.device
-    if args.chaos:
-        if "chaos" not in inspect.signature(module.run).parameters:
-            print(f"benchmark {args.name!r} has no --chaos mode (soak has)")
+    params = inspect.signature(module.run).parameters
+    for name in ("out", "goodput", "endpoint", "rates", "chaos"):  # options only some benchmarks take
+        value = getattr(args, name, None)
+        if value and name != "out" and name not in params:
+            print(f"benchmark {args.name!r} takes no --{name}")
             return 2
-        kw["chaos"] = True
+        if value and name in params:
+            kw[name] = value
     try:
         result = module.run(quick=args.quick, **kw)
+    except ValueError as e:
+        print(f"error: benchmark {args.name!r}: {e}", file=sys.stderr)
+        return 2
     except BenchUnavailable as e:
         print(f"error: benchmark {args.name!r} cannot run here: {e}", file=sys.stderr)
         return 2

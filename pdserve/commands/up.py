@@ -66,6 +66,13 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV blocks per rank on every pod")
     p.add_argument("--max-model-len", type=int, metavar="N", help="context length served")
     p.add_argument("--device", metavar="DEV", help="device of every pod: cpu, cuda (default: the pods' default)")
+    p.add_argument("--unified", action="store_true", default=None,
+                   help="colocated serving: one unified pod (prefill and decode in one engine, chunked prefill "
+                        "between decode steps, no KV transfer) instead of the prefill/decode pair")
+    p.add_argument("--unified-cpus", metavar="CORES", help="cores of every unified pod and its ranks")
+    p.add_argument("--prefill-cpus", metavar="CORES", help="cores of every prefill pod and its ranks, e.g. 0 or "
+                   "0-3,8 (sched_setaffinity; threads per rank = cores / TP); default: every core")
+    p.add_argument("--decode-cpus", metavar="CORES", help="cores of every decode pod and its ranks (as --prefill-cpus)")
     p.add_argument("--dtype", choices=DTYPES, help="weights, activations and KV cache of every pod (default: auto, "
                                                    "the checkpoint's dtype)")
 
@@ -78,7 +85,9 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         prefill_pods=args.prefill_pods, prefill_tp=args.prefill_tp, decode_pods=args.decode_pods,
         decode_tp=args.decode_tp, decode_dcp=args.decode_dcp, dcp_interleave=args.dcp_interleave,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        device=args.device, dtype=args.dtype)
+        device=args.device, dtype=args.dtype, prefill_cpus=getattr(args, "prefill_cpus", None),
+        decode_cpus=getattr(args, "decode_cpus", None), unified=getattr(args, "unified", None),
+        unified_cpus=getattr(args, "unified_cpus", None))
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -190,7 +199,8 @@ def run_up(args: argparse.Namespace) -> int:
                           "http_port": topo.http_port, "notes": topo.notes,
                           "pods": [{"name": p.name, "role": p.role, "port": p.port, "tp": p.tensor_parallel_size,
                                     "dcp": p.decode_context_parallel_size,
-                                    "interleave": p.dcp_kv_cache_interleave_size} for p in topo.pods],
+                                    "interleave": p.dcp_kv_cache_interleave_size,
+                                    "cpus": None if p.cpus is None else list(p.cpus)} for p in topo.pods],
                           "commands": {s.name: s.argv for s in plan}}, indent=1))
         return 0
 

@@ -23,6 +23,7 @@ from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.model.config import ModelConfig
 from pdserve.parallel_config import ModelParallelInfo, validate_parallel_config
 from pdserve.sampling import MAX_LOGPROBS, Sampler, SamplingParams
+from pdserve.structured import GrammarBackend, StructuredOutputError
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("pdserve.engine")
@@ -133,7 +134,7 @@ class LLMEngine:
         self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.decode_context_parallel_size,
                                    cfg.dcp_kv_cache_interleave_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size)
-        self.sampler = Sampler(sorted(getattr(self, "eos_ids", ())))
+        self.sampler = Sampler(sorted(getattr(self, "eos_ids", ())), self._grammar_backend)
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its n sequences, until all have finished
         self._arrival = itertools.count()
@@ -143,6 +144,11 @@ class LLMEngine:
         # The KV connector's driver side: builds each step's metadata for every rank's worker side (kv_connector.py).
         self.kv_scheduler: KVConnectorScheduler | None = None
         self.num_generated_tokens = 0
+
+    def _grammar_backend(self) -> GrammarBackend:
+        """Structured output's backend for this model's tokenizer and logits width (built on first use)."""
+        return GrammarBackend.for_tokenizer(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
+                                            sorted(self.eos_ids))
 
     # --- requests ---
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -160,6 +166,11 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise RequestError(f"logit_bias token id {bad} is out of range [0, {vocab})")
+        if params.structured is not None:
+            try:
+                self.sampler.compile(params.structured)  # cached: a spec compiles once per tokenizer
+            except StructuredOutputError as e:
+                raise RequestError(f"structured output: {e}") from None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, hold_kv: bool = False, n: int = 1,

@@ -19,8 +19,11 @@ _linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:  # oneDNN's bf16 kernels need AVX-512 (or AVX-NE-CONVERT); else F.linear
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:

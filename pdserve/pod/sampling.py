@@ -5,7 +5,29 @@ INVALID_ARGUMENT whichever service it talks to."""
 from __future__ import annotations
 
 from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve.structured import StructuredOutputError, StructuredSpec
 from pdserve_api.v1 import common_pb2 as pb
+
+
+def structured_spec(sp: pb.SamplingParams) -> StructuredSpec | None:
+    """The request's output constraint, None when unset. Raises SamplingParamsError for a malformed one (an invalid
+    schema / regex / grammar is found when it is compiled)."""
+    if not sp.HasField("structured_output"):
+        return None
+    so = sp.structured_output
+    kind = so.WhichOneof("constraint")
+    try:
+        if kind is None:
+            raise StructuredOutputError("set one of json_schema, json_object, regex, choice or grammar")
+        if kind == "json_object":
+            if not so.json_object:
+                raise StructuredOutputError("json_object must be true when it is the constraint")
+            return StructuredSpec("json_object")
+        if kind == "choice":
+            return StructuredSpec("choice", tuple(so.choice.values))
+        return StructuredSpec(kind, getattr(so, kind))
+    except StructuredOutputError as e:
+        raise SamplingParamsError(f"structured_output: {e}") from None
 
 
 def unsupported_fields(sp: pb.SamplingParams) -> list[str]:
@@ -53,4 +75,5 @@ def engine_params(sp: pb.SamplingParams, max_tokens: int, ignore_eos: bool, logp
         frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
         repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
         logit_bias=dict(sp.logit_bias),
+        structured=structured_spec(sp),
     )

@@ -12,6 +12,7 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     ROLE_PREFILL: _ClassVar[Role]
     ROLE_DECODE: _ClassVar[Role]
+    ROLE_UNIFIED: _ClassVar[Role]
 
 class PodState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,6 +50,7 @@ class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
+ROLE_UNIFIED: Role
 POD_STATE_UNSPECIFIED: PodState
 POD_STATE_STARTING: PodState
 POD_STATE_READY: PodState
@@ -73,7 +75,7 @@ LEASE_STATE_FAILED: LeaseState
 LEASE_STATE_CANCELLED: LeaseState
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias", "n", "best_of", "prompt_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias", "structured_output", "n", "best_of", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -118,10 +121,31 @@ class SamplingParams(_message.Message):
     skip_special_tokens: bool
     min_p: float
     logit_bias: _containers.ScalarMap[int, float]
+    structured_output: StructuredOutput
     n: int
     best_of: int
     prompt_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., skip_special_tokens: _Optional[bool] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., skip_special_tokens: _Optional[bool] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+
+class StringList(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: StringList
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[StringList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class ModelShape(_message.Message):
     __slots__ = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size", "max_model_len", "use_mla", "kv_lora_rank", "qk_rope_head_dim", "sliding_window", "dtype")

@@ -25,39 +25,41 @@ _sym_db = _symbol_database.Default()
 from pdserve_api.v1 import common_pb2 as pdserve__api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve_api/v1/router.proto\x12\npdserve.v1\x1a\x1bpdserve_api/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"u\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xf7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChatPromptH\x00\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x1f\n\x17return_prompt_token_ids\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"m\n\x0bRoutingInfo\x12\x16\n\x0eprefill_pod_id\x18\x01 \x01(\t\x12\x15\n\rdecode_pod_id\x18\x02 \x01(\t\x12/\n\rtransfer_mode\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.TransferMode\"\xc3\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.pdserve.v1.Timing\x12(\n\x07routing\x18\n \x01(\x0b\x32\x17.pdserve.v1.RoutingInfo\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\x05\x12\x15\n\rerror_message\x18\x0c \x01(\t\x12\x0e\n\x06tokens\x18\r \x03(\t\x12\r\n\x05index\x18\x0e \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x0f \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\"\xc8\x01\n\x15ValidateConfigRequest\x12\x14\n\nmodel_path\x18\x01 \x01(\tH\x00\x12\'\n\x05shape\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.ModelShapeH\x00\x12,\n\x08parallel\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.ParallelConfig\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x1e\n\x04role\x18\x05 \x01(\x0e\x32\x10.pdserve.v1.RoleB\x0e\n\x0cmodel_source\"@\n\tConfigFix\x12\x0c\n\x04\x66lag\x18\x01 \x01(\t\x12\x17\n\x0fsuggested_value\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x99\x01\n\x16ValidateConfigResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x05\x66ixes\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.ConfigFix\x12\x10\n\x08warnings\x18\x04 \x03(\t\x12\'\n\tkv_layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\"E\n\x14\x43lusterStatusRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\"\x8d\x03\n\tPodStatus\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12,\n\x08parallel\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.ParallelConfig\x12#\n\x05state\x18\x07 \x01(\x0e\x32\x14.pdserve.v1.PodState\x12#\n\x04load\x18\x08 \x01(\x0b\x32\x15.pdserve.v1.LoadStats\x12#\n\x02kv\x18\t \x03(\x0b\x32\x17.pdserve.v1.RankKVStats\x12\x1c\n\x14last_heartbeat_age_s\x18\n \x01(\x01\x12\'\n\tkv_layout\x18\x0b \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x10\n\x08uptime_s\x18\x0c \x01(\x01\x12\x1d\n\x15num_inflight_requests\x18\r \x01(\x05\"\x8d\x01\n\x15\x43lusterStatusResponse\x12#\n\x04pods\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.PodStatus\x12\x1a\n\x12router_queue_depth\x18\x02 \x01(\x05\x12\x1d\n\x15num_inflight_requests\x18\x03 \x01(\x05\x12\x14\n\x0cready_models\x18\x04 \x03(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xc1\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12W\n\x0eValidateConfig\x12!.pdserve.v1.ValidateConfigRequest\x1a\".pdserve.v1.ValidateConfigResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponse\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve_api/v1/router.proto\x12\npdserve.v1\x1a\x1bpdserve_api/v1/common.proto\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x89\x01\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"\xf7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChatPromptH\x00\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x1f\n\x17return_prompt_token_ids\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"m\n\x0bRoutingInfo\x12\x16\n\x0eprefill_pod_id\x18\x01 \x01(\t\x12\x15\n\rdecode_pod_id\x18\x02 \x01(\t\x12/\n\rtransfer_mode\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.TransferMode\"\xc3\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.pdserve.v1.Timing\x12(\n\x07routing\x18\n \x01(\x0b\x32\x17.pdserve.v1.RoutingInfo\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\x05\x12\x15\n\rerror_message\x18\x0c \x01(\t\x12\x0e\n\x06tokens\x18\r \x03(\t\x12\r\n\x05index\x18\x0e \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x0f \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\"\xc8\x01\n\x15ValidateConfigRequest\x12\x14\n\nmodel_path\x18\x01 \x01(\tH\x00\x12\'\n\x05shape\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.ModelShapeH\x00\x12,\n\x08parallel\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.ParallelConfig\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x1e\n\x04role\x18\x05 \x01(\x0e\x32\x10.pdserve.v1.RoleB\x0e\n\x0cmodel_source\"@\n\tConfigFix\x12\x0c\n\x04\x66lag\x18\x01 \x01(\t\x12\x17\n\x0fsuggested_value\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x99\x01\n\x16ValidateConfigResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x05\x66ixes\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.ConfigFix\x12\x10\n\x08warnings\x18\x04 \x03(\t\x12\'\n\tkv_layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\"E\n\x14\x43lusterStatusRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\"\x8d\x03\n\tPodStatus\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12,\n\x08parallel\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.ParallelConfig\x12#\n\x05state\x18\x07 \x01(\x0e\x32\x14.pdserve.v1.PodState\x12#\n\x04load\x18\x08 \x01(\x0b\x32\x15.pdserve.v1.LoadStats\x12#\n\x02kv\x18\t \x03(\x0b\x32\x17.pdserve.v1.RankKVStats\x12\x1c\n\x14last_heartbeat_age_s\x18\n \x01(\x01\x12\'\n\tkv_layout\x18\x0b \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x10\n\x08uptime_s\x18\x0c \x01(\x01\x12\x1d\n\x15num_inflight_requests\x18\r \x01(\x05\"\x8d\x01\n\x15\x43lusterStatusResponse\x12#\n\x04pods\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.PodStatus\x12\x1a\n\x12router_queue_depth\x18\x02 \x01(\x05\x12\x1d\n\x15num_inflight_requests\x18\x03 \x01(\x05\x12\x14\n\x0cready_models\x18\x04 \x03(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xc1\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12W\n\x0eValidateConfig\x12!.pdserve.v1.ValidateConfigRequest\x1a\".pdserve.v1.ValidateConfigResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponse\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_api.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=72
-  _globals['_CHATMESSAGE']._serialized_end=116
-  _globals['_CHATPROMPT']._serialized_start=118
-  _globals['_CHATPROMPT']._serialized_end=235
-  _globals['_GENERATEREQUEST']._serialized_start=238
-  _globals['_GENERATEREQUEST']._serialized_end=485
-  _globals['_ROUTINGINFO']._serialized_start=487
-  _globals['_ROUTINGINFO']._serialized_end=596
-  _globals['_GENERATERESPONSE']._serialized_start=599
-  _globals['_GENERATERESPONSE']._serialized_end=1050
-  _globals['_VALIDATECONFIGREQUEST']._serialized_start=1053
-  _globals['_VALIDATECONFIGREQUEST']._serialized_end=1253
-  _globals['_CONFIGFIX']._serialized_start=1255
-  _globals['_CONFIGFIX']._serialized_end=1319
-  _globals['_VALIDATECONFIGRESPONSE']._serialized_start=1322
-  _globals['_VALIDATECONFIGRESPONSE']._serialized_end=1475
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1477
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1546
-  _globals['_PODSTATUS']._serialized_start=1549
-  _globals['_PODSTATUS']._serialized_end=1946
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1949
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2090
-  _globals['_CANCELREQUEST']._serialized_start=2092
-  _globals['_CANCELREQUEST']._serialized_end=2127
-  _globals['_CANCELRESPONSE']._serialized_start=2129
-  _globals['_CANCELRESPONSE']._serialized_end=2160
-  _globals['_ROUTER']._serialized_start=2163
-  _globals['_ROUTER']._serialized_end=2484
+  _globals['_TOOLCALL']._serialized_start=72
+  _globals['_TOOLCALL']._serialized_end=127
+  _globals['_CHATMESSAGE']._serialized_start=129
+  _globals['_CHATMESSAGE']._serialized_end=251
+  _globals['_CHATPROMPT']._serialized_start=254
+  _globals['_CHATPROMPT']._serialized_end=391
+  _globals['_GENERATEREQUEST']._serialized_start=394
+  _globals['_GENERATEREQUEST']._serialized_end=641
+  _globals['_ROUTINGINFO']._serialized_start=643
+  _globals['_ROUTINGINFO']._serialized_end=752
+  _globals['_GENERATERESPONSE']._serialized_start=755
+  _globals['_GENERATERESPONSE']._serialized_end=1206
+  _globals['_VALIDATECONFIGREQUEST']._serialized_start=1209
+  _globals['_VALIDATECONFIGREQUEST']._serialized_end=1409
+  _globals['_CONFIGFIX']._serialized_start=1411
+  _globals['_CONFIGFIX']._serialized_end=1475
+  _globals['_VALIDATECONFIGRESPONSE']._serialized_start=1478
+  _globals['_VALIDATECONFIGRESPONSE']._serialized_end=1631
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1633
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1702
+  _globals['_PODSTATUS']._serialized_start=1705
+  _globals['_PODSTATUS']._serialized_end=2102
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2105
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2246
+  _globals['_CANCELREQUEST']._serialized_start=2248
+  _globals['_CANCELREQUEST']._serialized_end=2283
+  _globals['_CANCELRESPONSE']._serialized_start=2285
+  _globals['_CANCELRESPONSE']._serialized_end=2316
+  _globals['_ROUTER']._serialized_start=2319
+  _globals['_ROUTER']._serialized_end=2640
 # @@protoc_insertion_point(module_scope)

@@ -94,7 +94,9 @@ def _assert_openai_error(body: dict, *, param=None, code=None, type_=None, messa
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": -1}, "top_logprobs"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                              "functions": [{"name": "f"}]}, "functions"),
 ])
 def test_bad_requests_are_400_with_the_param(srv, servicer, path, body, param):
     status, out = _post(srv, path, body)

@@ -36,6 +36,18 @@ def test_without_packed_weight_is_f_linear():
     assert torch.equal(plinear.linear(x, w, None, b), F.linear(x, w, b))
 
 
+def test_bf16_packs_only_where_onednn_has_bf16_kernels():
+    """oneDNN's bf16 kernels need AVX-512 (or AVX-NE-CONVERT): on a CPU without them a bf16 weight is left unpacked,
+    so bf16 models run on F.linear instead of failing at load; where they exist, the packed product is F.linear's
+    up to bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 96, generator=g).to(torch.bfloat16)
+    packed = plinear.pack(w)
+    assert (packed is not None) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    torch.testing.assert_close(plinear.linear(x, w, packed), F.linear(x, w), rtol=2e-2, atol=2e-2)
+
+
 def test_cpu_runner_packs_every_linear(tiny_factory):
     """A CPU ModelRunner prepacks all five weight matrices of every layer and the LM head, so decode uses them."""
     path = tiny_factory("llama", num_heads=4, num_kv_heads=2)

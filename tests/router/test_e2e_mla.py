@@ -20,7 +20,7 @@ from kv_transfer.factory import nixl_available
 from pdserve.cluster.supervisor import LocalCluster
 from pdserve.cluster.topology import PodSpec, Topology
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.conftest import hf_greedy
+from hf_helpers import hf_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

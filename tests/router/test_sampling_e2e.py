@@ -7,8 +7,9 @@ front) with the official `openai` client, on a tiny random checkpoint with SmolL
 - logprobs (chat and completions shapes) equal transformers' fp32 log-softmax for the chosen and the top tokens;
 - min_tokens holds EOS back (even one forced by logit_bias) until reached; logit_bias forces and forbids tokens;
   min_p = 1 samples the most likely token whatever the seed; echo returns the prompt ahead of the completion;
-- values past vLLM's limits are HTTP 400 with vLLM's message; features of later items (tools, structured output)
-  stay refused.
+- values past vLLM's limits are HTTP 400 with vLLM's message; what is not served (a response_format of an unknown
+  type, the deprecated functions) is refused. Structured output and tools: test_structured_e2e.py; n, best_of and
+  echo with logprobs: test_parallel_sampling_e2e.py.
 """
 from __future__ import annotations
 
@@ -252,8 +253,8 @@ def test_echo_returns_the_prompt_first(oai):
     ("chat", dict(logprobs=True, top_logprobs=21),
      "Requested sample logprobs of 21, which is greater than max allowed: 20"),
     ("chat", dict(top_logprobs=3), "when using `top_logprobs`, `logprobs` must be set to true."),
-    ("chat", dict(response_format={"type": "json_object"}), "response_format"),
-    ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    ("chat", dict(response_format={"type": "yaml"}), "response_format.type must be one of"),
+    ("chat", dict(functions=[{"name": "f", "parameters": {}}]), "use tools and tool_choice"),
 ])
 def test_bad_sampling_is_400_with_a_clear_message(oai, kind, kw, needle):
     with pytest.raises(openai.BadRequestError) as e:

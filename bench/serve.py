@@ -1,0 +1,431 @@
+"""`pdserve bench serve`: what disaggregation buys, measured as SLO goodput under the same streamed load.
+
+The load generator speaks the OpenAI API (streaming /v1/completions with token-id prompts, ignore_eos, usage in the
+last chunk), so it drives pdserve's front and `python -m vllm.entrypoints.openai.api_server` alike, on loopback only.
+Sides, one after the other on the same two cores (never two at once):
+
+- unified: one unified pod (prefill and decode in one engine) on both cores;
+- disaggregated: one prefill pod pinned to the first core, one decode pod pinned to the second;
+- vllm: vLLM's CPU build serving on both cores (VLLM_CPU_OMP_THREADS_BIND), when its venv installs here.
+
+Workload (fixed seed): chat-like, prompt tokens lognormal (median `prompt`, sigma 0.5, clipped to [16, 4 x median]),
+output tokens lognormal (median `output`, sigma 0.5, clipped to [4, 4 x median]), random token ids, greedy,
+ignore_eos. Arrivals Poisson at a sweep of rates; every side gets the same requests at the same offsets.
+
+SLOs (vLLM's --goodput, settable with `--goodput ttft:MS tpot:MS`): by default scaled from this machine's measured
+step times (a shared CPU's speed varies from run to run; DistServe scales SLOs the same way): TTFT <= 5 x the
+single-core prefill time of the median prompt, TPOT <= 3 x the single-core decode step at batch 1.
+
+Per-phase figures: prefill and decode step times of pdserve's engine on one core (the disaggregated placement) and
+on both (the unified one); they drive bench/serve_model.py, which says at what core count the split would win.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench.common import BenchUnavailable
+from bench.serve_stats import SLO, RequestRecord, parse_goodput, slo_capacity, summarize
+
+SEED = 0
+MAX_MODEL_LEN = 2048
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Workload and load generator
+# ----------------------------------------------------------------------------------------------------------------
+
+def workload(n: int, prompt: int, output: int, vocab: int, seed: int = SEED) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens) of n chat-like requests."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = int(min(4 * prompt, max(16, rng.lognormvariate(math.log(prompt), 0.5))))
+        o = int(min(4 * output, max(4, rng.lognormvariate(math.log(output), 0.5))))
+        out.append(([rng.randrange(100, vocab - 100) for _ in range(p)], o))
+    return out
+
+
+def arrivals(n: int, rate: float, seed: int = SEED) -> list[float]:
+    """Send offsets (s) of a Poisson process at ``rate`` requests/s."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def check_loopback(url: str) -> None:
+    """The load generator only targets this machine."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        raise ValueError(f"cannot resolve {host!r} in {url}") from None
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ValueError(f"bench serve sends load to loopback addresses only (127.0.0.0/8, ::1); {url} is {addrs}")
+
+
+async def _one(session: Any, url: str, model: str, ids: list[int], max_tokens: int, rec: RequestRecord,
+               timeout_s: float) -> None:
+    import aiohttp
+
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    loop = asyncio.get_running_loop()
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}"
+                return
+            usage = None
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if msg.get("usage"):
+                    usage = msg["usage"].get("completion_tokens")
+                for ch in msg.get("choices") or []:
+                    if ch.get("text"):
+                        rec.chunk_times.append(loop.time())
+                        rec.chunk_tokens.append(1)
+            if usage and rec.chunk_tokens:  # a chunk may carry several tokens: the usage count is the truth
+                rec.chunk_tokens[-1] += usage - sum(rec.chunk_tokens)
+            rec.ok = bool(rec.chunk_times)
+            if not rec.ok:
+                rec.error = "no tokens"
+    except asyncio.TimeoutError:
+        rec.error = "timeout"
+    except Exception as e:  # connection refused / reset: a miss, recorded by kind
+        rec.error = type(e).__name__
+
+
+async def run_load(base_url: str, model: str, requests: Sequence[tuple[list[int], int]], rate: float,
+                   timeout_s: float, seed: int = SEED) -> tuple[list[RequestRecord], float]:
+    """Send every request at its Poisson offset, streamed; (records, first send to last completion)."""
+    import aiohttp
+
+    check_loopback(base_url)
+    url = base_url.rstrip("/") + "/v1/completions"
+    offsets = arrivals(len(requests), rate, seed)
+    loop = asyncio.get_running_loop()
+    recs: list[RequestRecord] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = loop.time()
+        tasks = []
+        for (ids, n), off in zip(requests, offsets):
+            await asyncio.sleep(max(0.0, t0 + off - loop.time()))
+            rec = RequestRecord(loop.time(), len(ids))
+            recs.append(rec)
+            tasks.append(asyncio.ensure_future(_one(session, url, model, ids, n, rec, timeout_s)))
+        await asyncio.gather(*tasks)
+    end = max([r.chunk_times[-1] for r in recs if r.chunk_times] or [loop.time()])
+    return recs, max(1e-9, end - t0)
+
+
+def sweep(base_url: str, model: str, requests: Sequence[tuple[list[int], int]], rates: Sequence[float],
+          slo: SLO, timeout_s: float) -> list[tuple[float, dict[str, Any]]]:
+    out = []
+    asyncio.run(run_load(base_url, model, requests[:2], 1e3, timeout_s))  # warm-up (first calls allocate)
+    for rate in rates:
+        recs, dur = asyncio.run(run_load(base_url, model, requests, rate, timeout_s))
+        out.append((rate, summarize(recs, dur, slo)))
+        print(f"  {rate:.3f} req/s: SLO attainment {out[-1][1]['slo_attainment']:.0%}, "
+              f"goodput {out[-1][1]['goodput_rps']:.3f} req/s ({dur:.0f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-phase step times (pdserve's engine in this process, pinned like each side's pods)
+# ----------------------------------------------------------------------------------------------------------------
+
+def step_times(model: str, cores: set[int], prompts: Sequence[int], batches: Sequence[int], vocab: int
+               ) -> dict[str, Any]:
+    import torch
+
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.sampling import SamplingParams
+
+    was = (os.sched_getaffinity(0), torch.get_num_threads())
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    rng = random.Random(SEED)
+    try:
+        with LLMEngine(EngineConfig(model=model, dtype="float32", num_kv_blocks=1024, enable_prefix_caching=False,
+                                    max_num_seqs=64, prefill_chunk_size=4096, max_num_batched_tokens=4096)) as eng:
+            def ids(n: int) -> list[int]:
+                return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+            eng.generate([ids(32)], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+            prefill = {}
+            for n in prompts:
+                best = math.inf
+                for _ in range(3):  # best of 3: on a shared machine the noise only ever adds
+                    t = time.perf_counter()
+                    eng.generate([ids(n)], SamplingParams(temperature=0, max_tokens=1))
+                    best = min(best, time.perf_counter() - t)
+                prefill[n] = best
+            decode = {}
+            steps = 8
+            for bs in batches:
+                for i in range(bs):
+                    eng.add_request(ids(32), SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+                while any(s.prefilling for s in eng.scheduler.running) or eng.scheduler.waiting:
+                    eng.step()
+                eng.step()
+                per_step = []
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    eng.step()
+                    per_step.append(time.perf_counter() - t)
+                decode[bs] = statistics.median(per_step)
+                while eng.has_unfinished():
+                    eng.step()
+    finally:
+        os.sched_setaffinity(0, was[0])
+        torch.set_num_threads(was[1])
+    return {"cores": sorted(cores), "prefill_s": prefill, "decode_step_s": decode}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sides
+# ----------------------------------------------------------------------------------------------------------------
+
+def _pdserve_side(kind: str, model: str, cores: list[int], logs: Path) -> Any:
+    from pdserve.cluster.supervisor import LocalCluster
+    from pdserve.cluster.topology import PodSpec, Topology
+
+    common = {"num_kv_blocks": 2048, "max_num_seqs": 64}
+    if kind == "unified":
+        topo = Topology(model=model, router_port=0, http_port=0, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                        prefill=[], decode=[], unified=[PodSpec("unified", cpus=tuple(cores[:2]), **common)])
+    else:
+        topo = Topology(model=model, router_port=0, http_port=0, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                        prefill=[PodSpec("prefill", cpus=(cores[0],), **common)],
+                        decode=[PodSpec("decode", 1, 1, cpus=(cores[1],), **common)])
+    topo.resolve()
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    cluster = LocalCluster(topo, log_dir=logs / kind, env=env, echo=lambda line: None)
+    eps = cluster.start(timeout=600)
+    return cluster, eps.http, eps.model
+
+
+class _VLLMServer:
+    def __init__(self, model: str, cores: list[int], log: Path) -> None:
+        from bench.peer import ensure_vllm
+        from pdserve.net import free_port
+
+        python = ensure_vllm()
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]),
+                    "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        self.settings = {k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
+        self.log = log
+        self._logf = open(log, "w")
+        self.proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                                      "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                                      "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"],
+                                     stdout=self._logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait()
+
+    def _wait(self, timeout_s: float = 900.0) -> None:
+        import urllib.request
+
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                self.close()
+                tail = "\n  ".join(self.log.read_text(errors="replace").strip().splitlines()[-8:])
+                raise BenchUnavailable(f"vLLM's server exited with {self.proc.returncode}:\n  {tail}")
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        self.close()
+        raise BenchUnavailable(f"vLLM's server did not answer /health within {timeout_s:.0f} s (log: {self.log})")
+
+    def close(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._logf.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------------------------
+
+def plot(sides: dict[str, list[tuple[float, dict[str, Any]]]], slo: SLO, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, sw in sides.items():
+        rates = [r for r, _ in sw]
+        a.plot(rates, [s["slo_attainment"] * 100 for _, s in sw], marker="o", label=name)
+        b.plot(rates, [(s["itl_s"]["p90"] or math.nan) * 1e3 for _, s in sw], marker="o", label=name)
+    a.axhline(90, color="grey", linestyle=":", linewidth=1)
+    a.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105),
+          title=f"TTFT <= {slo.ttft_s * 1e3:.0f} ms and TPOT <= {slo.tpot_s * 1e3:.0f} ms")
+    b.set(xlabel="request rate (req/s)", ylabel="ITL p90 (ms)", title="inter-token latency, p90")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(quick: bool = False, out: str | None = None, goodput: Sequence[str] = (), endpoint: str | None = None,
+        rates: Sequence[float] | None = None) -> dict[str, Any]:
+    from bench.serve_model import StepTimes, crossover, fit_line
+    from pdserve.default_model import ensure_default_model
+
+    t_start = time.perf_counter()
+    model = str(ensure_default_model())
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 and endpoint is None:
+        raise BenchUnavailable("bench serve compares placements on two cores; this process may use only one")
+    prompt_med, output_med, n = (64, 12, 8) if quick else (256, 48, 40)
+    reqs = workload(n, prompt_med, output_med, vocab)
+
+    # Per-phase step times under each placement: one core (each disaggregated pod), both cores (the unified pod).
+    plens = [prompt_med // 2, prompt_med, 2 * prompt_med]
+    batches = [1, 4, 8] if quick else [1, 4, 8, 16]
+    phases = {"one_core": step_times(model, {cores[0]}, plens, batches, vocab),
+              "two_cores": step_times(model, set(cores[:2]), plens, batches, vocab)}
+    one = phases["one_core"]
+    print(f"bench serve: step times {json.dumps(phases)}", file=sys.stderr, flush=True)
+    default_slo = SLO(ttft_s=5 * one["prefill_s"][prompt_med], tpot_s=3 * one["decode_step_s"][1])
+    slo = parse_goodput(goodput, default_slo)
+    # Rates: fractions of the prefill ceiling (median prompts per second of the faster placement's prefill).
+    ceiling = 1.0 / min(p["prefill_s"][prompt_med] for p in phases.values())
+    rates = list(rates) if rates else [round(f * ceiling, 3) for f in ((0.15, 0.3, 0.5) if quick else
+                                                                        (0.1, 0.2, 0.3, 0.4, 0.5, 0.6))]
+    timeout_s = 120.0 if quick else 300.0
+
+    results: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    unavailable: dict[str, str] = {}
+    vllm_info: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-serve-") as tmp:
+        logs = Path(tmp)
+        if endpoint is not None:
+            results["endpoint"] = sweep(endpoint, model, reqs, rates, slo, timeout_s)
+        else:
+            for kind in ("unified", "disaggregated"):
+                print(f"bench serve: {kind}", file=sys.stderr, flush=True)
+                cluster, http, served = _pdserve_side(kind, model, cores, logs)
+                try:
+                    results[kind] = sweep(http, served, reqs, rates, slo, timeout_s)
+                finally:
+                    cluster.stop(grace=10.0)
+            print("bench serve: vllm", file=sys.stderr, flush=True)
+            try:
+                vllm = _VLLMServer(model, cores[:2], logs / "vllm.log")
+            except BenchUnavailable as e:
+                unavailable["vllm"] = str(e)
+            else:
+                try:
+                    vllm_info = {"settings": vllm.settings, "api": "vllm.entrypoints.openai.api_server"}
+                    results["vllm"] = sweep(vllm.url, model, reqs, rates, slo, timeout_s)
+                finally:
+                    vllm.close()
+
+    rows, per_side = [], {}
+    for name, sw in results.items():
+        for rate, s in sw:
+            rows.append({"side": name, "rate rps": rate, "attain %": 100 * s["slo_attainment"],
+                         "goodput rps": s["goodput_rps"], "tput rps": s["throughput_rps"],
+                         "TTFT p50/p90/p99 ms": _ms(s["ttft_s"]), "TPOT p50/p90/p99 ms": _ms(s["tpot_s"]),
+                         "ITL p50/p90/p99 ms": _ms(s["itl_s"]), "failed": s["failed"]})
+        per_side[name] = {"max_goodput_rps": max(s["goodput_rps"] for _, s in sw), "slo_capacity_rps":
+                          slo_capacity(sw), "sweep": [{"rate_rps": r, **s} for r, s in sw]}
+    ratios: dict[str, float] = {}
+    lower_bounds = []
+
+    def ratio(name: str, a: float, b: str) -> None:
+        if per_side[b]["max_goodput_rps"] == 0:
+            lower_bounds.append(name)
+        ratios[name] = _ratio(a, per_side[b]["max_goodput_rps"],
+                              1.0 / max(s["duration_s"] for s in per_side[b]["sweep"]))
+
+    if "unified" in per_side and "disaggregated" in per_side:
+        ratio("goodput_disaggregated_vs_unified", per_side["disaggregated"]["max_goodput_rps"], "unified")
+    if "vllm" in per_side:
+        best = max(per_side[k]["max_goodput_rps"] for k in ("unified", "disaggregated") if k in per_side)
+        ratio("goodput_pdserve_best_vs_vllm", best, "vllm")
+
+    # The model: single-core step times (the disaggregated placement's), the measured transfer cost.
+    pa, pb = fit_line(list(one["prefill_s"]), list(one["prefill_s"].values()))
+    dc, dd = fit_line(list(one["decode_step_s"]), list(one["decode_step_s"].values()))
+    st = StepTimes(pa, pb, dc, dd)
+    transfer_s = _transfer_estimate(results.get("disaggregated"), one["prefill_s"][prompt_med])
+    model_reqs = [(len(ids), o) for ids, o in workload(200, prompt_med, output_med, vocab, seed=SEED + 1)]
+    sim = crossover(model_reqs, st, slo, chunk=1024, budget=4096, transfer_s=transfer_s, max_cores=8)
+    sim["inputs"] = {"prefill_s": [pa, pb], "decode_step_s": [dc, dd], "transfer_s": transfer_s,
+                     "assumptions": "bench/serve_model.py docstring"}
+
+    result = {"benchmark": "serve", "quick": quick, "table": rows, "ratios": ratios,
+              "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "default": "TTFT 5 x one-core prefill of the "
+                      "median prompt, TPOT 3 x one-core decode step at batch 1", "attainment_target": 0.9},
+              "workload": {"requests_per_rate": n, "prompt_median": prompt_med, "output_median": output_med,
+                           "distribution": "lognormal sigma 0.5, clipped [16, 4x] / [4, 4x]", "seed": SEED},
+              "ratios_are_lower_bounds": lower_bounds, "rates_rps": rates,
+              "sides": per_side, "unavailable": unavailable, "vllm": vllm_info,
+              "phases": phases, "model": sim, "cores": cores[:2], "seconds": time.perf_counter() - t_start}
+    if out and results:
+        png = Path(out).with_suffix(".png")
+        plot(results, slo, png)
+        result["plot"] = str(png)
+    return result
+
+
+def _transfer_estimate(sw: list[tuple[float, dict[str, Any]]] | None, prefill_s: float) -> float:
+    """Median TTFT at the lowest rate minus one prefill: the router, the hops and the KV transfer together."""
+    if not sw or sw[0][1]["ttft_s"]["p50"] is None:
+        return 0.0
+    return max(0.0, sw[0][1]["ttft_s"]["p50"] - prefill_s)
+
+
+def _ratio(a: float, b: float, resolution: float) -> float:
+    """a / b; when b met no SLO at all, a / (one good request over the run): a lower bound, never infinity."""
+    return a / (b or resolution)
+
+
+def _ms(p: dict[str, float | None]) -> str:
+    return "/".join("-" if v is None else f"{v * 1e3:.0f}" for v in p.values())
+
+
+if __name__ == "__main__":  # pragma: no cover - `pdserve bench serve` is the entry point
+    print(json.dumps(run(quick="--quick" in sys.argv)["ratios"]))

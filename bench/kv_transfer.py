@@ -72,12 +72,13 @@ def _pattern_region(layout, rank: int) -> torch.Tensor:
     return t.view(torch.float32).view(layout.region_shape())
 
 
-def _prefill_main(conn: Any, layout_dict: dict, backend: str) -> None:
+def _prefill_main(conn: Any, layout_dict: dict, backend: str, ucx_transports: str | None = None) -> None:
     from kv_transfer.factory import make_publisher
     from kv_transfer.layout import KVLayout
 
     layout = KVLayout.from_dict(layout_dict)
-    pub = make_publisher(layout, {0: _pattern_region(layout, 0)}, backend=backend, lease_timeout_s=120)
+    pub = make_publisher(layout, {0: _pattern_region(layout, 0)}, backend=backend, lease_timeout_s=120,
+                         ucx_transports=ucx_transports)
     conn.send(pub.name)
     while True:
         cmd, arg = conn.recv()
@@ -122,6 +123,73 @@ def _memcpy_gbps(nbytes: int, repeat: int, huge: bool = False) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+def _ucx_tcp_main(conn: Any, token_counts: list[int], repeat: int) -> None:
+    """NIXL with both sides' UCX held to TCP (as between nodes without RDMA), decode TP 1, in a process of its own:
+    UCX takes its transports per process, so they must not reach the other rows' pullers."""
+    from kv_transfer.factory import make_puller
+
+    src = dst = _layout(max(token_counts))
+    ctx = mp.get_context("spawn")
+    pconn, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_main, args=(child, src.to_dict(), "nixl", "tcp"), daemon=True)
+    proc.start()
+    out: dict[int, tuple[float, float, int, float]] = {}
+    try:
+        if not pconn.poll(120):
+            raise RuntimeError("bench prefill process (UCX over TCP) did not start")
+        pconn.recv()
+        region = empty_kv(*dst.region_shape(), dtype=torch.float32)
+        puller = make_puller(dst, 0, region, backend="nixl", io_timeout_s=60, min_segment_bytes=0,
+                             ucx_transports="tcp")
+        try:
+            rng = np.random.default_rng(1)
+            for tokens in token_counts:
+                out[tokens] = _pull_gbps(pconn, src, tokens, dst, [puller], [region], repeat, rng)
+        finally:
+            puller.close()
+        conn.send(("ok", out))
+    except BaseException as e:  # reported in the result
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+    finally:
+        try:
+            pconn.send(("exit", None))
+            pconn.poll(10)
+        except (OSError, EOFError):
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _ucx_tcp_rows(token_counts: list[int], repeat: int, raw: dict[str, Any]) -> tuple[list[dict], dict[str, float]]:
+    """Rows and ratios of NIXL over UCX's TCP transport beside the default NIXL path (CMA here) and the TCP
+    fallback of the same run."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_ucx_tcp_main, args=(child, token_counts, repeat))  # not daemonic: it has a child
+    proc.start()
+    try:
+        status, value = conn.recv() if conn.poll(600) else ("err", "no answer within 600 s")
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    if status != "ok":
+        raw["nixl_ucx_tcp_error"] = value
+        return [{"path": "nixl (UCX over TCP)", "decode tp/dcp": "1/1", "error": value}], {}
+    rows, ratios = [], {}
+    for tokens, (gbps, secs, nbytes, mem) in value.items():
+        raw[f"nixl_ucx_tcp_tp1dcp1_{tokens}"] = {"GBps": gbps, "seconds": secs, "bytes": nbytes, "memcpy_GBps": mem}
+        ratios[f"nixl_ucx_tcp_vs_memcpy_{tokens}"] = gbps / mem
+        for other in ("nixl", "tcp"):
+            o = raw.get(f"{other}_tp1dcp1_{tokens}")
+            if o:
+                ratios[f"nixl_ucx_tcp_vs_{other}_{tokens}"] = gbps / o["GBps"]
+        rows.append({"path": "nixl (UCX over TCP)", "decode tp/dcp": "1/1", "tokens": tokens, "MB": nbytes / 1e6,
+                     "seconds": secs, "GB/s": gbps, "memcpy GB/s": mem, "vs memcpy": gbps / mem})
+    return rows, ratios
 
 
 def _pull_gbps(
@@ -441,6 +509,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+    if nixl_ok:  # NIXL between nodes without RDMA: UCX held to TCP, beside CMA and the TCP fallback above
+        u_rows, u_ratios = _ucx_tcp_rows(token_counts if not quick else token_counts[:1], repeat, raw)
+        rows += u_rows
+        ratios.update(u_ratios)
     c_rows, c_raw, c_ratios = _checksum_cost(token_counts if not quick else token_counts[:1], raw, repeat)
     rows += c_rows
     raw.update(c_raw)

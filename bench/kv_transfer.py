@@ -130,6 +130,7 @@ def _ucx_tcp_main(conn: Any, token_counts: list[int], repeat: int) -> None:
     UCX takes its transports per process, so they must not reach the other rows' pullers."""
     from kv_transfer.factory import make_puller
 
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only, here and in the prefill process spawned below
     src = dst = _layout(max(token_counts))
     ctx = mp.get_context("spawn")
     pconn, child = ctx.Pipe()

@@ -19,7 +19,8 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.transport import KVHandoff
 
 
-def _serve(conn: Any) -> None:
+def _serve(conn: Any, env: dict[str, str] | None = None) -> None:
+    os.environ.update(env or {})  # before any NIXL agent: UCX reads its settings when a backend is created
     logging.basicConfig(level=logging.WARNING)
     pubs: dict[str, Any] = {}
     freed: dict[str, list[tuple[str, str]]] = {}
@@ -87,10 +88,10 @@ def _serve(conn: Any) -> None:
 class PrefillWorker:
     """Handle on a spawned prefill process."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, env), daemon=True)
         self.proc.start()
 
     def call(self, cmd: str, timeout: float = 30.0, **args: Any) -> Any:
@@ -117,7 +118,8 @@ class PrefillWorker:
 
 
 def _decode_child(conn: Any, layout: dict, tables: list[list[int]], handoff: str, ucx_transports: str | None,
-                  opts: dict[str, Any]) -> None:
+                  env: dict[str, str], opts: dict[str, Any]) -> None:
+    os.environ.update(env)
     pullers = []
     try:
         lay = KVLayout.from_dict(layout)
@@ -126,7 +128,8 @@ def _decode_child(conn: Any, layout: dict, tables: list[list[int]], handoff: str
                    for r in range(lay.tp_size)]
         h = KVHandoff.from_json(handoff)
         results = [p.pull(h, tables[r], timeout_s=30) for r, p in enumerate(pullers)]
-        conn.send(("ok", (regions, [res.transport for res in results])))
+        # numpy, not tensors: a tensor would cross as a shared-memory handle this process takes away on exit
+        conn.send(("ok", ([r.numpy() for r in regions], [res.transport for res in results])))
     except BaseException as e:  # reported to the test
         conn.send(("err", f"{type(e).__name__}: {e}"))
     finally:
@@ -135,13 +138,13 @@ def _decode_child(conn: Any, layout: dict, tables: list[list[int]], handoff: str
 
 
 def pull_in_own_process(layout: KVLayout, tables: list[list[int]], handoff: KVHandoff, ucx_transports: str | None,
-                        timeout: float = 120.0, **opts: Any) -> tuple[str, Any]:
+                        timeout: float = 120.0, env: dict[str, str] | None = None, **opts: Any) -> tuple[str, Any]:
     """Every decode rank's NIXL puller in a fresh spawned process (UCX's transport list is a per-process setting, so
     it must not leak into the test process): ("ok", (regions, transports)) or ("err", what failed)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_decode_child, args=(child, layout.to_dict(), tables, handoff.to_json(), ucx_transports,
-                                                   opts), daemon=True)
+                                                   env or {}, opts), daemon=True)
     proc.start()
     try:
         if not parent.poll(timeout):

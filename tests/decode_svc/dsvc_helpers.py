@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import collections.abc
 import os
-from pathlib import Path
 
-import torch
 
 from decode_svc.kv_source import PullerFactory, TransferKVSource
 from pdserve.testing import EnginePrefill
@@ -17,26 +15,6 @@ PROMPTS = [
     [1, 17, 45, 99, 3, 250, 8, 61, 77, 120, 5, 33, 200],  # 13 tokens
     [1] + [(7 * i + 11) % 250 + 3 for i in range(36)],  # 37 tokens: several blocks and interleave spans
 ]
-
-
-_HF_CACHE: dict = {}
-
-
-def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' generate, one prompt at a time, no EOS stop (the ground truth); cached per session."""
-    from transformers import AutoModelForCausalLM
-
-    key = (str(model_path), tuple(map(tuple, prompts)), max_new_tokens)
-    if key not in _HF_CACHE:
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-        outs = []
-        for p in prompts:
-            g = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
-        _HF_CACHE[key] = outs
-    return _HF_CACHE[key]
 
 
 class PrefillStandIn(EnginePrefill):

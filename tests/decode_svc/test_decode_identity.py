@@ -10,7 +10,8 @@ import pytest
 from pdserve.cli_config import build
 from decode_svc.config import DecodeConfig
 from decode_svc.pod import DecodePod
-from dsvc_helpers import PROMPTS, drain_pod, greedy, hf_greedy, record
+from dsvc_helpers import PROMPTS, drain_pod, greedy, record
+from hf_helpers import hf_greedy
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.parallel_config import ParallelConfigError
 

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from dsvc_helpers import Handed, PrefillStandIn, drain_pod, greedy, hf_greedy, record
+from dsvc_helpers import Handed, PrefillStandIn, drain_pod, greedy, record
+from hf_helpers import hf_greedy
 
 NEW_TOKENS = 12
 

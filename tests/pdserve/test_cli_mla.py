@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from e2e_helpers import service_env
-from tests.conftest import hf_greedy
+from hf_helpers import hf_greedy
 from up_helpers import UpProcess
 
 pytestmark = pytest.mark.slow

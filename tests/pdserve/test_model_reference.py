@@ -12,7 +12,7 @@ from pdserve.engine.model_runner import ModelRunner, StepInput
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 from pdserve.sampling import SamplingParams
-from tests.conftest import hf_greedy
+from hf_helpers import hf_greedy
 
 TINY_SHAPES = {
     "llama-gqa": ("llama", dict(num_heads=8, num_kv_heads=2)),

@@ -27,6 +27,7 @@ import grpc
 
 from pdserve_api.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2
 from pdserve.errors import ServiceError
+from router.admission import Admitted
 from router.core import Prepared, RouterCore
 from router.detok import OutputAssembler
 from router.flight import Cancelled, Flight, PodLost
@@ -222,6 +223,21 @@ async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill
             stream.cancel()
 
 
+async def _admit(core: RouterCore, flight: Flight, prep: Prepared, deadline: float | None,
+                 exclude: frozenset[str]) -> Admitted:
+    """Book the request's KV on a decode (or unified) pod outside ``exclude``, queueing until one has room or the
+    deadline passes; a Cancel of the waiting request ends the wait as Cancelled."""
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        return await core.admission.admit(prep.kv_tokens, left, exclude, on_wait=lambda f: flight.set_pending(f))
+    except asyncio.CancelledError:
+        if flight.cancelled:
+            raise Cancelled() from None
+        raise
+    finally:
+        flight.set_pending(None)
+
+
 async def _unified(core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer,
                    deadline: float | None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
     """A unified pod's journey: book its KV as for a decode pod (queue if none has room), then one Decode call
@@ -230,17 +246,8 @@ async def _unified(core: RouterCore, flight: Flight, prep: Prepared, ans: _Answe
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                            "prompt logprobs (echo with logprobs) are computed by prefill pods; this cluster serves "
                            "through unified pods only: ask without them or add a prefill pod")
-    left = None if deadline is None else max(0.0, deadline - time.monotonic())
     others = frozenset(v.pod_id for v in core.registry.decode_views((common_pb2.ROLE_DECODE,)))
-    try:
-        flight.admitted = await core.admission.admit(prep.kv_tokens, left, others,
-                                                     on_wait=lambda f: flight.set_pending(f))
-    except asyncio.CancelledError:
-        if flight.cancelled:
-            raise Cancelled() from None
-        raise
-    finally:
-        flight.set_pending(None)
+    flight.admitted = await _admit(core, flight, prep, deadline, others)
     ans.timing.queue_s = flight.admitted.queue_s
     core.metrics.queue.observe(ans.timing.queue_s)
     pod = flight.decode_pod = ans.routing.decode_pod_id = flight.admitted.pod_id
@@ -478,18 +485,10 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
     errors = 0
     t_first = time.monotonic()
     while errors < 3:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            admitted = await core.admission.admit(prep.kv_tokens, left, frozenset(exclude),
-                                                  on_wait=lambda f: flight.set_pending(f))
+            admitted = await _admit(core, flight, prep, deadline, frozenset(exclude))
         except ServiceError as e:
             raise ServiceError(e.code, e.message + (f" (earlier: {'; '.join(failures)})" if failures else ""))
-        except asyncio.CancelledError:
-            if flight.cancelled:
-                raise Cancelled() from None
-            raise
-        finally:
-            flight.set_pending(None)
         flight.admitted = admitted
         pod = admitted.pod_id
         flight.decode_pod = pod

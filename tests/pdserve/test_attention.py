@@ -81,7 +81,7 @@ def test_flashinfer_mla_page_table_covers_the_torch_decode_slots():
     ctx = torch.tensor([9, 0, 4, 1])
     tables = torch.tensor([[7, 2, 5, 0], [3, 0, 0, 0], [1, 0, 0, 0], [6, 0, 0, 0]])
     meta = AttentionMetadata(False, torch.zeros(4, dtype=torch.long), [0, 1, 2, 3, 4], [0, 0, 0, 0], ctx, tables)
-    slots, _mask, empty = TorchAttentionBackend._decode_plan(meta, bs, torch.float32)
+    slots, _mask, empty = TorchAttentionBackend._decode_plan(meta, bs, torch.float32, torch.device("cpu"))
     indptr, indices, kv_len = mla_paged_indices(meta, bs)
     assert indptr.dtype == indices.dtype == kv_len.dtype == torch.int32
     max_ctx = slots.numel() // 4

@@ -211,7 +211,7 @@ def test_validate_config_any_numbers_give_a_verdict_or_invalid_argument(cluster,
 
 
 @FUZZ_SETTINGS
-@given(role=st.one_of(st.integers(3, 2**31 - 1), st.integers(-2**31, -1)))
+@given(role=st.one_of(st.integers(max(common_pb2.Role.values()) + 1, 2**31 - 1), st.integers(-2**31, -1)))
 def test_unknown_role_enum_values_are_invalid_argument(cluster, router, baseline, role):
     """proto3 open enums let any int through: ValidateConfig and ClusterStatus refuse unknown Role values."""
     shape = common_pb2.ModelShape(num_attention_heads=8, num_kv_heads=2, head_dim=16, num_layers=2)

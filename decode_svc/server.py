@@ -70,6 +70,7 @@ class DecodeServer:
         self.max_model_len = 0
         self._puller_factory: PullerFactory | None = None
         self.registrar: Registrar | None = None
+        self._unhealthy = False
         self._model_shape: common_pb2.ModelShape | None = None
         self._last_rate = (time.monotonic(), 0)
         self._rate = 0.0
@@ -144,7 +145,11 @@ class DecodeServer:
         NOT_SERVING and the next heartbeat (sent now) says UNHEALTHY, so the router stops placing requests here;
         the process stays up so an operator / orchestrator sees why (the log and the health status)."""
         log.error("decode pod %s is unhealthy: %s", self.config.serving.pod_id, error)
-        asyncio.ensure_future(set_health(self._health, SERVICE_NAME, serving=False))
+        asyncio.ensure_future(self._report_unhealthy())
+
+    async def _report_unhealthy(self) -> None:
+        await set_health(self._health, SERVICE_NAME, serving=False)
+        self._unhealthy = True  # heartbeats say UNHEALTHY only once health says NOT_SERVING
         if self.registrar is not None:
             self.registrar.poke()
 
@@ -210,7 +215,7 @@ class DecodeServer:
             self._last_rate = (now, st.generated_tokens)
         return registry_pb2.HeartbeatRequest(
             pod_id=self.config.serving.pod_id, cluster_token=self.config.serving.cluster_token,
-            state=(common_pb2.POD_STATE_UNHEALTHY if self.engine.error is not None else
+            state=(common_pb2.POD_STATE_UNHEALTHY if self._unhealthy else
                    common_pb2.POD_STATE_DRAINING if self.draining else common_pb2.POD_STATE_READY),
             load=common_pb2.LoadStats(num_running_seqs=st.running, num_waiting_seqs=st.waiting,
                                       num_active_leases=st.reserved, generation_tokens_per_s=self._rate),

@@ -120,6 +120,7 @@ class PrefillServer:
         self._drain_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
         self.model_name = config.serving.served_model_name
+        self._unhealthy = False
 
     @property
     def address(self) -> str:
@@ -193,11 +194,10 @@ class PrefillServer:
         await self._stopped.wait()
 
     async def _metrics_loop(self) -> None:
-        unhealthy = False
         while True:
-            if self.worker.failed and not unhealthy:  # a dead rank: NOT_SERVING, and tell the router at once
-                unhealthy = True
+            if self.worker.failed and not self._unhealthy:  # a dead rank: NOT_SERVING, and tell the router at once
                 await set_health(self.health, SERVICE_NAME, serving=False)
+                self._unhealthy = True  # heartbeats say UNHEALTHY only once health says NOT_SERVING
                 if self.registrar is not None:
                     self.registrar.poke()
             self.metrics.update(self.worker.stats)
@@ -306,7 +306,7 @@ class PrefillServer:
         st = self.worker.stats
         return registry_pb2.HeartbeatRequest(
             pod_id=self.pod_id, cluster_token=self.config.serving.cluster_token,
-            state=(pb.POD_STATE_UNHEALTHY if self.worker.failed else
+            state=(pb.POD_STATE_UNHEALTHY if self._unhealthy else
                    pb.POD_STATE_DRAINING if self.worker.draining else pb.POD_STATE_READY),
             load=pb.LoadStats(queued_prompt_tokens=st.queued_prompt_tokens, num_running_seqs=st.num_running,
                               num_waiting_seqs=st.num_waiting, num_active_leases=st.num_leases,

@@ -72,9 +72,12 @@ def test_prefill_rank_killed_turns_the_pod_unhealthy(cluster):
 
         _poll("p0 UNHEALTHY in ClusterStatus", unhealthy)
         with grpc.insecure_channel(address) as pch:
-            health = health_pb2_grpc.HealthStub(pch).Check(
-                health_pb2.HealthCheckRequest(service="pdserve.v1.PrefillWorker"), timeout=10)
-            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            def not_serving():
+                health = health_pb2_grpc.HealthStub(pch).Check(
+                    health_pb2.HealthCheckRequest(service="pdserve.v1.PrefillWorker"), timeout=10)
+                return health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            _poll("p0 NOT_SERVING on grpc.health.v1", not_serving)
             with pytest.raises(grpc.RpcError) as err:
                 prefill_pb2_grpc.PrefillWorkerStub(pch).Prefill(prefill_pb2.PrefillRequest(
                     request_id="after-kill", prompt_token_ids=prompt,

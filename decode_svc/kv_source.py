@@ -67,7 +67,7 @@ class TransferKVSource:
         conn.puller(self.puller_factory).renew(KVHandoff.from_json(self.handoff_json))
 
     def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int | tuple[int, list[int]]:
-        from kv_transfer.transport import KVHandoff, KVTransferError, grpc_status_code
+        from kv_transfer.transport import KVHandoff, KVTransferError
 
         runner = conn.runner
         puller = conn.puller(self.puller_factory)
@@ -75,7 +75,7 @@ class TransferKVSource:
             handoff = KVHandoff.from_json(self.handoff_json)
             nbytes = int(puller.pull(handoff, block_table, timeout_s=self.timeout_s).nbytes)
         except Exception as e:
-            code = grpc_status_code(e) if isinstance(e, KVTransferError) else grpc.StatusCode.ABORTED
+            code = e.code if isinstance(e, KVTransferError) else grpc.StatusCode.ABORTED
             raise KVDeliveryError(f"KV transfer failed on rank {runner.ps.tp_rank}: {e}", code) from e
         if not self.checksums:
             return nbytes

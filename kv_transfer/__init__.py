@@ -23,7 +23,6 @@ from kv_transfer.transport import (
     LeaseExpired,
     PullResult,
     TransferUnavailable,
-    grpc_status_code,
 )
 
 __all__ = [
@@ -40,7 +39,6 @@ __all__ = [
     "ReshardPlan",
     "Segments",
     "TransferUnavailable",
-    "grpc_status_code",
     "make_publisher",
     "make_puller",
     "new_lease_id",

@@ -11,7 +11,7 @@ Flow for one request (each side only calls the methods on its own object):
            puller.pull(handoff, block_table)   # one puller per decode rank; returns once the last layer landed
            (on an exception the decode service frees its blocks; the puller already told prefill.)
 
-Errors are typed so services can map them to gRPC codes without string matching.
+Errors are ServiceErrors: each carries the gRPC status a service answers with.
 """
 
 from __future__ import annotations
@@ -21,47 +21,46 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from kv_transfer.layout import KVLayout
+from pdserve.errors import ServiceError
 
 PROTOCOL_VERSION = 1
 
 
 # ---- errors ---------------------------------------------------------------------------------------
-class KVTransferError(Exception):
-    """Base class; ``grpc_code`` names the grpc.StatusCode a service should answer with."""
+class KVTransferError(ServiceError):
+    """Base class: a ServiceError whose subclass fixes the status a service answers with."""
 
-    grpc_code = "INTERNAL"
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(None, message)
 
 
 class TransferUnavailable(KVTransferError):
     """The peer is gone or the data path broke (process died, connection reset, NIXL error, I/O timeout)."""
 
-    grpc_code = "UNAVAILABLE"
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class LeaseExpired(KVTransferError):
     """The lease is unknown, timed out, aborted or already completed: its KV may be reused, so no read."""
 
-    grpc_code = "FAILED_PRECONDITION"
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class HandshakeTimeout(KVTransferError):
     """No answer to the handshake within its bound (nobody listening, or a peer that never replies)."""
 
-    grpc_code = "DEADLINE_EXCEEDED"
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class BadTransferRequest(KVTransferError, ValueError):
     """Malformed or inconsistent request (layouts that do not match, bad ranks); a bug, not a fault."""
 
-    grpc_code = "INVALID_ARGUMENT"
-
-
-def grpc_status_code(exc: BaseException) -> Any:
-    """grpc.StatusCode for an exception raised by this package (INTERNAL for anything else)."""
-    import grpc  # why lazy: the data path itself does not need grpc
-
-    return getattr(grpc.StatusCode, getattr(exc, "grpc_code", "INTERNAL"))
+    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 # ---- handoff --------------------------------------------------------------------------------------

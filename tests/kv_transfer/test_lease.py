@@ -19,7 +19,6 @@ from kv_transfer.transport import (
     KVHandoff,
     LeaseExpired,
     TransferUnavailable,
-    grpc_status_code,
 )
 
 
@@ -159,13 +158,18 @@ def test_handoff_json_roundtrip_and_merge():
     assert [str(e) for e in m.endpoints] == ["127.0.0.1:5", "127.0.0.1:6"]
 
 
-def test_grpc_codes():
+def test_transfer_errors_are_service_errors_with_their_status():
+    """Each kv_transfer error answers with its own gRPC status through the services' one error model."""
     import grpc
 
-    assert grpc_status_code(TransferUnavailable()) == grpc.StatusCode.UNAVAILABLE
-    assert grpc_status_code(LeaseExpired()) == grpc.StatusCode.FAILED_PRECONDITION
-    assert grpc_status_code(HandshakeTimeout()) == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert grpc_status_code(ValueError()) == grpc.StatusCode.INTERNAL
+    from pdserve.errors import status_of
+
+    assert status_of(TransferUnavailable("peer gone")) == (grpc.StatusCode.UNAVAILABLE, "peer gone")
+    assert status_of(LeaseExpired()) == (grpc.StatusCode.FAILED_PRECONDITION, "")
+    assert status_of(HandshakeTimeout("x")) == (grpc.StatusCode.DEADLINE_EXCEEDED, "x")
+    assert status_of(BadTransferRequest("bad"))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(BadTransferRequest("bad"), ValueError)
+    assert status_of(ValueError()) is None
 
 
 def test_control_roundtrip_errors_and_timeouts():

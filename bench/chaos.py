@@ -23,6 +23,7 @@ blocks are all free within the prefill lease TTL (no lease outlives it: ``kv_blo
 the end of the last fault to the first ``recovery_window_s`` window whose token rate is within ``recovery_ratio`` of
 the fault-free rate, is at most ``recovery_limit_s``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,11 +38,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.soak import (Outcome, Planned, SoakConfig, _one, _pct, cluster_snapshot, leaked_blocks, offline_reference,
-                        plan_requests, resolve_model)
+from bench.soak import (
+    Outcome,
+    Planned,
+    SoakConfig,
+    _one,
+    _pct,
+    cluster_snapshot,
+    leaked_blocks,
+    offline_reference,
+    plan_requests,
+    resolve_model,
+)
 
-FAULT_KINDS = ("kill-prefill", "freeze-prefill", "kill-decode-rank", "freeze-decode-rank", "kill-router",
-               "freeze-router", "drop-kv-path")
+FAULT_KINDS = (
+    "kill-prefill",
+    "freeze-prefill",
+    "kill-decode-rank",
+    "freeze-decode-rank",
+    "kill-router",
+    "freeze-router",
+    "drop-kv-path",
+)
 # A fault may fail the requests it touches, each with a status that says why: these are the ones a client can act on
 # (retry, elsewhere or later). "error" is a stream's final message after tokens (FINISH_REASON_ERROR + message).
 ACCEPTED_FAILURES = frozenset({"UNAVAILABLE", "ABORTED", "RESOURCE_EXHAUSTED", "DATA_LOSS", "error"})
@@ -50,10 +68,20 @@ ACCEPTED_CANCEL = frozenset({"CANCELLED", "cancelled"})
 
 @dataclass(frozen=True)
 class ChaosConfig:
-    soak: SoakConfig = field(default_factory=lambda: SoakConfig(
-        num_requests=5000, concurrency=10, distinct_prompts=40, max_tokens=(4, 24), prompt_len_long=(40, 120),
-        decode_num_kv_blocks=10, router_max_queue_len=8, cancel_fraction=0.1, request_timeout_s=60.0,
-        client_request_ids=False))
+    soak: SoakConfig = field(
+        default_factory=lambda: SoakConfig(
+            num_requests=5000,
+            concurrency=10,
+            distinct_prompts=40,
+            max_tokens=(4, 24),
+            prompt_len_long=(40, 120),
+            decode_num_kv_blocks=10,
+            router_max_queue_len=8,
+            cancel_fraction=0.1,
+            request_timeout_s=60.0,
+            client_request_ids=False,
+        )
+    )
     calm_s: float = 12.0  # fault-free load first: the reference token rate
     num_faults: int = 7  # each kind once at least (FAULT_KINDS has 7), then seeded random kinds
     gap_s: tuple[float, float] = (3.0, 5.0)  # between the end of one fault and the next
@@ -82,6 +110,7 @@ FULL = ChaosConfig(num_faults=16, calm_s=20.0)
 # ----------------------------------------------------------------------------------------------------------------
 # The nemesis
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _signal_group(pid: int | None, sig: int) -> bool:
     if pid is None:
@@ -129,7 +158,7 @@ class Nemesis(threading.Thread):
         self.rng = random.Random(cfg.seed)
         kinds = list(FAULT_KINDS) + [self.rng.choice(FAULT_KINDS) for _ in range(cfg.num_faults - len(FAULT_KINDS))]
         self.rng.shuffle(kinds)
-        self.kinds = kinds[:cfg.num_faults]
+        self.kinds = kinds[: cfg.num_faults]
         self.t0 = t0
         self.faults: list[dict[str, Any]] = []
         self.last_fault_end: float | None = None
@@ -148,8 +177,9 @@ class Nemesis(threading.Thread):
                 t = time.monotonic()
                 target = getattr(self, "_" + kind.replace("-", "_"))()
                 end = time.monotonic()
-                self.faults.append({"kind": kind, "target": target, "at_s": round(t - self.t0, 2),
-                                    "took_s": round(end - t, 2)})
+                self.faults.append(
+                    {"kind": kind, "target": target, "at_s": round(t - self.t0, 2), "took_s": round(end - t, 2)}
+                )
                 self.last_fault_end = end
         except BaseException as e:  # reported as a problem of the run
             self.error = e
@@ -228,8 +258,7 @@ class Nemesis(threading.Thread):
         finally:
             if pid is not None:
                 _signal_group(pid, signal.SIGCONT)
-        return f"{decode} frozen; {name} SIGKILL{'' if killed else ' (was down)'} holding {used.get(name, 0)} " \
-               f"KV blocks"
+        return f"{decode} frozen; {name} SIGKILL{'' if killed else ' (was down)'} holding {used.get(name, 0)} KV blocks"
 
     def _prefill_blocks_used(self) -> dict[str, int]:
         from pdserve.client import Client, PdserveError, RetryPolicy
@@ -246,13 +275,15 @@ class Nemesis(threading.Thread):
 # Load and measurement
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def token_rate(outcomes: list[Outcome], t_from: float, t_to: float) -> float:
     n = sum(1 for o in outcomes for t in o.token_times if t_from <= t < t_to)
     return n / max(1e-9, t_to - t_from)
 
 
-def recovery_time(outcomes: list[Outcome], after: float, reference: float, cfg: ChaosConfig, until: float
-                  ) -> float | None:
+def recovery_time(
+    outcomes: list[Outcome], after: float, reference: float, cfg: ChaosConfig, until: float
+) -> float | None:
     """Seconds from ``after`` to the start of the first window whose token rate is within the ratio of
     ``reference``; None if no window up to ``until`` is."""
     t = after
@@ -270,13 +301,13 @@ async def _load(addresses: list[str], plan: list[Planned], cfg: ChaosConfig, clu
     # Retries go to the other router (the SDK's failover); only before a first token, so nothing is repeated.
     retry = RetryPolicy(max_attempts=4, initial_backoff_s=0.2, max_backoff_s=2.0)
     async with AsyncClient(addresses, retry=retry) as client:
-        for p in plan[:s.warmup_requests]:
+        for p in plan[: s.warmup_requests]:
             await client.generate(p.prompt, max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True, timeout=120)
         base = await _settle(client, None, 30.0)
         if base["kv_free"] != base["kv_total"]:
             raise RuntimeError(f"the cluster is not idle after the warm-up requests: {base}")
 
-        todo = list(plan[s.warmup_requests:])
+        todo = list(plan[s.warmup_requests :])
         todo.reverse()
         live: list[Outcome] = []
         issued: list[int] = []
@@ -304,8 +335,10 @@ async def _load(addresses: list[str], plan: list[Planned], cfg: ChaosConfig, clu
             end = (nemesis.last_fault_end or time.monotonic()) + cfg.recovery_limit_s + cfg.recovery_window_s
             while time.monotonic() < end:
                 await asyncio.sleep(1.0)
-                if nemesis.last_fault_end is not None and recovery_time(
-                        live, nemesis.last_fault_end, reference, cfg, time.monotonic()) is not None:
+                if (
+                    nemesis.last_fault_end is not None
+                    and recovery_time(live, nemesis.last_fault_end, reference, cfg, time.monotonic()) is not None
+                ):
                     await asyncio.sleep(1.0)
                     break
             stop.set()
@@ -316,14 +349,28 @@ async def _load(addresses: list[str], plan: list[Planned], cfg: ChaosConfig, clu
             nemesis.halt()
         t1 = time.monotonic()
         after = await _settle(client, base, cfg.lease_ttl_s + cfg.settle_slack_s)
-        return {"base": base, "after": after, "outcomes": done, "issued": issued, "t0": t0, "t1": t1,
-                "settle_s": time.monotonic() - t1, "nemesis": nemesis, "live": live}
+        return {
+            "base": base,
+            "after": after,
+            "outcomes": done,
+            "issued": issued,
+            "t0": t0,
+            "t1": t1,
+            "settle_s": time.monotonic() - t1,
+            "nemesis": nemesis,
+            "live": live,
+        }
 
 
 def _idle(snap: dict[str, Any], base: dict[str, Any] | None) -> bool:
     want = snap["kv_total"] if base is None else base["kv_free"]
-    return (snap["kv_free"] == want and snap["router_queue_depth"] == 0 and snap["router_inflight"] == 0
-            and not any(snap["pod_inflight"].values()) and not any(snap["pod_waiting"].values()))
+    return (
+        snap["kv_free"] == want
+        and snap["router_queue_depth"] == 0
+        and snap["router_inflight"] == 0
+        and not any(snap["pod_inflight"].values())
+        and not any(snap["pod_waiting"].values())
+    )
 
 
 async def _settle(client: Any, base: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
@@ -340,8 +387,14 @@ async def _settle(client: Any, base: dict[str, Any] | None, timeout: float) -> d
                 return snap
         except PdserveError:
             if time.monotonic() > end:
-                return snap or {"kv_free": {}, "kv_total": {}, "pod_inflight": {}, "pod_waiting": {},
-                                "router_queue_depth": -1, "router_inflight": -1}
+                return snap or {
+                    "kv_free": {},
+                    "kv_total": {},
+                    "pod_inflight": {},
+                    "pod_waiting": {},
+                    "router_queue_depth": -1,
+                    "router_inflight": -1,
+                }
         await asyncio.sleep(0.5)
 
 
@@ -350,13 +403,14 @@ def _replayed(tokens: list[int], ref: list[int]) -> int:
     a = next((i for i, (x, y) in enumerate(zip(tokens, ref)) if x != y), len(tokens))
     rest = tokens[a:]
     for b in range(a - 1, -1, -1):
-        if rest and ref[b:b + len(rest)] == rest:
+        if rest and ref[b : b + len(rest)] == rest:
             return a - b
     return 0
 
 
-def evaluate(cfg: ChaosConfig, plan: list[Planned], res: dict[str, Any], ref_of: dict[Any, list[int]],
-             cluster_pods: list[str]) -> dict[str, Any]:
+def evaluate(
+    cfg: ChaosConfig, plan: list[Planned], res: dict[str, Any], ref_of: dict[Any, list[int]], cluster_pods: list[str]
+) -> dict[str, Any]:
     s = cfg.soak
     by_index = {p.index: p for p in plan}
     problems: list[str] = []
@@ -373,7 +427,7 @@ def evaluate(cfg: ChaosConfig, plan: list[Planned], res: dict[str, Any], ref_of:
         p = by_index[o.index]
         ref = ref_of[p.key]
         tag = f"request {o.index} (prompt {len(p.prompt)} tokens, max_tokens {p.max_tokens})"
-        prefix_ok = o.tokens == ref[:len(o.tokens)]
+        prefix_ok = o.tokens == ref[: len(o.tokens)]
         if not prefix_ok:
             d = _replayed(o.tokens, ref)
             if d:
@@ -410,10 +464,12 @@ def evaluate(cfg: ChaosConfig, plan: list[Planned], res: dict[str, Any], ref_of:
     if missing:
         problems.append(f"healed: pods not registered after the run: {missing}")
     if not _idle(after, base):
-        problems.append(f"kv: {res['settle_s']:.1f}s after the load (lease TTL {cfg.lease_ttl_s:g}s) the cluster is "
-                        f"not idle: free KV {after.get('kv_free')} (before {base['kv_free']}), router queue "
-                        f"{after.get('router_queue_depth')}, in flight {after.get('router_inflight')}, pods "
-                        f"{after.get('pod_inflight')} / {after.get('pod_waiting')}")
+        problems.append(
+            f"kv: {res['settle_s']:.1f}s after the load (lease TTL {cfg.lease_ttl_s:g}s) the cluster is "
+            f"not idle: free KV {after.get('kv_free')} (before {base['kv_free']}), router queue "
+            f"{after.get('router_queue_depth')}, in flight {after.get('router_inflight')}, pods "
+            f"{after.get('pod_inflight')} / {after.get('pod_waiting')}"
+        )
 
     nem = res["nemesis"]
     if nem.error is not None:
@@ -425,23 +481,41 @@ def evaluate(cfg: ChaosConfig, plan: list[Planned], res: dict[str, Any], ref_of:
     if nem.last_fault_end is not None:
         rec = recovery_time(live, nem.last_fault_end, reference, cfg, t1)
     if rec is None or rec > cfg.recovery_limit_s:
-        problems.append(f"recovery: the token rate did not come back within {cfg.recovery_ratio:.0%} of the "
-                        f"fault-free {reference:.1f} tokens/s within {cfg.recovery_limit_s:g}s of the last fault")
+        problems.append(
+            f"recovery: the token rate did not come back within {cfg.recovery_ratio:.0%} of the "
+            f"fault-free {reference:.1f} tokens/s within {cfg.recovery_limit_s:g}s of the last fault"
+        )
     n_issued = max(1, len(issued))
     return {
-        "ok": not problems, "problems": problems, "config": dataclasses.asdict(cfg),
-        "requests": len(issued), "completed": completed, "failed": failed, "lost": lost, "ended_twice": ended_twice,
-        "duplicated_tokens": dup, "wrong_tokens": wrong, "hung": hung,
-        "kv_blocks_leaked": sum(leaked.values()), "kv_blocks_leaked_by_pod": leaked,
-        "settle_s": res["settle_s"], "recovery_s": rec, "fault_free_tokens_per_s": reference,
-        "faults": nem.faults, "last_fault_at_s": None if nem.last_fault_end is None else nem.last_fault_end - t0,
+        "ok": not problems,
+        "problems": problems,
+        "config": dataclasses.asdict(cfg),
+        "requests": len(issued),
+        "completed": completed,
+        "failed": failed,
+        "lost": lost,
+        "ended_twice": ended_twice,
+        "duplicated_tokens": dup,
+        "wrong_tokens": wrong,
+        "hung": hung,
+        "kv_blocks_leaked": sum(leaked.values()),
+        "kv_blocks_leaked_by_pod": leaked,
+        "settle_s": res["settle_s"],
+        "recovery_s": rec,
+        "fault_free_tokens_per_s": reference,
+        "faults": nem.faults,
+        "last_fault_at_s": None if nem.last_fault_end is None else nem.last_fault_end - t0,
         "load_s": t1 - t0,
         "ttft_ms_p50": _pct([o.ttft_s for o in outcomes if o.ttft_s is not None], 50) * 1e3,
         "ratios": {
             "completed_share": completed / n_issued,
             "recovery_s_over_limit": (rec / cfg.recovery_limit_s) if rec is not None else float("inf"),
-            "lost": lost, "hung": hung, "wrong_tokens": wrong, "duplicated_tokens": dup,
-            "kv_blocks_leaked": sum(leaked.values()), "passed": 1.0 if not problems else 0.0,
+            "lost": lost,
+            "hung": hung,
+            "wrong_tokens": wrong,
+            "duplicated_tokens": dup,
+            "kv_blocks_leaked": sum(leaked.values()),
+            "passed": 1.0 if not problems else 0.0,
         },
     }
 
@@ -461,18 +535,51 @@ def run_chaos(cfg: ChaosConfig, work_dir: str | os.PathLike[str] | None = None) 
     vocab = min(int(json.loads((model / "config.json").read_text())["vocab_size"]), 49152)
     plan = plan_requests(dataclasses.replace(s, seed=cfg.seed), vocab)
     pod_args = ["--heartbeat-interval-s", "0.5"]
-    topo = Topology(model=str(model), router_port=0, http_port=None, block_size=s.block_size,
-                    prefill=[PodSpec("prefill", name=f"p{i}", extra_args=[*pod_args, "--lease-ttl-s",
-                                                                          f"{cfg.lease_ttl_s:g}",
-                                                                          "--kv-checksum"]) for i in range(2)],
-                    decode=[PodSpec("decode", s.decode_tp, s.decode_dcp, num_kv_blocks=s.decode_num_kv_blocks,
-                                    name="d0", extra_args=pod_args)],
-                    router_args=["--max-queue-len", str(s.router_max_queue_len), "--max-queue-wait-s",
-                                 f"{s.router_max_queue_wait_s:g}", "--heartbeat-interval-s", "0.5",
-                                 "--eviction-timeout-s", "6", "--log-level", "WARNING"])
+    topo = Topology(
+        model=str(model),
+        router_port=0,
+        http_port=None,
+        block_size=s.block_size,
+        prefill=[
+            PodSpec(
+                "prefill",
+                name=f"p{i}",
+                extra_args=[*pod_args, "--lease-ttl-s", f"{cfg.lease_ttl_s:g}", "--kv-checksum"],
+            )
+            for i in range(2)
+        ],
+        decode=[
+            PodSpec(
+                "decode",
+                s.decode_tp,
+                s.decode_dcp,
+                num_kv_blocks=s.decode_num_kv_blocks,
+                name="d0",
+                extra_args=pod_args,
+            )
+        ],
+        router_args=[
+            "--max-queue-len",
+            str(s.router_max_queue_len),
+            "--max-queue-wait-s",
+            f"{s.router_max_queue_wait_s:g}",
+            "--heartbeat-interval-s",
+            "0.5",
+            "--eviction-timeout-s",
+            "6",
+            "--log-level",
+            "WARNING",
+        ],
+    )
     topo.resolve()
-    policy = RestartPolicy("on-failure", backoff_s=0.5, backoff_max_s=8.0, liveness_period_s=1.0,
-                           liveness_timeout_s=2.0, liveness_failures=3)
+    policy = RestartPolicy(
+        "on-failure",
+        backoff_s=0.5,
+        backoff_max_s=8.0,
+        liveness_period_s=1.0,
+        liveness_timeout_s=2.0,
+        liveness_failures=3,
+    )
     restarts: list[str] = []
     cluster = LocalCluster(topo, log_dir=work / "logs", num_routers=2, restart_policy=policy, echo=restarts.append)
     t_up = time.monotonic()
@@ -490,8 +597,12 @@ def run_chaos(cfg: ChaosConfig, work_dir: str | os.PathLike[str] | None = None) 
     ref_of = offline_reference(model, used, s.block_size)
     report = evaluate(cfg, plan, res, ref_of, pods)
     report["restarts"] = [{k: (round(v - res["t0"], 2) if k == "at" else v) for k, v in e.items()} for e in events]
-    report["timing_s"] = {"cluster_start": startup_s, "load": report["load_s"], "settle": report["settle_s"],
-                          "offline_reference": time.monotonic() - t_off}
+    report["timing_s"] = {
+        "cluster_start": startup_s,
+        "load": report["load_s"],
+        "settle": report["settle_s"],
+        "offline_reference": time.monotonic() - t_off,
+    }
     report["log_dir"] = str(work / "logs")
     return report
 
@@ -514,8 +625,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         {"measure": "faults injected", "value": len(rep["faults"])},
         {"measure": "restarts by the policy", "value": len(rep["restarts"])},
         {"measure": "fault-free rate tokens/s", "value": f"{rep['fault_free_tokens_per_s']:.1f}"},
-        {"measure": "recovery s after last fault (limit 30)",
-         "value": "never" if rep["recovery_s"] is None else f"{rep['recovery_s']:.1f}"},
+        {
+            "measure": "recovery s after last fault (limit 30)",
+            "value": "never" if rep["recovery_s"] is None else f"{rep['recovery_s']:.1f}",
+        },
         {"measure": "KV all free after load s", "value": f"{rep['settle_s']:.1f}"},
         {"measure": "chaos checks", "value": "PASS" if rep["ok"] else f"FAIL: {len(rep['problems'])}"},
     ]

@@ -11,6 +11,7 @@ the in-process engine (TP 1, this process) on the same prompt, alternating sides
 
 Target: ``ratios.cluster_ms_per_token_vs_engine`` <= 1.5. The full run adds a cluster whose decode pod runs TP 9 x DCP
 3 (nine shared-memory ranks) beside it."""
+
 from __future__ import annotations
 
 import statistics
@@ -88,17 +89,38 @@ def run(quick: bool = False) -> dict[str, Any]:
             key = "cluster" if name == "default" else f"cluster_{name}"
             ratios[f"{key}_ms_per_token_vs_engine"] = c_ms / e_ms
             ratios[f"{key}_ttft_vs_engine"] = c_ttft / e_ttft
-            rows.append({"cluster": f"{name} (decode {layout})", "cluster ms/token": c_ms, "engine ms/token": e_ms,
-                         "ms/token ratio": c_ms / e_ms, "target <= 1.5": "ok" if c_ms / e_ms <= 1.5 else "MISSED",
-                         "cluster TTFT ms": c_ttft, "engine TTFT ms": e_ttft, "startup s": startup})
-            raw["layouts"][name] = {"decode_tp": pod.tensor_parallel_size,
-                                    "decode_dcp": pod.decode_context_parallel_size, "startup_seconds": startup,
-                                    "cluster_ttft_s": [t for t, _ in clu], "cluster_s_per_token": [t for _, t in clu],
-                                    "engine_ttft_s": [t for t, _ in eng], "engine_s_per_token": [t for _, t in eng]}
+            rows.append(
+                {
+                    "cluster": f"{name} (decode {layout})",
+                    "cluster ms/token": c_ms,
+                    "engine ms/token": e_ms,
+                    "ms/token ratio": c_ms / e_ms,
+                    "target <= 1.5": "ok" if c_ms / e_ms <= 1.5 else "MISSED",
+                    "cluster TTFT ms": c_ttft,
+                    "engine TTFT ms": e_ttft,
+                    "startup s": startup,
+                }
+            )
+            raw["layouts"][name] = {
+                "decode_tp": pod.tensor_parallel_size,
+                "decode_dcp": pod.decode_context_parallel_size,
+                "startup_seconds": startup,
+                "cluster_ttft_s": [t for t, _ in clu],
+                "cluster_s_per_token": [t for _, t in clu],
+                "engine_ttft_s": [t for t, _ in eng],
+                "engine_s_per_token": [t for _, t in eng],
+            }
     finally:
         engine.shutdown()
-    raw["default_topology_here"] = {"decode_tp": default.tensor_parallel_size,
-                                    "decode_dcp": default.decode_context_parallel_size}
-    return {"benchmark": "cluster", "quick": quick, "table": rows, "ratios": ratios, **raw,
-            "seconds": time.perf_counter() - t_start}
-
+    raw["default_topology_here"] = {
+        "decode_tp": default.tensor_parallel_size,
+        "decode_dcp": default.decode_context_parallel_size,
+    }
+    return {
+        "benchmark": "cluster",
+        "quick": quick,
+        "table": rows,
+        "ratios": ratios,
+        **raw,
+        "seconds": time.perf_counter() - t_start,
+    }

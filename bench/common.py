@@ -1,4 +1,5 @@
 """What every benchmark shares: timing, the table printer and the JSON writer used by `pdserve bench`."""
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,21 @@ def cpu_info() -> dict[str, Any]:
     except OSError:
         pass
     wanted = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
-    return {"model": model, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-            os.cpu_count(), "flags": wanted, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "model": model,
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "flags": wanted,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def machine() -> dict[str, Any]:
-    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": cpu_info()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_info(),
+    }
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

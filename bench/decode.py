@@ -18,6 +18,7 @@
 
 Quick mode: fewer tokens, batches 1 and 32, and the TP 9 x DCP 3 pod only (shared memory and gloo); fewer sampling
 rounds."""
+
 from __future__ import annotations
 
 import math
@@ -126,22 +127,35 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
     prefill = EnginePrefill(path, num_kv_blocks=math.ceil(prompt_len / 16) * max(batches) + 8)
     for tp, dcp, coll in pods:
         blocks = math.ceil(math.ceil(per_seq / dcp) / 16) * max(batches) + 8
-        cfg = build(DecodeConfig, model=path, tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=16,
-                    num_kv_blocks=blocks, max_model_len=512, max_num_seqs=64, cpu_collectives=coll)
+        cfg = build(
+            DecodeConfig,
+            model=path,
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            block_size=16,
+            num_kv_blocks=blocks,
+            max_model_len=512,
+            max_num_seqs=64,
+            cpu_collectives=coll,
+        )
         t0 = time.perf_counter()
         pod = DecodePod(cfg)
         startup_s[f"tp{tp}_dcp{dcp}_{coll}"] = time.perf_counter() - t0
         try:
             _pod_decode_tok_s(pod, prefill, prompts[:1], 3)  # warm-up
-            pod_tok_s[(tp, dcp, coll)] = {bs: _pod_decode_tok_s(pod, prefill, prompts[:bs], new_tokens)
-                                          for bs in batches}
+            pod_tok_s[(tp, dcp, coll)] = {
+                bs: _pod_decode_tok_s(pod, prefill, prompts[:bs], new_tokens) for bs in batches
+            }
         finally:
             pod.shutdown()
     prefill.close()
     rows, ratios = [], {}
     for bs in batches:
-        row: dict[str, Any] = {"metric": f"decode tok/s, batch {bs}", "engine TP1": engine_tok_s[bs],
-                               "transformers": hf_tok_s[bs]}
+        row: dict[str, Any] = {
+            "metric": f"decode tok/s, batch {bs}",
+            "engine TP1": engine_tok_s[bs],
+            "transformers": hf_tok_s[bs],
+        }
         for (tp, dcp, coll), d in pod_tok_s.items():
             row[f"TP{tp} DCP{dcp} {coll}"] = d[bs]
         for (tp, dcp, coll), d in pod_tok_s.items():
@@ -153,16 +167,24 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
         rows.append(row)
     for bs in batches:  # the headline names: the shared-memory TP 9 x DCP 3 pod against transformers
         ratios[f"decode_bs{bs}_vs_transformers"] = pod_tok_s[(9, 3, "shm")][bs] / hf_tok_s[bs]
-    raw = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": prompt_len, "new_tokens": new_tokens,
-           "batches": list(batches),
-           "decode_tok_s": {f"tp{tp}_dcp{dcp}_{c}": {str(b): v for b, v in d.items()}
-                            for (tp, dcp, c), d in pod_tok_s.items()},
-           "engine_decode_tok_s": {str(b): v for b, v in engine_tok_s.items()},
-           "transformers_decode_tok_s": {str(b): v for b, v in hf_tok_s.items()},
-           "pod_startup_seconds": startup_s,
-           "threads": {"engine": torch.get_num_threads(), "transformers": torch.get_num_threads(),
-                       "pod_per_rank": "max(1, cores // tp)"},
-           "throughput_seconds": time.perf_counter() - t_start}
+    raw = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens,
+        "batches": list(batches),
+        "decode_tok_s": {
+            f"tp{tp}_dcp{dcp}_{c}": {str(b): v for b, v in d.items()} for (tp, dcp, c), d in pod_tok_s.items()
+        },
+        "engine_decode_tok_s": {str(b): v for b, v in engine_tok_s.items()},
+        "transformers_decode_tok_s": {str(b): v for b, v in hf_tok_s.items()},
+        "pod_startup_seconds": startup_s,
+        "threads": {
+            "engine": torch.get_num_threads(),
+            "transformers": torch.get_num_threads(),
+            "pod_per_rank": "max(1, cores // tp)",
+        },
+        "throughput_seconds": time.perf_counter() - t_start,
+    }
     return rows, ratios, raw
 
 
@@ -188,8 +210,15 @@ def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int, seq_len: in
     block_bytes, dtype = _kv_bytes_per_block(model_path, tp, CAPACITY_BLOCK)
     num_blocks = budget_bytes // block_bytes
     try:
-        cfg = build(DecodeConfig, model=model_path, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                    block_size=CAPACITY_BLOCK, num_kv_blocks=num_blocks, max_num_seqs=1_000_000)
+        cfg = build(
+            DecodeConfig,
+            model=model_path,
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            block_size=CAPACITY_BLOCK,
+            num_kv_blocks=num_blocks,
+            max_num_seqs=1_000_000,
+        )
     except ParallelConfigError as e:
         return {"allowed": False, "refusal": e.message, "blocks_per_rank": num_blocks}
     # Admission is pure block accounting: an engine without model ranks counts exactly what a live pod admits.
@@ -198,12 +227,27 @@ def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int, seq_len: in
     while pod.reserve(f"cap{n}", seq_len) is not None:
         n += 1
     per_seq = [len(t) for t in pod.block_tables_of("cap0")] if n else []
-    return {"allowed": True, "admitted": n, "blocks_per_rank": num_blocks, "block_bytes": block_bytes,
-            "kv_dtype": dtype, "blocks_per_seq_per_rank": per_seq, "used_blocks_per_rank": pod.used_blocks_per_rank()}
+    return {
+        "allowed": True,
+        "admitted": n,
+        "blocks_per_rank": num_blocks,
+        "block_bytes": block_bytes,
+        "kv_dtype": dtype,
+        "blocks_per_seq_per_rank": per_seq,
+        "used_blocks_per_rank": pod.used_blocks_per_rank(),
+    }
 
 
-def _capacity_row(name: str, key: str, path: str, tp: int, dcps: tuple[int, ...], budget_mib: int, seq_len: int,
-                  ratios: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _capacity_row(
+    name: str,
+    key: str,
+    path: str,
+    tp: int,
+    dcps: tuple[int, ...],
+    budget_mib: int,
+    seq_len: int,
+    ratios: dict[str, float],
+) -> tuple[dict[str, Any], dict[str, Any]]:
     res = {dcp: _admitted(path, tp, dcp, budget_mib << 20, seq_len) for dcp in dcps}
     base = res[1]["admitted"]
     row: dict[str, Any] = {"metric": f"{seq_len}-token seqs admitted, {budget_mib} MiB/rank, {name}", "TP": tp}
@@ -218,8 +262,12 @@ def _capacity_row(name: str, key: str, path: str, tp: int, dcps: tuple[int, ...]
             ratios[f"kv_capacity_{key}_dcp{dcp}_vs_dcp1_x_{dcp}"] = ratio
             checks.append(f"DCP{dcp}: {ratio:.3f} x (DCP x DCP1) {'ok' if ratio >= 0.95 else 'MISSED'}")
     row["target >= 0.95"] = "; ".join(checks)
-    return row, {"tp": tp, "kv_budget_mib_per_rank": budget_mib, "seq_len": seq_len,
-                 **{f"dcp{d}": r for d, r in res.items()}}
+    return row, {
+        "tp": tp,
+        "kv_budget_mib_per_rank": budget_mib,
+        "seq_len": seq_len,
+        **{f"dcp{d}": r for d, r in res.items()},
+    }
 
 
 def _write_deepseek_v3_shape(path: Path) -> None:
@@ -227,21 +275,46 @@ def _write_deepseek_v3_shape(path: Path) -> None:
     needs the config only, so the MoE is cut to what the config class accepts."""
     from transformers import DeepseekV3Config
 
-    DeepseekV3Config(vocab_size=256, hidden_size=7168, intermediate_size=64, moe_intermediate_size=64,
-                     num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
-                     kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                     n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=3,
-                     max_position_embeddings=4096, torch_dtype="bfloat16",
-                     architectures=["DeepseekV3ForCausalLM"]).save_pretrained(str(path))
+    DeepseekV3Config(
+        vocab_size=256,
+        hidden_size=7168,
+        intermediate_size=64,
+        moe_intermediate_size=64,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=3,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+        architectures=["DeepseekV3ForCausalLM"],
+    ).save_pretrained(str(path))
 
 
 def _write_gqa_same_hidden(path: Path) -> None:
     """A GQA model of DeepSeek-V3's hidden size and depth, Llama style: 56 heads of 128, 8 KV heads, bf16."""
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=256, hidden_size=7168, intermediate_size=64, num_hidden_layers=61, num_attention_heads=56,
-                num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, torch_dtype="bfloat16",
-                architectures=["LlamaForCausalLM"]).save_pretrained(str(path))
+    LlamaConfig(
+        vocab_size=256,
+        hidden_size=7168,
+        intermediate_size=64,
+        num_hidden_layers=61,
+        num_attention_heads=56,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(str(path))
 
 
 def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
@@ -252,30 +325,52 @@ def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
     # Admission needs the shape only: a config.json with SmolLM2's per-rank KV bytes (30 layers, head_dim 64, one KV
     # head per rank) but 12 query heads and 1 KV head, so that TP 6 allows DCP 1, 2 and 3.
     tiny = Path(tmp.name) / "tiny-12q1kv"
-    LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=64, num_hidden_layers=30, num_attention_heads=12,
-                num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
-                architectures=["LlamaForCausalLM"]).save_pretrained(str(tiny))
+    LlamaConfig(
+        vocab_size=256,
+        hidden_size=768,
+        intermediate_size=64,
+        num_hidden_layers=30,
+        num_attention_heads=12,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(str(tiny))
     mla, gqa = Path(tmp.name) / "deepseek-v3-shape", Path(tmp.name) / "gqa-7168"
     _write_deepseek_v3_shape(mla)
     _write_gqa_same_hidden(gqa)
     rows, ratios, raw = [], {}, {}
-    for name, key, path, tp in (("SmolLM2-135M", "smollm2", str(ensure_default_model()), 9),
-                                ("tiny 12q/1kv", "tiny", str(tiny), 6)):
+    for name, key, path, tp in (
+        ("SmolLM2-135M", "smollm2", str(ensure_default_model()), 9),
+        ("tiny 12q/1kv", "tiny", str(tiny), 6),
+    ):
         row, raw[name] = _capacity_row(name, key, path, tp, (1, 2, 3), CAPACITY_BUDGET_MIB, CAPACITY_SEQ_LEN, ratios)
         rows.append(row)
     # MLA: every TP rank holds the whole latent, so DCP can go all the way to TP.
-    row, raw["DeepSeek-V3 shape (MLA)"] = _capacity_row("DeepSeek-V3 shape (MLA)", "mla", str(mla), MLA_TP,
-                                                         (1, 2, 4, 8), MLA_BUDGET_MIB, CAPACITY_SEQ_LEN, ratios)
+    row, raw["DeepSeek-V3 shape (MLA)"] = _capacity_row(
+        "DeepSeek-V3 shape (MLA)", "mla", str(mla), MLA_TP, (1, 2, 4, 8), MLA_BUDGET_MIB, CAPACITY_SEQ_LEN, ratios
+    )
     rows.append(row)
     rows.append(_kv_bytes_row(str(mla), str(gqa), raw))
     tmp.cleanup()
-    return rows, ratios, {"kv_budget_mib_per_rank": CAPACITY_BUDGET_MIB, "seq_len": CAPACITY_SEQ_LEN,
-                          "block_size": CAPACITY_BLOCK, "capacity": raw}
+    return (
+        rows,
+        ratios,
+        {
+            "kv_budget_mib_per_rank": CAPACITY_BUDGET_MIB,
+            "seq_len": CAPACITY_SEQ_LEN,
+            "block_size": CAPACITY_BLOCK,
+            "capacity": raw,
+        },
+    )
 
 
 # A schema the model stays inside for the whole run (an open-ended list of strings), so every step is masked.
-SAMPLING_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
-                   "required": ["notes"]}
+SAMPLING_SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+    "required": ["notes"],
+}
 
 
 def _decode_step_times(engine, prompts: list[list[int]], sp: Any) -> list[float]:
@@ -309,8 +404,11 @@ def _sampling_cost(quick: bool) -> tuple[list[dict], dict[str, float], dict[str,
         "penalties": SamplingParams(**base, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
         "structured_json": SamplingParams(**base, structured=StructuredSpec.json_schema(SAMPLING_SCHEMA)),
     }
-    engine = LLMEngine(EngineConfig(model=str(ensure_default_model()), num_kv_blocks=bs * 8 + 8, max_num_seqs=bs,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(ensure_default_model()), num_kv_blocks=bs * 8 + 8, max_num_seqs=bs, enable_prefix_caching=False
+        )
+    )
     steps: dict[str, list[float]] = {k: [] for k in variants}
     try:
         prompts = _prompts(bs, prompt_len, engine.model_config.vocab_size)
@@ -324,16 +422,27 @@ def _sampling_cost(quick: bool) -> tuple[list[dict], dict[str, float], dict[str,
     fastest = {k: min(v) for k, v in steps.items()}
     median = {k: sorted(v)[len(v) // 2] for k, v in steps.items()}
     ratios = {f"{k}_bs{bs}_vs_plain": fastest[k] / fastest["plain"] for k in ("structured_json", "penalties")}
-    row: dict[str, Any] = {"metric": f"engine decode step, batch {bs}, vs plain sampling (fastest step)",
-                           **{f"{k} ms/step": 1e3 * v for k, v in fastest.items()},
-                           **{f"{k} median ms/step": 1e3 * v for k, v in median.items()},
-                           **ratios,
-                           "target <= 1.15": "; ".join(f"{k}: {'ok' if v <= 1.15 else 'MISSED'}"
-                                                        for k, v in ratios.items())}
-    raw = {"sampling_cost": {"batch": bs, "new_tokens": new_tokens, "prompt_tokens": prompt_len, "rounds": rounds,
-                             "schema": SAMPLING_SCHEMA, "fastest_step_s": fastest, "median_step_s": median,
-                             "median_ratio_vs_plain": {k: median[k] / median["plain"] for k in median},
-                             "steps": {k: len(v) for k, v in steps.items()}, "threads": torch.get_num_threads()}}
+    row: dict[str, Any] = {
+        "metric": f"engine decode step, batch {bs}, vs plain sampling (fastest step)",
+        **{f"{k} ms/step": 1e3 * v for k, v in fastest.items()},
+        **{f"{k} median ms/step": 1e3 * v for k, v in median.items()},
+        **ratios,
+        "target <= 1.15": "; ".join(f"{k}: {'ok' if v <= 1.15 else 'MISSED'}" for k, v in ratios.items()),
+    }
+    raw = {
+        "sampling_cost": {
+            "batch": bs,
+            "new_tokens": new_tokens,
+            "prompt_tokens": prompt_len,
+            "rounds": rounds,
+            "schema": SAMPLING_SCHEMA,
+            "fastest_step_s": fastest,
+            "median_step_s": median,
+            "median_ratio_vs_plain": {k: median[k] / median["plain"] for k in median},
+            "steps": {k: len(v) for k, v in steps.items()},
+            "threads": torch.get_num_threads(),
+        }
+    }
     return [row], ratios, raw
 
 
@@ -342,8 +451,11 @@ def _kv_bytes_row(mla: str, gqa: str, raw: dict[str, Any]) -> dict[str, Any]:
     8 KV heads over TP 8 leave no DCP > 1)."""
     mla_tok = _kv_bytes_per_block(mla, MLA_TP, CAPACITY_BLOCK)[0] / CAPACITY_BLOCK
     gqa_tok = _kv_bytes_per_block(gqa, MLA_TP, CAPACITY_BLOCK)[0] / CAPACITY_BLOCK
-    row: dict[str, Any] = {"metric": "KV bytes/token/rank, hidden 7168, 61 layers, bf16", "TP": MLA_TP,
-                           "GQA 56q/8kv DCP1": gqa_tok}
+    row: dict[str, Any] = {
+        "metric": "KV bytes/token/rank, hidden 7168, 61 layers, bf16",
+        "TP": MLA_TP,
+        "GQA 56q/8kv DCP1": gqa_tok,
+    }
     per_rank = {"gqa_56q8kv_dcp1": gqa_tok}
     for dcp in (1, 2, 4, 8):
         row[f"MLA DCP{dcp}"] = mla_tok / dcp  # each rank stores 1/dcp of the tokens, the whole latent of each
@@ -357,6 +469,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     cap_rows, cap_ratios, cap_raw = _capacity()
     s_rows, s_ratios, s_raw = _sampling_cost(quick)
     tp_rows, tp_ratios, tp_raw = _throughput(quick)
-    return {"benchmark": "decode", "quick": quick, "table": tp_rows + s_rows + cap_rows,
-            "ratios": {**tp_ratios, **s_ratios, **cap_ratios}, **tp_raw, **s_raw, **cap_raw,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "benchmark": "decode",
+        "quick": quick,
+        "table": tp_rows + s_rows + cap_rows,
+        "ratios": {**tp_ratios, **s_ratios, **cap_ratios},
+        **tp_raw,
+        **s_raw,
+        **cap_raw,
+        "seconds": time.perf_counter() - t0,
+    }

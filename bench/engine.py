@@ -3,6 +3,7 @@ both on one device (``--device``, default cpu), in float32 and in bfloat16 (each
 
 Both sides use the same torch thread count: torch's default, or PDSERVE_BENCH_THREADS (as bench/prefill.py: on a small
 CPU shared with other work, 1 thread avoids intra-op threads spinning against other processes)."""
+
 from __future__ import annotations
 
 import os
@@ -40,11 +41,13 @@ def _engine_decode(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) ->
 
 def _synced(fn, device: str):
     """fn, then wait for the device: CUDA kernels run asynchronously, so a timer must wait for them."""
+
     def call():
         out = fn()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         return out
+
     return call
 
 
@@ -54,22 +57,33 @@ def _hf_decode(model, prompts: list[list[int]], new_tokens: int, device: str = "
     kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         t1 = timed(_synced(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), device))
-        tn = timed(_synced(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw),
-                           device))
+        tn = timed(
+            _synced(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw), device)
+        )
     return len(prompts) * (new_tokens - 1) / (tn - t1)
+
 
 # Both sides in each dtype on the same weights; float32 keys keep their names, bfloat16 ones gain "_bf16".
 DTYPES = ("float32", "bfloat16")
 
 
-def _run_dtype(path, dtype: str, device: str, prefill_len: int, new_tokens: int, rows: list, ratios: dict,
-               raw: dict) -> None:
+def _run_dtype(
+    path, dtype: str, device: str, prefill_len: int, new_tokens: int, rows: list, ratios: dict, raw: dict
+) -> None:
     from transformers import AutoModelForCausalLM
 
     sfx, label = ("", "") if dtype == "float32" else ("_bf16", " bf16")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device).eval()
-    eng = LLMEngine(EngineConfig(model=str(path), enable_prefix_caching=False, prefill_chunk_size=2048,
-                                 max_num_batched_tokens=4096, device=device, dtype=dtype))
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            enable_prefix_caching=False,
+            prefill_chunk_size=2048,
+            max_num_batched_tokens=4096,
+            device=device,
+            dtype=dtype,
+        )
+    )
     try:
         tok = eng.tokenizer
         prompt = _prompt_ids(tok, prefill_len, 0)
@@ -78,8 +92,14 @@ def _run_dtype(path, dtype: str, device: str, prefill_len: int, new_tokens: int,
         e_pre = prefill_len / timed(lambda: eng.generate([prompt], one), repeat=2)
         with torch.no_grad():
             h_pre = prefill_len / timed(_synced(lambda: hf(torch.tensor([prompt], device=device)), device), repeat=2)
-        rows.append({"metric": f"prefill tok/s ({prefill_len} tokens){label}", "pdserve": e_pre, "transformers": h_pre,
-                     "ratio": e_pre / h_pre})
+        rows.append(
+            {
+                "metric": f"prefill tok/s ({prefill_len} tokens){label}",
+                "pdserve": e_pre,
+                "transformers": h_pre,
+                "ratio": e_pre / h_pre,
+            }
+        )
         ratios[f"prefill{sfx}_vs_transformers"] = e_pre / h_pre
         raw[f"prefill{sfx}_tok_s"] = {"pdserve": e_pre, "transformers": h_pre}
         for bs in (1, 8):
@@ -87,8 +107,14 @@ def _run_dtype(path, dtype: str, device: str, prefill_len: int, new_tokens: int,
             _engine_decode(eng, prompts, 2)  # warm-up: oneDNN builds its kernels per batch shape
             e_dec = _engine_decode(eng, prompts, new_tokens)
             h_dec = _hf_decode(hf, prompts, new_tokens, device)
-            rows.append({"metric": f"decode tok/s (batch {bs}){label}", "pdserve": e_dec, "transformers": h_dec,
-                         "ratio": e_dec / h_dec})
+            rows.append(
+                {
+                    "metric": f"decode tok/s (batch {bs}){label}",
+                    "pdserve": e_dec,
+                    "transformers": h_dec,
+                    "ratio": e_dec / h_dec,
+                }
+            )
             ratios[f"decode_bs{bs}{sfx}_vs_transformers"] = e_dec / h_dec
             raw[f"decode_bs{bs}{sfx}_tok_s"] = {"pdserve": e_dec, "transformers": h_dec}
     finally:
@@ -101,8 +127,12 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     path = ensure_default_model()
     prefill_len = 256 if quick else 1024
     new_tokens = 16 if quick else 64
-    raw: dict[str, Any] = {"device": device, "prefill_tokens": prefill_len, "new_tokens": new_tokens,
-                           "threads": torch.get_num_threads()}
+    raw: dict[str, Any] = {
+        "device": device,
+        "prefill_tokens": prefill_len,
+        "new_tokens": new_tokens,
+        "threads": torch.get_num_threads(),
+    }
     rows: list[dict[str, Any]] = []
     ratios: dict[str, float] = {}
     for dtype in DTYPES:

@@ -77,8 +77,9 @@ def _prefill_main(conn: Any, layout_dict: dict, backend: str, ucx_transports: st
     from kv_transfer.layout import KVLayout
 
     layout = KVLayout.from_dict(layout_dict)
-    pub = make_publisher(layout, {0: _pattern_region(layout, 0)}, backend=backend, lease_timeout_s=120,
-                         ucx_transports=ucx_transports)
+    pub = make_publisher(
+        layout, {0: _pattern_region(layout, 0)}, backend=backend, lease_timeout_s=120, ucx_transports=ucx_transports
+    )
     conn.send(pub.name)
     while True:
         cmd, arg = conn.recv()
@@ -142,8 +143,7 @@ def _ucx_tcp_main(conn: Any, token_counts: list[int], repeat: int) -> None:
             raise RuntimeError("bench prefill process (UCX over TCP) did not start")
         pconn.recv()
         region = empty_kv(*dst.region_shape(), dtype=torch.float32)
-        puller = make_puller(dst, 0, region, backend="nixl", io_timeout_s=60, min_segment_bytes=0,
-                             ucx_transports="tcp")
+        puller = make_puller(dst, 0, region, backend="nixl", io_timeout_s=60, min_segment_bytes=0, ucx_transports="tcp")
         try:
             rng = np.random.default_rng(1)
             for tokens in token_counts:
@@ -188,8 +188,18 @@ def _ucx_tcp_rows(token_counts: list[int], repeat: int, raw: dict[str, Any]) -> 
             o = raw.get(f"{other}_tp1dcp1_{tokens}")
             if o:
                 ratios[f"nixl_ucx_tcp_vs_{other}_{tokens}"] = gbps / o["GBps"]
-        rows.append({"path": "nixl (UCX over TCP)", "decode tp/dcp": "1/1", "tokens": tokens, "MB": nbytes / 1e6,
-                     "seconds": secs, "GB/s": gbps, "memcpy GB/s": mem, "vs memcpy": gbps / mem})
+        rows.append(
+            {
+                "path": "nixl (UCX over TCP)",
+                "decode tp/dcp": "1/1",
+                "tokens": tokens,
+                "MB": nbytes / 1e6,
+                "seconds": secs,
+                "GB/s": gbps,
+                "memcpy GB/s": mem,
+                "vs memcpy": gbps / mem,
+            }
+        )
     return rows, ratios
 
 
@@ -254,8 +264,16 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
 
     torch.manual_seed(0)
     blocks = -(-max_tokens // BLOCK) + 16
-    eng = LLMEngine(EngineConfig(max_num_batched_tokens=max_tokens, prefill_chunk_size=max_tokens, max_num_seqs=1,
-                                 num_kv_blocks=blocks, enable_prefix_caching=False, block_size=BLOCK))
+    eng = LLMEngine(
+        EngineConfig(
+            max_num_batched_tokens=max_tokens,
+            prefill_chunk_size=max_tokens,
+            max_num_seqs=1,
+            num_kv_blocks=blocks,
+            enable_prefix_caching=False,
+            block_size=BLOCK,
+        )
+    )
     mc = eng.model_config
     dtype = str(eng.executor.kv_cache.dtype).replace("torch.", "")
     layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, BLOCK, tp_size=1, num_blocks=blocks)
@@ -296,8 +314,13 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
         t1 = time.monotonic()
         ls = lease["start"]
         if not streaming:  # handed off only now, all layers ready
-            host.rank0.publisher.publish(ls.request_id, {0: list(ls.block_ids)}, ls.num_tokens,
-                                         lease_id=ls.lease_id, layers_ready=layout.num_layers)
+            host.rank0.publisher.publish(
+                ls.request_id,
+                {0: list(ls.block_ids)},
+                ls.num_tokens,
+                lease_id=ls.lease_id,
+                layers_ready=layout.num_layers,
+            )
             conn.send(("handoff", host.handoff(ls).to_json()))
         # Per-layer sums over the prompt's token slots (a last block's spare slots hold stale data on both sides).
         # The engine frees these blocks only when it schedules the next request.
@@ -349,9 +372,14 @@ def _streaming(
             if bad:
                 raise AssertionError(f"bench: landed KV of layers {bad} differs from prefill's ({tokens} tokens)")
             last = res.layer_landed_at[-1]
-            return {"prefill_s": t1 - t0, "pull_s": last - t_pull, "end_to_landed_s": last - t1,
-                    "first_layer_after_start_s": res.layer_landed_at[0] - t0, "bytes": res.nbytes,
-                    "transport": res.transport}
+            return {
+                "prefill_s": t1 - t0,
+                "pull_s": last - t_pull,
+                "end_to_landed_s": last - t1,
+                "first_layer_after_start_s": res.layer_landed_at[0] - t0,
+                "bytes": res.nbytes,
+                "transport": res.transport,
+            }
 
         one(256, True)  # warm-up: engine, handshake, NIXL connection (a running pod has them)
         for tokens in token_counts:
@@ -361,11 +389,21 @@ def _streaming(
                 raw[f"stream_{mode}_{tokens}"] = m
                 share = max(m["end_to_landed_s"], 0.0) / m["prefill_s"]
                 ratios[f"end_to_decode_start_vs_prefill_streaming_{mode}_{tokens}"] = share
-                rows.append({"path": m["transport"], "streaming": mode, "tokens": tokens, "MB": m["bytes"] / 1e6,
-                             "prefill s": m["prefill_s"], "pull s": m["pull_s"],
-                             "end->landed s": m["end_to_landed_s"], "share of prefill": share})
-            ratios[f"transfer_vs_prefill_{tokens}"] = raw[f"stream_off_{tokens}"]["end_to_landed_s"] / \
-                raw[f"stream_off_{tokens}"]["prefill_s"]
+                rows.append(
+                    {
+                        "path": m["transport"],
+                        "streaming": mode,
+                        "tokens": tokens,
+                        "MB": m["bytes"] / 1e6,
+                        "prefill s": m["prefill_s"],
+                        "pull s": m["pull_s"],
+                        "end->landed s": m["end_to_landed_s"],
+                        "share of prefill": share,
+                    }
+                )
+            ratios[f"transfer_vs_prefill_{tokens}"] = (
+                raw[f"stream_off_{tokens}"]["end_to_landed_s"] / raw[f"stream_off_{tokens}"]["prefill_s"]
+            )
     finally:
         if puller is not None:
             puller.close()
@@ -380,8 +418,9 @@ def _streaming(
     return rows, raw, ratios
 
 
-def _checksum_cost(token_counts: list[int], raw: dict[str, Any], repeat: int
-                   ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, float]]:
+def _checksum_cost(
+    token_counts: list[int], raw: dict[str, Any], repeat: int
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, float]]:
     """Seconds (best of ``repeat``) of the prefill side's and the decode side's block checksums of one request."""
     from pdserve.pod.kv_checksum import partial_checksums
 
@@ -390,7 +429,7 @@ def _checksum_cost(token_counts: list[int], raw: dict[str, Any], repeat: int
     for tokens in token_counts:
         src = _layout(tokens)
         src_region = empty_kv(*src.region_shape(), dtype=torch.float32).normal_()
-        src_table = rng.permutation(src.num_blocks)[:src.blocks_needed(tokens, 0)].tolist()
+        src_table = rng.permutation(src.num_blocks)[: src.blocks_needed(tokens, 0)].tolist()
         nbytes = tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
         best = float("inf")
         for _ in range(repeat):
@@ -401,7 +440,7 @@ def _checksum_cost(token_counts: list[int], raw: dict[str, Any], repeat: int
         for tp, dcp in ((1, 1), (9, 3)):
             dst = _layout(tokens, tp, dcp)
             regions = [empty_kv(*dst.region_shape(), dtype=torch.float32).normal_() for _ in range(tp)]
-            tables = [rng.permutation(dst.num_blocks)[:dst.blocks_needed(tokens, r)].tolist() for r in range(tp)]
+            tables = [rng.permutation(dst.num_blocks)[: dst.blocks_needed(tokens, r)].tolist() for r in range(tp)]
             best = float("inf")
             for _ in range(repeat):
                 t0 = time.perf_counter()
@@ -411,9 +450,16 @@ def _checksum_cost(token_counts: list[int], raw: dict[str, Any], repeat: int
             times[f"decode tp{tp}dcp{dcp}"] = best
         del src_region
         for side, secs in times.items():
-            rows.append({"path": f"checksum ({side})", "decode tp/dcp": side.removeprefix("decode tp")
-                         .replace("dcp", "/") if side != "prefill" else "-", "tokens": tokens, "MB": nbytes / 1e6,
-                         "seconds": secs, "GB/s": nbytes / secs / 1e9})
+            rows.append(
+                {
+                    "path": f"checksum ({side})",
+                    "decode tp/dcp": side.removeprefix("decode tp").replace("dcp", "/") if side != "prefill" else "-",
+                    "tokens": tokens,
+                    "MB": nbytes / 1e6,
+                    "seconds": secs,
+                    "GB/s": nbytes / secs / 1e9,
+                }
+            )
         out[f"checksum_{tokens}"] = times
         pulls = [v["seconds"] for k, v in raw.items() if k.endswith(f"_tp1dcp1_{tokens}") and "seconds" in v]
         if pulls:
@@ -452,9 +498,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             if tp > 1 and "nixl" in backends:
                 variants.append(("nixl_direct", "nixl", {"min_segment_bytes": 0, "stage_bytes": 0}))
             for backend, kind, extra in variants:
-                pullers = [
-                    make_puller(dst, r, regions[r], backend=kind, io_timeout_s=60, **extra) for r in range(tp)
-                ]
+                pullers = [make_puller(dst, r, regions[r], backend=kind, io_timeout_s=60, **extra) for r in range(tp)]
                 try:
                     for tokens in token_counts:
                         if quick and tp > 1 and tokens > 2048:
@@ -462,21 +506,37 @@ def run(quick: bool = False) -> dict[str, Any]:
                         gbps, secs, nbytes, mem = _pull_gbps(conn, src, tokens, dst, pullers, regions, repeat, rng)
                         t_plan = time.perf_counter()
                         plan = plan_reshard(
-                            src, [list(range(src.blocks_needed(tokens, 0)))], dst,
-                            [list(range(dst.blocks_needed(tokens, r))) for r in range(tp)], tokens,
+                            src,
+                            [list(range(src.blocks_needed(tokens, 0)))],
+                            dst,
+                            [list(range(dst.blocks_needed(tokens, r))) for r in range(tp)],
+                            tokens,
                         )
                         t_plan = time.perf_counter() - t_plan
                         segs = sum(len(plan.layer_segments(r, 0)) for r in range(tp)) * LAYERS
                         key = f"{backend}_tp{tp}dcp{dcp}_{tokens}"
-                        raw[key] = {"GBps": gbps, "seconds": secs, "bytes": nbytes, "memcpy_GBps": mem,
-                                    "plan_ms": t_plan * 1e3, "segments_contiguous_tables": segs}
+                        raw[key] = {
+                            "GBps": gbps,
+                            "seconds": secs,
+                            "bytes": nbytes,
+                            "memcpy_GBps": mem,
+                            "plan_ms": t_plan * 1e3,
+                            "segments_contiguous_tables": segs,
+                        }
                         suffix = f"_{tokens}" if (tp, dcp) == (1, 1) else f"_tp{tp}dcp{dcp}_{tokens}"
                         ratios[f"{backend}_vs_memcpy{suffix}"] = gbps / mem
-                        rows.append({
-                            "path": backend, "decode tp/dcp": f"{tp}/{dcp}", "tokens": tokens,
-                            "MB": nbytes / 1e6, "seconds": secs, "GB/s": gbps, "memcpy GB/s": mem,
-                            "vs memcpy": gbps / mem,
-                        })
+                        rows.append(
+                            {
+                                "path": backend,
+                                "decode tp/dcp": f"{tp}/{dcp}",
+                                "tokens": tokens,
+                                "MB": nbytes / 1e6,
+                                "seconds": secs,
+                                "GB/s": gbps,
+                                "memcpy GB/s": mem,
+                                "vs memcpy": gbps / mem,
+                            }
+                        )
                         if tp == 1:
                             # Same bytes, block tables consecutive on both sides: one descriptor per plane instead
                             # of one per block and plane. Shows what the data path does without fragmentation.
@@ -485,15 +545,26 @@ def run(quick: bool = False) -> dict[str, Any]:
                             )
                             # memcpy between two huge-page buffers is faster still (TLB): that ratio too, raw only
                             mem_h = _memcpy_gbps(nbytes, repeat, huge=True)
-                            raw[f"{key}_contiguous"] = {"GBps": gbps_c, "seconds": secs_c, "memcpy_GBps": mem_c,
-                                                        "memcpy_hugepages_GBps": mem_h}
+                            raw[f"{key}_contiguous"] = {
+                                "GBps": gbps_c,
+                                "seconds": secs_c,
+                                "memcpy_GBps": mem_c,
+                                "memcpy_hugepages_GBps": mem_h,
+                            }
                             ratios[f"{backend}_vs_memcpy_contiguous_tables_{tokens}"] = gbps_c / mem_c
                             ratios[f"{backend}_vs_memcpy_hugepages_contiguous_tables_{tokens}"] = gbps_c / mem_h
-                            rows.append({
-                                "path": f"{backend} (contiguous tables)", "decode tp/dcp": "1/1", "tokens": tokens,
-                                "MB": nbytes / 1e6, "seconds": secs_c, "GB/s": gbps_c, "memcpy GB/s": mem_c,
-                                "vs memcpy": gbps_c / mem_c,
-                            })
+                            rows.append(
+                                {
+                                    "path": f"{backend} (contiguous tables)",
+                                    "decode tp/dcp": "1/1",
+                                    "tokens": tokens,
+                                    "MB": nbytes / 1e6,
+                                    "seconds": secs_c,
+                                    "GB/s": gbps_c,
+                                    "memcpy GB/s": mem_c,
+                                    "vs memcpy": gbps_c / mem_c,
+                                }
+                            )
                 finally:
                     for p in pullers:
                         p.close()
@@ -527,11 +598,19 @@ def run(quick: bool = False) -> dict[str, Any]:
         "ratios": ratios,
         "raw": raw,
         "nixl": {"available": nixl_ok, "why": nixl_why, "publisher": publisher_kind},
-        "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
-                  "block_size": BLOCK, "bytes_per_token": LAYERS * 2 * KV_HEADS * HEAD_DIM * 4},
-        "streaming": {"what": "real SmolLM2 prefill (engine + prefill_svc.kv publisher) with a decode puller "
-                      "reading behind it; share = (last layer landed - prefill step returned) / prefill step time",
-                      **{k: v for k, v in s_raw.items()}},
+        "shape": {
+            "layers": LAYERS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "float32",
+            "block_size": BLOCK,
+            "bytes_per_token": LAYERS * 2 * KV_HEADS * HEAD_DIM * 4,
+        },
+        "streaming": {
+            "what": "real SmolLM2 prefill (engine + prefill_svc.kv publisher) with a decode puller "
+            "reading behind it; share = (last layer landed - prefill step returned) / prefill step time",
+            **{k: v for k, v in s_raw.items()},
+        },
         "transparent_hugepages": thp_mode() or "unavailable",  # KV regions advised onto them unless "never"
         "cpu_count": os.cpu_count(),
         "quick": quick,

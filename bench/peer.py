@@ -5,6 +5,7 @@ its offline `LLM` in a child process (bench/peer_vllm.py) that answers one comma
 alternate and never run at once. Workloads (random token ids, greedy, prefix caching off on both sides): prefill of
 one 256-token prompt, and decode at batch 1, 8 and 32, where decode = tokens after the first over the time after
 every request has its first token, measured the same way on both sides."""
+
 from __future__ import annotations
 
 import json
@@ -49,17 +50,22 @@ def ensure_vllm() -> Path:
     if python.is_file() and _run([str(python), "-c", "import vllm"]).returncode == 0:
         return python
     print(f"installing {VLLM_PACKAGE} into {venv} (first use; a few minutes)", file=sys.stderr, flush=True)
-    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)],
-             [str(python), "-m", "pip", "install", "-q", VLLM_PACKAGE],
-             [str(python), "-m", "pip", "uninstall", "-y", "-q", *_BREAKING_EXTRAS],
-             [str(python), "-c", "import vllm"]]
+    steps = [
+        [sys.executable, "-m", "venv", "--clear", str(venv)],
+        [str(python), "-m", "pip", "install", "-q", VLLM_PACKAGE],
+        [str(python), "-m", "pip", "uninstall", "-y", "-q", *_BREAKING_EXTRAS],
+        [str(python), "-c", "import vllm"],
+    ]
     for cmd in steps:
         done = _run(cmd)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout or "").strip().splitlines()[-5:]
-            raise PeerUnavailable(f"could not install {VLLM_PACKAGE} for the peer benchmark: {' '.join(cmd[:4])} "
-                                  f"exited {done.returncode}:\n  " + "\n  ".join(tail) +
-                                  f"\nfix the cause (network, disk) or remove {venv} and retry")
+            raise PeerUnavailable(
+                f"could not install {VLLM_PACKAGE} for the peer benchmark: {' '.join(cmd[:4])} "
+                f"exited {done.returncode}:\n  "
+                + "\n  ".join(tail)
+                + f"\nfix the cause (network, disk) or remove {venv} and retry"
+            )
     return python
 
 
@@ -70,15 +76,20 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
 def vllm_settings(threads: int) -> dict[str, str]:
     """Environment vLLM's CPU build needs here: its `auto` OMP binding computes on one core, so bind them all."""
     cores = sorted(os.sched_getaffinity(0))[:threads]
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_CPU_KVCACHE_SPACE": "2",
-            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 class VLLMSide:
     """vLLM's offline LLM in a child process, one JSON command per line."""
 
-    def __init__(self, python: Path, model: str, dtype: str, threads: int, log: Path,
-                 start_timeout_s: float = 900.0) -> None:
+    def __init__(
+        self, python: Path, model: str, dtype: str, threads: int, log: Path, start_timeout_s: float = 900.0
+    ) -> None:
         cfg = {"model": model, "dtype": dtype, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": max(BATCHES)}
         bind = vllm_settings(threads)
         self.settings = {**bind, **{k: str(v) for k, v in cfg.items() if k != "model"}}
@@ -86,9 +97,15 @@ class VLLMSide:
         env.pop("PYTHONPATH", None)  # nothing of this environment may leak into vLLM's
         self._log = open(log, "w")
         # Its own process group, so that the engine core and worker it spawns can be paused with it.
-        self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("peer_vllm.py")), json.dumps(cfg)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [str(python), str(Path(__file__).with_name("peer_vllm.py")), json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         t0 = time.monotonic()
         hello = self._read(start_timeout_s)
         self.start_s = time.monotonic() - t0
@@ -150,9 +167,17 @@ class VLLMSide:
 
 class PdserveSide:
     def __init__(self, model: str, dtype: str) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, enable_prefix_caching=False,
-                                             max_num_seqs=max(BATCHES), max_model_len=MAX_MODEL_LEN,
-                                             prefill_chunk_size=2048, max_num_batched_tokens=4096))
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                enable_prefix_caching=False,
+                max_num_seqs=max(BATCHES),
+                max_model_len=MAX_MODEL_LEN,
+                prefill_chunk_size=2048,
+                max_num_batched_tokens=4096,
+            )
+        )
 
     def prefill_s(self, ids: list[int]) -> float:
         t0 = time.perf_counter()
@@ -218,15 +243,36 @@ def run(quick: bool = False, dtypes: tuple[str, ...] = ("float32", "bfloat16")) 
             vllm.close()
             if pds is not None:
                 pds.close()
-        vllm_info = {"package": VLLM_PACKAGE, "version": vllm.version, "settings": vllm.settings,
-                     "api": "vllm.LLM (offline), prefix caching off, default compilation"}
+        vllm_info = {
+            "package": VLLM_PACKAGE,
+            "version": vllm.version,
+            "settings": vllm.settings,
+            "api": "vllm.LLM (offline), prefix caching off, default compilation",
+        }
         raw[f"start_s_vllm_{short}"] = vllm.start_s
         for workload, per in medians.items():
             ratio = per["pdserve"] / per["vllm"]
             key = f"prefill{PREFILL_TOKENS}" if workload == "prefill" else workload
             ratios[f"{key}_{short}_vs_vllm"] = ratio
             raw[f"{key}_{short}_tok_s"] = per
-            rows.append({"workload": key, "dtype": short, "pdserve tok/s": per["pdserve"],
-                         "vllm tok/s": per["vllm"], "ratio (target >= 1.1)": ratio})
-    return {"benchmark": "peer", "quick": quick, "table": rows, "ratios": ratios, "vllm": vllm_info,
-            "rounds": rounds, "new_tokens": new_tokens, "prefill_tokens": PREFILL_TOKENS, "threads": threads, **raw}
+            rows.append(
+                {
+                    "workload": key,
+                    "dtype": short,
+                    "pdserve tok/s": per["pdserve"],
+                    "vllm tok/s": per["vllm"],
+                    "ratio (target >= 1.1)": ratio,
+                }
+            )
+    return {
+        "benchmark": "peer",
+        "quick": quick,
+        "table": rows,
+        "ratios": ratios,
+        "vllm": vllm_info,
+        "rounds": rounds,
+        "new_tokens": new_tokens,
+        "prefill_tokens": PREFILL_TOKENS,
+        "threads": threads,
+        **raw,
+    }

@@ -2,6 +2,7 @@
 
 Reads one JSON command per line on stdin and answers one JSON line on stdout, so that the bench process can alternate
 sides without either engine running while the other is timed. vLLM's own logs go to stderr."""
+
 import json
 import os
 import sys
@@ -35,8 +36,14 @@ def main() -> int:
     os.dup2(2, 1)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
-              max_num_seqs=cfg["max_num_seqs"], enable_prefix_caching=False, seed=0)
+    llm = LLM(
+        model=cfg["model"],
+        dtype=cfg["dtype"],
+        max_model_len=cfg["max_model_len"],
+        max_num_seqs=cfg["max_num_seqs"],
+        enable_prefix_caching=False,
+        seed=0,
+    )
     import vllm
 
     print(json.dumps({"ready": True, "version": vllm.__version__}), file=answers, flush=True)

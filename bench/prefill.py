@@ -22,6 +22,7 @@ intra-op threads' spinning.
 
 SmolLM2's context is 8,192 positions and a prompt must leave room for the first token, so the "8192" row runs
 8,191 tokens on both sides. Quick mode runs 128 and 2,048 only (the 8k row alone takes minutes on a small CPU)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -135,11 +136,20 @@ def run(quick: bool = False) -> dict[str, Any]:
     # A 128-token prefill takes a quarter second: many repeats cost little and steady its best-of.
     repeats = {128: 6, 2048: 2, 8191: 2} if quick else {128: 12, 2048: 3, 8191: 2}
     chunk = 2048
-    cfg = build(PrefillConfig, model=str(path), kv_transport="tcp", enable_prefix_caching=False,
-                prefill_chunk_size=chunk, max_num_batched_tokens=8192, num_kv_blocks=8192 // 16 + 16)
-    sides = {"pod": _Side(_pod_side, cfg, threads),
-             "exact": _Side(_pod_side, replace(cfg, engine=replace(cfg.engine, exact_prefill=True)), threads),
-             "hf": _Side(_hf_side, str(path), threads)}
+    cfg = build(
+        PrefillConfig,
+        model=str(path),
+        kv_transport="tcp",
+        enable_prefix_caching=False,
+        prefill_chunk_size=chunk,
+        max_num_batched_tokens=8192,
+        num_kv_blocks=8192 // 16 + 16,
+    )
+    sides = {
+        "pod": _Side(_pod_side, cfg, threads),
+        "exact": _Side(_pod_side, replace(cfg, engine=replace(cfg.engine, exact_prefill=True)), threads),
+        "hf": _Side(_hf_side, str(path), threads),
+    }
     best = {name: {} for name in sides}  # name -> length -> [cpu s, wall s]
     try:
         vocab = min(side.ready() for side in sides.values())
@@ -151,25 +161,45 @@ def run(quick: bool = False) -> dict[str, Any]:
             for name in names:
                 best[name][n] = [float("inf")] * 2
             for rep in range(repeats[n]):
-                for name in names[rep % 3:] + names[: rep % 3]:  # each side goes first in turn
+                for name in names[rep % 3 :] + names[: rep % 3]:  # each side goes first in turn
                     best[name][n] = [min(a, b) for a, b in zip(best[name][n], sides[name].prefill_s(ids))]
     finally:
         for side in sides.values():
             side.close()
     rows, ratios = [], {}
-    raw: dict[str, Any] = {"chunk_size": chunk, "threads": threads or torch.get_num_threads(), "repeats": repeats,
-                           "tok_s": {}}
+    raw: dict[str, Any] = {
+        "chunk_size": chunk,
+        "threads": threads or torch.get_num_threads(),
+        "repeats": repeats,
+        "tok_s": {},
+    }
     for n in lengths:
         (pod_cpu, pod_wall), (_, exact_wall), (hf_cpu, hf_wall) = best["pod"][n], best["exact"][n], best["hf"][n]
         pod_tps, exact_tps, hf_tps = n / pod_wall, n / exact_wall, n / hf_wall
         label = 8192 if n == 8191 else n
-        rows.append({"prompt tokens": n, "pdserve prefill tok/s": pod_tps, "transformers tok/s": hf_tps,
-                     "ratio": pod_tps / hf_tps, "cpu-time ratio": hf_cpu / pod_cpu,
-                     "exact-prefill tok/s": exact_tps, "exact ratio": exact_tps / hf_tps, "chunks": -(-n // chunk)})
+        rows.append(
+            {
+                "prompt tokens": n,
+                "pdserve prefill tok/s": pod_tps,
+                "transformers tok/s": hf_tps,
+                "ratio": pod_tps / hf_tps,
+                "cpu-time ratio": hf_cpu / pod_cpu,
+                "exact-prefill tok/s": exact_tps,
+                "exact ratio": exact_tps / hf_tps,
+                "chunks": -(-n // chunk),
+            }
+        )
         ratios[f"prefill_{label}_vs_transformers"] = pod_tps / hf_tps
         ratios[f"prefill_exact_{label}_vs_transformers"] = exact_tps / hf_tps
-        raw["tok_s"][str(n)] = {"pdserve": pod_tps, "pdserve_exact_prefill": exact_tps, "transformers": hf_tps,
-                                "pdserve_wall_s": pod_wall, "pdserve_exact_prefill_wall_s": exact_wall,
-                                "transformers_wall_s": hf_wall, "pdserve_cpu_s": pod_cpu,
-                                "transformers_cpu_s": hf_cpu, "cpu_time_ratio": hf_cpu / pod_cpu}
+        raw["tok_s"][str(n)] = {
+            "pdserve": pod_tps,
+            "pdserve_exact_prefill": exact_tps,
+            "transformers": hf_tps,
+            "pdserve_wall_s": pod_wall,
+            "pdserve_exact_prefill_wall_s": exact_wall,
+            "transformers_wall_s": hf_wall,
+            "pdserve_cpu_s": pod_cpu,
+            "transformers_cpu_s": hf_cpu,
+            "cpu_time_ratio": hf_cpu / pod_cpu,
+        }
     return {"benchmark": "prefill", "quick": quick, "model": path.name, "table": rows, "ratios": ratios, **raw}

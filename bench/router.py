@@ -22,6 +22,7 @@ journey's overhead (AllocateKV + Prefill before the first token, then the Decode
   machine is. The JSON's "definitions" states each measure.
 Target: p99 router overhead <= 2 ms (sequential requests).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,17 +39,17 @@ TARGET_ROUTER_SCALING = 1.6  # routed requests/s, 2 routers over 1
 DECODE_MAX_TOKENS = 4  # the decode-path rows: max_tokens > 1 books a decode pod
 DEFINITIONS = {
     "router overhead": "client time to first token minus the durations of the pod calls on that path as the router "
-                       "measured them (Prefill; AllocateKV too when a decode pod is booked), i.e. what putting the "
-                       "router in front of the pods adds: the client->router hop (this client's gRPC stack "
-                       "included), validation, placement, detokenizing and the router's event loop. The router->pod "
-                       "hop stands for the call a client would make to a pod directly, so it is not counted. "
-                       "Sequential requests, max_tokens=1. Target: p99 <= 2 ms.",
+    "measured them (Prefill; AllocateKV too when a decode pod is booked), i.e. what putting the "
+    "router in front of the pods adds: the client->router hop (this client's gRPC stack "
+    "included), validation, placement, detokenizing and the router's event loop. The router->pod "
+    "hop stands for the call a client would make to a pod directly, so it is not counted. "
+    "Sequential requests, max_tokens=1. Target: p99 <= 2 ms.",
     "router-internal overhead": "router TTFT (arrival in the servicer -> first message handed to gRPC) minus the "
-                                "pod calls and the queue wait: the router's own code only.",
+    "pod calls and the queue wait: the router's own code only.",
     "gRPC floor": "client time to the first message of a no-op Generate served by a bare grpc.aio process, "
-                  "alternating with the router requests: this client's and gRPC's own cost, no router logic.",
+    "alternating with the router requests: this client's and gRPC's own cost, no router logic.",
     "pod self-reported time": "the prefill pod's PrefillResponse queue_s + compute_s (engine queue + compute); "
-                              "client TTFT minus it also counts the router->pod hop and both pods' gRPC stacks.",
+    "client TTFT minus it also counts the router->pod hop and both pods' gRPC stacks.",
 }
 
 
@@ -62,8 +63,14 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _row(name: str, xs_s: list[float], **extra: Any) -> dict[str, Any]:
     ms = [x * 1000 for x in xs_s]
-    return {"measure": name, "n": len(ms), "p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99),
-            "mean_ms": statistics.fmean(ms) if ms else float("nan"), **extra}
+    return {
+        "measure": name,
+        "n": len(ms),
+        "p50_ms": _pct(ms, 50),
+        "p99_ms": _pct(ms, 99),
+        "mean_ms": statistics.fmean(ms) if ms else float("nan"),
+        **extra,
+    }
 
 
 async def _one(stub, req) -> dict[str, float]:
@@ -81,9 +88,14 @@ async def _one(stub, req) -> dict[str, float]:
         raise RuntimeError(f"request failed: {await call.code()} {await call.details()}")
     md = dict(await call.trailing_metadata())
     pod = float(md["pdserve-pod-time-s"])
-    return {"client_ttft": t_first - t0, "router_ttft": float(md["pdserve-router-ttft-s"]), "pod": pod,
-            "pod_self": float(md.get("pdserve-pod-self-s", "nan")), "queue": float(md["pdserve-queue-s"]),
-            "e2e": time.perf_counter() - t0}
+    return {
+        "client_ttft": t_first - t0,
+        "router_ttft": float(md["pdserve-router-ttft-s"]),
+        "pod": pod,
+        "pod_self": float(md.get("pdserve-pod-self-s", "nan")),
+        "queue": float(md["pdserve-queue-s"]),
+        "e2e": time.perf_counter() - t0,
+    }
 
 
 def _start_echo() -> tuple[Any, int]:
@@ -91,8 +103,12 @@ def _start_echo() -> tuple[Any, int]:
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", "from bench.router import _echo_server; _echo_server()"],
-                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from bench.router import _echo_server; _echo_server()"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     return proc, int(proc.stdout.readline())
 
 
@@ -116,8 +132,9 @@ def _echo_server() -> None:
 
     class Echo(router_pb2_grpc.RouterServicer):
         async def Generate(self, request, context):
-            yield router_pb2.GenerateResponse(request_id="echo", token_ids=[1], text="x",
-                                              finish_reason=common_pb2.FINISH_REASON_LENGTH)
+            yield router_pb2.GenerateResponse(
+                request_id="echo", token_ids=[1], text="x", finish_reason=common_pb2.FINISH_REASON_LENGTH
+            )
 
     async def main() -> None:
         server = grpc.aio.server()
@@ -149,8 +166,9 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _measure(addresses: list[str], n_seq: int, n_load: int, concurrency: int, vocab: int,
-                   pids: dict[str, int]) -> dict[str, Any]:
+async def _measure(
+    addresses: list[str], n_seq: int, n_load: int, concurrency: int, vocab: int, pids: dict[str, int]
+) -> dict[str, Any]:
     import grpc
 
     from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -164,8 +182,10 @@ async def _measure(addresses: list[str], n_seq: int, n_load: int, concurrency: i
 
     echo_proc, echo_port = _start_echo()
     try:
-        async with grpc.aio.insecure_channel(addresses[0]) as ch, \
-                grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as echo_ch:
+        async with (
+            grpc.aio.insecure_channel(addresses[0]) as ch,
+            grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as echo_ch,
+        ):
             stub, echo = router_pb2_grpc.RouterStub(ch), router_pb2_grpc.RouterStub(echo_ch)
             for _ in range(30):  # warm-up: channels, code paths, the pods' first forward passes
                 await _one(stub, req())
@@ -189,12 +209,17 @@ async def _measure(addresses: list[str], n_seq: int, n_load: int, concurrency: i
     rounds: dict[int, list[dict[str, Any]]] = {1: [], len(addresses): []}
     for n_routers in (1, len(addresses), len(addresses), 1):
         rounds[n_routers].append(await _load(addresses[:n_routers], n_load // 2, concurrency, req, pids))
-    return {"sequential": seq, "floor": floor, "decode_path": dec,
-            "load_rounds": {n: _merge_rounds(rs) for n, rs in rounds.items()}}
+    return {
+        "sequential": seq,
+        "floor": floor,
+        "decode_path": dec,
+        "load_rounds": {n: _merge_rounds(rs) for n, rs in rounds.items()},
+    }
 
 
-async def _load(addresses: list[str], n: int, concurrency: int, req: Callable[[], Any],
-                pids: dict[str, int]) -> dict[str, Any]:
+async def _load(
+    addresses: list[str], n: int, concurrency: int, req: Callable[[], Any], pids: dict[str, int]
+) -> dict[str, Any]:
     """``n`` max_tokens=1 requests from ``concurrency`` workers, worker i on router i % len(addresses)."""
     import grpc
 
@@ -246,16 +271,32 @@ def _start_cluster(work: Path, num_routers: int) -> tuple[Any, Any, Any, float]:
 
     model = write_tiny_checkpoint(work / "tiny", "llama", num_kv_heads=1, tokenizer_from=ensure_default_model())
     interval = 0.5
-    topo = Topology(model=str(model), router_port=0, http_port=None, num_routers=num_routers,
-                    prefill=[PodSpec("prefill", num_kv_blocks=1024,
-                                     extra_args=["--heartbeat-interval-s", str(interval)])],
-                    decode=[PodSpec("decode", num_kv_blocks=1024)],
-                    router_args=["--heartbeat-interval-s", str(interval), "--eviction-timeout-s", "10",
-                                 "--missed-heartbeats-unhealthy", "8", "--log-level", "WARNING"]).resolve()
+    topo = Topology(
+        model=str(model),
+        router_port=0,
+        http_port=None,
+        num_routers=num_routers,
+        prefill=[PodSpec("prefill", num_kv_blocks=1024, extra_args=["--heartbeat-interval-s", str(interval)])],
+        decode=[PodSpec("decode", num_kv_blocks=1024)],
+        router_args=[
+            "--heartbeat-interval-s",
+            str(interval),
+            "--eviction-timeout-s",
+            "10",
+            "--missed-heartbeats-unhealthy",
+            "8",
+            "--log-level",
+            "WARNING",
+        ],
+    ).resolve()
     repo = str(Path(__file__).resolve().parents[1])
     # One thread per process: the router's cost is what is measured, next to pods on a few shared cores.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     cluster = LocalCluster(topo, log_dir=work / "cluster", env=env, echo=lambda line: None)
     t0 = time.perf_counter()
     endpoints = cluster.start(timeout=240.0)
@@ -271,16 +312,29 @@ def _load_rows(n_routers: int, res: dict[str, Any], router_names: list[str], cor
     all_cpu_ms = sum(v for k, v in cpu.items()) * 1000
     label = f"{n_routers} router{'s' if n_routers > 1 else ''}"
     rows = [
-        _row(f"{label}: router-internal overhead under load (router TTFT - pod calls - queue)", internal,
-             requests_per_s=rps, target_p99_ms=TARGET_INTERNAL_P99_MS),
+        _row(
+            f"{label}: router-internal overhead under load (router TTFT - pod calls - queue)",
+            internal,
+            requests_per_s=rps,
+            target_p99_ms=TARGET_INTERNAL_P99_MS,
+        ),
         _row(f"{label}: client TTFT under load", [r["client_ttft"] for r in load], requests_per_s=rps),
-        {"measure": f"{label}: CPU per routed request (ms): routers / all processes incl. client",
-         "n": len(load), "router_cpu_ms": router_cpu_ms, "all_cpu_ms": all_cpu_ms,
-         "machine_ceiling_requests_per_s": cores * 1000 / all_cpu_ms if all_cpu_ms else None,
-         "by_process_ms": {k: v * 1000 for k, v in cpu.items()}},
+        {
+            "measure": f"{label}: CPU per routed request (ms): routers / all processes incl. client",
+            "n": len(load),
+            "router_cpu_ms": router_cpu_ms,
+            "all_cpu_ms": all_cpu_ms,
+            "machine_ceiling_requests_per_s": cores * 1000 / all_cpu_ms if all_cpu_ms else None,
+            "by_process_ms": {k: v * 1000 for k, v in cpu.items()},
+        },
     ]
-    return rows, {"rps": rps, "internal_p99_ms": _pct(internal, 99) * 1000, "router_cpu_ms": router_cpu_ms,
-                  "all_cpu_ms": all_cpu_ms, "client_cpu_ms": cpu["bench client"] * 1000}
+    return rows, {
+        "rps": rps,
+        "internal_p99_ms": _pct(internal, 99) * 1000,
+        "router_cpu_ms": router_cpu_ms,
+        "all_cpu_ms": all_cpu_ms,
+        "client_cpu_ms": cpu["bench client"] * 1000,
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -310,14 +364,17 @@ def run(quick: bool = False) -> dict[str, Any]:
         _row("router-internal overhead (router TTFT - pod calls), sequential", internal),
         _row("gRPC floor: no-op streaming call, client time to first message (interleaved)", res["floor"]),
         _row("router overhead minus the gRPC floor call next to it, sequential", over_floor),
-        _row("client TTFT - prefill pod's self-reported time (includes router->pod hop), sequential",
-             with_pod_hop),
+        _row("client TTFT - prefill pod's self-reported time (includes router->pod hop), sequential", with_pod_hop),
         _row("client TTFT, sequential", [r["client_ttft"] for r in seq]),
         _row("pod calls on the path (Prefill), sequential", [r["pod"] for r in seq]),
-        _row(f"router overhead, max_tokens={DECODE_MAX_TOKENS} (AllocateKV + Prefill path), sequential",
-             [r["client_ttft"] - r["pod"] for r in res["decode_path"]]),
-        _row(f"pod calls on the path (AllocateKV + Prefill), max_tokens={DECODE_MAX_TOKENS}, sequential",
-             [r["pod"] for r in res["decode_path"]]),
+        _row(
+            f"router overhead, max_tokens={DECODE_MAX_TOKENS} (AllocateKV + Prefill path), sequential",
+            [r["client_ttft"] - r["pod"] for r in res["decode_path"]],
+        ),
+        _row(
+            f"pod calls on the path (AllocateKV + Prefill), max_tokens={DECODE_MAX_TOKENS}, sequential",
+            [r["pod"] for r in res["decode_path"]],
+        ),
         *one_rows,
         *many_rows,
     ]
@@ -325,8 +382,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     ratios = {
         "overhead_p99_over_target": p99 / TARGET_P99_MS,  # <= 1.0 meets the target
         "internal_overhead_p99_over_target": _pct(internal, 99) * 1000 / TARGET_P99_MS,
-        "decode_path_overhead_p99_over_target":
-            _pct([r["client_ttft"] - r["pod"] for r in res["decode_path"]], 99) * 1000 / TARGET_P99_MS,
+        "decode_path_overhead_p99_over_target": _pct([r["client_ttft"] - r["pod"] for r in res["decode_path"]], 99)
+        * 1000
+        / TARGET_P99_MS,
         "overhead_p50_over_grpc_floor_p50": statistics.median(overhead) / statistics.median(res["floor"]),
         "overhead_incl_pod_hop_p99_over_target": _pct(with_pod_hop, 99) * 1000 / TARGET_P99_MS,
         "overhead_p50_share_of_ttft": statistics.median(overhead) / statistics.median(r["client_ttft"] for r in seq),
@@ -339,8 +397,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         "router_internal_p99_ms_under_load_1_router": one["internal_p99_ms"],
         f"router_internal_p99_ms_under_load_{num_routers}_routers": many["internal_p99_ms"],
         # what the cores allow at the CPU every request costs all processes: the bound on the routers' ratio
-        f"machine_ceiling_req_s_{num_routers}_routers_vs_1_router_rps":
-            (cores * 1000 / many["all_cpu_ms"]) / one["rps"] if many["all_cpu_ms"] else None,
+        f"machine_ceiling_req_s_{num_routers}_routers_vs_1_router_rps": (cores * 1000 / many["all_cpu_ms"]) / one["rps"]
+        if many["all_cpu_ms"]
+        else None,
     }
     return {
         "benchmark": "router",
@@ -348,18 +407,34 @@ def run(quick: bool = False) -> dict[str, Any]:
         "table": table,
         "ratios": ratios,
         "definitions": DEFINITIONS,
-        "target": {"overhead_p99_ms": TARGET_P99_MS, "met": p99 <= TARGET_P99_MS,
-                   "internal_met": _pct(internal, 99) * 1000 <= TARGET_P99_MS,
-                   "internal_p99_under_load_ms": TARGET_INTERNAL_P99_MS,
-                   "internal_under_load_met": max(one["internal_p99_ms"], many["internal_p99_ms"])
-                   <= TARGET_INTERNAL_P99_MS,
-                   f"routed_req_s_{num_routers}_routers_vs_1": TARGET_ROUTER_SCALING},
-        "setup": {"routers": num_routers, "prefill_pods": 1, "decode_pods": 1, "cores": cores,
-                  "model": "tiny random llama (2 layers, 8 heads, 1 KV head)",
-                  "max_tokens": 1, "decode_path_max_tokens": DECODE_MAX_TOKENS, "prompt_tokens": 16,
-                  "sequential_requests": n_seq, "load_requests_per_row": n_load, "concurrency": concurrency,
-                  "load_rounds": "1 router, 2 routers, 2 routers, 1 router; half the load requests each",
-                  "cluster_start_s": t_up, "notes": topo.notes},
-        "raw": {"sequential": seq, "decode_path": res["decode_path"], "grpc_floor_s": res["floor"],
-                "load_by_routers": {str(n): r for n, r in res["load_rounds"].items()}},
+        "target": {
+            "overhead_p99_ms": TARGET_P99_MS,
+            "met": p99 <= TARGET_P99_MS,
+            "internal_met": _pct(internal, 99) * 1000 <= TARGET_P99_MS,
+            "internal_p99_under_load_ms": TARGET_INTERNAL_P99_MS,
+            "internal_under_load_met": max(one["internal_p99_ms"], many["internal_p99_ms"]) <= TARGET_INTERNAL_P99_MS,
+            f"routed_req_s_{num_routers}_routers_vs_1": TARGET_ROUTER_SCALING,
+        },
+        "setup": {
+            "routers": num_routers,
+            "prefill_pods": 1,
+            "decode_pods": 1,
+            "cores": cores,
+            "model": "tiny random llama (2 layers, 8 heads, 1 KV head)",
+            "max_tokens": 1,
+            "decode_path_max_tokens": DECODE_MAX_TOKENS,
+            "prompt_tokens": 16,
+            "sequential_requests": n_seq,
+            "load_requests_per_row": n_load,
+            "concurrency": concurrency,
+            "load_rounds": "1 router, 2 routers, 2 routers, 1 router; half the load requests each",
+            "cluster_start_s": t_up,
+            "notes": topo.notes,
+        },
+        "raw": {
+            "sequential": seq,
+            "decode_path": res["decode_path"],
+            "grpc_floor_s": res["floor"],
+            "load_by_routers": {str(n): r for n, r in res["load_rounds"].items()},
+        },
     }

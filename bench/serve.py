@@ -19,6 +19,7 @@ single-core prefill time of the median prompt, TPOT <= 3 x the single-core decod
 Per-phase figures: prefill and decode step times of pdserve's engine on one core (the disaggregated placement) and
 on both (the unified one); they drive bench/serve_model.py, which says at what core count the split would win.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +48,7 @@ MAX_MODEL_LEN = 2048
 # ----------------------------------------------------------------------------------------------------------------
 # Workload and load generator
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def workload(n: int, prompt: int, output: int, vocab: int, seed: int = SEED) -> list[tuple[list[int], int]]:
     """(prompt token ids, output tokens) of n chat-like requests."""
@@ -80,12 +82,20 @@ def check_loopback(url: str) -> None:
         raise ValueError(f"bench serve sends load to loopback addresses only (127.0.0.0/8, ::1); {url} is {addrs}")
 
 
-async def _one(session: Any, url: str, model: str, ids: list[int], max_tokens: int, rec: RequestRecord,
-               timeout_s: float) -> None:
+async def _one(
+    session: Any, url: str, model: str, ids: list[int], max_tokens: int, rec: RequestRecord, timeout_s: float
+) -> None:
     import aiohttp
 
-    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     loop = asyncio.get_running_loop()
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -118,8 +128,14 @@ async def _one(session: Any, url: str, model: str, ids: list[int], max_tokens: i
         rec.error = type(e).__name__
 
 
-async def run_load(base_url: str, model: str, requests: Sequence[tuple[list[int], int]], rate: float,
-                   timeout_s: float, seed: int = SEED) -> tuple[list[RequestRecord], float]:
+async def run_load(
+    base_url: str,
+    model: str,
+    requests: Sequence[tuple[list[int], int]],
+    rate: float,
+    timeout_s: float,
+    seed: int = SEED,
+) -> tuple[list[RequestRecord], float]:
     """Send every request at its Poisson offset, streamed; (records, first send to last completion)."""
     import aiohttp
 
@@ -141,15 +157,25 @@ async def run_load(base_url: str, model: str, requests: Sequence[tuple[list[int]
     return recs, max(1e-9, end - t0)
 
 
-def sweep(base_url: str, model: str, requests: Sequence[tuple[list[int], int]], rates: Sequence[float],
-          slo: SLO, timeout_s: float) -> list[tuple[float, dict[str, Any]]]:
+def sweep(
+    base_url: str,
+    model: str,
+    requests: Sequence[tuple[list[int], int]],
+    rates: Sequence[float],
+    slo: SLO,
+    timeout_s: float,
+) -> list[tuple[float, dict[str, Any]]]:
     out = []
     asyncio.run(run_load(base_url, model, requests[:2], 1e3, timeout_s))  # warm-up (first calls allocate)
     for rate in rates:
         recs, dur = asyncio.run(run_load(base_url, model, requests, rate, timeout_s))
         out.append((rate, summarize(recs, dur, slo)))
-        print(f"  {rate:.3f} req/s: SLO attainment {out[-1][1]['slo_attainment']:.0%}, "
-              f"goodput {out[-1][1]['goodput_rps']:.3f} req/s ({dur:.0f} s)", file=sys.stderr, flush=True)
+        print(
+            f"  {rate:.3f} req/s: SLO attainment {out[-1][1]['slo_attainment']:.0%}, "
+            f"goodput {out[-1][1]['goodput_rps']:.3f} req/s ({dur:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 
@@ -157,8 +183,10 @@ def sweep(base_url: str, model: str, requests: Sequence[tuple[list[int], int]], 
 # Per-phase step times (pdserve's engine in this process, pinned like each side's pods)
 # ----------------------------------------------------------------------------------------------------------------
 
-def step_times(model: str, cores: set[int], prompts: Sequence[int], batches: Sequence[int], vocab: int
-               ) -> dict[str, Any]:
+
+def step_times(
+    model: str, cores: set[int], prompts: Sequence[int], batches: Sequence[int], vocab: int
+) -> dict[str, Any]:
     import torch
 
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -169,8 +197,18 @@ def step_times(model: str, cores: set[int], prompts: Sequence[int], batches: Seq
     torch.set_num_threads(len(cores))
     rng = random.Random(SEED)
     try:
-        with LLMEngine(EngineConfig(model=model, dtype="float32", num_kv_blocks=1024, enable_prefix_caching=False,
-                                    max_num_seqs=64, prefill_chunk_size=4096, max_num_batched_tokens=4096)) as eng:
+        with LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype="float32",
+                num_kv_blocks=1024,
+                enable_prefix_caching=False,
+                max_num_seqs=64,
+                prefill_chunk_size=4096,
+                max_num_batched_tokens=4096,
+            )
+        ) as eng:
+
             def ids(n: int) -> list[int]:
                 return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
@@ -209,18 +247,33 @@ def step_times(model: str, cores: set[int], prompts: Sequence[int], batches: Seq
 # Sides
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _pdserve_side(kind: str, model: str, cores: list[int], logs: Path) -> Any:
     from pdserve.cluster.supervisor import LocalCluster
     from pdserve.cluster.topology import PodSpec, Topology
 
     common = {"num_kv_blocks": 2048, "max_num_seqs": 64}
     if kind == "unified":
-        topo = Topology(model=model, router_port=0, http_port=0, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                        prefill=[], decode=[], unified=[PodSpec("unified", cpus=tuple(cores[:2]), **common)])
+        topo = Topology(
+            model=model,
+            router_port=0,
+            http_port=0,
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            prefill=[],
+            decode=[],
+            unified=[PodSpec("unified", cpus=tuple(cores[:2]), **common)],
+        )
     else:
-        topo = Topology(model=model, router_port=0, http_port=0, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                        prefill=[PodSpec("prefill", cpus=(cores[0],), **common)],
-                        decode=[PodSpec("decode", 1, 1, cpus=(cores[1],), **common)])
+        topo = Topology(
+            model=model,
+            router_port=0,
+            http_port=0,
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            prefill=[PodSpec("prefill", cpus=(cores[0],), **common)],
+            decode=[PodSpec("decode", 1, 1, cpus=(cores[1],), **common)],
+        )
     topo.resolve()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     cluster = LocalCluster(topo, log_dir=logs / kind, env=env, echo=lambda line: None)
@@ -236,15 +289,40 @@ class _VLLMServer:
         python = ensure_vllm()
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.update({"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]),
-                    "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        env.update(
+            {
+                "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]),
+                "VLLM_CPU_KVCACHE_SPACE": "2",
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+        )
         self.settings = {k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
         self.log = log
         self._logf = open(log, "w")
-        self.proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                                      "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                                      "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"],
-                                     stdout=self._logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                str(python),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--seed",
+                "0",
+            ],
+            stdout=self._logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         self._wait()
 
@@ -283,6 +361,7 @@ class _VLLMServer:
 # The run
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def plot(sides: dict[str, list[tuple[float, dict[str, Any]]]], slo: SLO, path: Path) -> None:
     import matplotlib
 
@@ -295,8 +374,12 @@ def plot(sides: dict[str, list[tuple[float, dict[str, Any]]]], slo: SLO, path: P
         a.plot(rates, [s["slo_attainment"] * 100 for _, s in sw], marker="o", label=name)
         b.plot(rates, [(s["itl_s"]["p90"] or math.nan) * 1e3 for _, s in sw], marker="o", label=name)
     a.axhline(90, color="grey", linestyle=":", linewidth=1)
-    a.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105),
-          title=f"TTFT <= {slo.ttft_s * 1e3:.0f} ms and TPOT <= {slo.tpot_s * 1e3:.0f} ms")
+    a.set(
+        xlabel="request rate (req/s)",
+        ylabel="SLO attainment (%)",
+        ylim=(0, 105),
+        title=f"TTFT <= {slo.ttft_s * 1e3:.0f} ms and TPOT <= {slo.tpot_s * 1e3:.0f} ms",
+    )
     b.set(xlabel="request rate (req/s)", ylabel="ITL p90 (ms)", title="inter-token latency, p90")
     for ax in (a, b):
         ax.grid(alpha=0.3)
@@ -306,8 +389,13 @@ def plot(sides: dict[str, list[tuple[float, dict[str, Any]]]], slo: SLO, path: P
     plt.close(fig)
 
 
-def run(quick: bool = False, out: str | None = None, goodput: Sequence[str] = (), endpoint: str | None = None,
-        rates: Sequence[float] | None = None) -> dict[str, Any]:
+def run(
+    quick: bool = False,
+    out: str | None = None,
+    goodput: Sequence[str] = (),
+    endpoint: str | None = None,
+    rates: Sequence[float] | None = None,
+) -> dict[str, Any]:
     from bench.serve_model import StepTimes, crossover, fit_line
     from pdserve.default_model import ensure_default_model
 
@@ -323,16 +411,21 @@ def run(quick: bool = False, out: str | None = None, goodput: Sequence[str] = ()
     # Per-phase step times under each placement: one core (each disaggregated pod), both cores (the unified pod).
     plens = [prompt_med // 2, prompt_med, 2 * prompt_med]
     batches = [1, 4, 8] if quick else [1, 4, 8, 16]
-    phases = {"one_core": step_times(model, {cores[0]}, plens, batches, vocab),
-              "two_cores": step_times(model, set(cores[:2]), plens, batches, vocab)}
+    phases = {
+        "one_core": step_times(model, {cores[0]}, plens, batches, vocab),
+        "two_cores": step_times(model, set(cores[:2]), plens, batches, vocab),
+    }
     one = phases["one_core"]
     print(f"bench serve: step times {json.dumps(phases)}", file=sys.stderr, flush=True)
     default_slo = SLO(ttft_s=5 * one["prefill_s"][prompt_med], tpot_s=3 * one["decode_step_s"][1])
     slo = parse_goodput(goodput, default_slo)
     # Rates: fractions of the prefill ceiling (median prompts per second of the faster placement's prefill).
     ceiling = 1.0 / min(p["prefill_s"][prompt_med] for p in phases.values())
-    rates = list(rates) if rates else [round(f * ceiling, 3) for f in ((0.15, 0.3, 0.5) if quick else
-                                                                        (0.1, 0.2, 0.3, 0.4, 0.5, 0.6))]
+    rates = (
+        list(rates)
+        if rates
+        else [round(f * ceiling, 3) for f in ((0.15, 0.3, 0.5) if quick else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6))]
+    )
     timeout_s = 120.0 if quick else 300.0
 
     results: dict[str, list[tuple[float, dict[str, Any]]]] = {}
@@ -365,20 +458,33 @@ def run(quick: bool = False, out: str | None = None, goodput: Sequence[str] = ()
     rows, per_side = [], {}
     for name, sw in results.items():
         for rate, s in sw:
-            rows.append({"side": name, "rate rps": rate, "attain %": 100 * s["slo_attainment"],
-                         "goodput rps": s["goodput_rps"], "tput rps": s["throughput_rps"],
-                         "TTFT p50/p90/p99 ms": _ms(s["ttft_s"]), "TPOT p50/p90/p99 ms": _ms(s["tpot_s"]),
-                         "ITL p50/p90/p99 ms": _ms(s["itl_s"]), "failed": s["failed"]})
-        per_side[name] = {"max_goodput_rps": max(s["goodput_rps"] for _, s in sw), "slo_capacity_rps":
-                          slo_capacity(sw), "sweep": [{"rate_rps": r, **s} for r, s in sw]}
+            rows.append(
+                {
+                    "side": name,
+                    "rate rps": rate,
+                    "attain %": 100 * s["slo_attainment"],
+                    "goodput rps": s["goodput_rps"],
+                    "tput rps": s["throughput_rps"],
+                    "TTFT p50/p90/p99 ms": _ms(s["ttft_s"]),
+                    "TPOT p50/p90/p99 ms": _ms(s["tpot_s"]),
+                    "ITL p50/p90/p99 ms": _ms(s["itl_s"]),
+                    "failed": s["failed"],
+                }
+            )
+        per_side[name] = {
+            "max_goodput_rps": max(s["goodput_rps"] for _, s in sw),
+            "slo_capacity_rps": slo_capacity(sw),
+            "sweep": [{"rate_rps": r, **s} for r, s in sw],
+        }
     ratios: dict[str, float] = {}
     lower_bounds = []
 
     def ratio(name: str, a: float, b: str) -> None:
         if per_side[b]["max_goodput_rps"] == 0:
             lower_bounds.append(name)
-        ratios[name] = _ratio(a, per_side[b]["max_goodput_rps"],
-                              1.0 / max(s["duration_s"] for s in per_side[b]["sweep"]))
+        ratios[name] = _ratio(
+            a, per_side[b]["max_goodput_rps"], 1.0 / max(s["duration_s"] for s in per_side[b]["sweep"])
+        )
 
     if "unified" in per_side and "disaggregated" in per_side:
         ratio("goodput_disaggregated_vs_unified", per_side["disaggregated"]["max_goodput_rps"], "unified")
@@ -393,17 +499,41 @@ def run(quick: bool = False, out: str | None = None, goodput: Sequence[str] = ()
     transfer_s = _transfer_estimate(results.get("disaggregated"), one["prefill_s"][prompt_med])
     model_reqs = [(len(ids), o) for ids, o in workload(200, prompt_med, output_med, vocab, seed=SEED + 1)]
     sim = crossover(model_reqs, st, slo, chunk=1024, budget=4096, transfer_s=transfer_s, max_cores=8)
-    sim["inputs"] = {"prefill_s": [pa, pb], "decode_step_s": [dc, dd], "transfer_s": transfer_s,
-                     "assumptions": "bench/serve_model.py docstring"}
+    sim["inputs"] = {
+        "prefill_s": [pa, pb],
+        "decode_step_s": [dc, dd],
+        "transfer_s": transfer_s,
+        "assumptions": "bench/serve_model.py docstring",
+    }
 
-    result = {"benchmark": "serve", "quick": quick, "table": rows, "ratios": ratios,
-              "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "default": "TTFT 5 x one-core prefill of the "
-                      "median prompt, TPOT 3 x one-core decode step at batch 1", "attainment_target": 0.9},
-              "workload": {"requests_per_rate": n, "prompt_median": prompt_med, "output_median": output_med,
-                           "distribution": "lognormal sigma 0.5, clipped [16, 4x] / [4, 4x]", "seed": SEED},
-              "ratios_are_lower_bounds": lower_bounds, "rates_rps": rates,
-              "sides": per_side, "unavailable": unavailable, "vllm": vllm_info,
-              "phases": phases, "model": sim, "cores": cores[:2], "seconds": time.perf_counter() - t_start}
+    result = {
+        "benchmark": "serve",
+        "quick": quick,
+        "table": rows,
+        "ratios": ratios,
+        "slo": {
+            "ttft_s": slo.ttft_s,
+            "tpot_s": slo.tpot_s,
+            "default": "TTFT 5 x one-core prefill of the median prompt, TPOT 3 x one-core decode step at batch 1",
+            "attainment_target": 0.9,
+        },
+        "workload": {
+            "requests_per_rate": n,
+            "prompt_median": prompt_med,
+            "output_median": output_med,
+            "distribution": "lognormal sigma 0.5, clipped [16, 4x] / [4, 4x]",
+            "seed": SEED,
+        },
+        "ratios_are_lower_bounds": lower_bounds,
+        "rates_rps": rates,
+        "sides": per_side,
+        "unavailable": unavailable,
+        "vllm": vllm_info,
+        "phases": phases,
+        "model": sim,
+        "cores": cores[:2],
+        "seconds": time.perf_counter() - t_start,
+    }
     if out and results:
         png = Path(out).with_suffix(".png")
         plot(results, slo, png)

@@ -15,6 +15,7 @@ It answers: at how many cores does a prefill/decode split reach a higher SLO cap
   router places on the least loaded pod (fewest requests in it). A request's first token leaves at the end of the step
   that completed its prompt.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -76,8 +77,18 @@ class _Pod:
         return len(self.waiting) + len(self.running)
 
 
-def simulate(kind: str, cores: int, prefill_pods: int, rate: float, requests: Sequence[tuple[int, int]],
-             st: StepTimes, chunk: int, budget: int, transfer_s: float, seed: int = 0) -> list[_Req]:
+def simulate(
+    kind: str,
+    cores: int,
+    prefill_pods: int,
+    rate: float,
+    requests: Sequence[tuple[int, int]],
+    st: StepTimes,
+    chunk: int,
+    budget: int,
+    transfer_s: float,
+    seed: int = 0,
+) -> list[_Req]:
     """Every request's timeline; ``kind`` "unified" (``cores`` unified pods) or "disaggregated" (``prefill_pods``
     prefill pods, the rest decode pods)."""
     rng = random.Random(seed)
@@ -171,12 +182,25 @@ def attainment(reqs: Sequence[_Req], slo: SLO) -> float:
     return good / len(reqs)
 
 
-def capacity(kind: str, cores: int, prefill_pods: int, requests: Sequence[tuple[int, int]], st: StepTimes,
-             slo: SLO, chunk: int, budget: int, transfer_s: float, target: float = 0.9) -> float:
+def capacity(
+    kind: str,
+    cores: int,
+    prefill_pods: int,
+    requests: Sequence[tuple[int, int]],
+    st: StepTimes,
+    slo: SLO,
+    chunk: int,
+    budget: int,
+    transfer_s: float,
+    target: float = 0.9,
+) -> float:
     """Highest rate (requests/s, bisection to 2%) with attainment >= target."""
+
     def ok(rate: float) -> bool:
-        return attainment(simulate(kind, cores, prefill_pods, rate, requests, st, chunk, budget, transfer_s),
-                          slo) >= target
+        return (
+            attainment(simulate(kind, cores, prefill_pods, rate, requests, st, chunk, budget, transfer_s), slo)
+            >= target
+        )
 
     lo, hi = 0.0, 1.0
     while ok(hi) and hi < 1e4:
@@ -189,18 +213,35 @@ def capacity(kind: str, cores: int, prefill_pods: int, requests: Sequence[tuple[
     return lo
 
 
-def crossover(requests: Sequence[tuple[int, int]], st: StepTimes, slo: SLO, chunk: int, budget: int,
-              transfer_s: float, max_cores: int = 16) -> dict[str, Any]:
+def crossover(
+    requests: Sequence[tuple[int, int]],
+    st: StepTimes,
+    slo: SLO,
+    chunk: int,
+    budget: int,
+    transfer_s: float,
+    max_cores: int = 16,
+) -> dict[str, Any]:
     """Per core count: both architectures' modelled SLO capacity (the disaggregated one at its best split), and the
     smallest core count where the split wins."""
     rows = []
     wins_at = None
     for c in range(2, max_cores + 1):
         uni = capacity("unified", c, 0, requests, st, slo, chunk, budget, transfer_s)
-        split, dis = max(((p, capacity("disaggregated", c, p, requests, st, slo, chunk, budget, transfer_s))
-                          for p in range(1, c)), key=lambda x: x[1])
-        rows.append({"cores": c, "unified_rps": uni, "disaggregated_rps": dis, "prefill_pods": split,
-                     "decode_pods": c - split, "ratio": dis / uni if uni else None})
+        split, dis = max(
+            ((p, capacity("disaggregated", c, p, requests, st, slo, chunk, budget, transfer_s)) for p in range(1, c)),
+            key=lambda x: x[1],
+        )
+        rows.append(
+            {
+                "cores": c,
+                "unified_rps": uni,
+                "disaggregated_rps": dis,
+                "prefill_pods": split,
+                "decode_pods": c - split,
+                "ratio": dis / uni if uni else None,
+            }
+        )
         if wins_at is None and uni and dis > uni:
             wins_at = c
     return {"rows": rows, "disaggregated_wins_from_cores": wins_at}

@@ -10,6 +10,7 @@ it carried, and whether it completed. The definitions are vLLM's `bench serve` o
 - goodput: requests that completed within both SLOs (TTFT <= ttft_s and TPOT <= tpot_s) per second of the run.
 - SLO attainment: those requests over every request sent (a failed or unfinished request is a miss).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,9 @@ def parse_goodput(items: Sequence[str], default: SLO) -> SLO:
     for item in items:
         key, sep, value = item.partition(":")
         if not sep or key not in values:
-            raise ValueError(f"--goodput takes KEY:MILLISECONDS with KEY ttft or tpot (e.g. ttft:2000 tpot:150), "
-                             f"got {item!r}")
+            raise ValueError(
+                f"--goodput takes KEY:MILLISECONDS with KEY ttft or tpot (e.g. ttft:2000 tpot:150), got {item!r}"
+            )
         try:
             ms = float(value)
         except ValueError:
@@ -105,12 +107,18 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
         if not r.ok:
             errors[r.error or "unfinished"] = errors.get(r.error or "unfinished", 0) + 1
     return {
-        "requests": len(records), "completed": len(done), "failed": len(records) - len(done), "errors": errors,
+        "requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "errors": errors,
         "duration_s": duration_s,
-        "throughput_rps": len(done) / duration_s, "output_tok_s": out_tokens / duration_s,
+        "throughput_rps": len(done) / duration_s,
+        "output_tok_s": out_tokens / duration_s,
         "goodput_rps": good / duration_s,
         "slo_attainment": good / len(records) if records else 0.0,
-        "ttft_s": percentiles(ttfts), "tpot_s": percentiles(tpots), "itl_s": percentiles(gaps),
+        "ttft_s": percentiles(ttfts),
+        "tpot_s": percentiles(tpots),
+        "itl_s": percentiles(gaps),
         "mean_ttft_s": float(np.mean(ttfts)) if ttfts else None,
         "mean_tpot_s": float(np.mean(tpots)) if tpots else None,
     }

@@ -35,6 +35,7 @@ Checks (the soak passes when all hold; each problem found is reported prefixed w
 
 ``run_soak(SoakConfig(...))`` is what both this benchmark and tests/soak/test_soak.py call.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -110,8 +111,10 @@ class SoakConfig:
             bad(f"decode_dcp ({self.decode_dcp}) cannot exceed decode_tp ({self.decode_tp})")
         need = math.ceil((self.prompt_len_long[1] + self.max_tokens[1]) / self.decode_dcp / self.block_size) + 1
         if self.decode_num_kv_blocks < need:
-            bad(f"decode_num_kv_blocks {self.decode_num_kv_blocks} cannot hold the longest request alone "
-                f"({need} blocks per rank): raise it or shorten prompt_len_long / max_tokens")
+            bad(
+                f"decode_num_kv_blocks {self.decode_num_kv_blocks} cannot hold the longest request alone "
+                f"({need} blocks per rank): raise it or shorten prompt_len_long / max_tokens"
+            )
 
 
 @dataclass
@@ -149,8 +152,7 @@ def plan_requests(cfg: SoakConfig, vocab: int) -> list[Planned]:
     prompts = []
     for _ in range(n_prompts):
         lo, hi = cfg.prompt_len_long if rng.random() < cfg.long_fraction else cfg.prompt_len_short
-        prompts.append(([rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))],
-                        rng.randint(*cfg.max_tokens)))
+        prompts.append(([rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))], rng.randint(*cfg.max_tokens)))
     out = []
     for i in range(cfg.num_requests):
         prompt, mt = prompts[i % n_prompts] if i < n_prompts else prompts[rng.randrange(n_prompts)]
@@ -166,6 +168,7 @@ def plan_requests(cfg: SoakConfig, vocab: int) -> list[Planned]:
 # ----------------------------------------------------------------------------------------------------------------
 # RSS sampling
 # ----------------------------------------------------------------------------------------------------------------
+
 
 class RssSampler:
     """Samples the RSS of every service process and each of its descendants (TP ranks) in a thread."""
@@ -216,8 +219,11 @@ class RssSampler:
             if not a or not b:
                 continue
             mib = 1 << 20
-            out[name] = {"peak_mib": max(r for _, r in xs) / mib, "first_half_peak_mib": max(a) / mib,
-                         "second_half_peak_mib": max(b) / mib}
+            out[name] = {
+                "peak_mib": max(r for _, r in xs) / mib,
+                "first_half_peak_mib": max(a) / mib,
+                "second_half_peak_mib": max(b) / mib,
+            }
         return out
 
 
@@ -232,6 +238,7 @@ def _cmdline(p: Any) -> list[str]:
 # The requests
 # ----------------------------------------------------------------------------------------------------------------
 
+
 async def _one(client: Any, p: Planned, cfg: SoakConfig, live: list[Outcome] | None = None) -> Outcome:
     """One request to its end. ``live``: the outcome is appended there at once (its tokens fill in as they come)."""
     from pdserve.client import PdserveError
@@ -239,9 +246,14 @@ async def _one(client: Any, p: Planned, cfg: SoakConfig, live: list[Outcome] | N
     o = Outcome(p.index, "completed", t_start=time.monotonic())
     if live is not None:
         live.append(o)
-    stream = client.generate_stream(p.prompt, max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True,
-                                    request_id=f"soak-{cfg.seed}-{p.index}" if cfg.client_request_ids else None,
-                                    timeout=cfg.request_timeout_s)
+    stream = client.generate_stream(
+        p.prompt,
+        max_tokens=p.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        request_id=f"soak-{cfg.seed}-{p.index}" if cfg.client_request_ids else None,
+        timeout=cfg.request_timeout_s,
+    )
     last_t: float | None = None
     rpc_sent = False
 
@@ -316,19 +328,28 @@ async def _alone(client: Any, keys: list[tuple[tuple[int, ...], int]], timeout: 
 # Cluster state
 # ----------------------------------------------------------------------------------------------------------------
 
+
 async def cluster_snapshot(client: Any) -> dict[str, Any]:
     """Free KV per rank of every pod, the router's queue depth and in-flight counts (ClusterStatus)."""
     st = await client.cluster_status(timeout=10)
-    return {"kv_free": {p.pod_id: [r.free_blocks for r in p.kv] for p in st.pods},
-            "kv_total": {p.pod_id: [r.total_blocks for r in p.kv] for p in st.pods},
-            "pod_inflight": {p.pod_id: p.num_inflight_requests for p in st.pods},
-            "pod_waiting": {p.pod_id: p.load.num_waiting_seqs + p.load.num_running_seqs for p in st.pods},
-            "router_queue_depth": st.router_queue_depth, "router_inflight": st.num_inflight_requests}
+    return {
+        "kv_free": {p.pod_id: [r.free_blocks for r in p.kv] for p in st.pods},
+        "kv_total": {p.pod_id: [r.total_blocks for r in p.kv] for p in st.pods},
+        "pod_inflight": {p.pod_id: p.num_inflight_requests for p in st.pods},
+        "pod_waiting": {p.pod_id: p.load.num_waiting_seqs + p.load.num_running_seqs for p in st.pods},
+        "router_queue_depth": st.router_queue_depth,
+        "router_inflight": st.num_inflight_requests,
+    }
 
 
 def _settled(snap: dict[str, Any], base: dict[str, Any]) -> bool:
-    return (snap["kv_free"] == base["kv_free"] and snap["router_queue_depth"] == 0 and snap["router_inflight"] == 0
-            and not any(snap["pod_inflight"].values()) and not any(snap["pod_waiting"].values()))
+    return (
+        snap["kv_free"] == base["kv_free"]
+        and snap["router_queue_depth"] == 0
+        and snap["router_inflight"] == 0
+        and not any(snap["pod_inflight"].values())
+        and not any(snap["pod_waiting"].values())
+    )
 
 
 async def wait_baseline(client: Any, base: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -341,8 +362,10 @@ async def wait_baseline(client: Any, base: dict[str, Any], timeout: float) -> di
 
 
 def leaked_blocks(snap: dict[str, Any], base: dict[str, Any]) -> dict[str, int]:
-    return {pod: sum(max(0, b - a) for a, b in zip(snap["kv_free"].get(pod, [0] * len(free)), free))
-            for pod, free in base["kv_free"].items()}
+    return {
+        pod: sum(max(0, b - a) for a, b in zip(snap["kv_free"].get(pod, [0] * len(free)), free))
+        for pod, free in base["kv_free"].items()
+    }
 
 
 def scrape_counter(url: str, name: str) -> float:
@@ -358,6 +381,7 @@ def scrape_counter(url: str, name: str) -> float:
 # The soak
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     if not s:
@@ -372,8 +396,9 @@ def resolve_model(cfg: SoakConfig, work: Path) -> Path:
         from pdserve.testing import write_tiny_checkpoint
 
         # 1 KV head (any TP x DCP is valid), SmolLM2's tokenizer for the router, a vocab big enough for its ids
-        return write_tiny_checkpoint(work / "tiny", "llama", num_heads=8, num_kv_heads=1, vocab_size=49152,
-                                     tokenizer_from=ensure_default_model())
+        return write_tiny_checkpoint(
+            work / "tiny", "llama", num_heads=8, num_kv_heads=1, vocab_size=49152, tokenizer_from=ensure_default_model()
+        )
     if cfg.model == "smollm2":
         return Path(ensure_default_model())
     return Path(cfg.model)
@@ -394,12 +419,30 @@ def run_soak(cfg: SoakConfig, work_dir: str | os.PathLike[str] | None = None) ->
     plan = plan_requests(cfg, vocab)
 
     metrics_port = free_port()
-    topo = Topology(model=str(model), router_port=0, http_port=None, block_size=cfg.block_size,
-                    prefill=[PodSpec("prefill")],
-                    decode=[PodSpec("decode", cfg.decode_tp, cfg.decode_dcp, num_kv_blocks=cfg.decode_num_kv_blocks,
-                                    extra_args=["--metrics-port", str(metrics_port)])],
-                    router_args=["--max-queue-len", str(cfg.router_max_queue_len),
-                                 "--max-queue-wait-s", f"{cfg.router_max_queue_wait_s:g}", "--log-level", "WARNING"])
+    topo = Topology(
+        model=str(model),
+        router_port=0,
+        http_port=None,
+        block_size=cfg.block_size,
+        prefill=[PodSpec("prefill")],
+        decode=[
+            PodSpec(
+                "decode",
+                cfg.decode_tp,
+                cfg.decode_dcp,
+                num_kv_blocks=cfg.decode_num_kv_blocks,
+                extra_args=["--metrics-port", str(metrics_port)],
+            )
+        ],
+        router_args=[
+            "--max-queue-len",
+            str(cfg.router_max_queue_len),
+            "--max-queue-wait-s",
+            f"{cfg.router_max_queue_wait_s:g}",
+            "--log-level",
+            "WARNING",
+        ],
+    )
     topo.resolve()
     cluster = LocalCluster(topo, log_dir=work / "logs")
     t_up = time.monotonic()
@@ -409,18 +452,31 @@ def run_soak(cfg: SoakConfig, work_dir: str | os.PathLike[str] | None = None) ->
         roots = {s.name: s.pid for s in cluster.services if s.pid is not None}
         sampler = RssSampler(roots, cfg.rss_interval_s)
         res = asyncio.run(_session(endpoints.router, plan, cfg, sampler))
-        res["preemptions"] = scrape_counter(f"http://{topo.host}:{metrics_port}/metrics",
-                                            "pdserve_decode_preemptions")
+        res["preemptions"] = scrape_counter(f"http://{topo.host}:{metrics_port}/metrics", "pdserve_decode_preemptions")
         dead = [s.name for s in cluster.dead_services()]
     finally:
         cluster.stop(grace=10.0)
     t0, t1 = res["t0"], res["t1"]
     t_off = time.monotonic()
     offline = offline_reference(model, sorted({p.key for p in plan}), cfg.block_size)
-    report = _evaluate(cfg, plan, res["outcomes"], offline, res["alone"], res["base"], res["after"],
-                       res["preemptions"], sampler.halves(t0, t1), dead)
-    report["timing_s"] = {"cluster_start": startup_s, "soak": t1 - t0, "cluster_alone_runs": res["ref_s"],
-                          "offline_reference": time.monotonic() - t_off}
+    report = _evaluate(
+        cfg,
+        plan,
+        res["outcomes"],
+        offline,
+        res["alone"],
+        res["base"],
+        res["after"],
+        res["preemptions"],
+        sampler.halves(t0, t1),
+        dead,
+    )
+    report["timing_s"] = {
+        "cluster_start": startup_s,
+        "soak": t1 - t0,
+        "cluster_alone_runs": res["ref_s"],
+        "offline_reference": time.monotonic() - t_off,
+    }
     report["log_dir"] = str(work / "logs")
     return report
 
@@ -431,14 +487,15 @@ async def _session(address: str, plan: list[Planned], cfg: SoakConfig, sampler: 
 
     # No retries: a refused request is an outcome of the soak, not something to hide.
     async with AsyncClient(address, retry=RetryPolicy(max_attempts=1)) as client:
-        for p in plan[:cfg.warmup_requests]:  # first forward passes, channels, allocator warm-up
+        for p in plan[: cfg.warmup_requests]:  # first forward passes, channels, allocator warm-up
             await client.generate(p.prompt, max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True, timeout=120)
         # The baseline is an idle cluster: every block free on every pod (prefix-cached blocks count as free).
         first = await cluster_snapshot(client)
         base = await wait_baseline(client, {**first, "kv_free": first["kv_total"]}, cfg.baseline_timeout_s)
         if base["kv_free"] != base["kv_total"] or not _settled(base, base):
-            raise RuntimeError(f"the cluster is not idle after the warm-up requests ({cfg.baseline_timeout_s:g}s): "
-                               f"{base}")
+            raise RuntimeError(
+                f"the cluster is not idle after the warm-up requests ({cfg.baseline_timeout_s:g}s): {base}"
+            )
         sampler.start()
         try:
             outcomes, t0, t1 = await _drive(client, plan, cfg)
@@ -447,14 +504,23 @@ async def _session(address: str, plan: list[Planned], cfg: SoakConfig, sampler: 
         after = await wait_baseline(client, base, cfg.baseline_timeout_s)
         t_ref = time.monotonic()
         keys = sorted({p.key for p in plan})
-        alone = await _alone(client, random.Random(cfg.seed).sample(keys, min(cfg.alone_sample, len(keys))),
-                             cfg.request_timeout_s)
-        return {"outcomes": outcomes, "t0": t0, "t1": t1, "base": base, "after": after, "alone": alone,
-                "ref_s": time.monotonic() - t_ref}
+        alone = await _alone(
+            client, random.Random(cfg.seed).sample(keys, min(cfg.alone_sample, len(keys))), cfg.request_timeout_s
+        )
+        return {
+            "outcomes": outcomes,
+            "t0": t0,
+            "t1": t1,
+            "base": base,
+            "after": after,
+            "alone": alone,
+            "ref_s": time.monotonic() - t_ref,
+        }
 
 
-def offline_reference(model: Path, keys: list[tuple[tuple[int, ...], int]], block_size: int
-                      ) -> dict[tuple[tuple[int, ...], int], list[int]]:
+def offline_reference(
+    model: Path, keys: list[tuple[tuple[int, ...], int]], block_size: int
+) -> dict[tuple[tuple[int, ...], int], list[int]]:
     """Each (prompt, max_tokens) alone on an in-process engine, greedy, ignore_eos."""
     import torch
 
@@ -465,8 +531,9 @@ def offline_reference(model: Path, keys: list[tuple[tuple[int, ...], int]], bloc
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: more threads only fight over a shared box's cores (docs/performance.md)
     try:
-        with LLMEngine(EngineConfig(model=str(model), block_size=block_size, num_kv_blocks=512,
-                                    enable_prefix_caching=False)) as eng:
+        with LLMEngine(
+            EngineConfig(model=str(model), block_size=block_size, num_kv_blocks=512, enable_prefix_caching=False)
+        ) as eng:
             for prompt, mt in keys:
                 r = eng.generate([list(prompt)], SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True))[0]
                 out[(prompt, mt)] = list(r["token_ids"])
@@ -475,15 +542,26 @@ def offline_reference(model: Path, keys: list[tuple[tuple[int, ...], int]], bloc
     return out
 
 
-def _evaluate(cfg: SoakConfig, plan: list[Planned], outcomes: list[Outcome], ref_of: dict[Any, list[int]],
-              alone: dict[Any, list[int]], base: dict[str, Any], after: dict[str, Any], preemptions: float,
-              rss: dict[str, dict[str, float]], dead: list[str]) -> dict[str, Any]:
+def _evaluate(
+    cfg: SoakConfig,
+    plan: list[Planned],
+    outcomes: list[Outcome],
+    ref_of: dict[Any, list[int]],
+    alone: dict[Any, list[int]],
+    base: dict[str, Any],
+    after: dict[str, Any],
+    preemptions: float,
+    rss: dict[str, dict[str, float]],
+    dead: list[str],
+) -> dict[str, Any]:
     by_index = {p.index: p for p in plan}
     problems: list[str] = []
     for key, toks in alone.items():
         if toks != ref_of[key]:
-            problems.append(f"reference: a {len(key[0])}-token prompt sent alone to the quiet cluster gave "
-                            f"{toks[:8]}... but the offline engine {ref_of[key][:8]}...")
+            problems.append(
+                f"reference: a {len(key[0])}-token prompt sent alone to the quiet cluster gave "
+                f"{toks[:8]}... but the offline engine {ref_of[key][:8]}..."
+            )
     counts: dict[str, int] = {}
     for o in outcomes:
         counts[o.status] = counts.get(o.status, 0) + 1
@@ -493,15 +571,18 @@ def _evaluate(cfg: SoakConfig, plan: list[Planned], outcomes: list[Outcome], ref
         tag = f"request {o.index} (prompt {len(p.prompt)} tokens, max_tokens {p.max_tokens}, cancel {p.cancel or '-'})"
         if o.status == "completed":
             if o.tokens != ref:
-                first = next((i for i, (a, b) in enumerate(zip(o.tokens, ref)) if a != b), min(len(o.tokens),
-                                                                                                   len(ref)))
-                problems.append(f"tokens: {tag} streamed {len(o.tokens)} tokens that differ from its lone run "
-                                f"({len(ref)}) first at index {first}")
+                first = next((i for i, (a, b) in enumerate(zip(o.tokens, ref)) if a != b), min(len(o.tokens), len(ref)))
+                problems.append(
+                    f"tokens: {tag} streamed {len(o.tokens)} tokens that differ from its lone run "
+                    f"({len(ref)}) first at index {first}"
+                )
             if o.usage_tokens != len(o.tokens) or len(o.tokens) != p.max_tokens:
-                problems.append(f"tokens: {tag} streamed {len(o.tokens)} tokens, router usage says "
-                                f"{o.usage_tokens}, max_tokens {p.max_tokens}")
+                problems.append(
+                    f"tokens: {tag} streamed {len(o.tokens)} tokens, router usage says "
+                    f"{o.usage_tokens}, max_tokens {p.max_tokens}"
+                )
         elif o.status in ACCEPTED_CANCEL and p.cancel:
-            if o.tokens != ref[:len(o.tokens)]:
+            if o.tokens != ref[: len(o.tokens)]:
                 problems.append(f"tokens: cancelled {tag}: its {len(o.tokens)} tokens are not a prefix of its lone run")
         elif o.status in ACCEPTED_FAILURES:
             if not o.message or o.message == o.status:
@@ -519,10 +600,12 @@ def _evaluate(cfg: SoakConfig, plan: list[Planned], outcomes: list[Outcome], ref
 
     leaked = leaked_blocks(after, base)
     if not _settled(after, base):
-        problems.append(f"baseline: {cfg.baseline_timeout_s:g}s after the soak the cluster is not back at baseline: "
-                        f"free KV {after['kv_free']} (before {base['kv_free']}), router queue "
-                        f"{after['router_queue_depth']}, router in flight {after['router_inflight']}, pods in "
-                        f"flight {after['pod_inflight']}, pods running/waiting {after['pod_waiting']}")
+        problems.append(
+            f"baseline: {cfg.baseline_timeout_s:g}s after the soak the cluster is not back at baseline: "
+            f"free KV {after['kv_free']} (before {base['kv_free']}), router queue "
+            f"{after['router_queue_depth']}, router in flight {after['router_inflight']}, pods in "
+            f"flight {after['pod_inflight']}, pods running/waiting {after['pod_waiting']}"
+        )
 
     rss_rows = []
     for name, r in sorted(rss.items()):
@@ -530,25 +613,36 @@ def _evaluate(cfg: SoakConfig, plan: list[Planned], outcomes: list[Outcome], ref
         allowed = cfg.rss_growth_ratio * r["first_half_peak_mib"] + cfg.rss_slack_mib
         r["growth_mib"], r["allowed_growth_mib"] = growth, allowed
         if growth > allowed:
-            problems.append(f"rss: {name} peak RSS grew {growth:.1f} MiB from the first half of the soak to the "
-                            f"second ({r['first_half_peak_mib']:.1f} -> {r['second_half_peak_mib']:.1f} MiB), above "
-                            f"the bound {allowed:.1f} MiB")
+            problems.append(
+                f"rss: {name} peak RSS grew {growth:.1f} MiB from the first half of the soak to the "
+                f"second ({r['first_half_peak_mib']:.1f} -> {r['second_half_peak_mib']:.1f} MiB), above "
+                f"the bound {allowed:.1f} MiB"
+            )
         rss_rows.append({"process": name, **r})
 
     queued = sum(1 for o in outcomes if o.queue_s > 0.05)
     exhausted = counts.get("RESOURCE_EXHAUSTED", 0)
     if queued + exhausted + preemptions == 0:
-        problems.append("overload: no request queued in the router, none was refused and the decode pod never "
-                        "preempted: the soak did not exceed KV capacity (lower decode_num_kv_blocks)")
+        problems.append(
+            "overload: no request queued in the router, none was refused and the decode pod never "
+            "preempted: the soak did not exceed KV capacity (lower decode_num_kv_blocks)"
+        )
 
     ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]
     itl = [x for o in outcomes for x in o.itl_s]
     return {
-        "ok": not problems, "problems": problems, "config": dataclasses.asdict(cfg),
-        "counts": counts, "requests": len(plan), "queued_in_router": queued, "resource_exhausted": exhausted,
-        "decode_preemptions": int(preemptions), "kv_blocks_leaked": leaked,
+        "ok": not problems,
+        "problems": problems,
+        "config": dataclasses.asdict(cfg),
+        "counts": counts,
+        "requests": len(plan),
+        "queued_in_router": queued,
+        "resource_exhausted": exhausted,
+        "decode_preemptions": int(preemptions),
+        "kv_blocks_leaked": leaked,
         "kv_blocks_leaked_total": sum(leaked.values()),
-        "baseline": base, "after": after,
+        "baseline": base,
+        "after": after,
         "ttft_ms": {"p50": _pct(ttft, 50) * 1e3, "p99": _pct(ttft, 99) * 1e3, "n": len(ttft)},
         "itl_ms": {"p50": _pct(itl, 50) * 1e3, "p99": _pct(itl, 99) * 1e3, "n": len(itl)},
         "rss": rss_rows,
@@ -559,8 +653,17 @@ def _evaluate(cfg: SoakConfig, plan: list[Planned], outcomes: list[Outcome], ref
 # pdserve bench soak
 # ----------------------------------------------------------------------------------------------------------------
 
-QUICK = SoakConfig(num_requests=120, concurrency=12, distinct_prompts=40, max_tokens=(4, 24), decode_num_kv_blocks=10,
-                   prompt_len_long=(40, 120), router_max_queue_len=8, warmup_requests=3, alone_sample=4)
+QUICK = SoakConfig(
+    num_requests=120,
+    concurrency=12,
+    distinct_prompts=40,
+    max_tokens=(4, 24),
+    decode_num_kv_blocks=10,
+    prompt_len_long=(40, 120),
+    router_max_queue_len=8,
+    warmup_requests=3,
+    alone_sample=4,
+)
 
 
 FULL = SoakConfig(num_requests=2000, distinct_prompts=250)
@@ -589,9 +692,13 @@ def run(quick: bool = False, chaos: bool = False) -> dict[str, Any]:
         {"measure": "KV blocks leaked (must be 0)", "value": rep["kv_blocks_leaked_total"]},
     ]
     for r in rep["rss"]:
-        table.append({"measure": f"peak RSS MiB {r['process']}",
-                      "value": f"{r['peak_mib']:.1f} (halves {r['first_half_peak_mib']:.1f} -> "
-                               f"{r['second_half_peak_mib']:.1f}, bound +{r['allowed_growth_mib']:.1f})"})
+        table.append(
+            {
+                "measure": f"peak RSS MiB {r['process']}",
+                "value": f"{r['peak_mib']:.1f} (halves {r['first_half_peak_mib']:.1f} -> "
+                f"{r['second_half_peak_mib']:.1f}, bound +{r['allowed_growth_mib']:.1f})",
+            }
+        )
     table.append({"measure": "soak checks", "value": "PASS" if rep["ok"] else f"FAIL: {len(rep['problems'])}"})
     for prob in rep["problems"][:20]:
         print("soak problem:", prob)
@@ -600,8 +707,10 @@ def run(quick: bool = False, chaos: bool = False) -> dict[str, Any]:
     rep["table"] = table
     rep["ratios"] = {
         "completed_share": rep["counts"].get("completed", 0) / n,
-        "acceptable_outcome_share": sum(v for k, v in rep["counts"].items()
-                                        if k in ("completed", "CANCELLED", "cancelled", "RESOURCE_EXHAUSTED")) / n,
+        "acceptable_outcome_share": sum(
+            v for k, v in rep["counts"].items() if k in ("completed", "CANCELLED", "cancelled", "RESOURCE_EXHAUSTED")
+        )
+        / n,
         "max_rss_growth_ratio": max(growth) if growth else float("nan"),
         "kv_blocks_leaked": rep["kv_blocks_leaked_total"],
         "passed": 1.0 if rep["ok"] else 0.0,

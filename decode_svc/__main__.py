@@ -4,6 +4,7 @@
 Starts the decode pod (all TP ranks, spawned from this process) and serves DecodeWorker + grpc.health.v1 until
 SIGTERM, then drains. An invalid parallel config is refused before anything starts, with the rule's message.
 Every DecodeConfig field (engine and serving parts included) is a flag (pdserve.cli_config)."""
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     def ready(server) -> None:
         host, e = cfg.serving.host, cfg.engine
         metrics = f", metrics on {host}:{server.metrics_port}" if server.metrics_port else ""
-        print(f"decode_svc ready: DecodeWorker on {host}:{server.port}{metrics} "
-              f"(tp={e.tensor_parallel_size} dcp={e.decode_context_parallel_size} "
-              f"interleave={e.dcp_kv_cache_interleave_size})", flush=True)
+        print(
+            f"decode_svc ready: DecodeWorker on {host}:{server.port}{metrics} "
+            f"(tp={e.tensor_parallel_size} dcp={e.decode_context_parallel_size} "
+            f"interleave={e.dcp_kv_cache_interleave_size})",
+            flush=True,
+        )
 
     run_loop(serve(cfg, ready))
     print("decode_svc stopped", flush=True)

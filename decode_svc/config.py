@@ -4,6 +4,7 @@ Composed of the engine's config (``engine``), the serving part every pod shares 
 own admission and KV-pull settings; ``pdserve.cli_config`` makes every field a flag of ``python -m decode_svc``.
 The parallel part is checked by pdserve.parallel_config (the module the router uses too), so a pod refuses exactly
 the configs the router refuses, with the same message."""
+
 from __future__ import annotations
 
 import math
@@ -39,28 +40,49 @@ def _serving() -> PodServing:
 class DecodeConfig:
     engine: EngineConfig = field(default_factory=_engine)
     serving: PodServing = field(default_factory=_serving)
-    reservation_ttl_s: float = field(default=30.0, metadata={
-        "help": "AllocateKV reservations without a Decode call are freed after this"})
-    admission_timeout_s: float = field(default=60.0, metadata={
-        "help": "a Decode without reservation waits this long for free blocks"})
-    kv_transfer_backend: str = field(default="auto", metadata={
-        "choices": KV_TRANSFER_BACKENDS, "help": "KV data path for pulls from prefill pods (auto: NIXL when usable, "
-                                                 "else TCP)"})
+    reservation_ttl_s: float = field(
+        default=30.0, metadata={"help": "AllocateKV reservations without a Decode call are freed after this"}
+    )
+    admission_timeout_s: float = field(
+        default=60.0, metadata={"help": "a Decode without reservation waits this long for free blocks"}
+    )
+    kv_transfer_backend: str = field(
+        default="auto",
+        metadata={
+            "choices": KV_TRANSFER_BACKENDS,
+            "help": "KV data path for pulls from prefill pods (auto: NIXL when usable, else TCP)",
+        },
+    )
     kv_transfer_timeout_s: float = field(default=120.0, metadata={"help": "one request's KV pull, every layer"})
-    ucx_transports: str | None = field(default=None, metadata={
-        "help": "UCX transports of the NIXL data path (UCX_TLS), e.g. tcp between nodes without RDMA, "
-                 "rc,cuda_copy,cuda_ipc on InfiniBand; unset: UCX picks from what the host has"})
-    unified: bool = field(default=False, metadata={
-        "help": "colocated pod: register as ROLE_UNIFIED and compute the prompts of requests sent without a KV handle "
-                "itself (chunked prefill between decode steps), besides decoding KV from prefill pods"})
+    ucx_transports: str | None = field(
+        default=None,
+        metadata={
+            "help": "UCX transports of the NIXL data path (UCX_TLS), e.g. tcp between nodes without RDMA, "
+            "rc,cuda_copy,cuda_ipc on InfiniBand; unset: UCX picks from what the host has"
+        },
+    )
+    unified: bool = field(
+        default=False,
+        metadata={
+            "help": "colocated pod: register as ROLE_UNIFIED and compute the prompts of requests sent without a KV "
+            "handle itself (chunked prefill between decode steps), besides decoding KV from prefill pods"
+        },
+    )
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise DecodeConfigError(msg)
 
         e = self.engine
-        for name in ("tensor_parallel_size", "decode_context_parallel_size", "dcp_kv_cache_interleave_size",
-                     "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "tensor_parallel_size",
+            "decode_context_parallel_size",
+            "dcp_kv_cache_interleave_size",
+            "block_size",
+            "num_kv_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+        ):
             v = getattr(e, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 bad(f"{name} must be an integer, got {v!r}")

@@ -3,6 +3,7 @@
 Every pod operation runs on this one thread (torch.distributed calls from rank 0 must not interleave), so the
 asyncio server talks to it only through ``call(fn)`` (a concurrent.futures.Future) and per-request sinks, which are
 called on the engine thread with each RequestOutput / Failure as soon as it is sampled."""
+
 from __future__ import annotations
 
 import logging
@@ -200,10 +201,17 @@ class EngineLoop:
 
     def _refresh_stats(self) -> None:
         pod = self.pod
-        self.stats = PodStats(running=pod.num_running, waiting=pod.num_waiting, reserved=len(pod.reservations),
-                              blocks_used=pod.used_blocks_per_rank(), blocks_free=pod.free_blocks_per_rank(),
-                              generated_tokens=pod.num_generated_tokens, kv_bytes_received=pod.kv_bytes_received,
-                              steps=self._steps, preemptions=pod.engine.scheduler.num_preemptions)
+        self.stats = PodStats(
+            running=pod.num_running,
+            waiting=pod.num_waiting,
+            reserved=len(pod.reservations),
+            blocks_used=pod.used_blocks_per_rank(),
+            blocks_free=pod.free_blocks_per_rank(),
+            generated_tokens=pod.num_generated_tokens,
+            kv_bytes_received=pod.kv_bytes_received,
+            steps=self._steps,
+            preemptions=pod.engine.scheduler.num_preemptions,
+        )
 
 
 def _check_ranks(pod: DecodePod, grace_s: float = 0.0) -> None:

@@ -8,6 +8,7 @@ cache at the blocks the pod reserved for it, and returns the bytes written.
 TransferKVSource is the one implementation: a kv_transfer KVPuller on each rank, held by the rank's connector
 (``puller.pull(handoff, block_table)``), reading from whichever prefill pod published the KV.
 """
+
 from __future__ import annotations
 
 import time
@@ -81,8 +82,9 @@ class TransferKVSource:
             return nbytes
         from pdserve.pod.kv_checksum import partial_checksums
 
-        return nbytes, partial_checksums(puller.layout, runner.ps.tp_rank, runner.kv_cache, block_table,
-                                         self.num_tokens, self.checksum_block_tokens)
+        return nbytes, partial_checksums(
+            puller.layout, runner.ps.tp_rank, runner.kv_cache, block_table, self.num_tokens, self.checksum_block_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -96,14 +98,26 @@ class PullerFactory:
     ucx_transports: str | None = None  # UCX_TLS of a NIXL puller (None: UCX's choice)
 
     @classmethod
-    def for_engine(cls, engine: "LLMEngine", backend: str = "auto", auth_token: str = "",
-                   tls: "TLSConfig | None" = None, ucx_transports: str | None = None) -> "PullerFactory":
+    def for_engine(
+        cls,
+        engine: "LLMEngine",
+        backend: str = "auto",
+        auth_token: str = "",
+        tls: "TLSConfig | None" = None,
+        ucx_transports: str | None = None,
+    ) -> "PullerFactory":
         from pdserve.pod.convert import kv_layout_for_model
 
         cfg = engine.config
-        layout = kv_layout_for_model(engine.model_config, str(engine.executor.kv_cache.dtype), cfg.block_size,
-                                     tp_size=cfg.tensor_parallel_size, dcp_size=cfg.decode_context_parallel_size,
-                                     interleave=cfg.dcp_kv_cache_interleave_size, num_blocks=cfg.num_kv_blocks)
+        layout = kv_layout_for_model(
+            engine.model_config,
+            str(engine.executor.kv_cache.dtype),
+            cfg.block_size,
+            tp_size=cfg.tensor_parallel_size,
+            dcp_size=cfg.decode_context_parallel_size,
+            interleave=cfg.dcp_kv_cache_interleave_size,
+            num_blocks=cfg.num_kv_blocks,
+        )
         return cls(layout, backend, auth_token, tls, ucx_transports)
 
     def layout(self) -> "KVLayout":
@@ -112,8 +126,15 @@ class PullerFactory:
     def __call__(self, runner: "ModelRunner") -> Any:
         from kv_transfer.factory import make_puller
 
-        return make_puller(self.layout(), runner.ps.tp_rank, runner.kv_cache, backend=self.backend,
-                           auth_token=self.auth_token, tls=self.tls, ucx_transports=self.ucx_transports)
+        return make_puller(
+            self.layout(),
+            runner.ps.tp_rank,
+            runner.kv_cache,
+            backend=self.backend,
+            auth_token=self.auth_token,
+            tls=self.tls,
+            ucx_transports=self.ucx_transports,
+        )
 
 
 class DecodeKVConnector(KVConnectorWorker):
@@ -146,8 +167,9 @@ def decode_connector(executor: "Executor") -> DecodeKVConnector:
     """Rank 0's DecodeKVConnector, built on every rank on first use."""
     conn = executor.runner.kv_connector
     if conn is None:
-        errs = [r for r in executor.start_kv_connector(KVConnectorSpec(DecodeKVConnector))
-                if isinstance(r, BaseException)]
+        errs = [
+            r for r in executor.start_kv_connector(KVConnectorSpec(DecodeKVConnector)) if isinstance(r, BaseException)
+        ]
         if errs:
             executor.connector_call("close")
             raise KVDeliveryError(f"starting the KV connector failed: {errs[0]!r}")
@@ -183,4 +205,6 @@ def check_checksums(source: Any, parts: list[list[int]]) -> None:
         raise KVDeliveryError(
             f"KV read from prefill pod {source.prefill_pod or '(unnamed)'} failed its checksum at block {bad} (tokens "
             f"{bad * b}..{min(source.num_tokens, (bad + 1) * b) - 1}): the bytes read are not the bytes published; "
-            f"the request is refused and its KV freed", grpc.StatusCode.DATA_LOSS)
+            f"the request is refused and its KV freed",
+            grpc.StatusCode.DATA_LOSS,
+        )

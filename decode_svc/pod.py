@@ -13,6 +13,7 @@ Life of a request on a decode pod:
 
 When blocks run out mid-decode the engine's scheduler preempts the youngest sequence, which re-queues and is
 recomputed from its tokens on this pod (nothing is lost); queued new requests wait behind it."""
+
 from __future__ import annotations
 
 import logging
@@ -115,8 +116,11 @@ class DecodePod:
         return None if tables is None else self.tp_tables(tables)
 
     def knows(self, request_id: str) -> bool:
-        return (request_id in self.reservations or self.engine.knows(request_id)
-                or any(q.request_id == request_id for q in self.queue))
+        return (
+            request_id in self.reservations
+            or self.engine.knows(request_id)
+            or any(q.request_id == request_id for q in self.queue)
+        )
 
     @property
     def num_running(self) -> int:
@@ -141,13 +145,16 @@ class DecodePod:
         return not (self.reservations or self.engine.has_unfinished() or self.queue)
 
     # --- AllocateKV ---
-    def reserve(self, request_id: str, num_tokens: int, extra_tokens: int = 0,
-                ttl_s: float | None = None) -> list[list[int]] | None:
+    def reserve(
+        self, request_id: str, num_tokens: int, extra_tokens: int = 0, ttl_s: float | None = None
+    ) -> list[list[int]] | None:
         """Reserve blocks for num_tokens prompt tokens (+ extra_tokens); block table per DCP rank, or None when the
         pod has no room now."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens < self.max_model_len:
-            raise RequestError(f"num_tokens must be in [1, {self.max_model_len - 1}] (max_model_len "
-                               f"{self.max_model_len}), got {num_tokens!r}")
+            raise RequestError(
+                f"num_tokens must be in [1, {self.max_model_len - 1}] (max_model_len "
+                f"{self.max_model_len}), got {num_tokens!r}"
+            )
         if extra_tokens < 0:
             raise RequestError(f"num_reserved_output_tokens must be >= 0, got {extra_tokens}")
         if self.knows(request_id):
@@ -158,8 +165,9 @@ class DecodePod:
         if seq is None:
             return None
         ttl = ttl_s if ttl_s and ttl_s > 0 else self.config.reservation_ttl_s
-        self.reservations[request_id] = Reservation(seq, num_tokens, self.clock() + ttl,
-                                                    int((time.time() + ttl) * 1000))
+        self.reservations[request_id] = Reservation(
+            seq, num_tokens, self.clock() + ttl, int((time.time() + ttl) * 1000)
+        )
         return [list(t) for t in seq.block_tables]
 
     def _num_admitted(self) -> int:
@@ -180,8 +188,16 @@ class DecodePod:
         return res
 
     # --- Decode ---
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, first_token: int,
-               first_logprob: float, source: KVSource, wait_s: float | None = None) -> RequestOutput | None:
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        first_token: int,
+        first_logprob: float,
+        source: KVSource,
+        wait_s: float | None = None,
+    ) -> RequestOutput | None:
         """Start decoding request_id. Returns the first token's output once its KV landed (finished already when
         that token ends the request), or None when the request was queued for blocks (it then starts in a later
         step(), or ends with a RESOURCE_EXHAUSTED Failure after wait_s). Raises RequestError (bad request),
@@ -189,9 +205,16 @@ class DecodePod:
         outs = self.submit_all(request_id, prompt_ids, params, [first_token], [first_logprob], source, wait_s)
         return None if outs is None else outs[0]
 
-    def submit_all(self, request_id: str, prompt_ids: list[int], params: SamplingParams, first_tokens: list[int],
-                   first_logprobs: list[float], source: KVSource, wait_s: float | None = None
-                   ) -> list[RequestOutput] | None:
+    def submit_all(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        first_tokens: list[int],
+        first_logprobs: list[float],
+        source: KVSource,
+        wait_s: float | None = None,
+    ) -> list[RequestOutput] | None:
         """submit for a request of n = len(first_tokens) sequences sharing the prompt's KV (the engine forks it when
         it lands): one first output per sequence, in index order."""
         eng = self.engine
@@ -199,27 +222,37 @@ class DecodePod:
         eng.validate_prompt(prompt_ids, params)
         vocab = eng.model_config.vocab_size
         if not first_tokens or len(first_tokens) != len(first_logprobs):
-            raise RequestError(f"{len(first_tokens)} first tokens but {len(first_logprobs)} logprobs: give one of each "
-                               f"per sequence")
-        bad = next((t for t in first_tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
-                   None)
+            raise RequestError(
+                f"{len(first_tokens)} first tokens but {len(first_logprobs)} logprobs: give one of each per sequence"
+            )
+        bad = next(
+            (t for t in first_tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None
+        )
         if bad is not None:
             raise RequestError(f"first_token_id {bad!r} is out of range [0, {vocab})")
         if source.num_tokens != len(prompt_ids):
-            raise RequestError(f"the KV handle covers {source.num_tokens} tokens but the prompt has "
-                               f"{len(prompt_ids)}")
+            raise RequestError(f"the KV handle covers {source.num_tokens} tokens but the prompt has {len(prompt_ids)}")
         res = self.reservations.get(request_id)
         if res is not None:
             if res.num_tokens != len(prompt_ids):
-                raise RequestError(f"request {request_id!r} reserved KV for {res.num_tokens} tokens but the prompt "
-                                   f"has {len(prompt_ids)}")
+                raise RequestError(
+                    f"request {request_id!r} reserved KV for {res.num_tokens} tokens but the prompt "
+                    f"has {len(prompt_ids)}"
+                )
             seq = eng.adopt(res.seq, prompt_ids, params, len(first_tokens))
             del self.reservations[request_id]
             return self._deliver_and_land(seq, first_tokens, first_logprobs, source)
         if self.knows(request_id):
             raise RequestExists(f"request {request_id!r} is already decoding on this pod")
-        q = _Queued(request_id, prompt_ids, params, list(first_tokens), list(first_logprobs), source,
-                    self.clock() + (self.config.admission_timeout_s if wait_s is None else wait_s))
+        q = _Queued(
+            request_id,
+            prompt_ids,
+            params,
+            list(first_tokens),
+            list(first_logprobs),
+            source,
+            self.clock() + (self.config.admission_timeout_s if wait_s is None else wait_s),
+        )
         # FIFO: nobody overtakes queued or preempted requests.
         if not self.queue and not eng.scheduler.waiting:
             out = self._try_admit(q)
@@ -241,14 +274,16 @@ class DecodePod:
         if self._num_admitted() >= self.config.engine.max_num_seqs:
             return None
         # Keep a block per rank in hand for the running sequences, as the scheduler does for new prompts.
-        seq = eng.add_awaiting_kv(q.prompt_ids, q.params, q.request_id, headroom=1 if eng.scheduler.running else 0,
-                                  n=len(q.first_tokens))
+        seq = eng.add_awaiting_kv(
+            q.prompt_ids, q.params, q.request_id, headroom=1 if eng.scheduler.running else 0, n=len(q.first_tokens)
+        )
         if seq is None:
             return None
         return self._deliver_and_land(seq, q.first_tokens, q.first_logprobs, q.source)
 
-    def _deliver_and_land(self, seq: Sequence, first_tokens: list[int], first_logprobs: list[float],
-                          source: KVSource) -> list[RequestOutput]:
+    def _deliver_and_land(
+        self, seq: Sequence, first_tokens: list[int], first_logprobs: list[float], source: KVSource
+    ) -> list[RequestOutput]:
         eng = self.engine
         try:
             nbytes, secs = deliver(eng.executor, source, seq.block_tables)
@@ -279,8 +314,13 @@ class DecodePod:
             q = self.queue[0]
             if q.deadline <= now:
                 self.queue.popleft()
-                events.append(Failure(q.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      "no free KV blocks on this decode pod within the admission timeout"))
+                events.append(
+                    Failure(
+                        q.request_id,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "no free KV blocks on this decode pod within the admission timeout",
+                    )
+                )
                 continue
             if self.engine.scheduler.waiting:
                 break  # preempted sequences get their blocks back first

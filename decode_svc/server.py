@@ -4,6 +4,7 @@ metrics and a graceful drain on SIGTERM.
 AllocateKV reserves blocks on every rank and returns the per-rank block tables; Decode delivers the prompt KV into
 them (KVSource on every rank), then streams each token as soon as it is sampled; CancelDecode (or closing the stream)
 frees the blocks at once. All pod work happens on the EngineLoop thread."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,13 @@ from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, grpc_errors
 from pdserve.parallel_config import kv_dtype_mismatch
-from pdserve.pod.convert import (kv_handle_to_handoff, kv_layout_for_model, layout_to_proto, model_shape_to_proto,
-                                 parallel_to_proto)
+from pdserve.pod.convert import (
+    kv_handle_to_handoff,
+    kv_layout_for_model,
+    layout_to_proto,
+    model_shape_to_proto,
+    parallel_to_proto,
+)
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
 from pdserve.pod.registrar import Registrar
 from pdserve.pod.sampling import engine_params, num_sequences, refuse_unsupported
@@ -50,8 +56,12 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, max_model_len: int)
     """Decode applies EOS, stop_token_ids and max_tokens; stop strings belong to whoever detokenizes (the router).
     Parameters the pods do not implement are refused rather than ignored (common.proto's rule)."""
     refuse_unsupported(p, "this decode pod")
-    return engine_params(p, max_tokens=p.max_tokens if p.HasField("max_tokens") else max_model_len,
-                         ignore_eos=p.ignore_eos, logprobs=p.logprobs or p.top_logprobs > 0)
+    return engine_params(
+        p,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else max_model_len,
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs or p.top_logprobs > 0,
+    )
 
 
 class DecodeServer:
@@ -88,7 +98,8 @@ class DecodeServer:
         # the factory is pickled to every rank: token and TLS reach the pullers with it
         ucx = self.config.ucx_transports
         self._puller_factory = await self.call(
-            lambda pod: PullerFactory.for_engine(pod.engine, backend, token, tls, ucx))
+            lambda pod: PullerFactory.for_engine(pod.engine, backend, token, tls, ucx)
+        )
         self.transfer_modes = await asyncio.to_thread(_transfer_modes, backend)
         self._server = grpc.aio.server(options=grpc_options())
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(self), self._server)
@@ -100,15 +111,24 @@ class DecodeServer:
         if self.config.serving.metrics_port is not None:  # 0: any free port
             collector = DecodeCollector(lambda: self.engine.stats, self.config.serving.pod_id, lambda: self.draining)
             self.engine.observer, self._metrics_http = start_metrics_server(
-                self.config.serving.metrics_port, self.config.serving.host, collector,
-                self.config.serving.served_model_name or Path(self.config.engine.model).name)
+                self.config.serving.metrics_port,
+                self.config.serving.host,
+                collector,
+                self.config.serving.served_model_name or Path(self.config.engine.model).name,
+            )
             self.metrics_port = self._metrics_http.server_port
         await set_health(self._health, SERVICE_NAME, serving=True)
         self._model_shape = await self.call(self._model_shape_of)
         if self.config.serving.router_address:
-            self.registrar = Registrar(self.config.serving.router_address, self.config.serving.cluster_token,
-                                       self.config.serving.heartbeat_interval_s, self.register_request,
-                                       self.heartbeat_request, self._on_desired_state, tls=self.config.tls)
+            self.registrar = Registrar(
+                self.config.serving.router_address,
+                self.config.serving.cluster_token,
+                self.config.serving.heartbeat_interval_s,
+                self.register_request,
+                self.heartbeat_request,
+                self._on_desired_state,
+                tls=self.config.tls,
+            )
             self.registrar.start()
 
     async def drain(self) -> None:
@@ -169,9 +189,15 @@ class DecodeServer:
         return await asyncio.wrap_future(self.engine.call(fn))
 
     def _layout_of(self, pod: DecodePod) -> common_pb2.KVLayout:
-        layout = kv_layout_for_model(pod.engine.model_config, str(pod.engine.executor.kv_cache.dtype),
-                                     pod.block_size, tp_size=pod.tp, dcp_size=pod.dcp, interleave=pod.interleave,
-                                     num_blocks=pod.num_blocks)
+        layout = kv_layout_for_model(
+            pod.engine.model_config,
+            str(pod.engine.executor.kv_cache.dtype),
+            pod.block_size,
+            tp_size=pod.tp,
+            dcp_size=pod.dcp,
+            interleave=pod.interleave,
+            num_blocks=pod.num_blocks,
+        )
         return layout_to_proto(layout)
 
     # --- registry messages (router) ---
@@ -192,19 +218,30 @@ class DecodeServer:
             return None
         cfg = self.config
         return registry_pb2.RegisterWorkerRequest(
-            pod_id=cfg.serving.pod_id, role=common_pb2.ROLE_UNIFIED if cfg.unified else common_pb2.ROLE_DECODE,
-            address=self.address, kv_transfer_address="",
-            model=cfg.serving.served_model_name or Path(cfg.engine.model).name, model_shape=self._model_shape,
-            parallel=parallel_to_proto(cfg.engine.tensor_parallel_size, cfg.engine.decode_context_parallel_size,
-                                       cfg.engine.dcp_kv_cache_interleave_size),
+            pod_id=cfg.serving.pod_id,
+            role=common_pb2.ROLE_UNIFIED if cfg.unified else common_pb2.ROLE_DECODE,
+            address=self.address,
+            kv_transfer_address="",
+            model=cfg.serving.served_model_name or Path(cfg.engine.model).name,
+            model_shape=self._model_shape,
+            parallel=parallel_to_proto(
+                cfg.engine.tensor_parallel_size,
+                cfg.engine.decode_context_parallel_size,
+                cfg.engine.dcp_kv_cache_interleave_size,
+            ),
             kv_layout=self._layout,
-            capacity=common_pb2.WorkerCapacity(max_num_seqs=cfg.engine.max_num_seqs,
-                                               max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
-                                               max_model_len=self.max_model_len,
-                                               max_concurrent_transfers=cfg.engine.max_num_seqs,
-                                               transfer_modes=self.transfer_modes),
-            cluster_token=cfg.serving.cluster_token, version=version(), state=common_pb2.POD_STATE_READY,
-            kv=self._kv_stats())
+            capacity=common_pb2.WorkerCapacity(
+                max_num_seqs=cfg.engine.max_num_seqs,
+                max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                max_concurrent_transfers=cfg.engine.max_num_seqs,
+                transfer_modes=self.transfer_modes,
+            ),
+            cluster_token=cfg.serving.cluster_token,
+            version=version(),
+            state=common_pb2.POD_STATE_READY,
+            kv=self._kv_stats(),
+        )
 
     def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:
         st = self.engine.stats
@@ -214,19 +251,31 @@ class DecodeServer:
             self._rate = (st.generated_tokens - n0) / (now - t0)
             self._last_rate = (now, st.generated_tokens)
         return registry_pb2.HeartbeatRequest(
-            pod_id=self.config.serving.pod_id, cluster_token=self.config.serving.cluster_token,
-            state=(common_pb2.POD_STATE_UNHEALTHY if self._unhealthy else
-                   common_pb2.POD_STATE_DRAINING if self.draining else common_pb2.POD_STATE_READY),
-            load=common_pb2.LoadStats(num_running_seqs=st.running, num_waiting_seqs=st.waiting,
-                                      num_active_leases=st.reserved, generation_tokens_per_s=self._rate),
-            kv=self._kv_stats())
+            pod_id=self.config.serving.pod_id,
+            cluster_token=self.config.serving.cluster_token,
+            state=(
+                common_pb2.POD_STATE_UNHEALTHY
+                if self._unhealthy
+                else common_pb2.POD_STATE_DRAINING
+                if self.draining
+                else common_pb2.POD_STATE_READY
+            ),
+            load=common_pb2.LoadStats(
+                num_running_seqs=st.running,
+                num_waiting_seqs=st.waiting,
+                num_active_leases=st.reserved,
+                generation_tokens_per_s=self._rate,
+            ),
+            kv=self._kv_stats(),
+        )
 
     def _on_desired_state(self, state: int) -> None:
         if state == common_pb2.POD_STATE_DRAINING and not self.draining:
             log.info("router asks this pod to drain: refusing new requests")
             self.draining = True
-            asyncio.get_running_loop().create_task(self._health.set(SERVICE_NAME,
-                                                                    health_pb2.HealthCheckResponse.NOT_SERVING))
+            asyncio.get_running_loop().create_task(
+                self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            )
 
     def make_source(self, req: decode_pb2.DecodeRequest) -> KVSource | None:
         """Where the prompt KV comes from; None on a unified pod for a request without a KV handle (it computes
@@ -241,15 +290,24 @@ class DecodeServer:
         except (ValueError, KeyError) as e:
             raise InvalidArgument(f"bad kv_handle: {e}") from e
         if handoff.num_tokens != len(req.prompt_token_ids):
-            raise InvalidArgument(f"kv_handle covers {handoff.num_tokens} tokens but the prompt has "
-                                  f"{len(req.prompt_token_ids)}")
+            raise InvalidArgument(
+                f"kv_handle covers {handoff.num_tokens} tokens but the prompt has {len(req.prompt_token_ids)}"
+            )
         checksums = tuple(req.kv_handle.block_checksums)
         if checksums and len(checksums) != -(-handoff.num_tokens // handoff.layout.block_size):
-            raise InvalidArgument(f"kv_handle has {len(checksums)} block checksums for {handoff.num_tokens} tokens in "
-                                  f"blocks of {handoff.layout.block_size}")
-        return TransferKVSource(handoff.to_json(), handoff.num_tokens, self._puller_factory,
-                                self.config.kv_transfer_timeout_s, checksums, handoff.layout.block_size,
-                                req.kv_handle.prefill_pod_id)
+            raise InvalidArgument(
+                f"kv_handle has {len(checksums)} block checksums for {handoff.num_tokens} tokens in "
+                f"blocks of {handoff.layout.block_size}"
+            )
+        return TransferKVSource(
+            handoff.to_json(),
+            handoff.num_tokens,
+            self._puller_factory,
+            self.config.kv_transfer_timeout_s,
+            checksums,
+            handoff.layout.block_size,
+            req.kv_handle.prefill_pod_id,
+        )
 
 
 def _transfer_modes(backend: str) -> list[int]:
@@ -293,8 +351,10 @@ def decode_request_problem(req: decode_pb2.DecodeRequest) -> str | None:
     if not math.isfinite(req.first_token_logprob):
         return f"first_token_logprob must be a finite number, got {req.first_token_logprob}"
     if not 0 <= req.num_cached_tokens <= len(req.prompt_token_ids):
-        return (f"num_cached_tokens must be in [0, {len(req.prompt_token_ids)}] (the prompt's length), got "
-                f"{req.num_cached_tokens}")
+        return (
+            f"num_cached_tokens must be in [0, {len(req.prompt_token_ids)}] (the prompt's length), got "
+            f"{req.num_cached_tokens}"
+        )
     return None
 
 
@@ -309,7 +369,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if s.unavailable_reason():
             raise Unavailable(s.unavailable_reason())
         problem = allocate_request_problem(request) or (
-            _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None)
+            _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None
+        )
         if problem:
             raise InvalidArgument(problem)
 
@@ -326,12 +387,22 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         cfg = s.config
         return decode_pb2.AllocateKVResponse(
             layout=s._layout,
-            block_tables=[common_pb2.BlockTable(
-                block_ids=t, num_tokens=dcp_local_count(request.num_tokens, cfg.engine.decode_context_parallel_size,
-                                                        cfg.engine.dcp_kv_cache_interleave_size,
-                                                        r % cfg.engine.decode_context_parallel_size))
-                for r, t in enumerate(tables)],
-            agent_name="", transfer_modes=s.transfer_modes, expires_at_unix_ms=expires)
+            block_tables=[
+                common_pb2.BlockTable(
+                    block_ids=t,
+                    num_tokens=dcp_local_count(
+                        request.num_tokens,
+                        cfg.engine.decode_context_parallel_size,
+                        cfg.engine.dcp_kv_cache_interleave_size,
+                        r % cfg.engine.decode_context_parallel_size,
+                    ),
+                )
+                for r, t in enumerate(tables)
+            ],
+            agent_name="",
+            transfer_modes=s.transfer_modes,
+            expires_at_unix_ms=expires,
+        )
 
     @grpc_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
@@ -370,8 +441,13 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         except ValueError as e:  # SamplingParamsError, or a KV source that cannot be built from the handle
             raise InvalidArgument(str(e)) from e
 
-    async def _start(self, request: decode_pb2.DecodeRequest, params: SamplingParams, source: KVSource | None,
-                     events: asyncio.Queue[RequestOutput | Failure]) -> None:
+    async def _start(
+        self,
+        request: decode_pb2.DecodeRequest,
+        params: SamplingParams,
+        source: KVSource | None,
+        events: asyncio.Queue[RequestOutput | Failure],
+    ) -> None:
         """Take the reservation over (or queue) on the engine thread, subscribed to the request's events."""
         s = self.s
         rid = request.request_id
@@ -391,9 +467,11 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         elif len(request.first_token_ids) == n and len(request.first_token_logprobs) == n:
             firsts, first_lps = list(request.first_token_ids), list(request.first_token_logprobs)
         else:
-            raise InvalidArgument(f"sampling_params asks for {n} sequences: first_token_ids and first_token_logprobs "
-                                  f"must have {n} entries each, got {len(request.first_token_ids)} and "
-                                  f"{len(request.first_token_logprobs)}")
+            raise InvalidArgument(
+                f"sampling_params asks for {n} sequences: first_token_ids and first_token_logprobs "
+                f"must have {n} entries each, got {len(request.first_token_ids)} and "
+                f"{len(request.first_token_logprobs)}"
+            )
 
         def start(pod: DecodePod) -> None:
             reserved = rid in pod.reservations
@@ -499,8 +577,9 @@ class _TokenStream:
 def _layout_mismatch(prefill: common_pb2.KVLayout, mine: common_pb2.KVLayout) -> str | None:
     if prefill.num_layers and prefill.use_mla != mine.use_mla:
         kind = {True: "an MLA latent cache", False: "a K/V cache"}
-        return (f"prefill layout is {kind[prefill.use_mla]} but this decode pod has {kind[mine.use_mla]}: "
-                f"different models")
+        return (
+            f"prefill layout is {kind[prefill.use_mla]} but this decode pod has {kind[mine.use_mla]}: different models"
+        )
     for name in ("num_layers", "num_kv_heads", "head_dim"):
         a, b = getattr(prefill, name), getattr(mine, name)
         if a and a != b:

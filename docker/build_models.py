@@ -12,6 +12,7 @@
    the serving path, not the model.
 Needs transformers and gguf (the image's build stage installs them; the runtime stage does not carry them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,9 @@ import os
 from pathlib import Path
 
 TINY_NAME = "tiny-mqa-dcp"
-TINY_SHAPE = dict(num_heads=8, num_kv_heads=1, head_dim=16, hidden_size=128, intermediate_size=256, num_layers=2,
-                  vocab_size=49152)
+TINY_SHAPE = dict(
+    num_heads=8, num_kv_heads=1, head_dim=16, hidden_size=128, intermediate_size=256, num_layers=2, vocab_size=49152
+)
 
 
 def main() -> None:
@@ -32,8 +34,9 @@ def main() -> None:
 
     default = ensure_default_model()
     print(f"default model: {default}")
-    tiny = write_tiny_checkpoint(Path(args.models_dir) / TINY_NAME, "llama", tokenizer_from=default, seed=0,
-                                 **TINY_SHAPE)
+    tiny = write_tiny_checkpoint(
+        Path(args.models_dir) / TINY_NAME, "llama", tokenizer_from=default, seed=0, **TINY_SHAPE
+    )
     print(f"tiny DCP model: {tiny}")
 
 

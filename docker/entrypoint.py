@@ -35,6 +35,7 @@ Before a prefill or decode service starts, its parallel config is checked with p
 before any rank is spawned. The role and port are written to $PDSERVE_RUN_DIR/health.json (default /tmp/pdserve)
 for pdserve-healthcheck.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -54,8 +55,11 @@ DEFAULT_CONFIG = "/etc/pdserve/pdserve.yaml"
 ENV_PREFIX = "PDSERVE_ARG_"
 # Passed only where the service has the flag (see the module doc).
 OPTIONAL_KEYS = ("router", "advertise_host", "pod_id", "metrics_port", "cluster_token", "log_level")
-TLS_ENV = {"tls_cert_file": "PDSERVE_TLS_CERT_FILE", "tls_key_file": "PDSERVE_TLS_KEY_FILE",
-           "tls_ca_file": "PDSERVE_TLS_CA_FILE"}
+TLS_ENV = {
+    "tls_cert_file": "PDSERVE_TLS_CERT_FILE",
+    "tls_key_file": "PDSERVE_TLS_KEY_FILE",
+    "tls_ca_file": "PDSERVE_TLS_CA_FILE",
+}
 SECRET_FLAGS = ("--cluster-token",)
 # Keys the parallel-config check reads, and the `pdserve validate` flag of each.
 PARALLEL_KEYS: dict[str, str] = {
@@ -127,7 +131,7 @@ def resolve(role: str, config: Mapping[str, Any], env: Mapping[str, str]) -> dic
             out[_norm_key(k)] = v
     for name, raw in sorted(env.items()):
         if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX) and raw.strip():
-            out[_norm_key(name[len(ENV_PREFIX):])] = _yaml_load(raw)
+            out[_norm_key(name[len(ENV_PREFIX) :])] = _yaml_load(raw)
     token = _token_from_env(env)
     if token and out.get("cluster_token") is None:
         out["cluster_token"] = token
@@ -184,7 +188,8 @@ def fit_to_service(role: str, settings: Mapping[str, Any], flags: set[str] | Non
         if key in out and _flag(key) not in flags:
             raise EntrypointError(
                 f"TLS is configured ({TLS_ENV[key]}) but {ROLES[role]} has no {_flag(key)} flag: "
-                "refusing to serve plaintext; disable TLS or use an image whose services support it")
+                "refusing to serve plaintext; disable TLS or use an image whose services support it"
+            )
     for key in OPTIONAL_KEYS:
         if key in out and _flag(key) not in flags:
             out.pop(key)

@@ -12,6 +12,7 @@ under mutual TLS (PDSERVE_TLS_REQUIRE_CLIENT_CERT, or tls_require_client_cert in
 cannot see) refuses a caller without one, and a service without mutual TLS does not mind it.
 Exit status 0: SERVING; 1: anything else (the reason on stderr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,11 @@ def channel(target: str):
     key = os.environ.get("PDSERVE_TLS_KEY_FILE")
     # Always present the container's own certificate: under mutual TLS the service refuses certificate-less callers,
     # and whether it requires one may come from its config file rather than PDSERVE_TLS_REQUIRE_CLIENT_CERT.
-    creds = grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes(),
-                                         private_key=Path(key).read_bytes() if key else None,
-                                         certificate_chain=Path(cert).read_bytes() if key else None)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes(),
+        private_key=Path(key).read_bytes() if key else None,
+        certificate_chain=Path(cert).read_bytes() if key else None,
+    )
     name = os.environ.get("PDSERVE_TLS_SERVER_NAME") or "localhost"
     return grpc.secure_channel(target, creds, options=[("grpc.ssl_target_name_override", name)])
 
@@ -54,8 +57,7 @@ def probe(host: str, port: int, service: str = "", timeout: float = 3.0) -> tupl
     target = f"{host}:{port}"
     try:
         with channel(target) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                         timeout=timeout)
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as e:
         return False, f"{target}: {e.code().name}: {e.details()}"
     except OSError as e:
@@ -65,8 +67,9 @@ def probe(host: str, port: int, service: str = "", timeout: float = 3.0) -> tupl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve-healthcheck", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve-healthcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--service", default=os.environ.get("PDSERVE_HEALTH_SERVICE", ""))

@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 class KVAuthError(BadTransferRequest):
     """The peer does not hold (or did not present) the cluster token."""
 
@@ -153,8 +152,9 @@ def raise_if_error(msg: dict[str, Any]) -> dict[str, Any]:
 class ControlClient:
     """One connection to a publisher. Calls are serialised by a lock (one request in flight)."""
 
-    def __init__(self, endpoint: Endpoint, io_timeout_s: float = 10.0, auth_token: str = "",
-                 tls: "TLSConfig | None" = None) -> None:
+    def __init__(
+        self, endpoint: Endpoint, io_timeout_s: float = 10.0, auth_token: str = "", tls: "TLSConfig | None" = None
+    ) -> None:
         self.endpoint = endpoint
         self.io_timeout_s = io_timeout_s
         self._auth_token = auth_token  # the cluster token presented to the publisher ("" = none)
@@ -192,8 +192,9 @@ class ControlClient:
                 raise
             except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: a TLS refusal lands here
                 sock.close()
-                raise HandshakeTimeout(f"connecting (TLS / authentication) to kv publisher {self.endpoint} failed: "
-                                       f"{e!r}") from e
+                raise HandshakeTimeout(
+                    f"connecting (TLS / authentication) to kv publisher {self.endpoint} failed: {e!r}"
+                ) from e
             self._sock = sock
             return
 
@@ -412,18 +413,30 @@ class ControlServer:
                     continue
                 if not authed:
                     given = msg.get("mac") if op == "auth" else None
-                    if (isinstance(given, str) and nonce
-                            and hmac.compare_digest(given.encode(), auth_mac(self._auth_token, nonce).encode())):
+                    if (
+                        isinstance(given, str)
+                        and nonce
+                        and hmac.compare_digest(given.encode(), auth_mac(self._auth_token, nonce).encode())
+                    ):
                         authed = True
                         conn.send({"ok": True})
                         continue
                     # Why close: a peer without the cluster token gets nothing more from this connection.
-                    log.warning("kv control %s: refused %s from %s: cluster token not presented or wrong",
-                                self.endpoint, op, peer)
-                    conn.send(error_reply(KVAuthError(
-                        f"kv publisher {self.endpoint} refused {op!r}: "
-                        + ("wrong cluster token" if op == "auth" else "this peer did not authenticate")
-                        + "; start the decode pod with the cluster's --cluster-token (PDSERVE_CLUSTER_TOKEN)")))
+                    log.warning(
+                        "kv control %s: refused %s from %s: cluster token not presented or wrong",
+                        self.endpoint,
+                        op,
+                        peer,
+                    )
+                    conn.send(
+                        error_reply(
+                            KVAuthError(
+                                f"kv publisher {self.endpoint} refused {op!r}: "
+                                + ("wrong cluster token" if op == "auth" else "this peer did not authenticate")
+                                + "; start the decode pod with the cluster's --cluster-token (PDSERVE_CLUSTER_TOKEN)"
+                            )
+                        )
+                    )
                     return
                 if op == "auth":  # no token configured here, or already authenticated: nothing to check
                     conn.send({"ok": True})

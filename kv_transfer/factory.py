@@ -50,8 +50,12 @@ def _choose(backend: str, side: str) -> str:
 
 
 def make_publisher(
-    layout: KVLayout, regions: Mapping[int, torch.Tensor], *, backend: str = "auto",
-    ucx_transports: str | None = None, **kwargs: Any
+    layout: KVLayout,
+    regions: Mapping[int, torch.Tensor],
+    *,
+    backend: str = "auto",
+    ucx_transports: str | None = None,
+    **kwargs: Any,
 ) -> KVPublisher:
     """Prefill side. ``kwargs``: on_free, host, port, lease_timeout_s, pin_ttl_s, auth_token, tls (see
     publisher.Publisher). ``ucx_transports``: UCX_TLS of a NIXL publisher (e.g. "tcp"; None: UCX's choice)."""
@@ -65,8 +69,13 @@ def make_publisher(
 
 
 def make_puller(
-    layout: KVLayout, rank: int, region: torch.Tensor, *, backend: str = "auto", ucx_transports: str | None = None,
-    **kwargs: Any
+    layout: KVLayout,
+    rank: int,
+    region: torch.Tensor,
+    *,
+    backend: str = "auto",
+    ucx_transports: str | None = None,
+    **kwargs: Any,
 ) -> KVPuller:
     """Decode side, one per decode tp rank (``ucx_transports`` as for make_publisher). ``kwargs``:
     handshake_timeout_s, io_timeout_s, max_layers_per_read, transfer_timeout_s, auth_token, tls (see

@@ -69,9 +69,7 @@ class TcpPuller(BasePuller):
 
         if time.monotonic() > deadline:
             raise TransferUnavailable(f"lease {handoff.lease_id}: transfer deadline passed")
-        src.client.stream(
-            self._msg("read", handoff, layers=[layers.start, layers.stop]), src.wire, on_frame
-        )
+        src.client.stream(self._msg("read", handoff, layers=[layers.start, layers.stop]), src.wire, on_frame)
         if pos != total:
             raise TransferUnavailable(f"lease {handoff.lease_id}: short read from {src.session.endpoint}")
         # Only now touch the region: everything for the group arrived.

@@ -72,11 +72,30 @@ class KVLayout:
     use_mla: bool = False  # latent cache: one plane per layer, num_kv_heads 1, head_dim = the latent width
 
     @classmethod
-    def mla(cls, num_layers: int, latent_dim: int, dtype: Any, block_size: int, tp_size: int = 1, dcp_size: int = 1,
-            interleave: int = 1, num_blocks: int = 0) -> "KVLayout":
+    def mla(
+        cls,
+        num_layers: int,
+        latent_dim: int,
+        dtype: Any,
+        block_size: int,
+        tp_size: int = 1,
+        dcp_size: int = 1,
+        interleave: int = 1,
+        num_blocks: int = 0,
+    ) -> "KVLayout":
         """An MLA cache: ``latent_dim`` = kv_lora_rank + qk_rope_head_dim values per token and layer."""
-        return cls(num_layers=num_layers, num_kv_heads=1, head_dim=latent_dim, dtype=dtype, block_size=block_size,
-                   tp_size=tp_size, dcp_size=dcp_size, interleave=interleave, num_blocks=num_blocks, use_mla=True)
+        return cls(
+            num_layers=num_layers,
+            num_kv_heads=1,
+            head_dim=latent_dim,
+            dtype=dtype,
+            block_size=block_size,
+            tp_size=tp_size,
+            dcp_size=dcp_size,
+            interleave=interleave,
+            num_blocks=num_blocks,
+            use_mla=True,
+        )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))

@@ -36,9 +36,7 @@ from kv_transfer.transport import BadTransferRequest, LeaseExpired
 log = logging.getLogger(__name__)
 
 LEASES_ACTIVE = Gauge("pdserve_kv_leases_active", "KV leases held by prefill (blocks not yet freed)")
-LEASES_FREED = Counter(
-    "pdserve_kv_leases_freed", "KV leases freed on the prefill side, by reason", ["reason"]
-)
+LEASES_FREED = Counter("pdserve_kv_leases_freed", "KV leases freed on the prefill side, by reason", ["reason"])
 LEASE_RENEWALS = Counter("pdserve_kv_lease_renewals", "KV lease renewals (decode contact or prefill progress)")
 
 FREE_REASONS = ("done", "expired", "aborted", "shutdown")
@@ -137,8 +135,9 @@ class LeaseTable:
             self._renew(lease)
             return lease.expires_at - self._clock()
 
-    def wait_layers(self, lease_id: str, after: int, timeout_s: float, dst_rank: int | None = None,
-                    dst_world: int | None = None) -> int:
+    def wait_layers(
+        self, lease_id: str, after: int, timeout_s: float, dst_rank: int | None = None, dst_world: int | None = None
+    ) -> int:
         """Block until more than ``after`` layers are ready (or timeout); returns layers ready.
 
         Raises LeaseExpired if the lease is (or becomes) retired while waiting."""
@@ -235,7 +234,10 @@ class LeaseTable:
                     log.warning(
                         "KV lease %s (request %s) expired after %.1fs without decode completing "
                         "(%d/%s ranks done); freeing its blocks",
-                        lease.lease_id, lease.request_id, self.timeout_s, len(lease.done_ranks),
+                        lease.lease_id,
+                        lease.request_id,
+                        self.timeout_s,
+                        len(lease.done_ranks),
                         lease.expected_ranks if lease.expected_ranks is not None else "?",
                     )
                     lease.retiring = "expired"

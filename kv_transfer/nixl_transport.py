@@ -62,8 +62,14 @@ def import_nixl() -> Any:
     return nixl
 
 
-def _new_agent(prefix: str, backends: Sequence[str], *, sync: str = "STRICT", ucx_workers: int = 1,
-               ucx_transports: str | None = None) -> Any:
+def _new_agent(
+    prefix: str,
+    backends: Sequence[str],
+    *,
+    sync: str = "STRICT",
+    ucx_workers: int = 1,
+    ucx_transports: str | None = None,
+) -> Any:
     nixl = import_nixl()
     if ucx_transports:
         # UCX reads its transport list (UCX_TLS) from the environment when the backend is created, so the setting
@@ -212,9 +218,11 @@ class NixlPuller(TcpPuller):
             parallel_reads = 1 if region.is_cuda else 2
         self.parallel_reads = max(1, int(parallel_reads))
         self.split_min_bytes = split_min_bytes
-        self._lanes = [
-            ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-read{rank}.{i}") for i in range(self.parallel_reads)
-        ] if self.parallel_reads > 1 else []
+        self._lanes = (
+            [ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-read{rank}.{i}") for i in range(self.parallel_reads)]
+            if self.parallel_reads > 1
+            else []
+        )
         self._lanes_bound = False
         self._lanes_lock = threading.Lock()
         # Staged reads (kv_transfer.staging): whole source blocks in big runs into a registered buffer, then a
@@ -239,8 +247,13 @@ class NixlPuller(TcpPuller):
         # exclusively. STRICT takes one mutex around every call, and the two parts of a split READ then
         # serialize (docs/performance.md). What RW does not cover is one handle from two threads at once (per-handle
         # state is unlocked, NIXL src/core/nixl_agent.cpp): every handle here lives in one thread only.
-        self._agent = _new_agent(f"pdkv-decode{rank}", nixl_backends, sync="RW", ucx_workers=self.parallel_reads,
-                                 ucx_transports=ucx_transports)
+        self._agent = _new_agent(
+            f"pdkv-decode{rank}",
+            nixl_backends,
+            sync="RW",
+            ucx_workers=self.parallel_reads,
+            ucx_transports=ucx_transports,
+        )
         self._reg = self._agent.register_memory(region)  # once; every read lands inside it
         self._mem, self._dev = _mem_of(region)
         self._base = region.data_ptr()
@@ -286,8 +299,10 @@ class NixlPuller(TcpPuller):
 
             def bind() -> None:
                 self._agent.initialize_xfer(
-                    "READ", self._agent.get_xfer_descs(local, self._mem),
-                    self._agent.get_xfer_descs(remote, peer.mem), peer.agent,
+                    "READ",
+                    self._agent.get_xfer_descs(local, self._mem),
+                    self._agent.get_xfer_descs(remote, peer.mem),
+                    peer.agent,
                 ).release()
 
             try:
@@ -345,7 +360,13 @@ class NixlPuller(TcpPuller):
         return self._stage
 
     def _read_nixl(
-        self, src: _Source, peer: _NixlPeer, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float,
+        self,
+        src: _Source,
+        peer: _NixlPeer,
+        handoff: KVHandoff,
+        rp: RankPlan,
+        layers: range,
+        deadline: float,
         staged: StagedPlan | None = None,
     ) -> int:
         if staged is None:
@@ -354,7 +375,13 @@ class NixlPuller(TcpPuller):
             return self._read_nixl_once(src, peer, handoff, rp, layers, deadline, staged)
 
     def _read_nixl_once(
-        self, src: _Source, peer: _NixlPeer, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float,
+        self,
+        src: _Source,
+        peer: _NixlPeer,
+        handoff: KVHandoff,
+        rp: RankPlan,
+        layers: range,
+        deadline: float,
         staged: StagedPlan | None,
     ) -> int:
         base = src.base
@@ -400,7 +427,11 @@ class NixlPuller(TcpPuller):
         return out
 
     def _read_parts(
-        self, parts: list[tuple[np.ndarray, np.ndarray]], peer: _NixlPeer, lease_id: str, deadline: float,
+        self,
+        parts: list[tuple[np.ndarray, np.ndarray]],
+        peer: _NixlPeer,
+        lease_id: str,
+        deadline: float,
         max_read_s: float,
     ) -> None:
         """Post every part (one part: from this thread; more: part i from lane i) and wait for all of them.
@@ -423,8 +454,13 @@ class NixlPuller(TcpPuller):
             raise next((e for e in errors if not isinstance(e, _PartCancelled)), errors[0])
 
     def _read_part(
-        self, part: tuple[np.ndarray, np.ndarray], peer: _NixlPeer, lease_id: str, deadline: float,
-        max_read_s: float, abort: threading.Event,
+        self,
+        part: tuple[np.ndarray, np.ndarray],
+        peer: _NixlPeer,
+        lease_id: str,
+        deadline: float,
+        max_read_s: float,
+        abort: threading.Event,
     ) -> None:
         local, remote = part
         handle = None
@@ -444,7 +480,8 @@ class NixlPuller(TcpPuller):
             while state == "PROC":  # polling is what progresses our side (no progress thread)
                 if abort.is_set():
                     raise _PartCancelled(
-                        f"lease {lease_id}: NIXL READ part from {peer.agent} cancelled: another failed")
+                        f"lease {lease_id}: NIXL READ part from {peer.agent} cancelled: another failed"
+                    )
                 if time.monotonic() > read_deadline:
                     raise TransferUnavailable(f"lease {lease_id}: NIXL READ from {peer.agent} timed out")
                 spins += 1
@@ -490,8 +527,9 @@ class NixlPuller(TcpPuller):
 
     def _descs(self, base, peer: _NixlPeer, rp: RankPlan, layers: range) -> tuple[np.ndarray, np.ndarray]:
         """Nx3 (address, length, device) arrays for every plane of the group's layers."""
-        planes = np.array([rp.plane_index(layer, kv) for layer in layers for kv in range(rp.planes_per_layer)],
-                          dtype=np.int64)
+        planes = np.array(
+            [rp.plane_index(layer, kv) for layer in layers for kv in range(rp.planes_per_layer)], dtype=np.int64
+        )
         n = len(base)
         src_addr = np.empty(n, np.int64)
         src_dev = np.empty(n, np.int64)

@@ -37,9 +37,7 @@ class Segments:
         return int(self.nbytes.shape[0])
 
     def __iter__(self) -> Iterator[tuple[int, int, int, int]]:
-        return zip(
-            self.src_rank.tolist(), self.src_offset.tolist(), self.dst_offset.tolist(), self.nbytes.tolist()
-        )
+        return zip(self.src_rank.tolist(), self.src_offset.tolist(), self.dst_offset.tolist(), self.nbytes.tolist())
 
     @property
     def total_nbytes(self) -> int:
@@ -229,9 +227,7 @@ def checked_block_table(layout: KVLayout, rank: int, table: Sequence[int], num_t
 
 
 def _empty_segments() -> Segments:
-    return Segments(
-        np.empty(0, np.int32), np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
-    )
+    return Segments(np.empty(0, np.int32), np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
 
 
 def apply_segments(

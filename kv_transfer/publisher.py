@@ -92,8 +92,9 @@ class Publisher(KVPublisher):
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._wake = threading.Event()  # cuts a housekeeping sleep short (see _on_activity)
-        self._server = ControlServer(self._handle, host, port, io_timeout_s=max(pin_ttl_s / 2, 0.5),
-                                     auth_token=auth_token, tls=tls)
+        self._server = ControlServer(
+            self._handle, host, port, io_timeout_s=max(pin_ttl_s / 2, 0.5), auth_token=auth_token, tls=tls
+        )
         self._server.start()
         self._house = threading.Thread(target=self._housekeeping, name="kv-publisher-tick", daemon=True)
         self._house.start()
@@ -165,7 +166,10 @@ class Publisher(KVPublisher):
     def _freed(self, lease: Lease, reason: str) -> None:
         log.log(
             logging.INFO if reason == "done" else logging.WARNING,
-            "kv lease %s (request %s) freed: %s", lease.lease_id, lease.request_id, reason,
+            "kv lease %s (request %s) freed: %s",
+            lease.lease_id,
+            lease.request_id,
+            reason,
         )
         if self._user_on_free is not None:
             self._user_on_free(lease.lease_id, lease.request_id, reason)

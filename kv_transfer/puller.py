@@ -200,8 +200,12 @@ class BasePuller(KVPuller):
 
     def abort(self, handoff: KVHandoff, reason: str = "aborted") -> None:
         msg = {
-            "op": "done", "ok": False, "reason": reason[:500], "lease": handoff.lease_id,
-            "dst_rank": self.rank, "dst_world": self.layout.tp_size,
+            "op": "done",
+            "ok": False,
+            "reason": reason[:500],
+            "lease": handoff.lease_id,
+            "dst_rank": self.rank,
+            "dst_world": self.layout.tp_size,
         }
         for ep in dict.fromkeys(handoff.endpoints):
             if ep is None:
@@ -259,8 +263,12 @@ class BasePuller(KVPuller):
             raise BadTransferRequest("handoff misses some prefill ranks' endpoints (merge the partial handoffs)")
         try:
             plan = plan_reshard(
-                handoff.layout, handoff.block_tables, self.layout, {self.rank: block_table},
-                handoff.num_tokens, dst_ranks=[self.rank],
+                handoff.layout,
+                handoff.block_tables,
+                self.layout,
+                {self.rank: block_table},
+                handoff.num_tokens,
+                dst_ranks=[self.rank],
             )
         except ValueError as e:
             raise BadTransferRequest(str(e)) from e
@@ -295,9 +303,7 @@ class BasePuller(KVPuller):
                 handshake=True,
             )
             if hello.get("version") != PROTOCOL_VERSION:
-                raise BadTransferRequest(
-                    f"{ep} speaks kv protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}"
-                )
+                raise BadTransferRequest(f"{ep} speaks kv protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}")
             s = Session(ep, hello, bytes(blob), self.handshake_timeout_s, self.io_timeout_s, self.auth_token, self.tls)
             self._on_hello(s)
         except Exception:

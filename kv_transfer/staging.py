@@ -43,8 +43,13 @@ def plan_staging(base: Segments, src_block_nbytes: int, dst_plane_nbytes: int) -
     if len(base) == 0:
         return None
     bn = int(src_block_nbytes)
-    unit = math.gcd(bn, int(dst_plane_nbytes), int(np.gcd.reduce(base.nbytes)),
-                    int(np.gcd.reduce(base.src_offset)), int(np.gcd.reduce(base.dst_offset)))
+    unit = math.gcd(
+        bn,
+        int(dst_plane_nbytes),
+        int(np.gcd.reduce(base.nbytes)),
+        int(np.gcd.reduce(base.src_offset)),
+        int(np.gcd.reduce(base.dst_offset)),
+    )
     if unit < 64 or dst_plane_nbytes // unit > MAX_ROWS:
         return None
     rank, off, n = base.src_rank.astype(np.int64), base.src_offset, base.nbytes
@@ -74,12 +79,21 @@ def plan_staging(base: Segments, src_block_nbytes: int, dst_plane_nbytes: int) -
         rows_t, dst_t = None, torch.from_numpy(by_row)
     else:
         rows_t, dst_t = torch.from_numpy(stage_rows), torch.from_numpy(dst_rows)
-    return StagedPlan(k_rank[starts].astype(np.int32), k_block[starts] * bn, starts * bn, lengths * bn,
-                      stage_plane, unit, rows_t, dst_t)
+    return StagedPlan(
+        k_rank[starts].astype(np.int32),
+        k_block[starts] * bn,
+        starts * bn,
+        lengths * bn,
+        stage_plane,
+        unit,
+        rows_t,
+        dst_t,
+    )
 
 
-def scatter(plan: StagedPlan, staging: torch.Tensor, region: torch.Tensor, planes: range,
-            dst_plane_nbytes: int) -> None:
+def scatter(
+    plan: StagedPlan, staging: torch.Tensor, region: torch.Tensor, planes: range, dst_plane_nbytes: int
+) -> None:
     """Copy staged planes ``planes`` (staged back to back from the buffer's start) into the region."""
     unit, n = plan.unit, len(planes)
     stg = staging[: n * plan.stage_plane_nbytes].view(n, plan.stage_plane_nbytes // unit, unit)

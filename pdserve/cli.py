@@ -1,4 +1,5 @@
 """The `pdserve` console script: each subcommand lives in pdserve/commands/<name>.py and registers itself."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     return int(args.func(args) or 0)
 
 

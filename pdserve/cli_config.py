@@ -12,6 +12,7 @@ every service that holds it, with the same name and meaning everywhere.
 ``add_arguments`` / ``from_args`` go from a class to argparse and back; ``flags_of`` says which flags a class
 takes; ``argv_for`` / ``to_argv`` build the command line of values (a supervisor starting services).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,10 +89,22 @@ def _walk(cls: type, defaults: Any, path: tuple[str, ...]) -> list[Flag]:
         if default is dataclasses.MISSING:
             raise TypeError(f"{cls.__name__}.{f.name}: a flag needs a default")
         choices = meta.get("choices")
-        out.append(Flag(name=f.name, path=(*path, f.name), flag="--" + meta.get("flag", f.name.replace("_", "-")),
-                        aliases=tuple(meta.get("aliases", ())), type=typ, optional=optional, default=default,
-                        help=meta.get("help", ""), choices=tuple(choices) if choices is not None else None,
-                        metavar=meta.get("metavar"), env=meta.get("env"), secret=bool(meta.get("secret"))))
+        out.append(
+            Flag(
+                name=f.name,
+                path=(*path, f.name),
+                flag="--" + meta.get("flag", f.name.replace("_", "-")),
+                aliases=tuple(meta.get("aliases", ())),
+                type=typ,
+                optional=optional,
+                default=default,
+                help=meta.get("help", ""),
+                choices=tuple(choices) if choices is not None else None,
+                metavar=meta.get("metavar"),
+                env=meta.get("env"),
+                secret=bool(meta.get("secret")),
+            )
+        )
     return out
 
 
@@ -126,8 +139,9 @@ def _parser_of(fl: Flag) -> Callable[[str], Any]:
         v = base(raw)
         # checked here rather than by argparse's choices=, which would refuse an optional field's None
         if fl.choices is not None and v not in fl.choices:
-            raise argparse.ArgumentTypeError(f"invalid choice: {raw!r} (choose from "
-                                             f"{', '.join(map(repr, fl.choices))})")
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {raw!r} (choose from {', '.join(map(repr, fl.choices))})"
+            )
         return v
 
     parse.__name__ = fl.type.__name__  # argparse names it in "invalid int value: 'x'"
@@ -155,16 +169,30 @@ def add_arguments(p: argparse.ArgumentParser, cls: type, environ: Mapping[str, s
         g = groups[where]
         default = fl.env_default(env)
         if fl.type is bool:
-            g.add_argument(fl.flag, *fl.aliases, dest=fl.name, action=argparse.BooleanOptionalAction,
-                           default=default, help=_help(fl))
+            g.add_argument(
+                fl.flag,
+                *fl.aliases,
+                dest=fl.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=_help(fl),
+            )
         else:
             shown = "{" + ",".join(map(str, fl.choices)) + "}" if fl.choices else fl.type.__name__.upper()
-            g.add_argument(fl.flag, *fl.aliases, dest=fl.name, type=_parser_of(fl), default=default,
-                           metavar=fl.metavar or shown, help=_help(fl))
+            g.add_argument(
+                fl.flag,
+                *fl.aliases,
+                dest=fl.name,
+                type=_parser_of(fl),
+                default=default,
+                metavar=fl.metavar or shown,
+                help=_help(fl),
+            )
 
 
-def build_parser(cls: type, prog: str, description: str | None = None,
-                 environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    cls: type, prog: str, description: str | None = None, environ: Mapping[str, str] | None = None
+) -> argparse.ArgumentParser:
     # exact flags only: a prefix of a renamed flag must not quietly mean another one
     p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     add_arguments(p, cls, environ)
@@ -255,5 +283,10 @@ LOG_LEVEL_ENV = "PDSERVE_LOG_LEVEL"
 def add_log_level(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """--log-level, the same on every service (not a config field: it is set before the config is built)."""
     env = os.environ if environ is None else environ
-    p.add_argument("--log-level", default=env.get(LOG_LEVEL_ENV) or "INFO", type=str.upper,
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help=f"env {LOG_LEVEL_ENV}; default: %(default)s")
+    p.add_argument(
+        "--log-level",
+        default=env.get(LOG_LEVEL_ENV) or "INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help=f"env {LOG_LEVEL_ENV}; default: %(default)s",
+    )

@@ -2,6 +2,7 @@
 
 Converted once (dequantised to fp32) into an HF safetensors checkpoint in the cache directory; no network is used.
 Concurrent first runs are serialised by a lock file, and the result is moved into place atomically."""
+
 from __future__ import annotations
 
 import fcntl

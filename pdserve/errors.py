@@ -1,5 +1,6 @@
 """One error model for every service: a ServiceError carries the gRPC status it is answered with, and one handler
 wrapper turns it (and the engine's bad-request errors) into that status."""
+
 from __future__ import annotations
 
 import functools
@@ -84,6 +85,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def grpc_errors(handler: F) -> F:
     """Wrap a grpc.aio servicer method (unary or streaming) so a ServiceError aborts the call with its status."""
     if inspect.isasyncgenfunction(handler):
+
         @functools.wraps(handler)
         async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
@@ -91,6 +93,7 @@ def grpc_errors(handler: F) -> F:
                     yield item
             except Exception as e:
                 await _abort_with(context, e)
+
         return cast(F, stream)
 
     @functools.wraps(handler)
@@ -99,6 +102,7 @@ def grpc_errors(handler: F) -> F:
             return await handler(self, request, context)
         except Exception as e:
             await _abort_with(context, e)
+
     return cast(F, unary)
 
 

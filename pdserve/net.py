@@ -4,6 +4,7 @@ A port found free and bound later by another process can be taken in between. Th
 ``bind(0)`` and for outgoing connections from its ephemeral range, so a port chosen outside that range can only be
 taken by another ``free_port`` caller (a random pick over thousands of ports), never by a socket opened meanwhile.
 """
+
 from __future__ import annotations
 
 import random

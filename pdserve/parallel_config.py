@@ -60,6 +60,7 @@ __all__ = [
 # Model description
 # --------------------------------------------------------------------------------------------------------------
 
+
 def _is_pos_int(v: Any) -> bool:
     # bool is an int subclass; True must not pass as "1 GPU".
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
@@ -149,6 +150,7 @@ class ModelParallelInfo:
 # --------------------------------------------------------------------------------------------------------------
 # Parallel config, verdicts, errors
 # --------------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -353,6 +355,7 @@ def _is_valid(model: ModelParallelInfo, cfg: ParallelConfig) -> bool:
 # Fix search
 # --------------------------------------------------------------------------------------------------------------
 
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -371,11 +374,7 @@ def _dcp_down_candidates(model: ModelParallelInfo, cfg: ParallelConfig) -> list[
     tp, dcp = cfg.tensor_parallel_size, cfg.decode_context_parallel_size
     if not (_is_pos_int(tp) and _is_pos_int(dcp)):
         return []
-    return [
-        dataclasses.replace(cfg, decode_context_parallel_size=d)
-        for d in reversed(_divisors(tp))
-        if 1 < d < dcp
-    ]
+    return [dataclasses.replace(cfg, decode_context_parallel_size=d) for d in reversed(_divisors(tp)) if 1 < d < dcp]
 
 
 def _dcp_one(model: ModelParallelInfo, cfg: ParallelConfig) -> list[ParallelConfig]:
@@ -479,15 +478,21 @@ def _describe(flag: str, new: int, old: Any, cfg: ParallelConfig, alone: bool) -
         if _is_pos_int(old) and new >= old:
             return f"use `--tensor-parallel-size {new}` (the smallest valid value at or above the requested {old})"
         if _is_pos_int(old):
-            return (f"use `--tensor-parallel-size {new}` (no valid value at or above the requested {old}; "
-                    "this is the closest one below)")
+            return (
+                f"use `--tensor-parallel-size {new}` (no valid value at or above the requested {old}; "
+                "this is the closest one below)"
+            )
         return f"use `--tensor-parallel-size {new}` (the smallest valid value)"
     if flag == "--decode-context-parallel-size":
-        return (f"use `--decode-context-parallel-size {new}` (the largest valid value below the requested {old} "
-                f"for `--tensor-parallel-size` {cfg.tensor_parallel_size})")
+        return (
+            f"use `--decode-context-parallel-size {new}` (the largest valid value below the requested {old} "
+            f"for `--tensor-parallel-size` {cfg.tensor_parallel_size})"
+        )
     if flag == "--dcp-kv-cache-interleave-size":
-        return (f"use `--dcp-kv-cache-interleave-size {new}` (the largest value not above the requested {old!r} "
-                f"that divides `--block-size` {cfg.block_size})")
+        return (
+            f"use `--dcp-kv-cache-interleave-size {new}` (the largest value not above the requested {old!r} "
+            f"that divides `--block-size` {cfg.block_size})"
+        )
     return f"use `{flag} {new}`"
 
 
@@ -539,6 +544,7 @@ def _changed_fields_in_order(model: ModelParallelInfo, old: ParallelConfig, new:
 # Public checks
 # --------------------------------------------------------------------------------------------------------------
 
+
 def check_parallel_config(model: ModelParallelInfo, cfg: ParallelConfig) -> Verdict:
     """Check ``cfg`` for ``model``; never raises for a bad config (see validate_parallel_config for that)."""
     failure = _first_failure(model, cfg)
@@ -568,6 +574,7 @@ def validate_parallel_config(model: ModelParallelInfo, cfg: ParallelConfig) -> N
 # --------------------------------------------------------------------------------------------------------------
 # Layout helpers (docs/DESIGN.md "KV cache layout", which follows vLLM)
 # --------------------------------------------------------------------------------------------------------------
+
 
 def _need_pos(name: str, v: Any) -> None:
     if not _is_pos_int(v):
@@ -663,12 +670,15 @@ def dcp_local_num_blocks(num_tokens: int, dcp: int, interleave: int, dcp_rank: i
     return -(-dcp_local_count(num_tokens, dcp, interleave, dcp_rank) // block_size)
 
 
-def kv_dtype_mismatch(prefill: str, decode: str, prefill_name: str = "the prefill pod",
-                      decode_name: str = "the decode pod") -> str | None:
+def kv_dtype_mismatch(
+    prefill: str, decode: str, prefill_name: str = "the prefill pod", decode_name: str = "the decode pod"
+) -> str | None:
     """Why KV cannot move between a prefill and a decode pod of these KV dtypes ("" = not reported); None if it can.
 
     The bytes are moved as they are, never converted, so both sides must run the same EngineConfig.dtype."""
     if not prefill or not decode or prefill == decode:
         return None
-    return (f"KV dtype mismatch: {prefill_name} runs {prefill}, {decode_name} runs {decode}, and KV moves between "
-            f"them as raw bytes: start both with the same --dtype (e.g. --dtype {prefill} on {decode_name})")
+    return (
+        f"KV dtype mismatch: {prefill_name} runs {prefill}, {decode_name} runs {decode}, and KV moves between "
+        f"them as raw bytes: start both with the same --dtype (e.g. --dtype {prefill} on {decode_name})"
+    )

@@ -4,6 +4,7 @@ The sampler follows vLLM's definitions: logprobs are the log-softmax of the raw 
 min_tokens (stop tokens masked), the penalties (repetition over prompt + output tokens, frequency and presence
 over output tokens), a structured-output constraint (xgrammar's token bitmask; pdserve/structured.py), temperature,
 min_p, top-k and top-p, in that order."""
+
 from __future__ import annotations
 
 import math
@@ -84,8 +85,7 @@ class SamplingParams:
         if not integer(self.top_logprobs) or self.top_logprobs < 0:
             bad(f"logprobs must be non-negative, got {self.top_logprobs!r}.")
         if self.top_logprobs > MAX_LOGPROBS:
-            bad(f"Requested sample logprobs of {self.top_logprobs}, which is greater than max allowed: "
-                f"{MAX_LOGPROBS}")
+            bad(f"Requested sample logprobs of {self.top_logprobs}, which is greater than max allowed: {MAX_LOGPROBS}")
         if not isinstance(self.logit_bias, dict):
             bad("logit_bias must be a mapping of token id to bias")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -124,8 +124,9 @@ class SampleOutput(NamedTuple):
 class Sampler:
     """Samples one token per row; keeps a torch.Generator per seeded request so seeded runs reproduce."""
 
-    def __init__(self, eos_token_ids: Sequence[int] = (),
-                 grammar_backend: Callable[[], GrammarBackend] | None = None) -> None:
+    def __init__(
+        self, eos_token_ids: Sequence[int] = (), grammar_backend: Callable[[], GrammarBackend] | None = None
+    ) -> None:
         """grammar_backend: builds the structured-output backend for this model's tokenizer, on first use."""
         self._generators: dict[str, torch.Generator] = {}
         self._prompt_masks: dict[str, torch.Tensor] = {}  # repetition penalty: prompt tokens, built once
@@ -154,9 +155,14 @@ class Sampler:
         self._prompt_masks.pop(request_id, None)
         self._matchers.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
-               prompt_ids: Sequence[Sequence[int]] | None = None,
-               output_ids: Sequence[Sequence[int]] | None = None) -> SampleOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        request_ids: list[str],
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SampleOutput:
         """prompt_ids / output_ids: each row's tokens so far (needed when a row uses penalties or min_tokens)."""
         logprobs_all = torch.log_softmax(logits.float(), dim=-1)
         x = logits
@@ -168,8 +174,9 @@ class Sampler:
         if constrained:
             if output_ids is None:
                 raise ValueError("structured output needs each row's output_ids")
-            x = self._constrain(logits, logits.float().clone() if x is logits else x, params, request_ids,
-                                output_ids, constrained)
+            x = self._constrain(
+                logits, logits.float().clone() if x is logits else x, params, request_ids, output_ids, constrained
+            )
         if all(p.greedy for p in params):
             tokens = x.argmax(dim=-1)
             out_t = tokens.tolist()
@@ -188,8 +195,14 @@ class Sampler:
         lps = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         return SampleOutput(out_t, lps, _top_logprobs(logprobs_all, params))
 
-    def _process(self, x: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
-                 prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    def _process(
+        self,
+        x: torch.Tensor,
+        params: list[SamplingParams],
+        request_ids: list[str],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
         """logit_bias, min_tokens and the penalties on a float32 copy of the batch's logits."""
         n_vocab = x.shape[1]
         dev = x.device
@@ -203,12 +216,20 @@ class Sampler:
                     cols.append(tok)
                     vals.append(b)
         if rows:
-            x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                         torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+            x.index_put_(
+                (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                torch.tensor(vals, dtype=x.dtype, device=dev),
+                accumulate=True,
+            )
         pen = [i for i, p in enumerate(params) if p.penalized]
         if pen:
-            x[pen] = self._penalize(x[pen], [params[i] for i in pen], [request_ids[i] for i in pen],
-                                    [prompt_ids[i] for i in pen], [output_ids[i] for i in pen])
+            x[pen] = self._penalize(
+                x[pen],
+                [params[i] for i in pen],
+                [request_ids[i] for i in pen],
+                [prompt_ids[i] for i in pen],
+                [output_ids[i] for i in pen],
+            )
         rows, cols = [], []
         for i, p in enumerate(params):
             if len(output_ids[i]) < p.min_tokens:
@@ -223,8 +244,15 @@ class Sampler:
         x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
         return x
 
-    def _constrain(self, logits: torch.Tensor, x: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
-                   output_ids: Sequence[Sequence[int]], rows: list[int]) -> torch.Tensor:
+    def _constrain(
+        self,
+        logits: torch.Tensor,
+        x: torch.Tensor,
+        params: list[SamplingParams],
+        request_ids: list[str],
+        output_ids: Sequence[Sequence[int]],
+        rows: list[int],
+    ) -> torch.Tensor:
         """Mask, on a float32 copy, every token the row's grammar does not allow next (one bitmask for the batch)."""
         g = self.grammar
         bitmask = g.allocate_bitmask(x.shape[0])
@@ -245,8 +273,14 @@ class Sampler:
                 g.apply_bitmask(x, bitmask, dead)
         return x
 
-    def _penalize(self, x: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
-                  prompt_ids: list[Sequence[int]], output_ids: list[Sequence[int]]) -> torch.Tensor:
+    def _penalize(
+        self,
+        x: torch.Tensor,
+        params: list[SamplingParams],
+        request_ids: list[str],
+        prompt_ids: list[Sequence[int]],
+        output_ids: list[Sequence[int]],
+    ) -> torch.Tensor:
         """vLLM's apply_penalties on the rows that use a penalty."""
         n, n_vocab = x.shape
         dev = x.device
@@ -254,7 +288,7 @@ class Sampler:
         padded = torch.full((n, width), n_vocab, dtype=torch.long)  # pad with an extra column, dropped below
         for i, o in enumerate(output_ids):
             if o:
-                padded[i, :len(o)] = torch.tensor(o, dtype=torch.long)
+                padded[i, : len(o)] = torch.tensor(o, dtype=torch.long)
         counts = torch.zeros(n, n_vocab + 1, dtype=x.dtype, device=dev)
         counts.scatter_add_(1, padded.to(dev), torch.ones(n, width, dtype=x.dtype, device=dev))
         counts = counts[:, :n_vocab]
@@ -287,15 +321,15 @@ class Sampler:
         return g
 
 
-def _top_logprobs(logprobs_all: torch.Tensor, params: list[SamplingParams]
-                  ) -> list[tuple[list[int], list[float]] | None]:
+def _top_logprobs(
+    logprobs_all: torch.Tensor, params: list[SamplingParams]
+) -> list[tuple[list[int], list[float]] | None]:
     k_max = max((p.top_logprobs for p in params), default=0)
     if k_max == 0:
         return [None] * len(params)
     vals, idx = logprobs_all.topk(min(k_max, logprobs_all.shape[1]), dim=-1)  # one topk for the whole batch
     v, ix = vals.tolist(), idx.tolist()
-    return [(ix[i][:p.top_logprobs], v[i][:p.top_logprobs]) if p.top_logprobs else None
-            for i, p in enumerate(params)]
+    return [(ix[i][: p.top_logprobs], v[i][: p.top_logprobs]) if p.top_logprobs else None for i, p in enumerate(params)]
 
 
 def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:

@@ -10,6 +10,7 @@
 - ``ApiKeyInterceptor``: the router's client API key (metadata ``authorization: Bearer KEY`` or ``x-api-key: KEY``).
 - ``secrets_match``: constant-time comparison for keys and tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,10 +27,20 @@ import grpc
 # any legitimate message and bounds what one peer can make a server buffer).
 MAX_MESSAGE_BYTES = 64 << 20
 
-ENV = {"cert_file": "PDSERVE_TLS_CERT_FILE", "key_file": "PDSERVE_TLS_KEY_FILE", "ca_file": "PDSERVE_TLS_CA_FILE",
-       "require_client_cert": "PDSERVE_TLS_REQUIRE_CLIENT_CERT", "server_name": "PDSERVE_TLS_SERVER_NAME"}
-FLAGS = {"cert_file": "--tls-cert-file", "key_file": "--tls-key-file", "ca_file": "--tls-ca-file",
-         "require_client_cert": "--tls-require-client-cert", "server_name": "--tls-server-name"}
+ENV = {
+    "cert_file": "PDSERVE_TLS_CERT_FILE",
+    "key_file": "PDSERVE_TLS_KEY_FILE",
+    "ca_file": "PDSERVE_TLS_CA_FILE",
+    "require_client_cert": "PDSERVE_TLS_REQUIRE_CLIENT_CERT",
+    "server_name": "PDSERVE_TLS_SERVER_NAME",
+}
+FLAGS = {
+    "cert_file": "--tls-cert-file",
+    "key_file": "--tls-key-file",
+    "ca_file": "--tls-ca-file",
+    "require_client_cert": "--tls-require-client-cert",
+    "server_name": "--tls-server-name",
+}
 API_KEY_ENV = "PDSERVE_API_KEY"
 ROUTER_SERVICE_PREFIX = "/pdserve.v1.Router/"
 
@@ -56,11 +67,15 @@ class TLSConfigError(ValueError):
     """A TLS setting that cannot work; the message names the flag (or environment variable) to fix."""
 
 
-def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+def grpc_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES, extra: Sequence[tuple[str, Any]] = ()
+) -> list[tuple[str, Any]]:
     """Channel / server options with explicit send and receive limits (gRPC's defaults differ per side)."""
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes), *extra]
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *extra,
+    ]
 
 
 def _read(path: str, field: str) -> bytes:
@@ -89,12 +104,15 @@ class TLSConfig:
                 raise TLSConfigError(f"{FLAGS[f]} ({ENV[f]}) must be a non-empty string, got {v!r}")
         if (self.cert_file is None) != (self.key_file is None):
             missing = "key_file" if self.key_file is None else "cert_file"
-            raise TLSConfigError(f"{FLAGS['cert_file']} and {FLAGS['key_file']} go together: set {FLAGS[missing]} "
-                                 f"({ENV[missing]}) too")
+            raise TLSConfigError(
+                f"{FLAGS['cert_file']} and {FLAGS['key_file']} go together: set {FLAGS[missing]} ({ENV[missing]}) too"
+            )
         if self.require_client_cert and (self.ca_file is None or self.cert_file is None):
-            raise TLSConfigError(f"{FLAGS['require_client_cert']} (mutual TLS) needs {FLAGS['ca_file']} (the CA that "
-                                 f"signs client certificates) and this process's own {FLAGS['cert_file']} / "
-                                 f"{FLAGS['key_file']}")
+            raise TLSConfigError(
+                f"{FLAGS['require_client_cert']} (mutual TLS) needs {FLAGS['ca_file']} (the CA that "
+                f"signs client certificates) and this process's own {FLAGS['cert_file']} / "
+                f"{FLAGS['key_file']}"
+            )
         # Load every file now: a bad path or a key that does not match the certificate fails at startup, named.
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         if self.cert_file is not None:
@@ -103,9 +121,10 @@ class TLSConfig:
             try:
                 ctx.load_cert_chain(self.cert_file, self.key_file)
             except ssl.SSLError as e:
-                raise TLSConfigError(f"{FLAGS['cert_file']} {self.cert_file!r} / {FLAGS['key_file']} "
-                                     f"{self.key_file!r}: not a PEM certificate and its matching private key ({e})"
-                                     ) from None
+                raise TLSConfigError(
+                    f"{FLAGS['cert_file']} {self.cert_file!r} / {FLAGS['key_file']} "
+                    f"{self.key_file!r}: not a PEM certificate and its matching private key ({e})"
+                ) from None
         if self.ca_file is not None:
             _read(self.ca_file, "ca_file")
             try:
@@ -125,8 +144,13 @@ class TLSConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TLSConfig":
-        return cls(cert_file=args.tls_cert_file, key_file=args.tls_key_file, ca_file=args.tls_ca_file,
-                   require_client_cert=bool(args.tls_require_client_cert), server_name=args.tls_server_name)
+        return cls(
+            cert_file=args.tls_cert_file,
+            key_file=args.tls_key_file,
+            ca_file=args.tls_ca_file,
+            require_client_cert=bool(args.tls_require_client_cert),
+            server_name=args.tls_server_name,
+        )
 
     # --- gRPC ---
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -134,8 +158,7 @@ class TLSConfig:
             raise TLSConfigError(f"serving TLS needs {FLAGS['cert_file']} and {FLAGS['key_file']}")
         pair = (_read(self.key_file, "key_file"), _read(self.cert_file, "cert_file"))
         root = _read(self.ca_file, "ca_file") if self.ca_file is not None else None
-        return grpc.ssl_server_credentials([pair], root_certificates=root,
-                                           require_client_auth=self.require_client_cert)
+        return grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=self.require_client_cert)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Trust ca_file (else the system roots); present cert/key as client certificate when set (mTLS)."""
@@ -171,31 +194,64 @@ def add_tls_arguments(p: argparse.ArgumentParser, *, client_only: bool = False) 
     g = p.add_argument_group("TLS")
     env = os.environ
     if client_only:
-        g.add_argument(FLAGS["ca_file"], default=env.get(ENV["ca_file"]) or None, metavar="PEM",
-                       help=f"CA certificate to trust: connect with TLS (env {ENV['ca_file']})")
-        g.add_argument(FLAGS["cert_file"], default=env.get(ENV["cert_file"]) or None, metavar="PEM",
-                       help="client certificate, for servers that require mutual TLS")
-        g.add_argument(FLAGS["key_file"], default=env.get(ENV["key_file"]) or None, metavar="PEM",
-                       help="private key of the client certificate")
-        g.add_argument(FLAGS["server_name"], default=env.get(ENV["server_name"]) or None, metavar="NAME",
-                       help="name expected in the server certificate (default: the host dialed)")
+        g.add_argument(
+            FLAGS["ca_file"],
+            default=env.get(ENV["ca_file"]) or None,
+            metavar="PEM",
+            help=f"CA certificate to trust: connect with TLS (env {ENV['ca_file']})",
+        )
+        g.add_argument(
+            FLAGS["cert_file"],
+            default=env.get(ENV["cert_file"]) or None,
+            metavar="PEM",
+            help="client certificate, for servers that require mutual TLS",
+        )
+        g.add_argument(
+            FLAGS["key_file"],
+            default=env.get(ENV["key_file"]) or None,
+            metavar="PEM",
+            help="private key of the client certificate",
+        )
+        g.add_argument(
+            FLAGS["server_name"],
+            default=env.get(ENV["server_name"]) or None,
+            metavar="NAME",
+            help="name expected in the server certificate (default: the host dialed)",
+        )
         g.set_defaults(tls_require_client_cert=False)
         return
-    g.add_argument(FLAGS["cert_file"], default=env.get(ENV["cert_file"]) or None, metavar="PEM",
-                   help=f"serve TLS with this certificate (env {ENV['cert_file']}); also the client certificate "
-                        "this process presents to other services")
-    g.add_argument(FLAGS["key_file"], default=env.get(ENV["key_file"]) or None, metavar="PEM",
-                   help=f"private key of --tls-cert-file (env {ENV['key_file']})")
-    g.add_argument(FLAGS["ca_file"], default=env.get(ENV["ca_file"]) or None, metavar="PEM",
-                   help=f"CA that signs the other services' (and, with mTLS, clients') certificates "
-                        f"(env {ENV['ca_file']})")
-    g.add_argument(FLAGS["require_client_cert"], action="store_true",
-                   default=_truthy(env.get(ENV["require_client_cert"], "")),
-                   help=f"mutual TLS: refuse clients without a certificate signed by --tls-ca-file "
-                        f"(env {ENV['require_client_cert']})")
-    g.add_argument(FLAGS["server_name"], default=env.get(ENV["server_name"]) or None, metavar="NAME",
-                   help=f"name expected in the other services' certificates (env {ENV['server_name']}; default: "
-                        "the host dialed)")
+    g.add_argument(
+        FLAGS["cert_file"],
+        default=env.get(ENV["cert_file"]) or None,
+        metavar="PEM",
+        help=f"serve TLS with this certificate (env {ENV['cert_file']}); also the client certificate "
+        "this process presents to other services",
+    )
+    g.add_argument(
+        FLAGS["key_file"],
+        default=env.get(ENV["key_file"]) or None,
+        metavar="PEM",
+        help=f"private key of --tls-cert-file (env {ENV['key_file']})",
+    )
+    g.add_argument(
+        FLAGS["ca_file"],
+        default=env.get(ENV["ca_file"]) or None,
+        metavar="PEM",
+        help=f"CA that signs the other services' (and, with mTLS, clients') certificates (env {ENV['ca_file']})",
+    )
+    g.add_argument(
+        FLAGS["require_client_cert"],
+        action="store_true",
+        default=_truthy(env.get(ENV["require_client_cert"], "")),
+        help=f"mutual TLS: refuse clients without a certificate signed by --tls-ca-file "
+        f"(env {ENV['require_client_cert']})",
+    )
+    g.add_argument(
+        FLAGS["server_name"],
+        default=env.get(ENV["server_name"]) or None,
+        metavar="NAME",
+        help=f"name expected in the other services' certificates (env {ENV['server_name']}; default: the host dialed)",
+    )
 
 
 def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
@@ -207,44 +263,72 @@ def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
 # --- HTTPS of the OpenAI HTTP front ------------------------------------------------------------------------------
 # The front is both a server (its own certificate: --http-tls-*) and the router's gRPC client (--tls-*, client side),
 # so its serving certificate has flags of its own. Validation is TLSConfig's; errors name these flags instead.
-HTTP_FLAGS = {"cert_file": "--http-tls-cert-file", "key_file": "--http-tls-key-file",
-              "ca_file": "--http-tls-ca-file", "require_client_cert": "--http-tls-require-client-cert"}
-HTTP_ENV = {"cert_file": "PDSERVE_HTTP_TLS_CERT_FILE", "key_file": "PDSERVE_HTTP_TLS_KEY_FILE",
-            "ca_file": "PDSERVE_HTTP_TLS_CA_FILE", "require_client_cert": "PDSERVE_HTTP_TLS_REQUIRE_CLIENT_CERT"}
+HTTP_FLAGS = {
+    "cert_file": "--http-tls-cert-file",
+    "key_file": "--http-tls-key-file",
+    "ca_file": "--http-tls-ca-file",
+    "require_client_cert": "--http-tls-require-client-cert",
+}
+HTTP_ENV = {
+    "cert_file": "PDSERVE_HTTP_TLS_CERT_FILE",
+    "key_file": "PDSERVE_HTTP_TLS_KEY_FILE",
+    "ca_file": "PDSERVE_HTTP_TLS_CA_FILE",
+    "require_client_cert": "PDSERVE_HTTP_TLS_REQUIRE_CLIENT_CERT",
+}
 
 
 def add_http_tls_arguments(p: argparse.ArgumentParser) -> None:
     """--http-tls-* flags: the certificate an HTTP server serves HTTPS with (defaults: PDSERVE_HTTP_TLS_*)."""
     g = p.add_argument_group("HTTPS (this server's own certificate)")
     env = os.environ
-    g.add_argument(HTTP_FLAGS["cert_file"], default=env.get(HTTP_ENV["cert_file"]) or None, metavar="PEM",
-                   help=f"serve HTTPS with this certificate (env {HTTP_ENV['cert_file']}); default: plain HTTP")
-    g.add_argument(HTTP_FLAGS["key_file"], default=env.get(HTTP_ENV["key_file"]) or None, metavar="PEM",
-                   help=f"private key of {HTTP_FLAGS['cert_file']} (env {HTTP_ENV['key_file']})")
-    g.add_argument(HTTP_FLAGS["ca_file"], default=env.get(HTTP_ENV["ca_file"]) or None, metavar="PEM",
-                   help=f"CA that signs client certificates, for {HTTP_FLAGS['require_client_cert']} "
-                        f"(env {HTTP_ENV['ca_file']})")
-    g.add_argument(HTTP_FLAGS["require_client_cert"], action="store_true",
-                   default=_truthy(env.get(HTTP_ENV["require_client_cert"], "")),
-                   help=f"mutual TLS: refuse HTTPS clients without a certificate signed by {HTTP_FLAGS['ca_file']} "
-                        f"(env {HTTP_ENV['require_client_cert']})")
+    g.add_argument(
+        HTTP_FLAGS["cert_file"],
+        default=env.get(HTTP_ENV["cert_file"]) or None,
+        metavar="PEM",
+        help=f"serve HTTPS with this certificate (env {HTTP_ENV['cert_file']}); default: plain HTTP",
+    )
+    g.add_argument(
+        HTTP_FLAGS["key_file"],
+        default=env.get(HTTP_ENV["key_file"]) or None,
+        metavar="PEM",
+        help=f"private key of {HTTP_FLAGS['cert_file']} (env {HTTP_ENV['key_file']})",
+    )
+    g.add_argument(
+        HTTP_FLAGS["ca_file"],
+        default=env.get(HTTP_ENV["ca_file"]) or None,
+        metavar="PEM",
+        help=f"CA that signs client certificates, for {HTTP_FLAGS['require_client_cert']} (env {HTTP_ENV['ca_file']})",
+    )
+    g.add_argument(
+        HTTP_FLAGS["require_client_cert"],
+        action="store_true",
+        default=_truthy(env.get(HTTP_ENV["require_client_cert"], "")),
+        help=f"mutual TLS: refuse HTTPS clients without a certificate signed by {HTTP_FLAGS['ca_file']} "
+        f"(env {HTTP_ENV['require_client_cert']})",
+    )
 
 
 def _renamed(msg: str, flags: dict[str, str], env: dict[str, str]) -> str:
     """A TLSConfigError message with the --tls-* flag / PDSERVE_TLS_* names replaced by ``flags`` / ``env``."""
     names = {FLAGS[f]: flags[f] for f in flags} | {ENV[f]: env[f] for f in env}
-    return re.sub("|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)),
-                  lambda m: names[m.group(0)], msg)
+    return re.sub(
+        "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)), lambda m: names[m.group(0)], msg
+    )
 
 
-def http_server_tls(cert_file: str | None = None, key_file: str | None = None, ca_file: str | None = None,
-                    require_client_cert: bool = False) -> TLSConfig | None:
+def http_server_tls(
+    cert_file: str | None = None,
+    key_file: str | None = None,
+    ca_file: str | None = None,
+    require_client_cert: bool = False,
+) -> TLSConfig | None:
     """The checked server-side TLSConfig of an HTTPS front (None: plain HTTP). Errors name the --http-tls-* flags."""
     if cert_file is None and key_file is None and ca_file is None and not require_client_cert:
         return None
     try:
-        tls = TLSConfig(cert_file=cert_file, key_file=key_file, ca_file=ca_file,
-                        require_client_cert=require_client_cert)
+        tls = TLSConfig(
+            cert_file=cert_file, key_file=key_file, ca_file=ca_file, require_client_cert=require_client_cert
+        )
     except TLSConfigError as e:
         raise TLSConfigError(_renamed(str(e), HTTP_FLAGS, HTTP_ENV)) from None
     check_https_serving(tls)
@@ -255,14 +339,17 @@ def check_https_serving(tls: TLSConfig | None) -> None:
     """Refuses a TLSConfig an HTTPS server cannot serve: a checked one without a certificate and key has only a CA
     (require_client_cert alone already fails in TLSConfig). None (plain HTTP) passes."""
     if tls is not None and not tls.serves_tls:
-        raise TLSConfigError(f"{HTTP_FLAGS['ca_file']} ({HTTP_ENV['ca_file']}) only says which client certificates "
-                             f"to trust: serving HTTPS needs {HTTP_FLAGS['cert_file']} and {HTTP_FLAGS['key_file']}")
+        raise TLSConfigError(
+            f"{HTTP_FLAGS['ca_file']} ({HTTP_ENV['ca_file']}) only says which client certificates "
+            f"to trust: serving HTTPS needs {HTTP_FLAGS['cert_file']} and {HTTP_FLAGS['key_file']}"
+        )
 
 
 def http_tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
     """The server-side TLSConfig of parsed --http-tls-* flags (add_http_tls_arguments), or None for plain HTTP."""
-    return http_server_tls(args.http_tls_cert_file, args.http_tls_key_file, args.http_tls_ca_file,
-                           bool(args.http_tls_require_client_cert))
+    return http_server_tls(
+        args.http_tls_cert_file, args.http_tls_key_file, args.http_tls_ca_file, bool(args.http_tls_require_client_cert)
+    )
 
 
 # --- servers and channels ---------------------------------------------------------------------------------------
@@ -271,8 +358,10 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str, tls: TLSConfig | N
     if tls is not None and tls.serves_tls:
         return server.add_secure_port(address, tls.server_credentials())
     if tls is not None and tls.enabled:
-        raise TLSConfigError(f"{address}: a server needs {FLAGS['cert_file']} and {FLAGS['key_file']} to serve TLS "
-                             f"({FLAGS['ca_file']} alone only configures what it trusts)")
+        raise TLSConfigError(
+            f"{address}: a server needs {FLAGS['cert_file']} and {FLAGS['key_file']} to serve TLS "
+            f"({FLAGS['ca_file']} alone only configures what it trusts)"
+        )
     return server.add_insecure_port(address)
 
 
@@ -312,8 +401,10 @@ def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | N
     return None
 
 
-API_KEY_HELP = ("this router requires an API key: send gRPC metadata 'authorization: Bearer <key>' (or "
-                "'x-api-key: <key>'); SDK: Client(..., api_key=KEY); CLI: --api-key KEY or PDSERVE_API_KEY")
+API_KEY_HELP = (
+    "this router requires an API key: send gRPC metadata 'authorization: Bearer <key>' (or "
+    "'x-api-key: <key>'); SDK: Client(..., api_key=KEY); CLI: --api-key KEY or PDSERVE_API_KEY"
+)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -327,8 +418,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._key = api_key
         self._prefix = prefix
 
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-                                details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
         handler = await continuation(details)
         if handler is None or not details.method.startswith(self._prefix):
             return handler

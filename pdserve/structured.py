@@ -10,6 +10,7 @@ every mask, so the first token sampled on prefill and the rest sampled on decode
 what keeps a preempted-and-recomputed sequence's matcher right.
 
 xgrammar (and torch) are imported on first use: a process that never sees a constraint does not pay for them."""
+
 from __future__ import annotations
 
 import functools
@@ -90,6 +91,7 @@ def _clean(e: Exception) -> str:
 
 def choice_grammar(choices: Sequence[str]) -> str:
     """EBNF whose language is exactly the given strings (vLLM's choice_as_grammar)."""
+
     def lit(s: str) -> str:
         return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r") + '"'
 

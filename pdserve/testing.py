@@ -1,5 +1,6 @@
 """What tests and benchmarks build on: tiny random-initialised HF checkpoints for fast tests of odd shapes (written
 with transformers itself), a recording KV connector, and an engine that publishes prompt KV as a prefill pod does."""
+
 from __future__ import annotations
 
 import shutil
@@ -21,16 +22,37 @@ FAMILIES = {
 # MLA + MoE shapes small enough for a test: 8 routed experts in 4 groups (2 per group, as V3's top-2 group score
 # needs), 2 chosen per token from the best 2 groups, one shared expert and a dense first layer.
 DEEPSEEK_DEFAULTS: dict[str, Any] = dict(
-    q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
-    first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=1.5,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=1.5,
 )
 
 
-def write_tiny_checkpoint(path: str | Path, family: str = "llama", *, num_heads: int = 8, num_kv_heads: int = 2,
-                          head_dim: int = 16, hidden_size: int = 64, intermediate_size: int = 128,
-                          num_layers: int = 2, vocab_size: int = 256, seed: int = 0,
-                          tokenizer_from: str | Path | None = None, **extra: Any) -> Path:
+def write_tiny_checkpoint(
+    path: str | Path,
+    family: str = "llama",
+    *,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    vocab_size: int = 256,
+    seed: int = 0,
+    tokenizer_from: str | Path | None = None,
+    **extra: Any,
+) -> Path:
     """A random model of the given family; the tokenizer is copied from tokenizer_from (e.g. the default model),
     clipped ids are fine because tests feed token ids directly."""
     import transformers
@@ -40,14 +62,27 @@ def write_tiny_checkpoint(path: str | Path, family: str = "llama", *, num_heads:
     arch = FAMILIES[family]
     cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     if family.startswith("deepseek"):
-        extra = {**DEEPSEEK_DEFAULTS, **({"topk_method": "group_limited_greedy"} if family == "deepseek_v2" else {}),
-                 **extra}
+        extra = {
+            **DEEPSEEK_DEFAULTS,
+            **({"topk_method": "group_limited_greedy"} if family == "deepseek_v2" else {}),
+            **extra,
+        }
         num_kv_heads = num_heads  # MLA has no KV heads; transformers wants them equal to the query heads
     if not family.startswith("deepseek"):  # MLA's head dims are its own (qk_nope/qk_rope/v_head_dim)
         extra["head_dim"] = head_dim
-    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
+    cfg = cfg_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **extra,
+    )
     cfg.architectures = [arch]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).to(torch.float32)
@@ -107,14 +142,18 @@ class EnginePrefill:
     and its blocks are held until close(); every ``handoff`` is a fresh lease over them, so one prompt can be decoded
     any number of times."""
 
-    def __init__(self, model: str | Path, *, num_kv_blocks: int = 512, block_size: int = 16,
-                 lease_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, model: str | Path, *, num_kv_blocks: int = 512, block_size: int = 16, lease_timeout_s: float = 120.0
+    ) -> None:
         from kv_transfer.factory import make_publisher
         from pdserve.engine.llm_engine import EngineConfig, LLMEngine
         from pdserve.pod.convert import kv_layout_for_model
 
-        self.engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size,
-                                             enable_prefix_caching=False))
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, enable_prefix_caching=False
+            )
+        )
         mc, cache = self.engine.model_config, self.engine.executor.kv_cache
         layout = kv_layout_for_model(mc, str(cache.dtype), block_size, num_blocks=num_kv_blocks)
         self.publisher = make_publisher(layout, {0: cache}, backend="tcp", lease_timeout_s=lease_timeout_s)
@@ -127,8 +166,9 @@ class EnginePrefill:
         key = tuple(prompt)
         if key not in self._done:
             rid = f"prefill-{len(self._done)}"
-            self.engine.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), rid,
-                                    hold_kv=True)
+            self.engine.add_request(
+                list(prompt), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), rid, hold_kv=True
+            )
             first = None
             while first is None:
                 for out in self.engine.step():
@@ -142,9 +182,8 @@ class EnginePrefill:
         self.prefill(prompt)
         rid = self._done[tuple(prompt)][0]
         n = num_tokens or len(prompt)
-        table = self.engine.held[rid].block_tables[0][:-(-n // self.engine.config.block_size)]
-        lease = self.publisher.publish(rid, {0: list(table)}, n,
-                                       layers_ready=self.engine.model_config.num_layers)
+        table = self.engine.held[rid].block_tables[0][: -(-n // self.engine.config.block_size)]
+        lease = self.publisher.publish(rid, {0: list(table)}, n, layers_ready=self.engine.model_config.num_layers)
         return self.publisher.handoff(lease)
 
     def close(self) -> None:

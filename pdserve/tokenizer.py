@@ -1,4 +1,5 @@
 """Tokenizer from tokenizer.json (HF `tokenizers`) with the checkpoint's chat template and incremental detokenizing."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,12 @@ class Tokenizer:
         """The underlying `tokenizers.Tokenizer` (for its streaming decoder)."""
         return self._tok
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The template's text; tools (OpenAI tool objects) are passed to it as `tools`, as transformers'
         apply_chat_template does (a template that does not use them renders none)."""
         if not self.chat_template:
@@ -55,8 +60,11 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
         env.globals["raise_exception"] = _raise
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
         )
 
 
@@ -73,7 +81,7 @@ class IncrementalDetokenizer:
         full = self.tok.decode(self.ids)
         if full.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text):]
+        delta = full[len(self.text) :]
         self.text = full
         return delta
 

@@ -1,6 +1,7 @@
 """python -m prefill_svc --model PATH --tensor-parallel-size N --port P [--router ADDR]: run a prefill pod.
 
 Every PrefillConfig field (engine and serving parts included) is a flag (pdserve.cli_config)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,11 @@ from prefill_svc.config import PrefillConfig
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli_config.build_parser(PrefillConfig, "python -m prefill_svc", __doc__)
-    p.add_argument("--ready-file", default=None,
-                   help="write {address, port, metrics_port, kv_endpoints, pod_id} as JSON here once serving")
+    p.add_argument(
+        "--ready-file",
+        default=None,
+        help="write {address, port, metrics_port, kv_endpoints, pod_id} as JSON here once serving",
+    )
     cli_config.add_log_level(p)
     return p
 
@@ -36,9 +40,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_ready(server) -> None:
         if args.ready_file:
-            info = {"address": server.address, "port": server.port, "metrics_port": server.metrics.http_port,
-                    "pod_id": server.pod_id,
-                    "kv_endpoints": [str(e) for e in server.worker.kv.endpoints] if server.worker.kv else []}
+            info = {
+                "address": server.address,
+                "port": server.port,
+                "metrics_port": server.metrics.http_port,
+                "pod_id": server.pod_id,
+                "kv_endpoints": [str(e) for e in server.worker.kv.endpoints] if server.worker.kv else [],
+            }
             tmp = args.ready_file + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(info, f)

@@ -12,6 +12,7 @@ A publisher frees a lease (decode done, TTL, abort) by calling ``on_free`` on on
 and the engine thread collects the records (rank 0 directly, other ranks through the connector's ``take_finished``).
 The engine's blocks go back only when every rank's publisher has let go of the lease.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("prefill_svc.kv")
 
 
-
 LeaseStart = KVSaveRequest  # a lease to publish on every rank: its request's prompt KV completes in this step
 
 
@@ -47,15 +47,32 @@ class RankKVSpec:
     ucx_transports: str | None = None  # UCX_TLS of a NIXL publisher (None: UCX's choice)
 
 
-def make_publisher(transport: str, layout: KVLayout, tp_rank: int, region: torch.Tensor, host: str,
-                   lease_timeout_s: float, on_free: Callable[[str, str, str], None], auth_token: str = "",
-                   tls: "TLSConfig | None" = None, ucx_transports: str | None = None):
+def make_publisher(
+    transport: str,
+    layout: KVLayout,
+    tp_rank: int,
+    region: torch.Tensor,
+    host: str,
+    lease_timeout_s: float,
+    on_free: Callable[[str, str, str], None],
+    auth_token: str = "",
+    tls: "TLSConfig | None" = None,
+    ucx_transports: str | None = None,
+):
     """A kv_transfer publisher for one rank's region (NIXL when usable and asked for / "auto", else TCP)."""
     from kv_transfer.factory import make_publisher as factory_make
 
-    return factory_make(layout, {tp_rank: region}, backend=transport, on_free=on_free, host=host,
-                        lease_timeout_s=lease_timeout_s, auth_token=auth_token, tls=tls,
-                        ucx_transports=ucx_transports)
+    return factory_make(
+        layout,
+        {tp_rank: region},
+        backend=transport,
+        on_free=on_free,
+        host=host,
+        lease_timeout_s=lease_timeout_s,
+        auth_token=auth_token,
+        tls=tls,
+        ucx_transports=ucx_transports,
+    )
 
 
 class PrefillKVPublisher(KVConnectorWorker):
@@ -71,9 +88,18 @@ class PrefillKVPublisher(KVConnectorWorker):
         self._errors: list[tuple[str, int, str]] = []  # (lease id, layer, what failed)
         self.wake: Callable[[], None] | None = None  # rank 0: nudges the engine loop when a lease is freed
         self.region = runner.kv_cache
-        self.publisher = make_publisher(spec.transport, self.layout, self.tp_rank, runner.kv_cache, spec.host,
-                                        spec.lease_timeout_s, self._on_free, spec.auth_token, spec.tls,
-                                        spec.ucx_transports)
+        self.publisher = make_publisher(
+            spec.transport,
+            self.layout,
+            self.tp_rank,
+            runner.kv_cache,
+            spec.host,
+            spec.lease_timeout_s,
+            self._on_free,
+            spec.auth_token,
+            spec.tls,
+            spec.ucx_transports,
+        )
 
     @property
     def endpoint(self) -> str:
@@ -97,8 +123,13 @@ class PrefillKVPublisher(KVConnectorWorker):
         for ls in starts:
             try:
                 if layer == 0:
-                    self.publisher.publish(ls.request_id, {self.tp_rank: list(ls.block_ids)}, ls.num_tokens,
-                                           lease_id=ls.lease_id, layers_ready=1)
+                    self.publisher.publish(
+                        ls.request_id,
+                        {self.tp_rank: list(ls.block_ids)},
+                        ls.num_tokens,
+                        lease_id=ls.lease_id,
+                        layers_ready=1,
+                    )
                 else:
                     self.publisher.set_layers_ready(ls.lease_id, layer + 1)
             except Exception as e:  # never break the forward pass; the engine thread fails the request
@@ -111,8 +142,7 @@ class PrefillKVPublisher(KVConnectorWorker):
 
         if self.cuda:
             torch.cuda.current_stream().synchronize()
-        return partial_checksums(self.layout, self.tp_rank, self.region, block_ids, num_tokens,
-                                 self.layout.block_size)
+        return partial_checksums(self.layout, self.tp_rank, self.region, block_ids, num_tokens, self.layout.block_size)
 
     def take_finished(self) -> tuple[list[tuple[str, str]], list[tuple[str, int, str]]]:
         with self._lock:
@@ -134,9 +164,18 @@ class PrefillKVPublisher(KVConnectorWorker):
 class KVHost:
     """Engine-thread side of the pod's publishers (all calls from the engine thread)."""
 
-    def __init__(self, engine: Any, layout: KVLayout, transport: str, host: str, lease_timeout_s: float,
-                 wake: Callable[[], None], auth_token: str = "", tls: "TLSConfig | None" = None,
-                 ucx_transports: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        layout: KVLayout,
+        transport: str,
+        host: str,
+        lease_timeout_s: float,
+        wake: Callable[[], None],
+        auth_token: str = "",
+        tls: "TLSConfig | None" = None,
+        ucx_transports: str | None = None,
+    ) -> None:
         self.engine = engine
         self.layout = layout
         self.tp_size = layout.tp_size
@@ -155,8 +194,15 @@ class KVHost:
         self.rank0.wake = wake
 
     def handoff(self, ls: LeaseStart) -> KVHandoff:
-        return KVHandoff(ls.lease_id, ls.request_id, ls.num_tokens, self.layout,
-                         [list(ls.block_ids)] * self.tp_size, list(self.endpoints), self.transport)
+        return KVHandoff(
+            ls.lease_id,
+            ls.request_id,
+            ls.num_tokens,
+            self.layout,
+            [list(ls.block_ids)] * self.tp_size,
+            list(self.endpoints),
+            self.transport,
+        )
 
     def checksums(self, ls: LeaseStart) -> list[int]:
         """The per-block checksums of a lease's KV, over what every rank publishes (a collective over the pod)."""

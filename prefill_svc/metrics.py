@@ -1,5 +1,6 @@
 """Prometheus metrics of a prefill pod (one registry per server, plus kv_transfer's process-wide lease metrics, plus
 the vLLM-named families of pdserve/pod/vllm_metrics.py that a prefill pod measures)."""
+
 from __future__ import annotations
 
 import threading
@@ -48,34 +49,47 @@ class PrefillMetrics:
         r.register(_Refresh(self))
         if include_process_metrics:
             r.register(_Chain(REGISTRY))
-        self.queued_prompt_tokens = Gauge("pdserve_prefill_queued_prompt_tokens",
-                                          "Prompt tokens admitted but not yet computed", registry=r)
-        self.tokens_per_s = Gauge("pdserve_prefill_tokens_per_second",
-                                  "Prompt tokens computed per second over the last update interval", registry=r)
-        self.tokens_computed = Counter("pdserve_prefill_prompt_tokens_computed",
-                                       "Prompt tokens computed (prefix-cache hits excluded)", registry=r)
-        self.prefix_hit_tokens = Counter("pdserve_prefill_prefix_cache_hit_tokens",
-                                         "Prompt tokens served from the prefix cache", registry=r)
-        self.prefix_query_tokens = Counter("pdserve_prefill_prefix_cache_query_tokens",
-                                           "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_hit_rate = Gauge("pdserve_prefill_prefix_cache_hit_rate",
-                                     "Prefix-cache hit tokens / query tokens since start", registry=r)
-        self.kv_held_blocks = Gauge("pdserve_prefill_kv_held_blocks",
-                                    "KV blocks held for transfer to decode (per rank)", registry=r)
+        self.queued_prompt_tokens = Gauge(
+            "pdserve_prefill_queued_prompt_tokens", "Prompt tokens admitted but not yet computed", registry=r
+        )
+        self.tokens_per_s = Gauge(
+            "pdserve_prefill_tokens_per_second",
+            "Prompt tokens computed per second over the last update interval",
+            registry=r,
+        )
+        self.tokens_computed = Counter(
+            "pdserve_prefill_prompt_tokens_computed", "Prompt tokens computed (prefix-cache hits excluded)", registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            "pdserve_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.prefix_query_tokens = Counter(
+            "pdserve_prefill_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "pdserve_prefill_prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens since start", registry=r
+        )
+        self.kv_held_blocks = Gauge(
+            "pdserve_prefill_kv_held_blocks", "KV blocks held for transfer to decode (per rank)", registry=r
+        )
         self.kv_leases = Gauge("pdserve_prefill_kv_leases", "KV leases held for decode pods", registry=r)
         self.kv_free_blocks = Gauge("pdserve_prefill_kv_free_blocks", "Free KV blocks (per rank)", registry=r)
         self.running = Gauge("pdserve_prefill_running_seqs", "Prompts being computed", registry=r)
         self.waiting = Gauge("pdserve_prefill_waiting_seqs", "Prompts waiting for a batch slot or KV", registry=r)
         self.draining = Gauge("pdserve_prefill_draining", "1 while the pod drains (refuses new work)", registry=r)
-        self.requests = Counter("pdserve_prefill_requests", "Prefill RPCs by outcome (gRPC code)", ["code"],
-                                registry=r)
-        self.queue_seconds = Histogram("pdserve_prefill_queue_seconds", "Time a prompt waited before computing",
-                                       registry=r)
-        self.compute_seconds = Histogram("pdserve_prefill_compute_seconds",
-                                         "First chunk to first token of a prompt", registry=r,
-                                         buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
-        self.leases_freed = Counter("pdserve_prefill_kv_leases_freed", "KV leases whose blocks went back, by reason",
-                                    ["reason"], registry=r)
+        self.requests = Counter("pdserve_prefill_requests", "Prefill RPCs by outcome (gRPC code)", ["code"], registry=r)
+        self.queue_seconds = Histogram(
+            "pdserve_prefill_queue_seconds", "Time a prompt waited before computing", registry=r
+        )
+        self.compute_seconds = Histogram(
+            "pdserve_prefill_compute_seconds",
+            "First chunk to first token of a prompt",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.leases_freed = Counter(
+            "pdserve_prefill_kv_leases_freed", "KV leases whose blocks went back, by reason", ["reason"], registry=r
+        )
         self.vllm: PrefillVllmMetrics | None = None
         self._last: Stats | None = None
         self._rate_t, self._rate_tokens = time.monotonic(), 0
@@ -94,8 +108,9 @@ class PrefillMetrics:
         self.queue_seconds.observe(res.queue_s)
         self.compute_seconds.observe(res.compute_s)
         if self.vllm is not None:  # TTFT as this pod sees it: the prompt's arrival here to its first token
-            self.vllm.first_token(res.queue_s + res.compute_s, res.num_prompt_tokens,
-                                  res.finish_reason if res.finished else None)
+            self.vllm.first_token(
+                res.queue_s + res.compute_s, res.num_prompt_tokens, res.finish_reason if res.finished else None
+            )
 
     def update(self, s: Stats) -> None:
         with self._lock:

@@ -1,5 +1,6 @@
 """The prefill pod's reading of a request's sampling params: the first token's engine params, the client's stop
 rules."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,12 +31,18 @@ def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, ClientPa
     if sp.HasField("max_tokens") and sp.max_tokens < 1:
         raise SamplingParamsError(f"max_tokens must be >= 1, got {sp.max_tokens}")
     if sp.HasField("max_tokens") and sp.min_tokens > sp.max_tokens:
-        raise SamplingParamsError(f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got "
-                                  f"{sp.min_tokens}.")
+        raise SamplingParamsError(
+            f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got {sp.min_tokens}."
+        )
     # The pod decides "finished" itself from ClientParams; the engine samples one token. The client's ignore_eos
     # and min_tokens (capped at that one token) tell the sampler whether to mask EOS / stop tokens.
     params = engine_params(sp, max_tokens=1, ignore_eos=sp.ignore_eos, logprobs=True, min_tokens=min(sp.min_tokens, 1))
-    client = ClientParams(sp.max_tokens if sp.HasField("max_tokens") else None, frozenset(sp.stop_token_ids),
-                          sp.ignore_eos, sp.min_tokens, num_sequences(sp),
-                          sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None)
+    client = ClientParams(
+        sp.max_tokens if sp.HasField("max_tokens") else None,
+        frozenset(sp.stop_token_ids),
+        sp.ignore_eos,
+        sp.min_tokens,
+        num_sequences(sp),
+        sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+    )
     return params, client

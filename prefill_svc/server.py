@@ -3,6 +3,7 @@ metrics, registration with the router, and a graceful drain on SIGTERM.
 
 The KV itself is served by kv_transfer's publishers (one control endpoint per TP rank, see prefill_svc/kv.py); the
 KVHandle of a Prefill answer names them (kv_transfer_address, comma-separated when TP > 1)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.errors import InvalidArgument, ServiceError, Unavailable, grpc_errors
 from pdserve.parallel_config import kv_dtype_mismatch
-from pdserve.pod.convert import (endpoints_address, handoff_to_kv_handle, layout_from_proto, layout_to_proto,
-                                 model_shape_to_proto, parallel_to_proto)
+from pdserve.pod.convert import (
+    endpoints_address,
+    handoff_to_kv_handle,
+    layout_from_proto,
+    layout_to_proto,
+    model_shape_to_proto,
+    parallel_to_proto,
+)
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, run_loop, set_health, version
 from pdserve.pod.registrar import Registrar
 from pdserve.sampling import SamplingParamsError
@@ -90,8 +97,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         mode, problem = s.choose_mode(request)
         if problem:
             raise InvalidArgument(problem)
-        res = await s.worker.prefill(request.request_id, list(request.prompt_token_ids), params, client,
-                                     lease_id=request.lease_id or None, ttl_s=request.lease_ttl_s or None)
+        res = await s.worker.prefill(
+            request.request_id,
+            list(request.prompt_token_ids),
+            params,
+            client,
+            lease_id=request.lease_id or None,
+            ttl_s=request.lease_ttl_s or None,
+        )
         s.metrics.observe(res)
         return s.response(res, mode)
 
@@ -145,15 +158,26 @@ class PrefillServer:
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
         await set_health(self.health, SERVICE_NAME, serving=True)
         if self.config.serving.router_address:
-            self.registrar = Registrar(self.config.serving.router_address, self.config.serving.cluster_token,
-                                       self.config.serving.heartbeat_interval_s, self.register_request,
-                                       self.heartbeat_request, self._on_desired_state, tls=self.config.tls)
+            self.registrar = Registrar(
+                self.config.serving.router_address,
+                self.config.serving.cluster_token,
+                self.config.serving.heartbeat_interval_s,
+                self.register_request,
+                self.heartbeat_request,
+                self._on_desired_state,
+                tls=self.config.tls,
+            )
             self.registrar.start()
-        log.info("prefill pod %s serving %s on %s (tp=%d, kv %s%s, metrics %s)", self.pod_id, self.model_name,
-                 self.address, self.config.engine.tensor_parallel_size,
-                 self.worker.kv.transport if self.worker.kv else "none",
-                 f" at {','.join(map(str, self.worker.kv.endpoints))}" if self.worker.kv else "",
-                 self.metrics.http_port if self.metrics.http_port is not None else "not served")
+        log.info(
+            "prefill pod %s serving %s on %s (tp=%d, kv %s%s, metrics %s)",
+            self.pod_id,
+            self.model_name,
+            self.address,
+            self.config.engine.tensor_parallel_size,
+            self.worker.kv.transport if self.worker.kv else "none",
+            f" at {','.join(map(str, self.worker.kv.endpoints))}" if self.worker.kv else "",
+            self.metrics.http_port if self.metrics.http_port is not None else "not served",
+        )
 
     def begin_drain(self) -> asyncio.Task:
         """Refuse new prefills (UNAVAILABLE, health NOT_SERVING, DRAINING to the router), finish what is held, stop."""
@@ -162,8 +186,11 @@ class PrefillServer:
         return self._drain_task
 
     async def _drain(self) -> None:
-        log.info("draining: no new prefills; waiting for %d in flight and %d KV leases",
-                 self.worker.stats.num_inflight, self.worker.stats.num_leases)
+        log.info(
+            "draining: no new prefills; waiting for %d in flight and %d KV leases",
+            self.worker.stats.num_inflight,
+            self.worker.stats.num_leases,
+        )
         self.worker.begin_drain()
         await set_health(self.health, SERVICE_NAME, serving=False)
         if self.registrar is not None:
@@ -172,8 +199,12 @@ class PrefillServer:
         while not self.worker.idle and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self.worker.idle:
-            log.warning("drain timeout (%.0fs): dropping %d prefills and %d KV leases still held",
-                        self.config.serving.drain_timeout_s, len(self.worker._jobs), len(self.worker._leases))
+            log.warning(
+                "drain timeout (%.0fs): dropping %d prefills and %d KV leases still held",
+                self.config.serving.drain_timeout_s,
+                len(self.worker._jobs),
+                len(self.worker._leases),
+            )
         await self.stop()
 
     async def stop(self) -> None:
@@ -208,8 +239,9 @@ class PrefillServer:
         if state == pb.POD_STATE_DRAINING and not self.worker.draining:
             log.info("router asks this pod to drain")
             self.worker.begin_drain()
-            asyncio.get_running_loop().create_task(self.health.set(SERVICE_NAME,
-                                                                   health_pb2.HealthCheckResponse.NOT_SERVING))
+            asyncio.get_running_loop().create_task(
+                self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            )
 
     # --- requests ---
     def supported_modes(self) -> list[int]:
@@ -229,13 +261,17 @@ class PrefillServer:
             if dtype_problem:
                 return 0, dtype_problem
             if not theirs.same_model(mine):
-                return 0, (f"decode_target.layout (layers {theirs.num_layers}, kv heads {theirs.num_kv_heads}, "
-                           f"head_dim {theirs.head_dim}, {theirs.dtype}) does not match this pod's model (layers "
-                           f"{mine.num_layers}, kv heads {mine.num_kv_heads}, head_dim {mine.head_dim}, {mine.dtype})")
+                return 0, (
+                    f"decode_target.layout (layers {theirs.num_layers}, kv heads {theirs.num_kv_heads}, "
+                    f"head_dim {theirs.head_dim}, {theirs.dtype}) does not match this pod's model (layers "
+                    f"{mine.num_layers}, kv heads {mine.num_kv_heads}, head_dim {mine.head_dim}, {mine.dtype})"
+                )
         if request.transfer_mode != pb.TRANSFER_MODE_UNSPECIFIED:
             if request.transfer_mode not in ours:
-                return 0, (f"transfer_mode {pb.TransferMode.Name(request.transfer_mode)} is not supported by this pod "
-                           f"(supports: {', '.join(pb.TransferMode.Name(m) for m in ours) or 'none'})")
+                return 0, (
+                    f"transfer_mode {pb.TransferMode.Name(request.transfer_mode)} is not supported by this pod "
+                    f"(supports: {', '.join(pb.TransferMode.Name(m) for m in ours) or 'none'})"
+                )
             return request.transfer_mode, None
         for m in request.decode_target.transfer_modes:
             if m in ours:
@@ -244,16 +280,25 @@ class PrefillServer:
 
     def response(self, res: PrefillResult, mode: int) -> prefill_pb2.PrefillResponse:
         resp = prefill_pb2.PrefillResponse(
-            first_token_id=res.first_token_id, first_token_logprob=res.first_token_logprob,
-            num_prompt_tokens=res.num_prompt_tokens, num_cached_tokens=res.num_cached_tokens, finished=res.finished,
+            first_token_id=res.first_token_id,
+            first_token_logprob=res.first_token_logprob,
+            num_prompt_tokens=res.num_prompt_tokens,
+            num_cached_tokens=res.num_cached_tokens,
+            finished=res.finished,
             finish_reason=_FINISH.get(res.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
-            queue_s=res.queue_s, compute_s=res.compute_s)
+            queue_s=res.queue_s,
+            compute_s=res.compute_s,
+        )
         if res.first_token_top is not None:
             resp.first_token_top_logprobs.token_ids.extend(res.first_token_top[0])
             resp.first_token_top_logprobs.logprobs.extend(res.first_token_top[1])
         for tok, lp, top, reason in res.firsts:
-            ft = resp.first_tokens.add(token_id=tok, logprob=lp, finished=reason is not None,
-                                       finish_reason=_FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED))
+            ft = resp.first_tokens.add(
+                token_id=tok,
+                logprob=lp,
+                finished=reason is not None,
+                finish_reason=_FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED),
+            )
             if top is not None:
                 ft.top_logprobs.token_ids.extend(top[0])
                 ft.top_logprobs.logprobs.extend(top[1])
@@ -269,20 +314,27 @@ class PrefillServer:
             kh.transfer_mode = mode
             kh.block_checksums.extend(res.kv_checksums or ())
         else:  # no KV transport: the lease only holds the blocks (ReleaseKV / TTL)
-            kh = pb.KVHandle(lease_id=res.lease_id, prefill_pod_id=self.pod_id,
-                             num_layers=self.worker.layout.num_layers, num_tokens=res.num_prompt_tokens,
-                             expires_at_unix_ms=int((time.time() + res.ttl_s) * 1000), ttl_s=res.ttl_s,
-                             layout=layout_to_proto(self.worker.layout),
-                             block_tables=[pb.BlockTable(block_ids=res.block_table, num_tokens=res.num_prompt_tokens)]
-                             * self.config.engine.tensor_parallel_size)
+            kh = pb.KVHandle(
+                lease_id=res.lease_id,
+                prefill_pod_id=self.pod_id,
+                num_layers=self.worker.layout.num_layers,
+                num_tokens=res.num_prompt_tokens,
+                expires_at_unix_ms=int((time.time() + res.ttl_s) * 1000),
+                ttl_s=res.ttl_s,
+                layout=layout_to_proto(self.worker.layout),
+                block_tables=[pb.BlockTable(block_ids=res.block_table, num_tokens=res.num_prompt_tokens)]
+                * self.config.engine.tensor_parallel_size,
+            )
         resp.kv_handle.CopyFrom(kh)
         return resp
 
     # --- registry messages ---
     def _kv_stats(self) -> list[pb.RankKVStats]:
         st = self.worker.stats
-        return [pb.RankKVStats(rank=r, free_blocks=st.free_blocks, total_blocks=st.total_blocks)
-                for r in range(self.config.engine.tensor_parallel_size)]
+        return [
+            pb.RankKVStats(rank=r, free_blocks=st.free_blocks, total_blocks=st.total_blocks)
+            for r in range(self.config.engine.tensor_parallel_size)
+        ]
 
     def register_request(self) -> registry_pb2.RegisterWorkerRequest | None:
         if self.worker.draining or self.worker.failed:  # going away / broken: no (re-)registration
@@ -290,28 +342,48 @@ class PrefillServer:
         eng, cfg = self.worker.engine, self.config
         kv = self.worker.kv
         return registry_pb2.RegisterWorkerRequest(
-            pod_id=self.pod_id, role=pb.ROLE_PREFILL, address=self.address,
+            pod_id=self.pod_id,
+            role=pb.ROLE_PREFILL,
+            address=self.address,
             kv_transfer_address=endpoints_address(kv.endpoints) if kv else "",
             model=self.model_name,
             model_shape=model_shape_to_proto(eng.model_config, eng.max_model_len, self.worker.layout.dtype),
             parallel=parallel_to_proto(cfg.engine.tensor_parallel_size),
             kv_layout=layout_to_proto(self.worker.layout),
-            capacity=pb.WorkerCapacity(max_num_seqs=cfg.engine.max_num_seqs,
-                                       max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
-                                       max_model_len=eng.max_model_len, max_concurrent_transfers=cfg.max_leases,
-                                       transfer_modes=self.supported_modes()),
-            cluster_token=cfg.serving.cluster_token, version=version(), state=pb.POD_STATE_READY, kv=self._kv_stats())
+            capacity=pb.WorkerCapacity(
+                max_num_seqs=cfg.engine.max_num_seqs,
+                max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
+                max_model_len=eng.max_model_len,
+                max_concurrent_transfers=cfg.max_leases,
+                transfer_modes=self.supported_modes(),
+            ),
+            cluster_token=cfg.serving.cluster_token,
+            version=version(),
+            state=pb.POD_STATE_READY,
+            kv=self._kv_stats(),
+        )
 
     def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:
         st = self.worker.stats
         return registry_pb2.HeartbeatRequest(
-            pod_id=self.pod_id, cluster_token=self.config.serving.cluster_token,
-            state=(pb.POD_STATE_UNHEALTHY if self._unhealthy else
-                   pb.POD_STATE_DRAINING if self.worker.draining else pb.POD_STATE_READY),
-            load=pb.LoadStats(queued_prompt_tokens=st.queued_prompt_tokens, num_running_seqs=st.num_running,
-                              num_waiting_seqs=st.num_waiting, num_active_leases=st.num_leases,
-                              prompt_tokens_per_s=self.metrics.last_tokens_per_s),
-            kv=self._kv_stats())
+            pod_id=self.pod_id,
+            cluster_token=self.config.serving.cluster_token,
+            state=(
+                pb.POD_STATE_UNHEALTHY
+                if self._unhealthy
+                else pb.POD_STATE_DRAINING
+                if self.worker.draining
+                else pb.POD_STATE_READY
+            ),
+            load=pb.LoadStats(
+                queued_prompt_tokens=st.queued_prompt_tokens,
+                num_running_seqs=st.num_running,
+                num_waiting_seqs=st.num_waiting,
+                num_active_leases=st.num_leases,
+                prompt_tokens_per_s=self.metrics.last_tokens_per_s,
+            ),
+            kv=self._kv_stats(),
+        )
 
 
 async def serve(config: PrefillConfig, on_ready=None) -> None:

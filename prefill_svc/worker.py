@@ -8,6 +8,7 @@ see prefill_svc/kv.py) until every rank's publisher has let go of it: decode don
 
 All engine access happens on the engine thread; the asyncio side talks to it through a command queue and gets results
 back as futures. Nothing here serves gRPC; each error below names the status the server answers it with."""
+
 from __future__ import annotations
 
 import asyncio
@@ -178,8 +179,15 @@ class PrefillWorker(KVConnectorScheduler):
         return not self._jobs and not self._leases
 
     # --- asyncio-facing API (any thread) ---
-    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, client: ClientParams,
-                      lease_id: str | None = None, ttl_s: float | None = None) -> PrefillResult:
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        client: ClientParams,
+        lease_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> PrefillResult:
         fut: Future = Future()
         self._call(lambda: self._submit(fut, request_id, prompt_ids, params, client, lease_id, ttl_s))
         try:
@@ -222,15 +230,25 @@ class PrefillWorker(KVConnectorScheduler):
         try:
             self.engine = LLMEngine(self.config.engine)
             mc = self.engine.model_config
-            self.layout = kv_layout_for_model(mc, str(self.engine.executor.kv_cache.dtype),
-                                              self.config.engine.block_size,
-                                              tp_size=self.config.engine.tensor_parallel_size,
-                                              num_blocks=self.config.engine.num_kv_blocks)
+            self.layout = kv_layout_for_model(
+                mc,
+                str(self.engine.executor.kv_cache.dtype),
+                self.config.engine.block_size,
+                tp_size=self.config.engine.tensor_parallel_size,
+                num_blocks=self.config.engine.num_kv_blocks,
+            )
             if self.config.kv_transport != "none":
-                self.kv = KVHost(self.engine, self.layout, self.config.kv_transport,
-                                 self.config.kv_host or self.config.public_host, self.config.lease_ttl_s,
-                                 wake=thread.wake, auth_token=self.config.serving.cluster_token,
-                                 tls=self.config.tls, ucx_transports=self.config.ucx_transports)
+                self.kv = KVHost(
+                    self.engine,
+                    self.layout,
+                    self.config.kv_transport,
+                    self.config.kv_host or self.config.public_host,
+                    self.config.lease_ttl_s,
+                    wake=thread.wake,
+                    auth_token=self.config.serving.cluster_token,
+                    tls=self.config.tls,
+                    ucx_transports=self.config.ucx_transports,
+                )
             self.engine.set_kv_connector(self)  # the rank side was started by KVHost
         except BaseException:  # raised by start()
             if self.engine is not None:
@@ -257,8 +275,10 @@ class PrefillWorker(KVConnectorScheduler):
                     log.error("keepalive broadcast to the TP ranks failed: %s", e)
                     dead = True
                 if dead:
-                    self.failed = ("a TP rank process of this prefill pod exited; the pod cannot prefill until it is "
-                                   "restarted (retry on another pod)")
+                    self.failed = (
+                        "a TP rank process of this prefill pod exited; the pod cannot prefill until it is "
+                        "restarted (retry on another pod)"
+                    )
                     log.error("%s", self.failed)
                     self._fail_all(RankDied(self.failed))
             if self.failed is not None:  # nothing runs on a broken rank group; new requests get UNAVAILABLE
@@ -273,8 +293,7 @@ class PrefillWorker(KVConnectorScheduler):
                     outputs = eng.step()
                     self._num_steps += 1
                 except RankFailure as e:  # a rank died, stopped or stopped answering: the group is broken for good
-                    self.failed = (f"{e}; this prefill pod cannot prefill until it is restarted (retry on another "
-                                   "pod)")
+                    self.failed = f"{e}; this prefill pod cannot prefill until it is restarted (retry on another pod)"
                     log.error("%s", self.failed)
                     self._fail_all(RankDied(self.failed))
                     continue
@@ -306,8 +325,16 @@ class PrefillWorker(KVConnectorScheduler):
             else:
                 fut.set_result(result)
 
-    def _submit(self, fut: Future, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                client: ClientParams, lease_id: str | None, ttl_s: float | None) -> None:
+    def _submit(
+        self,
+        fut: Future,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        client: ClientParams,
+        lease_id: str | None,
+        ttl_s: float | None,
+    ) -> None:
         if fut.done():
             return
         try:
@@ -330,15 +357,17 @@ class PrefillWorker(KVConnectorScheduler):
                 raise InvalidRequest(str(e)) from e
             need = -(-len(prompt_ids) // self.config.engine.block_size)
             if need > self.config.engine.num_kv_blocks:
-                raise Exhausted(f"prompt needs {need} KV blocks but this pod has "
-                                f"{self.config.engine.num_kv_blocks} per rank")
+                raise Exhausted(
+                    f"prompt needs {need} KV blocks but this pod has {self.config.engine.num_kv_blocks} per rank"
+                )
             # A requested TTL is enforced here only without a KV transport; publishers apply the pod's
             # lease_ttl_s as an idle timeout (renewed by every decode contact).
             ttl = ttl_s if (ttl_s and ttl_s > 0 and self.kv is None) else self.config.lease_ttl_s
             job = _Job(request_id, lease_id or new_lease_id(), len(prompt_ids), client, ttl, fut)
             try:
-                eng.add_request(prompt_ids, params, request_id, hold_kv=True, n=client.n,
-                                prompt_logprobs=client.prompt_logprobs)
+                eng.add_request(
+                    prompt_ids, params, request_id, hold_kv=True, n=client.n, prompt_logprobs=client.prompt_logprobs
+                )
             except RequestError as e:
                 raise InvalidRequest(str(e)) from e
             self._jobs[request_id] = job
@@ -360,8 +389,9 @@ class PrefillWorker(KVConnectorScheduler):
             self._emit("scheduled", seq.request_id)
             # max_tokens=1 ends at its first token: no decode pod will read the KV, so none is published
             if seq.num_computed + n == seq.num_tokens and job.client.max_tokens != 1:
-                job.lease_start = LeaseStart(job.lease_id, job.request_id, tuple(seq.block_tables[0]),
-                                             len(seq.prompt_ids))
+                job.lease_start = LeaseStart(
+                    job.lease_id, job.request_id, tuple(seq.block_tables[0]), len(seq.prompt_ids)
+                )
                 starts.append(job.lease_start)
         if starts and self.kv is not None:
             self._step_publishes = True
@@ -422,12 +452,30 @@ class PrefillWorker(KVConnectorScheduler):
                     self._emit("failed", job.request_id)
                     return
         self._requests_finished += 1
-        res = PrefillResult(job.request_id, tok, lp, job.prompt_len, out.cached_tokens, reason is not None, reason,
-                            None if reason else job.lease_id, handoff, table, started - job.arrival, now - started,
-                            job.ttl_s, out.new_top_logprobs[0] if out.new_top_logprobs else None,
-                            [(o.new_token_ids[0], o.new_logprobs[0], o.new_top_logprobs[0] if o.new_top_logprobs
-                              else None, r) for o, r in zip(outs, reasons)] if len(outs) > 1 else [],
-                            out.prompt_logprobs, checksums)
+        res = PrefillResult(
+            job.request_id,
+            tok,
+            lp,
+            job.prompt_len,
+            out.cached_tokens,
+            reason is not None,
+            reason,
+            None if reason else job.lease_id,
+            handoff,
+            table,
+            started - job.arrival,
+            now - started,
+            job.ttl_s,
+            out.new_top_logprobs[0] if out.new_top_logprobs else None,
+            [
+                (o.new_token_ids[0], o.new_logprobs[0], o.new_top_logprobs[0] if o.new_top_logprobs else None, r)
+                for o, r in zip(outs, reasons)
+            ]
+            if len(outs) > 1
+            else [],
+            out.prompt_logprobs,
+            checksums,
+        )
         self._settle(job.future, res)
         self._emit("first_token", job.request_id)
 
@@ -496,16 +544,18 @@ class PrefillWorker(KVConnectorScheduler):
             return  # publishers run the TTL (renewed by decode contact)
         now = time.monotonic()
         for lease in [ls for ls in self._leases.values() if ls.expires_at <= now]:
-            log.warning("kv lease %s (request %s) expired unreleased; freeing its blocks", lease.lease_id,
-                        lease.request_id)
+            log.warning(
+                "kv lease %s (request %s) expired unreleased; freeing its blocks", lease.lease_id, lease.request_id
+            )
             self._drop_lease(lease, "expired")
 
     def _fail_all(self, err: Exception) -> None:
         for rid in list(self._jobs):
             job = self._jobs.pop(rid)
             self.engine.abort(rid)
-            self._settle(job.future, exc=err if isinstance(err, PrefillError) else
-                         PrefillError(f"prefill failed: {err!r}"))
+            self._settle(
+                job.future, exc=err if isinstance(err, PrefillError) else PrefillError(f"prefill failed: {err!r}")
+            )
 
     def _update_stats(self) -> None:
         eng = self.engine
@@ -513,12 +563,22 @@ class PrefillWorker(KVConnectorScheduler):
         queued = sum(s.num_tokens - s.num_computed for s in list(sch.waiting) + sch.running if s.prefilling)
         held = {b for s in eng.held.values() for t in s.block_tables for b in t}
         bm = eng.blocks
-        self.stats = Stats(queued_prompt_tokens=queued, num_running=len(sch.running), num_waiting=len(sch.waiting),
-                           num_inflight=len(self._jobs), num_leases=len(self._leases), kv_held_blocks=len(held),
-                           free_blocks=bm.num_free(0), total_blocks=bm.num_blocks,
-                           prompt_tokens_computed=eng.num_prompt_tokens_computed, prefix_hit_tokens=bm.prefix_hits,
-                           prefix_query_tokens=bm.prefix_queries, requests_finished=self._requests_finished,
-                           num_steps=self._num_steps, leases_freed=dict(self._leases_freed))
+        self.stats = Stats(
+            queued_prompt_tokens=queued,
+            num_running=len(sch.running),
+            num_waiting=len(sch.waiting),
+            num_inflight=len(self._jobs),
+            num_leases=len(self._leases),
+            kv_held_blocks=len(held),
+            free_blocks=bm.num_free(0),
+            total_blocks=bm.num_blocks,
+            prompt_tokens_computed=eng.num_prompt_tokens_computed,
+            prefix_hit_tokens=bm.prefix_hits,
+            prefix_query_tokens=bm.prefix_queries,
+            requests_finished=self._requests_finished,
+            num_steps=self._num_steps,
+            leases_freed=dict(self._leases_freed),
+        )
 
     def _emit(self, kind: str, request_id: str) -> None:
         if self.on_event is not None:

@@ -79,9 +79,11 @@ class Admission:
     def check_possible(self, num_tokens: int, exclude: frozenset[str] = frozenset()) -> None:
         views = [v for v in self.registry.decode_views() if v.pod_id not in exclude]
         if not views:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               "no READY decode pod: start decode pods (python -m decode_svc ... --router ...) "
-                               "or wait until they register")
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                "no READY decode pod: start decode pods (python -m decode_svc ... --router ...) "
+                "or wait until they register",
+            )
         if all(never_fits(v, num_tokens) for v in views):
             v = max(views, key=lambda v: min(v.total_blocks) if v.total_blocks else 0)
             raise ServiceError(
@@ -89,10 +91,16 @@ class Admission:
                 f"the request needs KV for {num_tokens} tokens, more than any decode pod can hold even when empty "
                 f"(largest: {v.pod_id!r}, {list(v.total_blocks)} blocks of {v.block_size} tokens per rank, "
                 f"max_model_len {v.max_model_len or 'unknown'}): shorten the prompt or max_tokens, or add decode pods "
-                "with more KV blocks / decode context parallelism")
+                "with more KV blocks / decode context parallelism",
+            )
 
-    async def admit(self, num_tokens: int, timeout: float | None, exclude: frozenset[str] = frozenset(),
-                    on_wait: Callable[[asyncio.Future], None] | None = None) -> Admitted:
+    async def admit(
+        self,
+        num_tokens: int,
+        timeout: float | None,
+        exclude: frozenset[str] = frozenset(),
+        on_wait: Callable[[asyncio.Future], None] | None = None,
+    ) -> Admitted:
         """A decode pod for ``num_tokens`` tokens of KV. Raises ServiceError; asyncio.CancelledError when the
         waiting future is cancelled (Cancel RPC) or the caller is."""
         self.check_possible(num_tokens, exclude)
@@ -101,9 +109,11 @@ class Admission:
             if got is not None:
                 return got
         if self.depth >= self.config.max_queue_len:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"router queue is full ({self.depth} requests waiting for decode KV, bound "
-                               f"{self.config.max_queue_len}): retry with backoff, or add decode pods")
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"router queue is full ({self.depth} requests waiting for decode KV, bound "
+                f"{self.config.max_queue_len}): retry with backoff, or add decode pods",
+            )
         t0 = time.monotonic()
         w = _Waiter(num_tokens, exclude)
         self._queue.append(w)
@@ -124,11 +134,15 @@ class Admission:
             w.fut.cancel()  # pump() skips it from now on
             waited = time.monotonic() - t0
             if timeout is not None and limit >= timeout:
-                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"deadline passed after {waited:.2f}s waiting in the router queue for decode KV")
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"no decode pod had room for {num_tokens} tokens of KV within {waited:.1f}s "
-                               f"(max_queue_wait_s {self.config.max_queue_wait_s}): retry later or add decode pods")
+                raise ServiceError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"deadline passed after {waited:.2f}s waiting in the router queue for decode KV",
+                )
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no decode pod had room for {num_tokens} tokens of KV within {waited:.1f}s "
+                f"(max_queue_wait_s {self.config.max_queue_wait_s}): retry later or add decode pods",
+            )
         got = w.fut.result()
         got.queue_s = time.monotonic() - t0
         return got

@@ -1,5 +1,6 @@
 """A ChatPrompt as the chat template sees it: transformers' message dicts (tool calls with their arguments as objects,
 as vLLM hands them to templates) and the tool definitions."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def template_inputs(chat: router_pb2.ChatPrompt) -> tuple[list[dict[str, Any]], 
                 try:
                     args = json.loads(c.arguments) if c.arguments else {}
                 except json.JSONDecodeError as e:
-                    raise InvalidArgument(f"chat message {i}: tool_calls[{j}].arguments is not valid JSON: "
-                                          f"{e}") from None
+                    raise InvalidArgument(
+                        f"chat message {i}: tool_calls[{j}].arguments is not valid JSON: {e}"
+                    ) from None
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}})
             d["tool_calls"] = calls
         if m.tool_call_id:

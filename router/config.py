@@ -26,21 +26,31 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # Router + Registry + grpc.health.v1 on one port; 0 picks a free one
     # Prometheus /metrics over HTTP; None = not served (metrics still exposed via registry), 0 = any free port
-    metrics_port: int | None = field(default=None, metadata={
-        "help": "serve Prometheus /metrics over HTTP on this port (0: any free port; unset: not served)"})
+    metrics_port: int | None = field(
+        default=None,
+        metadata={"help": "serve Prometheus /metrics over HTTP on this port (0: any free port; unset: not served)"},
+    )
 
     # --- model (the router tokenizes and detokenizes) ---
     model: str | None = None  # model directory with tokenizer.json; None = the default SmolLM2 checkpoint
     served_model_name: str | None = None  # name clients / workers use; None = the model directory's name
 
     # --- registry ---
-    cluster_token: str = field(default="", metadata={  # shared secret workers present; "" = no check
-        "env": CLUSTER_TOKEN_ENV, "secret": True, "help": "shared secret pods present to the Registry"})
+    cluster_token: str = field(
+        default="",
+        metadata={  # shared secret workers present; "" = no check
+            "env": CLUSTER_TOKEN_ENV,
+            "secret": True,
+            "help": "shared secret pods present to the Registry",
+        },
+    )
 
     # --- security (pdserve.security) ---
     # clients of the Router service must send it (authorization: Bearer / x-api-key); "" = open
-    api_key: str = field(default="", metadata={
-        "env": API_KEY_ENV, "secret": True, "help": "API key clients of the Router service must send"})
+    api_key: str = field(
+        default="",
+        metadata={"env": API_KEY_ENV, "secret": True, "help": "API key clients of the Router service must send"},
+    )
     tls_cert_file: str = tls_field("cert_file", "")  # "" = plaintext
     tls_key_file: str = tls_field("key_file", "")
     tls_ca_file: str = tls_field("ca_file", "")
@@ -84,34 +94,46 @@ class RouterConfig:
                 bad(name, "must be a port number in [0, 65535] (0 = pick a free one / off)")
         if not isinstance(self.host, str) or not self.host:
             bad("host", "must be a non-empty host name or address")
-        for name in ("heartbeat_interval_s", "eviction_timeout_s", "max_queue_wait_s", "pod_rpc_timeout_s",
-                     "cleanup_timeout_s", "drain_timeout_s"):
+        for name in (
+            "heartbeat_interval_s",
+            "eviction_timeout_s",
+            "max_queue_wait_s",
+            "pod_rpc_timeout_s",
+            "cleanup_timeout_s",
+            "drain_timeout_s",
+        ):
             v = getattr(self, name)
             if not _is_num(v) or v <= 0:
                 bad(name, "must be a positive number of seconds")
         if not _is_num(self.lease_ttl_s) or self.lease_ttl_s < 0:
             bad("lease_ttl_s", "must be >= 0 seconds (0 = the prefill pod's default)")
-        for name in ("missed_heartbeats_unhealthy", "prefix_block_size", "prefix_index_capacity",
-                     "max_inflight_requests"):
+        for name in (
+            "missed_heartbeats_unhealthy",
+            "prefix_block_size",
+            "prefix_index_capacity",
+            "max_inflight_requests",
+        ):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 bad(name, "must be a positive integer")
-        for name in ("affinity_max_imbalance_tokens", "affinity_hash_blocks", "reserve_output_tokens",
-                     "max_queue_len"):
+        for name in ("affinity_max_imbalance_tokens", "affinity_hash_blocks", "reserve_output_tokens", "max_queue_len"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 bad(name, "must be an integer >= 0")
         if self.eviction_timeout_s <= self.heartbeat_interval_s * self.missed_heartbeats_unhealthy:
-            bad("eviction_timeout_s",
+            bad(
+                "eviction_timeout_s",
                 f"must exceed heartbeat_interval_s * missed_heartbeats_unhealthy "
                 f"({self.heartbeat_interval_s} * {self.missed_heartbeats_unhealthy}) so a pod is marked unhealthy "
-                "before it is dropped")
+                "before it is dropped",
+            )
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             bad("model", "must be a model directory path or None (the default model)")
         if self.model is not None and not (Path(self.model) / "tokenizer.json").is_file():
             bad("model", "must be a model directory containing tokenizer.json")
-        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
-                                                   or not self.served_model_name):
+        if self.served_model_name is not None and (
+            not isinstance(self.served_model_name, str) or not self.served_model_name
+        ):
             bad("served_model_name", "must be a non-empty string or None")
         for name in ("cluster_token", "api_key", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_server_name"):
             if not isinstance(getattr(self, name), str):
@@ -127,9 +149,13 @@ class RouterConfig:
         """The TLS settings, or None for plaintext."""
         from pdserve.security import TLSConfig
 
-        tls = TLSConfig(cert_file=self.tls_cert_file or None, key_file=self.tls_key_file or None,
-                        ca_file=self.tls_ca_file or None, require_client_cert=self.tls_require_client_cert,
-                        server_name=self.tls_server_name or None)
+        tls = TLSConfig(
+            cert_file=self.tls_cert_file or None,
+            key_file=self.tls_key_file or None,
+            ca_file=self.tls_ca_file or None,
+            require_client_cert=self.tls_require_client_cert,
+            server_name=self.tls_server_name or None,
+        )
         return tls if tls.enabled or tls.require_client_cert else None
 
     @property
@@ -145,7 +171,6 @@ class RouterConfig:
         return self.served_model_name or Path(model_path).name
 
 
-
 def _uvloop_installed() -> bool:
     return importlib.util.find_spec("uvloop") is not None
 
@@ -159,8 +184,9 @@ def _is_num(v: object) -> bool:
 
 
 def _client_tls(part: str, help: str) -> Any:
-    return field(default=None, metadata={"help": help, "env": ENV[part], "metavar": "NAME" if part == "server_name"
-                                         else "PEM"})
+    return field(
+        default=None, metadata={"help": help, "env": ENV[part], "metavar": "NAME" if part == "server_name" else "PEM"}
+    )
 
 
 def _http_tls(part: str, help: str, default: Any = None) -> Any:
@@ -174,30 +200,49 @@ def _http_tls(part: str, help: str, default: Any = None) -> Any:
 class OpenAIHttpConfig:
     """``python -m router.openai_http``: the OpenAI-compatible HTTP front, a client of one router or several."""
 
-    router: str = field(default="127.0.0.1:50051", metadata={
-        "help": "router gRPC address; several (comma-separated): requests go round them, and one that failed before "
-                "its first token is retried on the next", "metavar": "HOST:PORT[,HOST:PORT...]"})
+    router: str = field(
+        default="127.0.0.1:50051",
+        metadata={
+            "help": "router gRPC address; several (comma-separated): requests go round them, and one that failed "
+            "before its first token is retried on the next",
+            "metavar": "HOST:PORT[,HOST:PORT...]",
+        },
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "listen address of the HTTP server"})
     port: int = field(default=8000, metadata={"help": "HTTP port (0: pick a free one)"})
-    api_key: str | None = field(default=None, metadata={
-        "env": API_KEY_ENV, "secret": True,
-        "help": "require 'Authorization: Bearer KEY'; also sent to the router"})
+    api_key: str | None = field(
+        default=None,
+        metadata={
+            "env": API_KEY_ENV,
+            "secret": True,
+            "help": "require 'Authorization: Bearer KEY'; also sent to the router",
+        },
+    )
     # how to reach a router that serves TLS / mutual TLS (the client side of --tls-*)
     tls_ca_file: str | None = _client_tls("ca_file", "CA certificate to trust: connect to the router with TLS")
     tls_cert_file: str | None = _client_tls("cert_file", "client certificate, for a router that requires mutual TLS")
     tls_key_file: str | None = _client_tls("key_file", "private key of the client certificate")
-    tls_server_name: str | None = _client_tls("server_name", "name expected in the router's certificate "
-                                                             "(default: the host dialed)")
+    tls_server_name: str | None = _client_tls(
+        "server_name", "name expected in the router's certificate (default: the host dialed)"
+    )
     # this server's own certificate: serve HTTPS
     http_tls_cert_file: str | None = _http_tls("cert_file", "serve HTTPS with this certificate (default: plain HTTP)")
     http_tls_key_file: str | None = _http_tls("key_file", "private key of --http-tls-cert-file")
-    http_tls_ca_file: str | None = _http_tls("ca_file", "CA that signs client certificates, for "
-                                                        "--http-tls-require-client-cert")
-    http_tls_require_client_cert: bool = _http_tls("require_client_cert", "mutual TLS: refuse HTTPS clients without "
-                                                   "a certificate signed by --http-tls-ca-file", False)
-    tool_call_parser: str = field(default="hermes", metadata={
-        "help": "how the model writes tool calls (vLLM's --tool-call-parser): hermes = <tool_call>{json}</tool_call> "
-                "(Hermes, Qwen2.5, SmolLM / ChatML models)"})
+    http_tls_ca_file: str | None = _http_tls(
+        "ca_file", "CA that signs client certificates, for --http-tls-require-client-cert"
+    )
+    http_tls_require_client_cert: bool = _http_tls(
+        "require_client_cert",
+        "mutual TLS: refuse HTTPS clients without a certificate signed by --http-tls-ca-file",
+        False,
+    )
+    tool_call_parser: str = field(
+        default="hermes",
+        metadata={
+            "help": "how the model writes tool calls (vLLM's --tool-call-parser): "
+            "hermes = <tool_call>{json}</tool_call> (Hermes, Qwen2.5, SmolLM / ChatML models)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not _is_int(self.port) or not 0 <= self.port <= 65535:
@@ -213,8 +258,12 @@ class OpenAIHttpConfig:
         """How this front dials the router (None: plaintext)."""
         from pdserve.security import TLSConfig
 
-        tls = TLSConfig(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file,
-                        server_name=self.tls_server_name)
+        tls = TLSConfig(
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            ca_file=self.tls_ca_file,
+            server_name=self.tls_server_name,
+        )
         return tls if tls.enabled else None
 
     @property
@@ -222,5 +271,6 @@ class OpenAIHttpConfig:
         """The checked certificate this front serves HTTPS with (None: plain HTTP); errors name --http-tls-*."""
         from pdserve.security import http_server_tls
 
-        return http_server_tls(self.http_tls_cert_file, self.http_tls_key_file, self.http_tls_ca_file,
-                               self.http_tls_require_client_cert)
+        return http_server_tls(
+            self.http_tls_cert_file, self.http_tls_key_file, self.http_tls_ca_file, self.http_tls_require_client_cert
+        )

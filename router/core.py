@@ -163,19 +163,32 @@ class RouterCore:
 
     async def cancel_prefill(self, pod_id: str, request_id: str) -> None:
         t = self.config.cleanup_timeout_s
-        await self._quiet("CancelPrefill", pod_id, lambda: self.prefill_stub(pod_id).CancelPrefill(
-            prefill_pb2.CancelPrefillRequest(request_id=request_id), timeout=t))
+        await self._quiet(
+            "CancelPrefill",
+            pod_id,
+            lambda: self.prefill_stub(pod_id).CancelPrefill(
+                prefill_pb2.CancelPrefillRequest(request_id=request_id), timeout=t
+            ),
+        )
 
     async def release_kv(self, pod_id: str, lease_id: str) -> None:
         t = self.config.cleanup_timeout_s
-        await self._quiet("ReleaseKV", pod_id, lambda: self.prefill_stub(pod_id).ReleaseKV(
-            prefill_pb2.ReleaseKVRequest(lease_id=lease_id), timeout=t))
+        await self._quiet(
+            "ReleaseKV",
+            pod_id,
+            lambda: self.prefill_stub(pod_id).ReleaseKV(prefill_pb2.ReleaseKVRequest(lease_id=lease_id), timeout=t),
+        )
 
     async def cancel_decode(self, pod_id: str, request_id: str, admitted: Admitted | None = None) -> None:
         t = self.config.cleanup_timeout_s
         try:
-            await self._quiet("CancelDecode", pod_id, lambda: self.decode_stub(pod_id).CancelDecode(
-                decode_pb2.CancelDecodeRequest(request_id=request_id), timeout=t))
+            await self._quiet(
+                "CancelDecode",
+                pod_id,
+                lambda: self.decode_stub(pod_id).CancelDecode(
+                    decode_pb2.CancelDecodeRequest(request_id=request_id), timeout=t
+                ),
+            )
         finally:
             if admitted is not None:  # the booking goes back once the pod has freed the blocks
                 self.admission.release(admitted)
@@ -196,37 +209,47 @@ class RouterCore:
         """Validate a GenerateRequest; raises ServiceError (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE,
         ALREADY_EXISTS)."""
         if self.draining:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               "router is shutting down: send the request to another router")
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE, "router is shutting down: send the request to another router"
+            )
         if req.model and req.model not in self.registry.model_aliases:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"model {req.model!r} is not served here; this cluster serves {self.model_name!r} "
-                               "(or leave model empty)")
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {req.model!r} is not served here; this cluster serves {self.model_name!r} "
+                "(or leave model empty)",
+            )
         if req.request_id:
             _check_request_id(req.request_id)
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.flights:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id {rid!r} is already in flight: use a unique id per request (or leave it "
-                               "empty and the router assigns one)")
+            raise ServiceError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {rid!r} is already in flight: use a unique id per request (or leave it "
+                "empty and the router assigns one)",
+            )
         prompt_ids = await self._prompt_ids(req)
         vocab = self.registry.vocab_size() or self.tokenizer.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"prompt token id {bad} is out of range for the model's vocabulary [0, {vocab})")
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt token id {bad} is out of range for the model's vocabulary [0, {vocab})",
+            )
         max_len = self.registry.max_model_len()
         if max_len and len(prompt_ids) >= max_len:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten it to at "
-                               f"most {max_len - 1} tokens")
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten it to at "
+                f"most {max_len - 1} tokens",
+            )
         sp = req.sampling_params
         _check_sampling(sp, vocab)
         await _check_structured(sp)
         if max_len and sp.min_tokens > max_len:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"sampling_params: min_tokens ({sp.min_tokens}) must not exceed max_model_len "
-                               f"({max_len})")
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"sampling_params: min_tokens ({sp.min_tokens}) must not exceed max_model_len ({max_len})",
+            )
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
         max_tokens_eff: int | None
         if max_len and max_tokens is not None and len(prompt_ids) + max_tokens > max_len:
@@ -245,8 +268,12 @@ class RouterCore:
         if sp.best_of > max(sp.n, 1):
             sp.logprobs = True  # the router ranks the candidates by cumulative logprob (want_logprobs: the client's)
         return Prepared(
-            request_id=rid, prompt_ids=prompt_ids, params=sp, max_tokens=max_tokens,
-            want_logprobs=want_logprobs, kv_tokens=kv_tokens,
+            request_id=rid,
+            prompt_ids=prompt_ids,
+            params=sp,
+            max_tokens=max_tokens,
+            want_logprobs=want_logprobs,
+            kv_tokens=kv_tokens,
             block_hashes=block_hashes(prompt_ids, self.config.prefix_block_size),
             affinity_key=prefix_key(prompt_ids, self.config.prefix_block_size, self.config.affinity_hash_blocks),
             prefill_only=max_tokens == 1,
@@ -291,12 +318,16 @@ MAX_STOP_TOKEN_IDS = 1024
 def _check_request_id(rid: str) -> None:
     """Client ids travel to every pod and into logs and metric labels: bounded, printable."""
     if len(rid) > MAX_REQUEST_ID_LEN:
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"request_id has {len(rid)} characters; use at most {MAX_REQUEST_ID_LEN} (or leave it empty "
-                           "and the router assigns one)")
+        raise ServiceError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request_id has {len(rid)} characters; use at most {MAX_REQUEST_ID_LEN} (or leave it empty "
+            "and the router assigns one)",
+        )
     if not rid.isprintable():
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"request_id {rid!r} contains control characters; use printable characters only")
+        raise ServiceError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request_id {rid!r} contains control characters; use printable characters only",
+        )
 
 
 async def _check_structured(sp: common_pb2.SamplingParams) -> None:
@@ -341,8 +372,10 @@ def _check_sampling(sp: common_pb2.SamplingParams, vocab: int) -> None:
         bad("stop strings must be non-empty")
     # Every stop string is matched against the output after every token: bound the work one request can ask for.
     if len(sp.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in sp.stop):
-        bad(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} characters each, got "
-            f"{len(sp.stop)} (longest {max(map(len, sp.stop))})")
+        bad(
+            f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} characters each, got "
+            f"{len(sp.stop)} (longest {max(map(len, sp.stop))})"
+        )
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}")
     if any(t < 0 for t in sp.stop_token_ids):
@@ -369,8 +402,10 @@ def _check_sampling(sp: common_pb2.SamplingParams, vocab: int) -> None:
     if len(sp.logit_bias) > MAX_LOGIT_BIAS:
         bad(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(sp.logit_bias)}")
     if any(t < 0 or t >= vocab for t in sp.logit_bias):
-        bad(f"logit_bias has token ids out of the model's vocabulary [0, {vocab}): "
-            f"{sorted(t for t in sp.logit_bias if t < 0 or t >= vocab)[:8]}")
+        bad(
+            f"logit_bias has token ids out of the model's vocabulary [0, {vocab}): "
+            f"{sorted(t for t in sp.logit_bias if t < 0 or t >= vocab)[:8]}"
+        )
     if any(not math.isfinite(v) for v in sp.logit_bias.values()):
         bad("logit_bias values must be finite numbers")
     if sp.n < 0 or sp.n > MAX_N:
@@ -386,5 +421,7 @@ def _check_sampling(sp: common_pb2.SamplingParams, vocab: int) -> None:
     # end a stream that already sent its first token in an error instead of a clean INVALID_ARGUMENT.
     unsupported = unsupported_fields(sp)
     if unsupported:
-        bad(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not implemented by this cluster's "
-            "pods: leave unset (or at the neutral value)")
+        bad(
+            f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not implemented by this cluster's "
+            "pods: leave unset (or at the neutral value)"
+        )

@@ -47,7 +47,7 @@ class Detokenizer:
         full = self.tok.decode(self.ids, skip_special_tokens=self.skip)
         if not full.startswith(self._text):  # never seen; the text already sent cannot be taken back
             return ""
-        delta = full[len(self._text):]
+        delta = full[len(self._text) :]
         self._text = full
         return delta
 
@@ -121,7 +121,7 @@ class OutputAssembler:
             end = len(self.text) if visible_end is None else visible_end
         else:
             end = max(self.emitted, len(self.text) - self._hold)
-        delta = self.text[self.emitted:end] if end > self.emitted else ""
+        delta = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return Piece(out_ids, delta, stop, on_token)
 

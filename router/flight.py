@@ -1,5 +1,6 @@
 """One in-flight request's cancellation and clean-up state (Flight), shared by the journey that owns it and by the
 core (Cancel RPC, pod eviction) that reaches it through RouterCore.flights."""
+
 from __future__ import annotations
 
 import asyncio

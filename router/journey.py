@@ -35,13 +35,20 @@ from router.flight import Cancelled, Flight, PodLost
 log = logging.getLogger("router.journey")
 
 # Prefill failures that another prefill pod will not fix: passed to the client as they are.
-_PREFILL_FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE,
-                  grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED}
+_PREFILL_FINAL = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
 _FINISH = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH}
 
 
-async def generate(core: RouterCore, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                   ) -> AsyncIterator[router_pb2.GenerateResponse]:
+async def generate(
+    core: RouterCore, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+) -> AsyncIterator[router_pb2.GenerateResponse]:
     arrival = time.monotonic()
     # 1. Validate: prompt -> token ids, sampling parameters, model, request id.
     try:
@@ -71,16 +78,30 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
         if len(pre.first_tokens) > 1:
             firsts = list(pre.first_tokens)
         else:
-            firsts = [common_pb2.SampledToken(token_id=pre.first_token_id, logprob=pre.first_token_logprob,
-                                              top_logprobs=pre.first_token_top_logprobs, finished=pre.finished,
-                                              finish_reason=pre.finish_reason)]
+            firsts = [
+                common_pb2.SampledToken(
+                    token_id=pre.first_token_id,
+                    logprob=pre.first_token_logprob,
+                    top_logprobs=pre.first_token_top_logprobs,
+                    finished=pre.finished,
+                    finish_reason=pre.finish_reason,
+                )
+            ]
         if len(firsts) != ch.count:
-            raise ServiceError(grpc.StatusCode.INTERNAL, f"the prefill pod returned {len(firsts)} first tokens for "
-                                                         f"{ch.count} sequences")
+            raise ServiceError(
+                grpc.StatusCode.INTERNAL,
+                f"the prefill pod returned {len(firsts)} first tokens for {ch.count} sequences",
+            )
         msgs = []
         for i, ft in enumerate(firsts):
-            msg = ch.add(i, [ft.token_id], [ft.logprob], [ft.top_logprobs],
-                         ft.finish_reason if ft.finished else common_pb2.FINISH_REASON_UNSPECIFIED, first=True)
+            msg = ch.add(
+                i,
+                [ft.token_id],
+                [ft.logprob],
+                [ft.top_logprobs],
+                ft.finish_reason if ft.finished else common_pb2.FINISH_REASON_UNSPECIFIED,
+                first=True,
+            )
             if ft.finished and not ch.done[i]:  # prefill says it is over even if it gave no known reason
                 ch.end(i, msg, ft.finish_reason or common_pb2.FINISH_REASON_LENGTH, "")
             if i == 0 and pre.HasField("prompt_logprobs"):
@@ -130,12 +151,14 @@ async def generate(core: RouterCore, request: router_pb2.GenerateRequest, contex
         _clean_up(core, flight)
 
 
-async def _to_first_token(core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer,
-                          deadline: float | None) -> prefill_pb2.PrefillResponse:
+async def _to_first_token(
+    core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer, deadline: float | None
+) -> prefill_pb2.PrefillResponse:
     """Steps 2-4: book decode KV for the prompt on the decode pod with the most room (queue if none has), place
     prefill (least queued tokens, prefix affinity), reserve the blocks (AllocateKV; a refusal goes back to the
     booking, hence one helper), then Prefill with the decode target (retried once on another prefill pod if it
     fails before the handoff)."""
+
     def timeout() -> float:
         left = core.config.pod_rpc_timeout_s if deadline is None else deadline - time.monotonic()
         return max(0.001, min(left, core.config.pod_rpc_timeout_s))
@@ -156,17 +179,25 @@ async def _to_first_token(core: RouterCore, flight: Flight, prep: Prepared, ans:
     ans.pod_time += timing.prefill_s
     ans.pod_self = pre.queue_s + pre.compute_s
     routing.prefill_pod_id = prefill_pod
-    routing.transfer_mode = (pre.kv_handle.transfer_mode if pre.HasField("kv_handle")
-                             else common_pb2.TRANSFER_MODE_UNSPECIFIED)
+    routing.transfer_mode = (
+        pre.kv_handle.transfer_mode if pre.HasField("kv_handle") else common_pb2.TRANSFER_MODE_UNSPECIFIED
+    )
     ans.usage.cached_prompt_tokens = pre.num_cached_tokens
     if pre.HasField("kv_handle") and pre.kv_handle.lease_id:
         flight.lease = (prefill_pod, pre.kv_handle.lease_id)
     return pre
 
 
-async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill_pb2.PrefillResponse,
-                  firsts: list[common_pb2.SampledToken], ch: _Choices, ans: _Answer, deadline: float | None
-                  ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+async def _decode(
+    core: RouterCore,
+    flight: Flight,
+    prep: Prepared,
+    pre: prefill_pb2.PrefillResponse,
+    firsts: list[common_pb2.SampledToken],
+    ch: _Choices,
+    ans: _Answer,
+    deadline: float | None,
+) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
     """Step 6: the Decode stream (chunks of the n sequences), detokenized and cut at stop strings / max_tokens per
     sequence, as client messages."""
     ans.t_decode = time.monotonic()
@@ -174,14 +205,20 @@ async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill
     pod = flight.decode_pod
     assert pod is not None  # booked in step 2 (prefill-only requests end at step 5)
     req = decode_pb2.DecodeRequest(
-        request_id=prep.request_id, prompt_token_ids=prep.prompt_ids, first_token_id=pre.first_token_id,
-        first_token_logprob=pre.first_token_logprob, sampling_params=prep.params, kv_handle=pre.kv_handle,
-        num_cached_tokens=pre.num_cached_tokens)
+        request_id=prep.request_id,
+        prompt_token_ids=prep.prompt_ids,
+        first_token_id=pre.first_token_id,
+        first_token_logprob=pre.first_token_logprob,
+        sampling_params=prep.params,
+        kv_handle=pre.kv_handle,
+        num_cached_tokens=pre.num_cached_tokens,
+    )
     if ch.count > 1:
         req.first_token_ids.extend(ft.token_id for ft in firsts)
         req.first_token_logprobs.extend(ft.logprob for ft in firsts)
     stream = core.decode_stub(pod).Decode(
-        req, timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
+        req, timeout=None if deadline is None else max(0.001, deadline - time.monotonic())
+    )
     try:
         while True:
             chunk = await flight.read(pod, stream)
@@ -197,8 +234,14 @@ async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill
                 if chunk.finish_reason == common_pb2.FINISH_REASON_CANCELLED and flight.cancelled:
                     raise Cancelled()
                 what = chunk.error_message or common_pb2.FinishReason.Name(chunk.finish_reason)
-                msg = ch.add(i, _new_tokens(chunk, ch.sent[i], prep.request_id), list(chunk.logprobs),
-                             list(chunk.top_logprobs), common_pb2.FINISH_REASON_UNSPECIFIED, final=True)
+                msg = ch.add(
+                    i,
+                    _new_tokens(chunk, ch.sent[i], prep.request_id),
+                    list(chunk.logprobs),
+                    list(chunk.top_logprobs),
+                    common_pb2.FINISH_REASON_UNSPECIFIED,
+                    final=True,
+                )
                 for m in ch.release([msg]) if msg.token_ids else ():
                     yield m
                 raise _DecodeFailed(f"decode pod {flight.decode_pod!r} ended the request: {what}")
@@ -207,8 +250,14 @@ async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill
                 ans.timing.kv_transfer_s = chunk.kv_transfer_s
             if ch.done[i]:  # ended here already (a stop string): the pod's rest of it is dropped
                 continue
-            msg = ch.add(i, _new_tokens(chunk, ch.sent[i], prep.request_id), list(chunk.logprobs),
-                         list(chunk.top_logprobs), chunk.finish_reason, final=final)
+            msg = ch.add(
+                i,
+                _new_tokens(chunk, ch.sent[i], prep.request_id),
+                list(chunk.logprobs),
+                list(chunk.top_logprobs),
+                chunk.finish_reason,
+                final=final,
+            )
             if ch.all_done:
                 ans.timing.decode_s = time.monotonic() - ans.t_decode
                 flight.decode_done = ended_normally = len(ch.pod_ended) == ch.count
@@ -223,8 +272,9 @@ async def _decode(core: RouterCore, flight: Flight, prep: Prepared, pre: prefill
             stream.cancel()
 
 
-async def _admit(core: RouterCore, flight: Flight, prep: Prepared, deadline: float | None,
-                 exclude: frozenset[str]) -> Admitted:
+async def _admit(
+    core: RouterCore, flight: Flight, prep: Prepared, deadline: float | None, exclude: frozenset[str]
+) -> Admitted:
     """Book the request's KV on a decode (or unified) pod outside ``exclude``, queueing until one has room or the
     deadline passes; a Cancel of the waiting request ends the wait as Cancelled."""
     left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -238,22 +288,26 @@ async def _admit(core: RouterCore, flight: Flight, prep: Prepared, deadline: flo
         flight.set_pending(None)
 
 
-async def _unified(core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer,
-                   deadline: float | None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+async def _unified(
+    core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer, deadline: float | None
+) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
     """A unified pod's journey: book its KV as for a decode pod (queue if none has room), then one Decode call
     without a KV handle; the pod prefills in its own engine and streams every token, the first one included."""
     if prep.params.HasField("prompt_logprobs"):
-        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                           "prompt logprobs (echo with logprobs) are computed by prefill pods; this cluster serves "
-                           "through unified pods only: ask without them or add a prefill pod")
+        raise ServiceError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "prompt logprobs (echo with logprobs) are computed by prefill pods; this cluster serves "
+            "through unified pods only: ask without them or add a prefill pod",
+        )
     others = frozenset(v.pod_id for v in core.registry.decode_views((common_pb2.ROLE_DECODE,)))
     flight.admitted = await _admit(core, flight, prep, deadline, others)
     ans.timing.queue_s = flight.admitted.queue_s
     core.metrics.queue.observe(ans.timing.queue_s)
     pod = flight.decode_pod = ans.routing.decode_pod_id = flight.admitted.pod_id
     try:
-        async with contextlib.aclosing(_decode(core, flight, prep, prefill_pb2.PrefillResponse(), [],
-                                               _Choices(core, prep, ans), ans, deadline)) as tokens:
+        async with contextlib.aclosing(
+            _decode(core, flight, prep, prefill_pb2.PrefillResponse(), [], _Choices(core, prep, ans), ans, deadline)
+        ) as tokens:
             async for msg in tokens:
                 yield msg
     except grpc.aio.AioRpcError as e:
@@ -275,12 +329,18 @@ class _Choices:
         self.prep, self.ans = prep, ans
         self.n = max(sp.n, 1)
         self.count = max(self.n, sp.best_of)
-        self.outs = [OutputAssembler(core.tokenizer, stop=list(sp.stop), stop_token_ids=sp.stop_token_ids,
-                                     eos_token_ids=core.eos_token_ids, ignore_eos=sp.ignore_eos,
-                                     min_tokens=sp.min_tokens,
-                                     skip_special_tokens=(sp.skip_special_tokens
-                                                          if sp.HasField("skip_special_tokens") else True))
-                     for _ in range(self.count)]
+        self.outs = [
+            OutputAssembler(
+                core.tokenizer,
+                stop=list(sp.stop),
+                stop_token_ids=sp.stop_token_ids,
+                eos_token_ids=core.eos_token_ids,
+                ignore_eos=sp.ignore_eos,
+                min_tokens=sp.min_tokens,
+                skip_special_tokens=(sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True),
+            )
+            for _ in range(self.count)
+        ]
         self.sent = [0] * self.count
         self.done = [False] * self.count
         self.cum_logprob = [0.0] * self.count
@@ -295,15 +355,22 @@ class _Choices:
     def best_of(self) -> bool:
         return self.count > self.n
 
-    def add(self, i: int, ids: list[int], logprobs: list[float], top: list[Any],
-            pod_reason: common_pb2.FinishReason, final: bool = False, first: bool = False
-            ) -> router_pb2.GenerateResponse:
+    def add(
+        self,
+        i: int,
+        ids: list[int],
+        logprobs: list[float],
+        top: list[Any],
+        pod_reason: common_pb2.FinishReason,
+        final: bool = False,
+        first: bool = False,
+    ) -> router_pb2.GenerateResponse:
         """Sequence i's new tokens as a client message (ended, with its reason, when they complete it)."""
         prep = self.prep
         if prep.max_tokens is not None:
-            ids = ids[:max(0, prep.max_tokens - self.sent[i])]
+            ids = ids[: max(0, prep.max_tokens - self.sent[i])]
         piece = self.outs[i].add(ids, final=final or pod_reason != common_pb2.FINISH_REASON_UNSPECIFIED)
-        self.cum_logprob[i] += sum(logprobs[:len(piece.token_ids)])
+        self.cum_logprob[i] += sum(logprobs[: len(piece.token_ids)])
         msg = self.ans.message(piece.token_ids, piece.text, logprobs, top)
         msg.index = i
         self.sent[i] += len(piece.token_ids)
@@ -325,7 +392,7 @@ class _Choices:
                 self.buffered[m.index].append(m)
             if not self.all_done:
                 return []
-            ranked = sorted(range(self.count), key=lambda k: -self.cum_logprob[k])[:self.n]
+            ranked = sorted(range(self.count), key=lambda k: -self.cum_logprob[k])[: self.n]
             msgs = []
             for new, k in enumerate(ranked):
                 for m in self.buffered[k]:
@@ -333,8 +400,11 @@ class _Choices:
                     msgs.append(m)
             self.ans.sent = sum(self.sent[k] for k in ranked)  # usage counts the returned sequences, as vLLM does
         else:
-            msgs = [m for m in msgs if m.token_ids or m.text or m.finish_reason
-                    or m.HasField("prompt_logprobs") or m.prompt_token_ids]
+            msgs = [
+                m
+                for m in msgs
+                if m.token_ids or m.text or m.finish_reason or m.HasField("prompt_logprobs") or m.prompt_token_ids
+            ]
         if self.all_done and msgs:
             last = msgs[-1]
             self.ans.finish(last, last.finish_reason, last.stop_reason)
@@ -345,8 +415,14 @@ class _Answer:
     """What the client gets for one request: token messages, and the final one with usage, timing and routing;
     feeds the router's metrics on the way."""
 
-    def __init__(self, core: RouterCore, request: router_pb2.GenerateRequest, prep: Prepared,
-                 context: grpc.aio.ServicerContext, arrival: float) -> None:
+    def __init__(
+        self,
+        core: RouterCore,
+        request: router_pb2.GenerateRequest,
+        prep: Prepared,
+        context: grpc.aio.ServicerContext,
+        arrival: float,
+    ) -> None:
         self.m = core.metrics
         self.core = core
         self.request, self.prep, self.context, self.arrival = request, prep, context, arrival
@@ -359,16 +435,17 @@ class _Answer:
         self.pod_self = 0.0  # the part of it the prefill pod reports as its own (engine queue + compute)
         self.outcome = "error"
 
-    def message(self, piece_ids: list[int], text: str, logprobs: Sequence[float] = (), top: Sequence[Any] = ()
-                ) -> router_pb2.GenerateResponse:
+    def message(
+        self, piece_ids: list[int], text: str, logprobs: Sequence[float] = (), top: Sequence[Any] = ()
+    ) -> router_pb2.GenerateResponse:
         prep, timing = self.prep, self.timing
         msg = router_pb2.GenerateResponse(request_id=prep.request_id, token_ids=piece_ids, text=text)
         if prep.want_logprobs:
-            msg.logprobs.extend(logprobs[:len(piece_ids)])
+            msg.logprobs.extend(logprobs[: len(piece_ids)])
             tok = self.core.tokenizer
             msg.tokens.extend(tok.decode([t], skip_special_tokens=False) for t in piece_ids)
             if prep.params.top_logprobs > 0:
-                msg.top_logprobs.extend(top[:len(piece_ids)])
+                msg.top_logprobs.extend(top[: len(piece_ids)])
                 for alt in msg.top_logprobs:
                     alt.tokens[:] = [tok.decode([t], skip_special_tokens=False) for t in alt.token_ids]
         if self.sent == 0 and self.request.return_prompt_token_ids:
@@ -385,9 +462,9 @@ class _Answer:
             self.m.tokens.inc(len(piece_ids))
         return msg
 
-    def finish(self, msg: router_pb2.GenerateResponse, reason: common_pb2.FinishReason, stop_reason: str = "",
-               error: str = ""
-               ) -> router_pb2.GenerateResponse:
+    def finish(
+        self, msg: router_pb2.GenerateResponse, reason: common_pb2.FinishReason, stop_reason: str = "", error: str = ""
+    ) -> router_pb2.GenerateResponse:
         timing = self.timing
         msg.finish_reason = reason
         msg.stop_reason = stop_reason
@@ -401,12 +478,14 @@ class _Answer:
         msg.routing.CopyFrom(self.routing)
         self.m.e2e.observe(timing.e2e_s)
         self.outcome = common_pb2.FinishReason.Name(reason)
-        self.context.set_trailing_metadata((
-            ("pdserve-router-ttft-s", f"{timing.ttft_s:.9f}"),
-            ("pdserve-pod-time-s", f"{self.pod_time:.9f}"),
-            ("pdserve-queue-s", f"{timing.queue_s:.9f}"),
-            ("pdserve-pod-self-s", f"{self.pod_self:.9f}"),
-        ))
+        self.context.set_trailing_metadata(
+            (
+                ("pdserve-router-ttft-s", f"{timing.ttft_s:.9f}"),
+                ("pdserve-pod-time-s", f"{self.pod_time:.9f}"),
+                ("pdserve-queue-s", f"{timing.queue_s:.9f}"),
+                ("pdserve-pod-self-s", f"{self.pod_self:.9f}"),
+            )
+        )
         return msg
 
 
@@ -443,8 +522,9 @@ def _new_tokens(chunk: decode_pb2.TokenChunk, sent: int, rid: str) -> list[int]:
     return ids
 
 
-def _ended(out: OutputAssembler, piece: Any, sent: int, max_tokens: int | None,
-           pod_reason: common_pb2.FinishReason) -> tuple[common_pb2.FinishReason, str] | None:
+def _ended(
+    out: OutputAssembler, piece: Any, sent: int, max_tokens: int | None, pod_reason: common_pb2.FinishReason
+) -> tuple[common_pb2.FinishReason, str] | None:
     """(finish reason, stop string) when the output is complete, else None."""
     if piece.stop is not None:
         return common_pb2.FINISH_REASON_STOP, piece.stop
@@ -459,9 +539,11 @@ def _ended(out: OutputAssembler, piece: Any, sent: int, max_tokens: int | None,
 
 def _need_prefill_pods(core: RouterCore) -> None:
     if not core.registry.prefill_views():
-        raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                           "no READY prefill pod: start prefill pods (python -m prefill_svc ... --router ...) or wait "
-                           "until they register")
+        raise ServiceError(
+            grpc.StatusCode.UNAVAILABLE,
+            "no READY prefill pod: start prefill pods (python -m prefill_svc ... --router ...) or wait "
+            "until they register",
+        )
 
 
 def _place_prefill(core: RouterCore, prep: Prepared) -> str:
@@ -473,8 +555,9 @@ def _place_prefill(core: RouterCore, prep: Prepared) -> str:
     return pod
 
 
-async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout: Any, deadline: float | None
-                       ) -> tuple[Any, str]:
+async def _book_decode(
+    core: RouterCore, flight: Flight, prep: Prepared, timeout: Any, deadline: float | None
+) -> tuple[Any, str]:
     """Admission (decode pod with room, or wait) -> prefill pod -> AllocateKV. A decode pod that is full gets
     re-queued behind its next report (for at most max_queue_wait_s in all, then RESOURCE_EXHAUSTED: the router's
     booking is an estimate, the pod's own count is the truth); one that errors is skipped for this request (at most
@@ -497,10 +580,18 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no READY prefill pod can take the prompt")
         try:
             t = time.monotonic()
-            alloc = await flight.call(pod, core.decode_stub(pod).AllocateKV(decode_pb2.AllocateKVRequest(
-                request_id=prep.request_id, num_tokens=len(prep.prompt_ids),
-                num_reserved_output_tokens=prep.kv_tokens - len(prep.prompt_ids),
-                prefill_layout=core.registry.pods[prefill_pod].layout), timeout=timeout()))
+            alloc = await flight.call(
+                pod,
+                core.decode_stub(pod).AllocateKV(
+                    decode_pb2.AllocateKVRequest(
+                        request_id=prep.request_id,
+                        num_tokens=len(prep.prompt_ids),
+                        num_reserved_output_tokens=prep.kv_tokens - len(prep.prompt_ids),
+                        prefill_layout=core.registry.pods[prefill_pod].layout,
+                    ),
+                    timeout=timeout(),
+                ),
+            )
             flight.allocate_s = time.monotonic() - t
             return alloc, prefill_pod
         except BaseException as e:
@@ -524,9 +615,12 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
                 failures = failures[-2:]  # a long wait must not grow the message without bound
                 waited = time.monotonic() - t_first
                 if waited >= core.config.max_queue_wait_s:
-                    raise ServiceError(code, f"decode pods kept refusing KV for {len(prep.prompt_ids)} prompt tokens "
-                                             f"for {waited:.1f}s (max_queue_wait_s {core.config.max_queue_wait_s}): "
-                                             f"retry later or add decode pods (last: {'; '.join(failures)})")
+                    raise ServiceError(
+                        code,
+                        f"decode pods kept refusing KV for {len(prep.prompt_ids)} prompt tokens "
+                        f"for {waited:.1f}s (max_queue_wait_s {core.config.max_queue_wait_s}): "
+                        f"retry later or add decode pods (last: {'; '.join(failures)})",
+                    )
             else:
                 errors += 1
                 exclude.add(pod)
@@ -535,19 +629,34 @@ async def _book_decode(core: RouterCore, flight: Flight, prep: Prepared, timeout
     raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no decode pod could reserve KV: {'; '.join(failures)}")
 
 
-async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: decode_pb2.AllocateKVResponse | None,
-                   pod: str, timeout: Any, deadline: float | None) -> tuple[prefill_pb2.PrefillResponse, str]:
+async def _prefill(
+    core: RouterCore,
+    flight: Flight,
+    prep: Prepared,
+    alloc: decode_pb2.AllocateKVResponse | None,
+    pod: str,
+    timeout: Any,
+    deadline: float | None,
+) -> tuple[prefill_pb2.PrefillResponse, str]:
     """Prefill on ``pod``; if it fails before the KV handoff, once more on another prefill pod. ``alloc`` is None
     for a prefill-only request (no decode target: the pod keeps no KV once the request ends at its first token)."""
     target = None
     if alloc is not None:
         assert flight.decode_pod is not None
-        target = prefill_pb2.DecodeTarget(decode_pod_id=flight.decode_pod, layout=alloc.layout,
-                                          block_tables=alloc.block_tables, agent_name=alloc.agent_name,
-                                          transfer_modes=alloc.transfer_modes)
-    req = prefill_pb2.PrefillRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_ids,
-                                     sampling_params=prep.params, decode_target=target,  # None: not set
-                                     lease_ttl_s=core.config.lease_ttl_s)
+        target = prefill_pb2.DecodeTarget(
+            decode_pod_id=flight.decode_pod,
+            layout=alloc.layout,
+            block_tables=alloc.block_tables,
+            agent_name=alloc.agent_name,
+            transfer_modes=alloc.transfer_modes,
+        )
+    req = prefill_pb2.PrefillRequest(
+        request_id=prep.request_id,
+        prompt_token_ids=prep.prompt_ids,
+        sampling_params=prep.params,
+        decode_target=target,  # None: not set
+        lease_ttl_s=core.config.lease_ttl_s,
+    )
     tried: list[str] = []
     failures: list[str] = []
     n = len(prep.prompt_ids)
@@ -577,9 +686,11 @@ async def _prefill(core: RouterCore, flight: Flight, prep: Prepared, alloc: deco
             core.registry.end_prefill(pod, n)
         nxt = core.pick_prefill(prep, set(tried)) if len(tried) < 2 else None
         if nxt is None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"prefill failed ({'; '.join(failures)})" + ("" if len(tried) >= 2 else
-                                                                           "; no other READY prefill pod to retry on"))
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"prefill failed ({'; '.join(failures)})"
+                + ("" if len(tried) >= 2 else "; no other READY prefill pod to retry on"),
+            )
         core.metrics.prefill_retries.inc()
         pod = nxt
 

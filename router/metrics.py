@@ -11,24 +11,33 @@ _OVERHEAD = (0.0001, 0.0002, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("pdserve_router_requests", "Generate calls by outcome "
-                                "(finish reason, or the gRPC code of a failure)", ["outcome"], registry=r)
-        self.ttft = Histogram("pdserve_router_ttft_seconds", "Arrival at the router -> first token sent",
-                              buckets=_LAT, registry=r)
+        self.requests = Counter(
+            "pdserve_router_requests",
+            "Generate calls by outcome (finish reason, or the gRPC code of a failure)",
+            ["outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve_router_ttft_seconds", "Arrival at the router -> first token sent", buckets=_LAT, registry=r
+        )
         self.e2e = Histogram("pdserve_router_e2e_seconds", "Arrival -> final message", buckets=_LAT, registry=r)
-        self.queue = Histogram("pdserve_router_queue_seconds", "Time waiting for decode KV in the router queue",
-                               buckets=_LAT, registry=r)
-        self.overhead = Histogram("pdserve_router_overhead_seconds",
-                                  "Router time to first token minus the pods' calls on that path "
-                                  "(AllocateKV + Prefill) and the queue wait", buckets=_OVERHEAD, registry=r)
-        self.prefill_retries = Counter("pdserve_router_prefill_retries", "Prefills retried on another pod",
-                                       registry=r)
+        self.queue = Histogram(
+            "pdserve_router_queue_seconds", "Time waiting for decode KV in the router queue", buckets=_LAT, registry=r
+        )
+        self.overhead = Histogram(
+            "pdserve_router_overhead_seconds",
+            "Router time to first token minus the pods' calls on that path (AllocateKV + Prefill) and the queue wait",
+            buckets=_OVERHEAD,
+            registry=r,
+        )
+        self.prefill_retries = Counter("pdserve_router_prefill_retries", "Prefills retried on another pod", registry=r)
         self.tokens = Counter("pdserve_router_generated_tokens", "Tokens streamed to clients", registry=r)
         self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r)
         self.inflight = Gauge("pdserve_router_inflight_requests", "Generate calls in progress", registry=r)
         self.pods = Gauge("pdserve_router_pods", "Registered pods", ["role", "state"], registry=r)
-        self.cleanup_failures = Counter("pdserve_router_cleanup_failures",
-                                        "Cancel / release calls to pods that failed", ["rpc"], registry=r)
+        self.cleanup_failures = Counter(
+            "pdserve_router_cleanup_failures", "Cancel / release calls to pods that failed", ["rpc"], registry=r
+        )
 
         self._outcomes: dict[str, Counter] = {}  # outcome -> bound child: labels() takes a lock and builds a key
 

@@ -26,6 +26,7 @@ the --tool-call-parser; with required or a named function the arguments are cons
 schema). Any other OpenAI field with a non-default value (functions, suffix, ...) is refused with a 400 rather than
 silently ignored.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,14 @@ _FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "e
 class ApiError(Exception):
     """An error to return in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -99,17 +106,57 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
 # Request parsing
 # ----------------------------------------------------------------------------------------------------------------
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-           "stream", "stream_options", "n", "user", "logit_bias", "logprobs",
-           # vLLM extensions
-           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "min_p", "request_id", "return_tokens_as_token_ids"}
-_COMMON |= {"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-            "guided_decoding_backend"}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "logit_bias",
+    "logprobs",
+    # vLLM extensions
+    "top_k",
+    "min_tokens",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "min_p",
+    "request_id",
+    "return_tokens_as_token_ids",
+}
+_COMMON |= {
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+}
 _COMPLETION_ONLY = {"prompt", "echo", "best_of", "suffix"}
-_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-              "function_call", "parallel_tool_calls", "add_generation_prompt", "metadata",
-              "store", "service_tier", "modalities", "reasoning_effort"}
+_CHAT_ONLY = {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "add_generation_prompt",
+    "metadata",
+    "store",
+    "service_tier",
+    "modalities",
+    "reasoning_effort",
+}
 
 
 def _is_num(v: Any) -> bool:
@@ -149,8 +196,10 @@ def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
         raise bad(f"only one kind of structured output may be given, got {', '.join(given)}", given[1])
     backend = body.get("guided_decoding_backend")
     if backend is not None and backend != "xgrammar":
-        raise bad(f"guided_decoding_backend {backend!r} is not available; this server uses xgrammar",
-                  "guided_decoding_backend")
+        raise bad(
+            f"guided_decoding_backend {backend!r} is not available; this server uses xgrammar",
+            "guided_decoding_backend",
+        )
     if not given:
         return None
     kind = given[0]
@@ -159,8 +208,9 @@ def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
             return {"json_object": True}
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-            raise bad("response_format json_schema needs a json_schema object with a 'schema' object",
-                      "response_format")
+            raise bad(
+                "response_format json_schema needs a json_schema object with a 'schema' object", "response_format"
+            )
         return {"json_schema": js.get("schema", {})}
     v = body[kind]
     if kind == "guided_json":
@@ -192,10 +242,14 @@ def _tools(body: dict[str, Any], p: Parsed) -> None:
             raise bad("'tools' must be a list of tool objects", "tools")
         for i, t in enumerate(tools):
             fn = t.get("function") if isinstance(t, dict) else None
-            if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
-                    or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                          "tools")
+            if (
+                not isinstance(t, dict)
+                or t.get("type", "function") != "function"
+                or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)
+                or not fn["name"]
+            ):
+                raise bad(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}', "tools")
             if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
                 raise bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
     tools = tools or None
@@ -205,12 +259,16 @@ def _tools(body: dict[str, Any], p: Parsed) -> None:
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
-                      "{\"name\": ...}}", "tool_choice")
+            raise bad(
+                'tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
         names = [t["function"]["name"] for t in tools or []]
         if fn["name"] not in names:
-            raise bad(f"tool_choice names function {fn['name']!r}, which is not in tools "
-                      f"({', '.join(names) or 'none'})", "tool_choice")
+            raise bad(
+                f"tool_choice names function {fn['name']!r}, which is not in tools ({', '.join(names) or 'none'})",
+                "tool_choice",
+            )
         p.tool_choice, p.tool_name = "function", fn["name"]
     elif choice in ("none", "auto", "required"):
         p.tool_choice = choice
@@ -226,8 +284,9 @@ def _tools(body: dict[str, Any], p: Parsed) -> None:
     p.tools = tools
     if p.tool_choice in ("required", "function"):
         if "structured_output" in p.sampling:
-            raise bad(f"tool_choice {choice!r} cannot be combined with response_format / guided decoding",
-                      "tool_choice")
+            raise bad(
+                f"tool_choice {choice!r} cannot be combined with response_format / guided decoding", "tool_choice"
+            )
         if p.tool_choice == "required":
             schema = required_schema(tools or [], ptc is not False)
         else:
@@ -329,8 +388,15 @@ def _parse_common(body: dict[str, Any], allowed: set[str], default_max_tokens: i
         s["structured_output"] = structured
     if n > 1:
         s["n"] = n
-    return Parsed(model=model, stream=stream, include_usage=include_usage, sampling=s, request_id=rid, n=n,
-                  tokens_as_ids=bool(as_ids))
+    return Parsed(
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        sampling=s,
+        request_id=rid,
+        n=n,
+        tokens_as_ids=bool(as_ids),
+    )
 
 
 def _want_logprobs(p: Parsed, k: int) -> None:
@@ -360,8 +426,7 @@ def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]
             raise bad(f"best_of must be an integer in [n, {MAX_N}] (n={p.n}), got {best_of!r}", "best_of")
         if best_of > p.n:
             if p.stream:
-                raise bad("best_of > n cannot be streamed: the best sequences are known only when all end",
-                          "best_of")
+                raise bad("best_of > n cannot be streamed: the best sequences are known only when all end", "best_of")
             p.sampling["best_of"] = best_of
     if body.get("suffix"):
         raise bad("suffix is not supported", "suffix")
@@ -374,12 +439,16 @@ def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]
         prompts = [list(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(x, list) and x and all(_is_int(t) for t in x) for x in prompt):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in prompt)
+    ):
         prompts = [list(x) for x in prompt]
     else:
-        raise bad("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
-                  "prompt")
+        raise bad(
+            "'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists", "prompt"
+        )
     if p.echo and not all(isinstance(x, str) for x in prompts):
         raise bad("echo is supported for text prompts only", "echo")
     return p, prompts
@@ -409,8 +478,10 @@ def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, Any]], bool
             raise bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
         role = "system" if m["role"] == "developer" else m["role"]
         if role not in ("system", "user", "assistant", "tool"):
-            raise bad(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, assistant, tool",
-                      f"messages[{i}].role")
+            raise bad(
+                f"messages[{i}].role {m['role']!r} is not one of system, developer, user, assistant, tool",
+                f"messages[{i}].role",
+            )
         content = m.get("content")
         if content is None:
             text = ""
@@ -420,8 +491,9 @@ def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, Any]], bool
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"messages[{i}].content[{j}]: only text content parts are supported",
-                              f"messages[{i}].content")
+                    raise bad(
+                        f"messages[{i}].content[{j}]: only text content parts are supported", f"messages[{i}].content"
+                    )
                 parts.append(part["text"])
             text = "".join(parts)
         else:
@@ -433,15 +505,22 @@ def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, Any]], bool
                 raise bad(f"messages[{i}].tool_calls must be a list, on an assistant message", f"messages[{i}]")
             for j, c in enumerate(calls):
                 fn = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
-                        or not isinstance(fn.get("arguments", ""), str):
-                    raise bad(f"messages[{i}].tool_calls[{j}] must have function.name and function.arguments "
-                              "(JSON text)", f"messages[{i}].tool_calls")
+                if (
+                    not isinstance(fn, dict)
+                    or not isinstance(fn.get("name"), str)
+                    or not isinstance(fn.get("arguments", ""), str)
+                ):
+                    raise bad(
+                        f"messages[{i}].tool_calls[{j}] must have function.name and function.arguments (JSON text)",
+                        f"messages[{i}].tool_calls",
+                    )
                 try:
                     json.loads(fn.get("arguments") or "{}")
                 except json.JSONDecodeError as e:
-                    raise bad(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}",
-                              f"messages[{i}].tool_calls") from None
+                    raise bad(
+                        f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}",
+                        f"messages[{i}].tool_calls",
+                    ) from None
             msg["tool_calls"] = calls
         for key in ("tool_call_id", "name"):
             if m.get(key) is not None:
@@ -459,14 +538,20 @@ def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, Any]], bool
 # The server
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 def _lp_parts(c: Any) -> tuple[list[int], list[str], list[float], list[dict[int, float]], list[dict[int, str]]]:
     """Token ids, token texts, logprobs, alternatives and their texts of a GenerateChunk or a Completion."""
-    return (list(c.token_ids), list(c.tokens or []), list(c.logprobs or []), list(c.top_logprobs or []),
-            list(c.top_tokens or []))
+    return (
+        list(c.token_ids),
+        list(c.tokens or []),
+        list(c.logprobs or []),
+        list(c.top_logprobs or []),
+        list(c.top_tokens or []),
+    )
 
 
 def _tok(tid: int, text: str, as_ids: bool) -> str:
@@ -487,7 +572,7 @@ def completion_logprobs(c: Any, as_ids: bool, offset: int = 0) -> dict[str, Any]
         top_out.append(d)
         offsets.append(offset)
         offset += len(texts[i]) if i < len(texts) else 0
-    return {"tokens": toks, "token_logprobs": lps[:len(toks)], "top_logprobs": top_out, "text_offset": offsets}
+    return {"tokens": toks, "token_logprobs": lps[: len(toks)], "top_logprobs": top_out, "text_offset": offsets}
 
 
 def echo_logprobs(pl: Any, as_ids: bool) -> dict[str, list[Any]]:
@@ -527,8 +612,11 @@ def chat_logprobs(c: Any, as_ids: bool) -> dict[str, Any]:
 
 
 def _usage(u: Any) -> dict[str, int]:
-    d = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-         "total_tokens": u.prompt_tokens + u.completion_tokens}
+    d = {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
     if getattr(u, "cached_prompt_tokens", 0):
         d["prompt_tokens_details"] = {"cached_tokens": u.cached_prompt_tokens}
     return d
@@ -540,9 +628,17 @@ class OpenAIHttpServer:
     ``tls``: this server's certificate (server side; None = plain HTTP). With ``tls.require_client_cert`` it is
     mutual TLS: a client without a certificate signed by ``tls.ca_file`` is refused at the handshake."""
 
-    def __init__(self, client: AsyncClient, host: str = "127.0.0.1", port: int = 8000, *,
-                 api_key: str | None = None, own_client: bool = False, tls: TLSConfig | None = None,
-                 tool_call_parser: str = "hermes") -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        *,
+        api_key: str | None = None,
+        own_client: bool = False,
+        tls: TLSConfig | None = None,
+        tool_call_parser: str = "hermes",
+    ) -> None:
         check_https_serving(tls)
         self.tool_parser: ToolParser = tool_parser(tool_call_parser)
         self.tls = tls
@@ -553,13 +649,15 @@ class OpenAIHttpServer:
         self._own_client = own_client
         self.created = int(time.time())
         self.app = web.Application(middlewares=[self._errors_middleware])
-        self.app.add_routes([
-            web.get("/health", self.health),
-            web.get("/v1/models", self.models),
-            web.get("/v1/models/{model}", self.model),
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-        ])
+        self.app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/v1/models", self.models),
+                web.get("/v1/models/{model}", self.model),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+            ]
+        )
         self._runner: web.AppRunner | None = None
 
     @property
@@ -576,8 +674,11 @@ class OpenAIHttpServer:
         await site.start()
         if self.port == 0:
             self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        log.info("OpenAI-compatible HTTP API on %s/v1%s", self.url,
-                 " (mutual TLS)" if self.tls is not None and self.tls.require_client_cert else "")
+        log.info(
+            "OpenAI-compatible HTTP API on %s/v1%s",
+            self.url,
+            " (mutual TLS)" if self.tls is not None and self.tls.require_client_cert else "",
+        )
         return self.port
 
     async def stop(self) -> None:
@@ -594,8 +695,7 @@ class OpenAIHttpServer:
             if self.api_key is not None and request.path.startswith("/v1/"):
                 auth = request.headers.get("Authorization", "")
                 if not (auth[:7].lower() == "bearer " and secrets_match(auth[7:].strip(), self.api_key)):
-                    raise ApiError(401, "Incorrect API key provided.", "authentication_error", None,
-                                   "invalid_api_key")
+                    raise ApiError(401, "Incorrect API key provided.", "authentication_error", None, "invalid_api_key")
             return await handler(request)
         except ApiError as e:
             return e.response()
@@ -604,10 +704,13 @@ class OpenAIHttpServer:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            msg = {404: f"Unknown route {request.method} {request.path}",
-                   405: f"Method {request.method} is not allowed on {request.path}"}.get(e.status, e.reason)
-            return ApiError(e.status, msg, "invalid_request_error", None,
-                            "unknown_url" if e.status == 404 else None).response()
+            msg = {
+                404: f"Unknown route {request.method} {request.path}",
+                405: f"Method {request.method} is not allowed on {request.path}",
+            }.get(e.status, e.reason)
+            return ApiError(
+                e.status, msg, "invalid_request_error", None, "unknown_url" if e.status == 404 else None
+            ).response()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure leaves in OpenAI's shape
@@ -647,22 +750,29 @@ class OpenAIHttpServer:
 
     async def models(self, request: web.Request) -> web.Response:
         names = await self._model_names()
-        return web.json_response({"object": "list", "data": [
-            {"id": n, "object": "model", "created": self.created, "owned_by": "pdserve"} for n in names]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": n, "object": "model", "created": self.created, "owned_by": "pdserve"} for n in names],
+            }
+        )
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if name not in await self._model_names():
-            raise ApiError(404, f"The model '{name}' does not exist", "invalid_request_error", "model",
-                           "model_not_found")
+            raise ApiError(
+                404, f"The model '{name}' does not exist", "invalid_request_error", "model", "model_not_found"
+            )
         return web.json_response({"id": name, "object": "model", "created": self.created, "owned_by": "pdserve"})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         p, prompts = parse_completion(await self._json(request))
         base = p.request_id or uuid.uuid4().hex
         rids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
-        streams = [self.client.generate_stream(pr, model=p.model, request_id=rid, **p.sampling)
-                   for pr, rid in zip(prompts, rids)]
+        streams = [
+            self.client.generate_stream(pr, model=p.model, request_id=rid, **p.sampling)
+            for pr, rid in zip(prompts, rids)
+        ]
         cid = f"cmpl-{base}"
         model = await self._response_model(p.model)
 
@@ -700,12 +810,21 @@ class OpenAIHttpServer:
                         usage[k] += v
                 if c.prompt_logprobs is not None:
                     prompt_lps[i] = c.prompt_logprobs
-                for sub in (c.choices or [c]):
+                for sub in c.choices or [c]:
                     j = i * n + sub.index
-                    out.append(choice(j, echo[j] + sub.text, _FINISH.get(sub.finish_reason or "", sub.finish_reason),
-                                      sub))
-            return web.json_response({"id": cid, "object": "text_completion", "created": int(time.time()),
-                                      "model": model, "choices": out, "usage": usage})
+                    out.append(
+                        choice(j, echo[j] + sub.text, _FINISH.get(sub.finish_reason or "", sub.finish_reason), sub)
+                    )
+            return web.json_response(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": model,
+                    "choices": out,
+                    "usage": usage,
+                }
+            )
 
         def frame(i: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
             j = i * n + chunk.index
@@ -714,21 +833,41 @@ class OpenAIHttpServer:
             if not chunk.text and not chunk.finished and not (want_lp and chunk.token_ids) and not echo[j]:
                 return []
             text, echo[j] = echo[j] + chunk.text, ""  # the prompt goes out once, ahead of the first tokens
-            return [{"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                     "choices": [choice(j, text, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason)
-                                        if chunk.finished else None, chunk)]}]
+            return [
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": model,
+                    "choices": [
+                        choice(
+                            j,
+                            text,
+                            _FINISH.get(chunk.finish_reason or "", chunk.finish_reason) if chunk.finished else None,
+                            chunk,
+                        )
+                    ],
+                }
+            ]
 
         def usage_frame(total: dict[str, int]) -> dict[str, Any]:
-            return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                    "choices": [], "usage": total}
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [],
+                "usage": total,
+            }
 
         return await self._stream(request, streams, frame, [], usage_frame if p.include_usage else None)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         p, messages, agp = parse_chat(await self._json(request))
         rid = p.request_id or uuid.uuid4().hex
-        stream = self.client.chat_stream(messages, add_generation_prompt=agp, model=p.model, request_id=rid,
-                                         tools=p.tools, **p.sampling)
+        stream = self.client.chat_stream(
+            messages, add_generation_prompt=agp, model=p.model, request_id=rid, tools=p.tools, **p.sampling
+        )
         cid = f"chatcmpl-{rid}"
         model = await self._response_model(p.model)
         want_lp = p.top_logprobs is not None
@@ -740,14 +879,25 @@ class OpenAIHttpServer:
 
         if not p.stream:
             (c,) = await self._gather([stream])
-            return web.json_response({
-                "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [self._chat_choice(p, ch, want_lp, finish_of) for ch in (c.choices or [c])],
-                "usage": _usage(c.usage)})
+            return web.json_response(
+                {
+                    "id": cid,
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": model,
+                    "choices": [self._chat_choice(p, ch, want_lp, finish_of) for ch in (c.choices or [c])],
+                    "usage": _usage(c.usage),
+                }
+            )
 
         def chunk_obj(delta: dict[str, Any], finish: str | None, lp: Any = None, index: int = 0) -> dict[str, Any]:
-            return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+            }
 
         marker = self.tool_parser.start_marker
         text_so_far: dict[int, str] = {}  # per choice: all its text; with tools, what is not sent yet starts at sent
@@ -757,11 +907,18 @@ class OpenAIHttpServer:
             out = []
             if p.tool_choice == "none":
                 if chunk.text or (want_lp and chunk.token_ids):
-                    out.append(chunk_obj({"content": chunk.text}, None,
-                                         chat_logprobs(chunk, p.tokens_as_ids) if want_lp else None, chunk.index))
+                    out.append(
+                        chunk_obj(
+                            {"content": chunk.text},
+                            None,
+                            chat_logprobs(chunk, p.tokens_as_ids) if want_lp else None,
+                            chunk.index,
+                        )
+                    )
                 if chunk.finished:
-                    out.append(chunk_obj({}, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason),
-                                         index=chunk.index))
+                    out.append(
+                        chunk_obj({}, _FINISH.get(chunk.finish_reason or "", chunk.finish_reason), index=chunk.index)
+                    )
                 return out
             # With tools: auto streams text until a call may be starting (held back from a possible marker on);
             # required / named calls, and every call, go out whole when the generation ends. Per choice index.
@@ -782,30 +939,41 @@ class OpenAIHttpServer:
                     rest = (content or "")[done:] if content and len(content) > done else ""
                     if rest:
                         out.append(chunk_obj({"content": rest}, None, index=k))
-                    out.append(chunk_obj({"tool_calls": [dict(c, index=j) for j, c in enumerate(calls)]}, None,
-                                         index=k))
+                    out.append(
+                        chunk_obj({"tool_calls": [dict(c, index=j) for j, c in enumerate(calls)]}, None, index=k)
+                    )
                 elif len(full) > done:
                     out.append(chunk_obj({"content": full[done:]}, None, index=k))
                 out.append(chunk_obj({}, finish_of(chunk.finish_reason, calls), index=k))
             return out
 
         def usage_frame(total: dict[str, int]) -> dict[str, Any]:
-            return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                    "choices": [], "usage": total}
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [],
+                "usage": total,
+            }
 
         head = [chunk_obj({"role": "assistant", "content": ""}, None, index=k) for k in range(p.n)]
         return await self._stream(request, [stream], frame, head, usage_frame if p.include_usage else None)
 
-    def _chat_choice(self, p: Parsed, c: Any, want_lp: bool,
-                     finish_of: Callable[[str | None, list[dict[str, Any]]], str | None]) -> dict[str, Any]:
+    def _chat_choice(
+        self, p: Parsed, c: Any, want_lp: bool, finish_of: Callable[[str | None, list[dict[str, Any]]], str | None]
+    ) -> dict[str, Any]:
         """One finished chat choice: its message (tool calls parsed out of the text) and finish reason."""
         content, calls = self._tool_calls(p, c.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
-        return {"index": c.index, "message": message,
-                "logprobs": chat_logprobs(c, p.tokens_as_ids) if want_lp else None,
-                "finish_reason": finish_of(c.finish_reason, calls)}
+        return {
+            "index": c.index,
+            "message": message,
+            "logprobs": chat_logprobs(c, p.tokens_as_ids) if want_lp else None,
+            "finish_reason": finish_of(c.finish_reason, calls),
+        }
 
     def _tool_calls(self, p: Parsed, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The message's content and OpenAI tool_calls for a finished generation."""
@@ -831,9 +999,14 @@ class OpenAIHttpServer:
                 s.cancel()
             raise
 
-    async def _stream(self, request: web.Request, streams: list[AsyncGenerateStream],
-                      frame: Callable[[int, GenerateChunk], list[dict[str, Any]]], head: list[dict[str, Any]],
-                      usage_frame: Callable[[dict[str, int]], dict[str, Any]] | None) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        streams: list[AsyncGenerateStream],
+        frame: Callable[[int, GenerateChunk], list[dict[str, Any]]],
+        head: list[dict[str, Any]],
+        usage_frame: Callable[[dict[str, int]], dict[str, Any]] | None,
+    ) -> web.StreamResponse:
         """SSE: the first chunk of every stream is awaited before the headers go out, so an error before the first
         token is still an ordinary HTTP error; a failure after it is sent as an ``error`` event."""
         try:
@@ -842,8 +1015,10 @@ class OpenAIHttpServer:
             for s in streams:
                 s.cancel()
             raise
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        resp = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         try:
             await resp.prepare(request)
             for obj in head:
@@ -870,8 +1045,7 @@ class OpenAIHttpServer:
         return resp
 
     @staticmethod
-    async def _merge(streams: list[AsyncGenerateStream], firsts: list[GenerateChunk]
-                     ) -> AsyncIterator[tuple[int, Any]]:
+    async def _merge(streams: list[AsyncGenerateStream], firsts: list[GenerateChunk]) -> AsyncIterator[tuple[int, Any]]:
         if len(streams) == 1:
             yield 0, firsts[0]
             try:  # a finished stream stops at once (a finished chunk may end only one of n sequences)
@@ -922,13 +1096,22 @@ def _client_for(router: Any, api_key: str | None = None, tls: TLSConfig | None =
         if host in ("0.0.0.0", "::", "[::]"):
             host = "127.0.0.1"
         return AsyncClient(f"{host}:{port}", api_key=api_key, tls=tls), True
-    raise TypeError("start_openai_http needs the router's address ('host:port'), an AsyncClient, a grpc.aio "
-                    f"channel, or a started server with .port and .config.host; got {type(router).__name__}")
+    raise TypeError(
+        "start_openai_http needs the router's address ('host:port'), an AsyncClient, a grpc.aio "
+        f"channel, or a started server with .port and .config.host; got {type(router).__name__}"
+    )
 
 
-async def start_openai_http(router: Any, host: str = "127.0.0.1", port: int = 8000, *,
-                            api_key: str | None = None, router_tls: TLSConfig | None = None,
-                            tls: TLSConfig | None = None, tool_call_parser: str = "hermes") -> OpenAIHttpServer:
+async def start_openai_http(
+    router: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    api_key: str | None = None,
+    router_tls: TLSConfig | None = None,
+    tls: TLSConfig | None = None,
+    tool_call_parser: str = "hermes",
+) -> OpenAIHttpServer:
     """Serve the OpenAI-compatible API on ``host:port`` (0: any free port, see ``.port``) in the running event
     loop, over ``router``'s gRPC Generate path. ``await server.stop()`` to stop it.
 
@@ -936,8 +1119,9 @@ async def start_openai_http(router: Any, host: str = "127.0.0.1", port: int = 80
     serve HTTPS (mutual TLS with ``require_client_cert``; see pdserve.security.http_server_tls)."""
     check_https_serving(tls)  # before a client is made that would then need closing
     client, own = _client_for(router, api_key, router_tls)
-    server = OpenAIHttpServer(client, host, port, api_key=api_key, own_client=own, tls=tls,
-                              tool_call_parser=tool_call_parser)
+    server = OpenAIHttpServer(
+        client, host, port, api_key=api_key, own_client=own, tls=tls, tool_call_parser=tool_call_parser
+    )
     try:
         await server.start()
     except BaseException:
@@ -950,8 +1134,9 @@ def parser() -> argparse.ArgumentParser:
     """The ``python -m router.openai_http`` command line: one flag per OpenAIHttpConfig field."""
     from pdserve import cli_config
 
-    ap = cli_config.build_parser(OpenAIHttpConfig, "python -m router.openai_http",
-                                 "OpenAI-compatible HTTP API in front of a pdserve router")
+    ap = cli_config.build_parser(
+        OpenAIHttpConfig, "python -m router.openai_http", "OpenAI-compatible HTTP API in front of a pdserve router"
+    )
     cli_config.add_log_level(ap)
     return ap
 
@@ -972,8 +1157,15 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> None:
         import signal
 
-        server = await start_openai_http(cfg.router, cfg.host, cfg.port, api_key=cfg.api_key,
-                                         router_tls=router_tls, tls=http_tls, tool_call_parser=cfg.tool_call_parser)
+        server = await start_openai_http(
+            cfg.router,
+            cfg.host,
+            cfg.port,
+            api_key=cfg.api_key,
+            router_tls=router_tls,
+            tls=http_tls,
+            tool_call_parser=cfg.tool_call_parser,
+        )
         print(f"pdserve OpenAI-compatible API on {server.url}/v1 (router {cfg.router})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -43,6 +43,7 @@ __all__ = [
 # Decode
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class DecodeView:
     """What placement knows about one READY decode pod."""
@@ -119,6 +120,7 @@ def pick_decode(views: Iterable[DecodeView], num_tokens: int, exclude: Iterable[
 # Prefill
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PrefillView:
     """What placement knows about one READY prefill pod."""
@@ -130,8 +132,13 @@ class PrefillView:
     routed: int = 0  # requests the router ever placed on it (last tie-break)
 
 
-def pick_prefill(views: Iterable[PrefillView], prompt_len: int, affinity_pod: str | None = None,
-                 exclude: Iterable[str] = (), max_imbalance: int = 4096) -> str | None:
+def pick_prefill(
+    views: Iterable[PrefillView],
+    prompt_len: int,
+    affinity_pod: str | None = None,
+    exclude: Iterable[str] = (),
+    max_imbalance: int = 4096,
+) -> str | None:
     """Least queued prompt tokens; the affinity pod instead when it is within ``max_imbalance`` tokens of that."""
     ex = set(exclude)
     cands = [v for v in views if v.pod_id not in ex and not (v.max_model_len and prompt_len >= v.max_model_len)]
@@ -149,12 +156,13 @@ def pick_prefill(views: Iterable[PrefillView], prompt_len: int, affinity_pod: st
 # Prefix affinity
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of the prompt's full blocks: hash i covers tokens [0, (i+1)*block_size)."""
     out: list[int] = []
     h = 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hash((h, tuple(token_ids[start:start + block_size])))
+        h = hash((h, tuple(token_ids[start : start + block_size])))
         out.append(h)
     return out
 

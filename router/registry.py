@@ -24,8 +24,7 @@ from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
 from router.config import RouterConfig
 from router.placement import DecodeView, PrefillView, blocks_needed
 from router.registry_checks import heartbeat_problem, kv_stats_problem, register_problem
-from router.validation import check_for_role, facts_from_shape, parallel_from_proto, \
-    shape_mismatch
+from router.validation import check_for_role, facts_from_shape, parallel_from_proto, shape_mismatch
 
 log = logging.getLogger("router.registry")
 
@@ -95,8 +94,13 @@ class PodEntry:
 
 
 class Registry:
-    def __init__(self, config: RouterConfig, model_name: str, model_aliases: Iterable[str] = (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        model_name: str,
+        model_aliases: Iterable[str] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.model_name = model_name
         self.model_aliases = {model_name, *model_aliases}
@@ -134,12 +138,12 @@ class Registry:
         if problem:
             raise InvalidArgument(f"RegisterWorker: {problem}")
         reason, parallel = self._refusal(req)
-        resp = registry_pb2.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_interval_s,
-                                                   router_id=self.router_id)
+        resp = registry_pb2.RegisterWorkerResponse(
+            heartbeat_interval_s=self.config.heartbeat_interval_s, router_id=self.router_id
+        )
         if reason is not None:
             role = common_pb2.Role.Name(req.role) if req.role in common_pb2.Role.values() else req.role
-            log.warning("refused pod %r (%s at %s): %s", req.pod_id, role, req.address,
-                        reason)
+            log.warning("refused pod %r (%s at %s): %s", req.pod_id, role, req.address, reason)
             resp.accepted = False
             resp.message = reason
             return resp
@@ -150,16 +154,32 @@ class Registry:
         reg.ClearField("cluster_token")
         old = self.pods.get(req.pod_id)
         state = req.state if req.state != common_pb2.POD_STATE_UNSPECIFIED else READY
-        entry = PodEntry(pod_id=req.pod_id, role=req.role, model=self.model_name, address=req.address,
-                         kv_transfer_address=req.kv_transfer_address, parallel=parallel, registration=reg,
-                         registered_at=now, last_heartbeat=now, state=state)
+        entry = PodEntry(
+            pod_id=req.pod_id,
+            role=req.role,
+            model=self.model_name,
+            address=req.address,
+            kv_transfer_address=req.kv_transfer_address,
+            parallel=parallel,
+            registration=reg,
+            registered_at=now,
+            last_heartbeat=now,
+            state=state,
+        )
         if old is not None:  # re-registration keeps the router's own in-flight bookkeeping
             entry.inflight, entry.inflight_prompt_tokens = old.inflight, old.inflight_prompt_tokens
             entry.routed_total = old.routed_total
         self._apply_kv(entry, req.kv)
         self.pods[req.pod_id] = entry
-        log.info("registered %s pod %r at %s (tp=%d dcp=%d, %s)", common_pb2.Role.Name(req.role), req.pod_id,
-                 req.address, entry.tp, entry.dcp, common_pb2.PodState.Name(state))
+        log.info(
+            "registered %s pod %r at %s (tp=%d dcp=%d, %s)",
+            common_pb2.Role.Name(req.role),
+            req.pod_id,
+            req.address,
+            entry.tp,
+            entry.dcp,
+            common_pb2.PodState.Name(state),
+        )
         resp.accepted = True
         resp.message = f"welcome {req.pod_id}: serving {self.model_name!r} as {common_pb2.Role.Name(req.role)}"
         self.changed()
@@ -181,12 +201,16 @@ class Registry:
 
     def _refusal(self, req: registry_pb2.RegisterWorkerRequest) -> tuple[str | None, ParallelConfig | None]:
         if req.model and req.model not in self.model_aliases:
-            return (f"model {req.model!r} is not served by this router (it tokenizes for {self.model_name!r}): "
-                    f"start the worker with the router's model, or a router with --model for {req.model!r}"), None
+            return (
+                f"model {req.model!r} is not served by this router (it tokenizes for {self.model_name!r}): "
+                f"start the worker with the router's model, or a router with --model for {req.model!r}"
+            ), None
         if req.state not in (common_pb2.POD_STATE_UNSPECIFIED, READY, STARTING):
             name = common_pb2.PodState.Name(req.state) if req.state in common_pb2.PodState.values() else req.state
-            return (f"cannot register in state {name}: register as POD_STATE_READY or POD_STATE_STARTING (or leave "
-                    "it unset)"), None
+            return (
+                f"cannot register in state {name}: register as POD_STATE_READY or POD_STATE_STARTING (or leave "
+                "it unset)"
+            ), None
         try:
             facts = facts_from_shape(req.model_shape, "model_shape")
         except ServiceError as e:
@@ -197,14 +221,17 @@ class Registry:
         if not verdict.valid:
             return f"invalid parallel config: {verdict.refusal_text()}", None
         lay = req.kv_layout
-        for name, want in (("tp_size", parallel.tensor_parallel_size),
-                           ("dcp_size", parallel.decode_context_parallel_size)):
+        for name, want in (
+            ("tp_size", parallel.tensor_parallel_size),
+            ("dcp_size", parallel.decode_context_parallel_size),
+        ):
             got = getattr(lay, name)
             if got and got != want:
                 return f"kv_layout.{name} ({got}) disagrees with the parallel config ({want})", None
         if req.kv and len(req.kv) != parallel.tensor_parallel_size:
-            return (f"kv stats list {len(req.kv)} ranks but tensor_parallel_size is "
-                    f"{parallel.tensor_parallel_size}"), None
+            return (
+                f"kv stats list {len(req.kv)} ranks but tensor_parallel_size is {parallel.tensor_parallel_size}"
+            ), None
         problem = kv_stats_problem("kv", req.kv, parallel.tensor_parallel_size)
         if problem:
             return problem, None
@@ -212,8 +239,10 @@ class Registry:
             if other.pod_id == req.pod_id:
                 continue
             if other.role != req.role:
-                mine, theirs = req.kv_layout.dtype or req.model_shape.dtype, other.layout.dtype or \
-                    other.registration.model_shape.dtype
+                mine, theirs = (
+                    req.kv_layout.dtype or req.model_shape.dtype,
+                    other.layout.dtype or other.registration.model_shape.dtype,
+                )
                 pre, dec = ((mine, f"prefill pod {req.pod_id!r}"), (theirs, f"decode pod {other.pod_id!r}"))
                 if req.role != common_pb2.ROLE_PREFILL:
                     pre, dec = ((theirs, f"prefill pod {other.pod_id!r}"), (mine, f"decode pod {req.pod_id!r}"))
@@ -222,12 +251,20 @@ class Registry:
                     return problem, None
             diff = shape_mismatch(other.registration.model_shape, req.model_shape)
             if diff is not None:
-                return (f"model shape differs from pod {other.pod_id!r} serving {self.model_name!r}: {diff}; "
-                        "every pod of a model must load the same checkpoint"), None
-            if other.role != req.role and lay.num_layers and other.layout.num_layers \
-                    and lay.num_layers != other.layout.num_layers:
-                return (f"kv_layout.num_layers {lay.num_layers} differs from pod {other.pod_id!r} "
-                        f"({other.layout.num_layers}): KV cannot move between them"), None
+                return (
+                    f"model shape differs from pod {other.pod_id!r} serving {self.model_name!r}: {diff}; "
+                    "every pod of a model must load the same checkpoint"
+                ), None
+            if (
+                other.role != req.role
+                and lay.num_layers
+                and other.layout.num_layers
+                and lay.num_layers != other.layout.num_layers
+            ):
+                return (
+                    f"kv_layout.num_layers {lay.num_layers} differs from pod {other.pod_id!r} "
+                    f"({other.layout.num_layers}): KV cannot move between them"
+                ), None
         return None, parallel
 
     def heartbeat(self, req: registry_pb2.HeartbeatRequest) -> registry_pb2.HeartbeatResponse:
@@ -277,8 +314,11 @@ class Registry:
                 log.warning("pod %r silent for %.1fs: dropped", pod_id, age)
                 self._lost(pod_id)
             elif age > self.config.unhealthy_after_s and e.state != UNHEALTHY:
-                log.warning("pod %r missed %d heartbeats: unhealthy (drained of new traffic)", pod_id,
-                            self.config.missed_heartbeats_unhealthy)
+                log.warning(
+                    "pod %r missed %d heartbeats: unhealthy (drained of new traffic)",
+                    pod_id,
+                    self.config.missed_heartbeats_unhealthy,
+                )
                 e.state = UNHEALTHY  # in-flight requests carry on; they fail on their own if it is dead
         return dropped
 
@@ -300,17 +340,35 @@ class Registry:
             free = e.effective_free()
             cap = e.registration.capacity
             running = max(e.load.num_running_seqs + e.load.num_waiting_seqs, e.inflight)
-            out.append(DecodeView(pod_id=e.pod_id, tp=e.tp, dcp=e.dcp, interleave=e.interleave,
-                                  block_size=e.block_size, free_blocks=tuple(free),
-                                  total_blocks=tuple(e.kv_total) if free else (), running_seqs=running,
-                                  max_num_seqs=cap.max_num_seqs, inflight=e.inflight,
-                                  max_model_len=e.max_model_len, routed=e.routed_total))
+            out.append(
+                DecodeView(
+                    pod_id=e.pod_id,
+                    tp=e.tp,
+                    dcp=e.dcp,
+                    interleave=e.interleave,
+                    block_size=e.block_size,
+                    free_blocks=tuple(free),
+                    total_blocks=tuple(e.kv_total) if free else (),
+                    running_seqs=running,
+                    max_num_seqs=cap.max_num_seqs,
+                    inflight=e.inflight,
+                    max_model_len=e.max_model_len,
+                    routed=e.routed_total,
+                )
+            )
         return out
 
     def prefill_views(self) -> list[PrefillView]:
-        return [PrefillView(pod_id=e.pod_id, queued_tokens=max(e.load.queued_prompt_tokens, e.inflight_prompt_tokens),
-                            inflight=e.inflight, max_model_len=e.max_model_len, routed=e.routed_total)
-                for e in self.ready(PREFILL)]
+        return [
+            PrefillView(
+                pod_id=e.pod_id,
+                queued_tokens=max(e.load.queued_prompt_tokens, e.inflight_prompt_tokens),
+                inflight=e.inflight,
+                max_model_len=e.max_model_len,
+                routed=e.routed_total,
+            )
+            for e in self.ready(PREFILL)
+        ]
 
     def max_model_len(self) -> int:
         """Longest context every READY pod of both roles can serve (0: unknown)."""
@@ -318,8 +376,9 @@ class Registry:
         return min(lens) if lens else 0
 
     def vocab_size(self) -> int:
-        sizes = [e.registration.model_shape.vocab_size for e in self.pods.values()
-                 if e.registration.model_shape.vocab_size]
+        sizes = [
+            e.registration.model_shape.vocab_size for e in self.pods.values() if e.registration.model_shape.vocab_size
+        ]
         return min(sizes) if sizes else 0
 
     # --- the router's own bookkeeping ---
@@ -363,10 +422,17 @@ class Registry:
     # --- ClusterStatus ---
     def pod_status(self, e: PodEntry) -> router_pb2.PodStatus:
         now = self.clock()
-        st = router_pb2.PodStatus(pod_id=e.pod_id, role=e.role, address=e.address,
-                                  kv_transfer_address=e.kv_transfer_address, model=e.model, state=e.state,
-                                  last_heartbeat_age_s=now - e.last_heartbeat, uptime_s=now - e.registered_at,
-                                  num_inflight_requests=e.inflight)
+        st = router_pb2.PodStatus(
+            pod_id=e.pod_id,
+            role=e.role,
+            address=e.address,
+            kv_transfer_address=e.kv_transfer_address,
+            model=e.model,
+            state=e.state,
+            last_heartbeat_age_s=now - e.last_heartbeat,
+            uptime_s=now - e.registered_at,
+            num_inflight_requests=e.inflight,
+        )
         st.parallel.CopyFrom(e.registration.parallel)
         st.load.CopyFrom(e.load)
         st.kv_layout.CopyFrom(e.layout)

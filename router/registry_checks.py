@@ -2,6 +2,7 @@
 by ClusterStatus, so numbers that cannot be true (negative blocks, more free blocks than exist, unknown enum values,
 ranks that do not exist) are refused instead of stored. Each check returns a message naming the field and the
 allowed range, or None."""
+
 from __future__ import annotations
 
 import math
@@ -18,16 +19,24 @@ def pod_id_problem(pod_id: str) -> str | None:
     if not pod_id:
         return "pod_id is empty: give every pod a unique, stable id"
     if len(pod_id) > MAX_POD_ID_LEN or not pod_id.isprintable() or pod_id != pod_id.strip():
-        return (f"pod_id {pod_id[:80]!r} must be 1..{MAX_POD_ID_LEN} printable characters without surrounding "
-                "spaces (e.g. the k8s pod name)")
+        return (
+            f"pod_id {pod_id[:80]!r} must be 1..{MAX_POD_ID_LEN} printable characters without surrounding "
+            "spaces (e.g. the k8s pod name)"
+        )
     return None
 
 
 def address_problem(field: str, address: str) -> str | None:
     """``host:port`` (IPv6 hosts in brackets), port 1..65535."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or not address.isprintable() \
-            or any(c.isspace() for c in address):
+    if (
+        not sep
+        or not host
+        or not port.isdigit()
+        or not 1 <= int(port) <= 65535
+        or not address.isprintable()
+        or any(c.isspace() for c in address)
+    ):
         return f"{field} {address[:80]!r} is not host:port (port 1..65535)"
     return None
 
@@ -42,8 +51,10 @@ def kv_stats_problem(field: str, kv: Iterable[common_pb2.RankKVStats], tp: int) 
         return f"{field} must list ranks 0..{tp - 1} once each (tensor_parallel_size {tp}), got {ranks[:16]}"
     for s in stats:
         if s.total_blocks < 0 or not 0 <= s.free_blocks <= s.total_blocks:
-            return (f"{field}[rank {s.rank}]: need 0 <= free_blocks <= total_blocks, got free {s.free_blocks} "
-                    f"of {s.total_blocks}")
+            return (
+                f"{field}[rank {s.rank}]: need 0 <= free_blocks <= total_blocks, got free {s.free_blocks} "
+                f"of {s.total_blocks}"
+            )
     return None
 
 
@@ -68,9 +79,19 @@ def register_problem(req: registry_pb2.RegisterWorkerRequest) -> str | None:
         if problem:
             return problem
     lay = req.kv_layout
-    for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "tp_size", "dcp_size",
-                 "dcp_kv_cache_interleave_size", "pipeline_parallel_size", "num_blocks", "num_kv_heads_per_rank",
-                 "element_size"):
+    for name in (
+        "num_layers",
+        "block_size",
+        "num_kv_heads",
+        "head_dim",
+        "tp_size",
+        "dcp_size",
+        "dcp_kv_cache_interleave_size",
+        "pipeline_parallel_size",
+        "num_blocks",
+        "num_kv_heads_per_rank",
+        "element_size",
+    ):
         if getattr(lay, name) < 0:
             return f"kv_layout.{name} must be >= 0 (0: not reported), got {getattr(lay, name)}"
     cap = req.capacity

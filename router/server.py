@@ -32,26 +32,32 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, core: RouterCore) -> None:
         self.core = core
 
-    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         async for msg in generate(self.core, request, context):
             yield msg
 
     @grpc_errors
-    async def ValidateConfig(self, request: router_pb2.ValidateConfigRequest, context: grpc.aio.ServicerContext
-                             ) -> router_pb2.ValidateConfigResponse:
+    async def ValidateConfig(
+        self, request: router_pb2.ValidateConfigRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ValidateConfigResponse:
         return validate_config_rpc(request)
 
-    async def ClusterStatus(self, request: router_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
-                            ) -> router_pb2.ClusterStatusResponse:
+    async def ClusterStatus(
+        self, request: router_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ClusterStatusResponse:
         if request.role not in common_pb2.Role.values():
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"role {request.role} is not a Role: use ROLE_PREFILL, ROLE_DECODE or leave it unset")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"role {request.role} is not a Role: use ROLE_PREFILL, ROLE_DECODE or leave it unset",
+            )
         reg = self.core.registry
-        resp = router_pb2.ClusterStatusResponse(router_queue_depth=self.core.admission.depth,
-                                                num_inflight_requests=max(0, len(self.core.flights)
-                                                                              - self.core.admission.depth),
-                                                ready_models=reg.ready_models())
+        resp = router_pb2.ClusterStatusResponse(
+            router_queue_depth=self.core.admission.depth,
+            num_inflight_requests=max(0, len(self.core.flights) - self.core.admission.depth),
+            ready_models=reg.ready_models(),
+        )
         if request.model and request.model not in reg.model_aliases:
             return resp
         for e in sorted(reg.pods.values(), key=lambda e: (e.role, e.pod_id)):
@@ -60,8 +66,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             resp.pods.append(reg.pod_status(e))
         return resp
 
-    async def Cancel(self, request: router_pb2.CancelRequest, context: grpc.aio.ServicerContext
-                     ) -> router_pb2.CancelResponse:
+    async def Cancel(
+        self, request: router_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.CancelResponse:
         flight = self.core.flights.get(request.request_id)
         if flight is None or flight.cancelled:
             return router_pb2.CancelResponse(found=False)
@@ -102,8 +109,7 @@ class RouterServer:
     async def start(self) -> int:
         # Why an interceptor: the key guards every Router method (present and future) but not Registry / health.
         interceptors = [ApiKeyInterceptor(self.config.api_key)] if self.config.api_key else []
-        self.server = grpc.aio.server(options=grpc_options(extra=[("grpc.so_reuseport", 0)]),
-                                      interceptors=interceptors)
+        self.server = grpc.aio.server(options=grpc_options(extra=[("grpc.so_reuseport", 0)]), interceptors=interceptors)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.core), self.server)
         registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.core), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -116,14 +122,21 @@ class RouterServer:
         if self.config.metrics_port is not None:  # 0: any free port
             from prometheus_client import start_http_server
 
-            self._metrics_http = start_http_server(self.config.metrics_port, addr=self.config.host,
-                                                   registry=self.core.metrics.registry)
+            self._metrics_http = start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.core.metrics.registry
+            )
         self._watchdog = asyncio.create_task(self._watch())
-        log.info("router %s listening on %s:%d (model %r, %s%s)", self.core.registry.router_id, self.config.host,
-                 self.port, self.core.model_name,
-                 "plaintext" if self.config.tls is None else
-                 ("mutual TLS" if self.config.tls_require_client_cert else "TLS"),
-                 ", API key required" if self.config.api_key else "")
+        log.info(
+            "router %s listening on %s:%d (model %r, %s%s)",
+            self.core.registry.router_id,
+            self.config.host,
+            self.port,
+            self.core.model_name,
+            "plaintext"
+            if self.config.tls is None
+            else ("mutual TLS" if self.config.tls_require_client_cert else "TLS"),
+            ", API key required" if self.config.api_key else "",
+        )
         return self.port
 
     async def _watch(self) -> None:

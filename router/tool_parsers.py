@@ -2,6 +2,7 @@
 
 ``hermes``: calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen2.5, and the
 SmolLM / ChatML family's function-calling format); text before the first call is the message's content."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,11 @@ class ParsedToolCall:
     arguments: str  # JSON text
 
     def openai(self, index: int | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                             "function": {"name": self.name, "arguments": self.arguments}}
+        d: dict[str, Any] = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:
             d["index"] = index
         return d
@@ -50,7 +54,7 @@ class HermesToolParser(ToolParser):
                 return text, []
             args = obj.get("arguments", obj.get("parameters", {}))
             calls.append(ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args)))
-        content = text[:text.index(self.start_marker)].strip()
+        content = text[: text.index(self.start_marker)].strip()
         return content or None, calls
 
 
@@ -68,11 +72,17 @@ def tool_parser(name: str) -> ToolParser:
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """tool_choice "required": a JSON array of {"name", "parameters"} calls, one of the tools each (vLLM's schema;
     parallel_tool_calls false allows one call)."""
+
     def one(t: dict[str, Any]) -> dict[str, Any]:
         fn = t["function"]
-        return {"type": "object", "properties": {"name": {"type": "string", "enum": [fn["name"]]},
-                                                 "parameters": fn.get("parameters") or {"type": "object"}},
-                "required": ["name", "parameters"]}
+        return {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [fn["name"]]},
+                "parameters": fn.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+        }
 
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [one(t) for t in tools]}}
     if not parallel:
@@ -86,5 +96,8 @@ def calls_from_required(text: str) -> list[ParsedToolCall]:
         items = json.loads(text)
     except json.JSONDecodeError:
         return []
-    return [ParsedToolCall(c["name"], json.dumps(c.get("parameters", {}))) for c in items
-            if isinstance(c, dict) and isinstance(c.get("name"), str)]
+    return [
+        ParsedToolCall(c["name"], json.dumps(c.get("parameters", {})))
+        for c in items
+        if isinstance(c, dict) and isinstance(c.get("name"), str)
+    ]

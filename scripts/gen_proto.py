@@ -73,7 +73,9 @@ def generate(out_root: Path, repo_root: Path = REPO_ROOT) -> list[str]:
     out_root = Path(out_root).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "grpc_tools.protoc",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
         f"-I{PROTO_DIR_NAME}",
         f"--python_out={out_root}",
         f"--grpc_python_out={out_root}",
@@ -149,20 +151,27 @@ def sync(fresh_root: Path, target_root: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true",
-                    help="regenerate into a temp dir and exit 1 listing stale files; write nothing")
-    ap.add_argument("--target", type=Path, default=REPO_ROOT,
-                    help="directory holding the pdserve_api/ package to update or check "
-                         "(default: the repository root)")
-    ap.add_argument("--allow-version-mismatch", action="store_true",
-                    help=f"run even if grpcio-tools is not {GRPCIO_TOOLS_VERSION}")
+    ap.add_argument(
+        "--check", action="store_true", help="regenerate into a temp dir and exit 1 listing stale files; write nothing"
+    )
+    ap.add_argument(
+        "--target",
+        type=Path,
+        default=REPO_ROOT,
+        help="directory holding the pdserve_api/ package to update or check (default: the repository root)",
+    )
+    ap.add_argument(
+        "--allow-version-mismatch", action="store_true", help=f"run even if grpcio-tools is not {GRPCIO_TOOLS_VERSION}"
+    )
     args = ap.parse_args(argv)
 
     installed = installed_grpcio_tools_version()
     if installed != GRPCIO_TOOLS_VERSION:
-        msg = (f"grpcio-tools {installed or '(not installed)'} is installed but the committed code "
-               f"is generated with grpcio-tools=={GRPCIO_TOOLS_VERSION} "
-               f"(pip install grpcio-tools=={GRPCIO_TOOLS_VERSION})")
+        msg = (
+            f"grpcio-tools {installed or '(not installed)'} is installed but the committed code "
+            f"is generated with grpcio-tools=={GRPCIO_TOOLS_VERSION} "
+            f"(pip install grpcio-tools=={GRPCIO_TOOLS_VERSION})"
+        )
         if not args.allow_version_mismatch:
             print(f"error: {msg}; pass --allow-version-mismatch to run anyway", file=sys.stderr)
             return 2
@@ -174,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             problems = compare(Path(tmp), target)
             if problems:
-                print(f"{PACKAGE_NAME}/ is out of date with {PROTO_DIR_NAME}/; "
-                      f"run: python scripts/gen_proto.py", file=sys.stderr)
+                print(
+                    f"{PACKAGE_NAME}/ is out of date with {PROTO_DIR_NAME}/; run: python scripts/gen_proto.py",
+                    file=sys.stderr,
+                )
                 for line in problems:
                     print(f"  {line}", file=sys.stderr)
                 return 1
@@ -184,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         actions = sync(Path(tmp), target)
     for a in actions:
         print(a)
-    print(f"{PACKAGE_NAME}/ regenerated ({len(list_package_files(target))} files, "
-          f"{len(actions)} changed)")
+    print(f"{PACKAGE_NAME}/ regenerated ({len(list_package_files(target))} files, {len(actions)} changed)")
     return 0
 
 

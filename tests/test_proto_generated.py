@@ -196,8 +196,11 @@ def test_in_process_streaming_call():
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            msgs = list(stub.Generate(router_pb2.GenerateRequest(
-                request_id="x", token_ids=common_pb2.TokenIds(ids=[7, 8, 9])), timeout=10))
+            msgs = list(
+                stub.Generate(
+                    router_pb2.GenerateRequest(request_id="x", token_ids=common_pb2.TokenIds(ids=[7, 8, 9])), timeout=10
+                )
+            )
             assert [t for m in msgs for t in m.token_ids] == [7, 8, 9]
             assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
             assert msgs[-1].usage.completion_tokens == 3

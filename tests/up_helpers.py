@@ -9,6 +9,7 @@ If the test process dies (a killed pytest), `pdserve up` gets SIGINT (PR_SET_PDE
 an interrupted test run leaves nothing behind either. ``descendants()`` lists every process below ``pdserve up``
 (services, their TP ranks, the reaper) so a test can check that none survives.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,14 @@ from pdserve.cluster.supervisor import _PRCTL, PR_SET_PDEATHSIG
 
 
 class UpProcess:
-    def __init__(self, args: list[str], *, log_dir: str | os.PathLike[str], env: dict[str, str] | None = None,
-                 startup_timeout: float = 900.0) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        log_dir: str | os.PathLike[str],
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 900.0,
+    ) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ready_file = self.log_dir / "ready.json"
@@ -54,10 +61,26 @@ class UpProcess:
 
         main_thread = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", *self.args, "--ready-file", str(self.ready_file),
-             "--log-dir", str(self.log_dir), "--startup-timeout", str(self.startup_timeout)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
-            preexec_fn=preexec if main_thread else None)
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "up",
+                *self.args,
+                "--ready-file",
+                str(self.ready_file),
+                "--log-dir",
+                str(self.log_dir),
+                "--startup-timeout",
+                str(self.startup_timeout),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=preexec if main_thread else None,
+        )
         out.close()
         if wait:
             self.wait_ready()
@@ -69,8 +92,7 @@ class UpProcess:
         while not self.ready_file.is_file():
             self.descendants()  # remember every pid seen, for the orphan check
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up exited with {self.proc.returncode} before it was ready:\n"
-                                   f"{self.tail()}")
+                raise RuntimeError(f"pdserve up exited with {self.proc.returncode} before it was ready:\n{self.tail()}")
             if time.monotonic() > end:
                 raise TimeoutError(f"pdserve up not ready after {self.startup_timeout}s:\n{self.tail()}")
             time.sleep(0.2)

@@ -1,4 +1,5 @@
 """Read a pod's vLLM-named metrics the way Prometheus parses them (prometheus_client's text parser)."""
+
 from __future__ import annotations
 
 import urllib.request
@@ -27,4 +28,4 @@ def scrape_vllm(port: int, model_name: str) -> tuple[dict[str, float], dict[str,
 
 def bucket_bounds(samples: dict[str, float], histogram: str) -> list[float]:
     prefix = f'{histogram}_bucket{{le="'
-    return sorted(float(k[len(prefix):-2]) for k in samples if k.startswith(prefix))
+    return sorted(float(k[len(prefix) : -2]) for k in samples if k.startswith(prefix))

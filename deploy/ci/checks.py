@@ -16,6 +16,7 @@ Checks:
 The tools come from deploy/ci/install_tools.sh (PyPI packages only), in $PDSERVE_DEPLOY_TOOLS. tests/deploy runs the
 same functions, plus the deliberate-error cases. Standard library only: this file runs in any Python >= 3.10.
 """
+
 from __future__ import annotations
 
 import os
@@ -96,8 +97,10 @@ def ensure_tools(install: bool = True) -> Tools:
     if tools.missing() and install:
         proc = subprocess.run(["bash", str(INSTALL_SCRIPT)], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise ToolError(f"deploy/ci/install_tools.sh failed (exit {proc.returncode}):\n"
-                            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+            raise ToolError(
+                f"deploy/ci/install_tools.sh failed (exit {proc.returncode}):\n"
+                f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            )
     if tools.missing():
         raise ToolError("deploy tools missing after install: " + ", ".join(tools.missing()))
     return tools
@@ -113,14 +116,17 @@ class Result:
         return f"{'PASS' if self.ok else 'FAIL'} {self.name}" + ("" if self.ok else f"\n{self.output.rstrip()}")
 
 
-def _run(tools: Tools, name: str, cmd: Sequence[str | os.PathLike[str]], stdin: str | None = None,
-         cwd: Path = REPO) -> Result:
-    proc = subprocess.run([str(c) for c in cmd], input=stdin, capture_output=True, text=True, cwd=cwd,
-                          env=tools.env(), timeout=300)
+def _run(
+    tools: Tools, name: str, cmd: Sequence[str | os.PathLike[str]], stdin: str | None = None, cwd: Path = REPO
+) -> Result:
+    proc = subprocess.run(
+        [str(c) for c in cmd], input=stdin, capture_output=True, text=True, cwd=cwd, env=tools.env(), timeout=300
+    )
     return Result(name, proc.returncode == 0, proc.stdout + proc.stderr)
 
 
 # --- compose ------------------------------------------------------------------------------------------------------
+
 
 def compose_config(tools: Tools, path: Path | Sequence[Path] = COMPOSE_FILE, fmt: str | None = None) -> Result:
     """`docker compose config`: parses, interpolates, merges (several files: later ones override, as with
@@ -135,17 +141,22 @@ def compose_config(tools: Tools, path: Path | Sequence[Path] = COMPOSE_FILE, fmt
 
 def compose_schema(tools: Tools, path: Path = COMPOSE_FILE) -> Result:
     """The compose specification's JSON schema, as check-jsonschema vendors it."""
-    return _run(tools, f"compose-spec schema {path.name}",
-                [tools.check_jsonschema, "--builtin-schema", "vendor.compose-spec", path])
+    return _run(
+        tools,
+        f"compose-spec schema {path.name}",
+        [tools.check_jsonschema, "--builtin-schema", "vendor.compose-spec", path],
+    )
 
 
 # --- Dockerfile ---------------------------------------------------------------------------------------------------
+
 
 def hadolint(tools: Tools, path: Path = DOCKERFILE) -> Result:
     return _run(tools, f"hadolint {path.name}", [tools.hadolint, "--no-color", "--config", HADOLINT_CONFIG, path])
 
 
 # --- Helm ---------------------------------------------------------------------------------------------------------
+
 
 def examples() -> list[Path]:
     return sorted(EXAMPLES_DIR.glob("*.yaml"))
@@ -165,22 +176,38 @@ def helm_lint(tools: Tools, values: Sequence[Path] = (), sets: Sequence[str] = (
     return _run(tools, f"helm lint ({label})", [tools.helm, "lint", "--strict", chart, *_values_args(values, sets)])
 
 
-def helm_template(tools: Tools, values: Sequence[Path] = (), sets: Sequence[str] = (),
-                  api_versions: Sequence[str] = (), chart: Path = CHART, release: str = "pdserve") -> Result:
+def helm_template(
+    tools: Tools,
+    values: Sequence[Path] = (),
+    sets: Sequence[str] = (),
+    api_versions: Sequence[str] = (),
+    chart: Path = CHART,
+    release: str = "pdserve",
+) -> Result:
     """`helm template`; on success ``output`` is the rendered manifests (stdout only)."""
-    cmd: list[str | Path] = [tools.helm, "template", release, chart, "--namespace", "pdserve",
-                             *_values_args(values, sets)]
+    cmd: list[str | Path] = [
+        tools.helm,
+        "template",
+        release,
+        chart,
+        "--namespace",
+        "pdserve",
+        *_values_args(values, sets),
+    ]
     for a in api_versions:
         cmd += ["--api-versions", a]
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=REPO, env=tools.env(),
-                          timeout=300)
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=REPO, env=tools.env(), timeout=300)
     label = ",".join(v.name for v in values) or "default values"
-    return Result(f"helm template ({label})", proc.returncode == 0,
-                  proc.stdout if proc.returncode == 0 else proc.stdout + proc.stderr)
+    return Result(
+        f"helm template ({label})",
+        proc.returncode == 0,
+        proc.stdout if proc.returncode == 0 else proc.stdout + proc.stderr,
+    )
 
 
-def k8s_validate(tools: Tools, manifests: str, label: str = "manifests",
-                 versions: Sequence[str] = KUBE_VERSIONS) -> Result:
+def k8s_validate(
+    tools: Tools, manifests: str, label: str = "manifests", versions: Sequence[str] = KUBE_VERSIONS
+) -> Result:
     cmd: list[str | Path] = [tools.python, K8S_VALIDATE]
     for v in versions:
         cmd += ["--kube-version", v]
@@ -188,8 +215,11 @@ def k8s_validate(tools: Tools, manifests: str, label: str = "manifests",
 
 
 def values_metaschema(tools: Tools) -> Result:
-    return _run(tools, "values.schema.json metaschema",
-                [tools.check_jsonschema, "--check-metaschema", CHART / "values.schema.json"])
+    return _run(
+        tools,
+        "values.schema.json metaschema",
+        [tools.check_jsonschema, "--check-metaschema", CHART / "values.schema.json"],
+    )
 
 
 def render_and_validate(tools: Tools, values: Sequence[Path] = (), api_versions: Sequence[str] = ()) -> list[Result]:
@@ -205,9 +235,14 @@ def render_and_validate(tools: Tools, values: Sequence[Path] = (), api_versions:
 
 # --- driver -------------------------------------------------------------------------------------------------------
 
+
 def check_compose(tools: Tools) -> list[Result]:
-    return [compose_config(tools), compose_schema(tools),
-            compose_config(tools, (COMPOSE_FILE, COMPOSE_TLS_FILE)), compose_schema(tools, COMPOSE_TLS_FILE)]
+    return [
+        compose_config(tools),
+        compose_schema(tools),
+        compose_config(tools, (COMPOSE_FILE, COMPOSE_TLS_FILE)),
+        compose_schema(tools, COMPOSE_TLS_FILE),
+    ]
 
 
 def check_dockerfile(tools: Tools) -> list[Result]:

@@ -10,6 +10,7 @@ definitions. A document of any other kind is an error: nothing passes unchecked.
 
 Prints one line per document and problem; exit status 0 when every document passed for every version, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,9 +83,12 @@ def load_docs(path: str) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kube-version", action="append", dest="versions",
-                   help="Kubernetes version to validate against (repeatable; default "
-                        f"{' and '.join(DEFAULT_VERSIONS)})")
+    p.add_argument(
+        "--kube-version",
+        action="append",
+        dest="versions",
+        help=f"Kubernetes version to validate against (repeatable; default {' and '.join(DEFAULT_VERSIONS)})",
+    )
     p.add_argument("files", nargs="+")
     args = p.parse_args(argv)
     versions = args.versions or list(DEFAULT_VERSIONS)

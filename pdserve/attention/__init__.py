@@ -1,4 +1,5 @@
 """Attention backends: pick flashinfer on CUDA when installed, else the torch backend (CPU, or CUDA as fallback)."""
+
 from __future__ import annotations
 
 import logging
@@ -10,8 +11,16 @@ from pdserve.attention.merge import merge_attn_states
 
 log = logging.getLogger("pdserve.attention")
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "MLAAttentionBackend", "merge_attn_states", "select_backend",
-           "select_mla_backend", "write_kv", "write_latent"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "MLAAttentionBackend",
+    "merge_attn_states",
+    "select_backend",
+    "select_mla_backend",
+    "write_kv",
+    "write_latent",
+]
 
 
 def select_backend(device: torch.device | str = "cpu", prefer: str | None = None) -> AttentionBackend:
@@ -23,8 +32,12 @@ def select_backend(device: torch.device | str = "cpu", prefer: str | None = None
 
             backend: AttentionBackend = FlashInferAttentionBackend(device)
         except (ImportError, OSError, RuntimeError) as e:  # absent, or built for another CUDA / driver
-            log.warning("flashinfer requested but not usable (%s: %s); using the torch backend on %s",
-                        type(e).__name__, e, device)
+            log.warning(
+                "flashinfer requested but not usable (%s: %s); using the torch backend on %s",
+                type(e).__name__,
+                e,
+                device,
+            )
             from pdserve.attention.torch_backend import TorchAttentionBackend
 
             backend = TorchAttentionBackend()

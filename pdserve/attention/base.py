@@ -2,6 +2,7 @@
 
 The LSE is what lets partial attentions over disjoint token subsets be merged exactly (merge.py), the primitive
 Decode Context Parallelism rests on."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -71,8 +72,9 @@ class AttentionBackend(Protocol):
         ...
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             all_local: bool | None = None) -> None:
+def write_kv(
+    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, all_local: bool | None = None
+) -> None:
     """Store this step's K/V rows in their slots; rows with slot -1 belong to another DCP rank. all_local: whether no
     slot is -1, when the caller knows (AttentionMetadata.all_slots_local)."""
     kvh, d = kv_layer.shape[-2], kv_layer.shape[-1]
@@ -118,8 +120,9 @@ class MLAAttentionBackend(Protocol):
         ...
 
 
-def write_latent(latent_layer: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor,
-                 all_local: bool | None = None) -> None:
+def write_latent(
+    latent_layer: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, all_local: bool | None = None
+) -> None:
     """Store this step's latent rows [T, C] in their slots; rows with slot -1 belong to another DCP rank."""
     flat = latent_layer.view(-1, latent_layer.shape[-1])
     if all_local if all_local is not None else bool((slot_mapping >= 0).all()):

@@ -3,6 +3,7 @@
 The cache layout [2, num_blocks, block_size, Hkv, D] per layer is flashinfer's "NHD" paged layout with K and V as
 separate tensors. flashinfer reports LSE in base 2; it is converted to natural log so merge.py applies unchanged.
 Not exercised by CI (no GPU there); the GPU check script runs it against the torch backend."""
+
 from __future__ import annotations
 
 import math
@@ -43,11 +44,35 @@ class FlashInferAttentionBackend:
             window = -1 if meta.sliding_window is None else meta.sliding_window - 1
             if meta.is_prefill:
                 qo = torch.tensor(meta.cu_seqlens_q, dtype=torch.int32, device=self.device)
-                self._prefill.plan(qo, indptr, indices, last, hq, hkv, d, bs, causal=True, sm_scale=scale,
-                                   window_left=window, q_data_type=q.dtype, kv_data_type=kv_layer.dtype)
+                self._prefill.plan(
+                    qo,
+                    indptr,
+                    indices,
+                    last,
+                    hq,
+                    hkv,
+                    d,
+                    bs,
+                    causal=True,
+                    sm_scale=scale,
+                    window_left=window,
+                    q_data_type=q.dtype,
+                    kv_data_type=kv_layer.dtype,
+                )
             else:
-                self._decode.plan(indptr, indices, last, hq, hkv, d, bs, sm_scale=scale, window_left=window,
-                                  q_data_type=q.dtype, kv_data_type=kv_layer.dtype)
+                self._decode.plan(
+                    indptr,
+                    indices,
+                    last,
+                    hq,
+                    hkv,
+                    d,
+                    bs,
+                    sm_scale=scale,
+                    window_left=window,
+                    q_data_type=q.dtype,
+                    kv_data_type=kv_layer.dtype,
+                )
             self._planned_for = id(meta)
         wrapper = self._prefill if meta.is_prefill else self._decode
         out, lse2 = wrapper.run(q.contiguous(), (kv_layer[0], kv_layer[1]), return_lse=True)

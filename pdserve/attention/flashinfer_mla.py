@@ -8,6 +8,7 @@ many queries) stays on the torch kernels, which run on CUDA as well.
 
 Chosen on CUDA by select_mla_backend when flashinfer imports; flashinfer's MLA kernels take fp16 / bf16 only, so an
 fp32 model decodes with the torch kernels (logged once)."""
+
 from __future__ import annotations
 
 import logging
@@ -51,17 +52,28 @@ class FlashInferMLABackend:
         self._planned_for: tuple | None = None  # (id of the step's metadata, dtypes): planned once per step
         self._warned_dtype = False
 
-    def forward_prefill(self, q: torch.Tensor, latent_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                        new_latent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_prefill(
+        self,
+        q: torch.Tensor,
+        latent_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        new_latent: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._torch.forward_prefill(q, latent_layer, meta, scale, expand, new_latent)
 
-    def forward_decode(self, q: torch.Tensor, latent_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-                       v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_decode(
+        self, q: torch.Tensor, latent_layer: torch.Tensor, meta: AttentionMetadata, scale: float, v_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.dtype not in _KERNEL_DTYPES or latent_layer.dtype not in _KERNEL_DTYPES or meta.sliding_window:
             if not self._warned_dtype:
-                log.warning("flashinfer MLA decode needs fp16/bf16 and full attention (got %s, window %s); "
-                            "using the torch MLA kernels", q.dtype, meta.sliding_window)
+                log.warning(
+                    "flashinfer MLA decode needs fp16/bf16 and full attention (got %s, window %s); "
+                    "using the torch MLA kernels",
+                    q.dtype,
+                    meta.sliding_window,
+                )
                 self._warned_dtype = True
             return self._torch.forward_decode(q, latent_layer, meta, scale, v_dim)
         b, h, c = q.shape
@@ -70,12 +82,28 @@ class FlashInferMLABackend:
         if self._planned_for != key:
             indptr, indices, kv_len = mla_paged_indices(meta, bs)
             qo = torch.arange(b + 1, dtype=torch.int32)  # one query token per sequence
-            self._wrapper.plan(qo.to(self.device), indptr.to(self.device), indices.to(self.device),
-                               kv_len.to(self.device), h, v_dim, c - v_dim, bs, False, scale, q.dtype,
-                               latent_layer.dtype)
+            self._wrapper.plan(
+                qo.to(self.device),
+                indptr.to(self.device),
+                indices.to(self.device),
+                kv_len.to(self.device),
+                h,
+                v_dim,
+                c - v_dim,
+                bs,
+                False,
+                scale,
+                q.dtype,
+                latent_layer.dtype,
+            )
             self._planned_for = key
-        out, lse2 = self._wrapper.run(q[..., :v_dim].contiguous(), q[..., v_dim:].contiguous(),
-                                      latent_layer[..., :v_dim], latent_layer[..., v_dim:], return_lse=True)
+        out, lse2 = self._wrapper.run(
+            q[..., :v_dim].contiguous(),
+            q[..., v_dim:].contiguous(),
+            latent_layer[..., :v_dim],
+            latent_layer[..., v_dim:],
+            return_lse=True,
+        )
         lse = lse2.float() * _LN2
         empty = meta.context_lens.to(q.device) == 0
         if bool(empty.any()):

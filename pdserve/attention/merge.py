@@ -1,4 +1,5 @@
 """Exact combination of attention computed over disjoint subsets of the keys (online-softmax correction)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,4 +14,3 @@ def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Ten
     weights = torch.exp(lses - safe.unsqueeze(0))  # exp(-inf) = 0 for empty partials
     out = (outs * weights.unsqueeze(-1)).sum(dim=0)
     return out, lse
-

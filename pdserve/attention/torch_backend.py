@@ -1,5 +1,6 @@
 """Attention over the paged cache with torch's fused kernels, which also return the LSE: the CPU flash kernel on CPU,
 the memory-efficient (CUTLASS) kernel elsewhere, i.e. on CUDA when flashinfer is absent."""
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,9 @@ _efficient = torch.ops.aten._scaled_dot_product_efficient_attention
 _BIAS_ALIGN = 16  # elements; the efficient kernel reads bias rows at an aligned stride (torch SDPA's preprocess_mask)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention with LSE: q [B, H, L, D] over k, v [B, Hkv, S, D] (H a multiple of Hkv), optional additive mask
     broadcastable to [B, H, L, S] in q's dtype; causal aligns query i with key i. Returns (out [B, H, L, Dv], lse
     [B, H, L] float32, natural log)."""
@@ -48,7 +50,11 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if meta.is_prefill:
@@ -81,8 +87,10 @@ class TorchAttentionBackend:
                 nblk = (ctx + bs - 1) // bs
                 table = meta.block_tables[i, :nblk]
                 # kv_layer[0][table], not kv_layer[0, table]: the mixed index is far slower (docs/performance.md)
-                kb, vb = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
-                          for j in (0, 1))
+                kb, vb = (
+                    kv_layer[j][table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
+                    for j in (0, 1)
+                )
             o, lse = attend_prefill_seq(qb, kb, vb, meta, start, ctx, scale, whole, plain)
             outs.append(o)
             lses.append(lse)
@@ -134,8 +142,17 @@ class TorchAttentionBackend:
         return slots, mask, empty
 
 
-def attend_prefill_seq(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, meta: AttentionMetadata, start: int,
-                       ctx: int, scale: float, whole: bool, plain: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_prefill_seq(
+    qb: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    meta: AttentionMetadata,
+    start: int,
+    ctx: int,
+    scale: float,
+    whole: bool,
+    plain: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's prefill attention: qb [1, Hq, n, D] over its ctx local keys kb/vb [1, Hkv, ctx, D], causal by
     absolute position (and window / DCP shard). Returns (out [n, Hq, D], lse [n, Hq]); rows with no key give 0 / -inf.
 
@@ -150,8 +167,10 @@ def attend_prefill_seq(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, met
         # [n, ctx] mask (which costs a mask build per layer and the kernel's slow masked path).
         o1, lse1 = attend(qb, kb[:, :, :start], vb[:, :, :start], False, scale)
         o2, lse2 = attend(qb, kb[:, :, start:], vb[:, :, start:], True, scale)
-        o, lse = merge_attn_states(torch.stack([o1[0].transpose(0, 1), o2[0].transpose(0, 1)]),
-                                   torch.stack([lse1[0].transpose(0, 1), lse2[0].transpose(0, 1)]))
+        o, lse = merge_attn_states(
+            torch.stack([o1[0].transpose(0, 1), o2[0].transpose(0, 1)]),
+            torch.stack([lse1[0].transpose(0, 1), lse2[0].transpose(0, 1)]),
+        )
         return o.to(qb.dtype), lse  # the merge sums in float32
     qpos = torch.arange(start, start + n).unsqueeze(1)
     kpos = meta.key_positions(ctx).unsqueeze(0)

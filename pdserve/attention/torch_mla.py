@@ -3,6 +3,7 @@ torch_backend.attend: the flash kernel on CPU, the memory-efficient one on CUDA)
 
 Prefill expands the latent into per-head K/V (cheaper when queries are many); decode keeps the latent and attends
 with the absorbed query as one head shared by all query heads, reading each cached row once."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -16,9 +17,15 @@ from pdserve.attention.torch_backend import TorchAttentionBackend, attend, atten
 class TorchMLABackend:
     name = "torch"
 
-    def forward_prefill(self, q: torch.Tensor, latent_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                        new_latent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_prefill(
+        self,
+        q: torch.Tensor,
+        latent_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        new_latent: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         bs, c = latent_layer.shape[1], latent_layer.shape[2]
         outs, lses = [], []
         for i in range(meta.num_seqs):
@@ -47,14 +54,17 @@ class TorchMLABackend:
         dv = next((o.shape[-1] for o in outs if o is not None), None)
         if dv is None:  # no local keys for any sequence: the width comes from one (empty) expansion
             dv = expand(latent_layer.view(-1, c)[:0])[1].shape[-1]
-        outs = [torch.zeros(lse.shape[0], q.shape[1], dv, dtype=q.dtype, device=q.device) if o is None else o
-                for o, lse in zip(outs, lses)]
+        outs = [
+            torch.zeros(lse.shape[0], q.shape[1], dv, dtype=q.dtype, device=q.device) if o is None else o
+            for o, lse in zip(outs, lses)
+        ]
         if len(outs) == 1:
             return outs[0], lses[0]
         return torch.cat(outs), torch.cat(lses)
 
-    def forward_decode(self, q: torch.Tensor, latent_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-                       v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_decode(
+        self, q: torch.Tensor, latent_layer: torch.Tensor, meta: AttentionMetadata, scale: float, v_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, c = q.shape
         bs = latent_layer.shape[1]
         plan = meta.derived.get("decode") or TorchAttentionBackend._decode_plan(meta, bs, q.dtype, q.device)

@@ -10,6 +10,7 @@ Both clients: ``generate`` / ``chat`` (whole text), ``generate_stream`` / ``chat
 ``cancel(request_id)``, ``cluster_status()``, ``validate_config(...)``, per-call ``timeout=`` deadlines, retries on
 UNAVAILABLE with exponential backoff before the first token, and typed exceptions (:mod:`pdserve.client.errors`).
 """
+
 from pdserve.client.aio import AsyncClient, AsyncGenerateStream
 from pdserve.client.errors import *  # noqa: F403
 from pdserve.client.errors import __all__ as _errors_all
@@ -17,5 +18,17 @@ from pdserve.client.retry import NO_RETRY, RetryPolicy
 from pdserve.client.sync import Client, GenerateStream
 from pdserve.client.types import Completion, GenerateChunk, Routing, Timing, Usage
 
-__all__ = ["Client", "AsyncClient", "GenerateStream", "AsyncGenerateStream", "Completion", "GenerateChunk", "Usage",
-           "Timing", "Routing", "RetryPolicy", "NO_RETRY", *_errors_all]
+__all__ = [
+    "Client",
+    "AsyncClient",
+    "GenerateStream",
+    "AsyncGenerateStream",
+    "Completion",
+    "GenerateChunk",
+    "Usage",
+    "Timing",
+    "Routing",
+    "RetryPolicy",
+    "NO_RETRY",
+    *_errors_all,
+]

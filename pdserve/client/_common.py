@@ -1,4 +1,5 @@
 """Pieces shared by the sync and asyncio clients."""
+
 from __future__ import annotations
 
 import itertools
@@ -13,10 +14,12 @@ from pdserve.client.types import Message, Prompt, build_generate_request, sampli
 from pdserve_api.v1 import common_pb2, router_pb2
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-DEFAULT_CHANNEL_OPTIONS: list[tuple[str, Any]] = grpc_options(extra=[
-    # The SDK does its own retries (with backoff, on UNAVAILABLE only, never after tokens): no hidden ones.
-    ("grpc.enable_retries", 0),
-])
+DEFAULT_CHANNEL_OPTIONS: list[tuple[str, Any]] = grpc_options(
+    extra=[
+        # The SDK does its own retries (with backoff, on UNAVAILABLE only, never after tokens): no hidden ones.
+        ("grpc.enable_retries", 0),
+    ]
+)
 
 
 SUSPECT_S = 2.0  # a router that just failed is tried last for this long
@@ -56,9 +59,16 @@ class RouterSet:
         self._suspect_until[i] = 0.0
 
 
-def client_security(*, api_key: str | None, tls: TLSConfig | None, root_ca: str | None, client_cert: str | None,
-                    client_key: str | None, server_name: str | None, metadata: Sequence[tuple[str, str]] | None
-                    ) -> tuple[tuple[tuple[str, str], ...], TLSConfig | None]:
+def client_security(
+    *,
+    api_key: str | None,
+    tls: TLSConfig | None,
+    root_ca: str | None,
+    client_cert: str | None,
+    client_key: str | None,
+    server_name: str | None,
+    metadata: Sequence[tuple[str, str]] | None,
+) -> tuple[tuple[tuple[str, str], ...], TLSConfig | None]:
     """(metadata with the API key added, TLS config) from the client's keyword arguments."""
     md = tuple(metadata or ())
     if api_key:
@@ -80,14 +90,28 @@ class _Default:
 DEFAULT: Any = _Default()  # "use the client's default" for timeout=
 
 
-def make_request(*, prompt: Prompt | None, messages: Iterable[Message] | None, add_generation_prompt: bool | None,
-                 model: str | None, default_model: str, request_id: str | None, return_prompt_token_ids: bool,
-                 sampling: dict[str, Any], tools: Any = None) -> router_pb2.GenerateRequest:
+def make_request(
+    *,
+    prompt: Prompt | None,
+    messages: Iterable[Message] | None,
+    add_generation_prompt: bool | None,
+    model: str | None,
+    default_model: str,
+    request_id: str | None,
+    return_prompt_token_ids: bool,
+    sampling: dict[str, Any],
+    tools: Any = None,
+) -> router_pb2.GenerateRequest:
     return build_generate_request(
-        prompt=prompt, messages=list(messages) if messages is not None else None,
-        add_generation_prompt=add_generation_prompt, model=model if model is not None else default_model,
-        request_id=request_id, return_prompt_token_ids=return_prompt_token_ids,
-        params=sampling_params(**sampling), tools=tools)
+        prompt=prompt,
+        messages=list(messages) if messages is not None else None,
+        add_generation_prompt=add_generation_prompt,
+        model=model if model is not None else default_model,
+        request_id=request_id,
+        return_prompt_token_ids=return_prompt_token_ids,
+        params=sampling_params(**sampling),
+        tools=tools,
+    )
 
 
 def role_value(role: str | int | None) -> int:
@@ -101,24 +125,39 @@ def role_value(role: str | int | None) -> int:
     return common_pb2.Role.Value(name)
 
 
-def validate_request(*, model_path: str | None = None, num_attention_heads: int | None = None,
-                     num_kv_heads: int | None = None, tensor_parallel_size: int = 1,
-                     decode_context_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                     dcp_kv_cache_interleave_size: int = 1, block_size: int = 0, role: str | int | None = None,
-                     **shape: Any) -> router_pb2.ValidateConfigRequest:
+def validate_request(
+    *,
+    model_path: str | None = None,
+    num_attention_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    tensor_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    dcp_kv_cache_interleave_size: int = 1,
+    block_size: int = 0,
+    role: str | int | None = None,
+    **shape: Any,
+) -> router_pb2.ValidateConfigRequest:
     req = router_pb2.ValidateConfigRequest(
-        parallel=common_pb2.ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                           decode_context_parallel_size=decode_context_parallel_size,
-                                           pipeline_parallel_size=pipeline_parallel_size,
-                                           dcp_kv_cache_interleave_size=dcp_kv_cache_interleave_size),
-        block_size=block_size, role=role_value(role))
+        parallel=common_pb2.ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            dcp_kv_cache_interleave_size=dcp_kv_cache_interleave_size,
+        ),
+        block_size=block_size,
+        role=role_value(role),
+    )
     if model_path is not None:
         req.model_path = str(model_path)
     else:
         if num_attention_heads is None:
             raise TypeError("give model_path or num_attention_heads")
-        req.shape.CopyFrom(common_pb2.ModelShape(num_attention_heads=num_attention_heads,
-                                                 num_kv_heads=num_kv_heads or num_attention_heads, **shape))
+        req.shape.CopyFrom(
+            common_pb2.ModelShape(
+                num_attention_heads=num_attention_heads, num_kv_heads=num_kv_heads or num_attention_heads, **shape
+            )
+        )
     return req
 
 

@@ -1,12 +1,13 @@
 """The asyncio client (grpc.aio), same API as :class:`pdserve.client.Client` with ``await`` / ``async for``.
 
-    from pdserve.client import AsyncClient
+from pdserve.client import AsyncClient
 
-    async with AsyncClient("127.0.0.1:50051") as c:
-        print((await c.generate("The capital of France is", max_tokens=8, temperature=0)).text)
-        async for chunk in c.chat_stream([{"role": "user", "content": "Hi!"}], max_tokens=32):
-            print(chunk.text, end="", flush=True)
+async with AsyncClient("127.0.0.1:50051") as c:
+    print((await c.generate("The capital of France is", max_tokens=8, temperature=0)).text)
+    async for chunk in c.chat_stream([{"role": "user", "content": "Hi!"}], max_tokens=32):
+        print(chunk.text, end="", flush=True)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,14 @@ from pdserve_api.v1 import router_pb2, router_pb2_grpc
 class AsyncGenerateStream:
     """Async iterator of :class:`GenerateChunk` for one Generate call (see :class:`GenerateStream`)."""
 
-    def __init__(self, client: "AsyncClient", request: router_pb2.GenerateRequest, timeout: float | None,
-                 retry: RetryPolicy, own_id: bool = False) -> None:
+    def __init__(
+        self,
+        client: "AsyncClient",
+        request: router_pb2.GenerateRequest,
+        timeout: float | None,
+        retry: RetryPolicy,
+        own_id: bool = False,
+    ) -> None:
         self._own_id = own_id  # the SDK made the request id: a retry may take a fresh one
         self._client = client
         self._order = client._routers.order()  # attempts go round the routers (a retry: the next one)
@@ -161,8 +168,11 @@ class AsyncGenerateStream:
                 if self._got_message:
                     self._finish()
                     if isinstance(err, UnavailableError):  # never re-sent elsewhere: tokens would repeat
-                        raise GenerationFailedError(self._client._on_router(self._on, err.message),
-                                                    request_id=self.request_id, partial=self._build("error")) from None
+                        raise GenerationFailedError(
+                            self._client._on_router(self._on, err.message),
+                            request_id=self.request_id,
+                            partial=self._build("error"),
+                        ) from None
                     raise err from None
                 if isinstance(err, UnavailableError):
                     self._client._routers.failed(self._on)
@@ -180,8 +190,11 @@ class AsyncGenerateStream:
             if msg is grpc.aio.EOF:
                 self._finish()
                 if self._builder.last is None and not self._cancelled:
-                    raise GenerationFailedError("the Generate stream ended without a final message",
-                                                request_id=self.request_id, partial=self._build())
+                    raise GenerationFailedError(
+                        "the Generate stream ended without a final message",
+                        request_id=self.request_id,
+                        partial=self._build(),
+                    )
                 raise StopAsyncIteration
             return self._on_message(msg)
 
@@ -190,8 +203,9 @@ class AsyncGenerateStream:
             left = self._deadline.remaining()
             if left is not None and left <= 0:
                 self._done = True
-                raise DeadlineExceededError(f"deadline of {self._deadline.timeout:g}s exceeded",
-                                            request_id=self.request_id)
+                raise DeadlineExceededError(
+                    f"deadline of {self._deadline.timeout:g}s exceeded", request_id=self.request_id
+                )
             on = self._order[self._attempt % len(self._order)]
             if self._attempt and on != self._on:
                 self._fresh_id()
@@ -229,7 +243,9 @@ class AsyncGenerateStream:
             if chunk.finish_reason == "error":
                 self._failed = GenerationFailedError(
                     chunk.error_message or "the request failed after tokens were streamed",
-                    request_id=self.request_id, partial=self._build("error"))
+                    request_id=self.request_id,
+                    partial=self._build("error"),
+                )
             else:
                 self._finish()
         return chunk
@@ -265,21 +281,41 @@ class AsyncClient:
     file of the CA to trust) connects with TLS; ``client_cert`` / ``client_key`` add a client certificate (mutual
     TLS); ``server_name`` overrides the name checked in the server certificate; or pass a ready ``tls`` config."""
 
-    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 retry: RetryPolicy | None = None, model: str = "",
-                 metadata: Sequence[tuple[str, str]] | None = None,
-                 channel_options: Sequence[tuple[str, Any]] | None = None,
-                 channel: grpc.aio.Channel | None = None, api_key: str | None = None,
-                 root_ca: str | None = None, client_cert: str | None = None, client_key: str | None = None,
-                 server_name: str | None = None, tls: TLSConfig | None = None) -> None:
-        self.addresses = router_addresses(address) if channel is None else [address if isinstance(address, str)
-                                                                              else ",".join(address)]
+    def __init__(
+        self,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
+        *,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        model: str = "",
+        metadata: Sequence[tuple[str, str]] | None = None,
+        channel_options: Sequence[tuple[str, Any]] | None = None,
+        channel: grpc.aio.Channel | None = None,
+        api_key: str | None = None,
+        root_ca: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        server_name: str | None = None,
+        tls: TLSConfig | None = None,
+    ) -> None:
+        self.addresses = (
+            router_addresses(address)
+            if channel is None
+            else [address if isinstance(address, str) else ",".join(address)]
+        )
         self.address = self.addresses[0]
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
         self.model = model
-        self.metadata, self.tls = client_security(api_key=api_key, tls=tls, root_ca=root_ca, client_cert=client_cert,
-                                                  client_key=client_key, server_name=server_name, metadata=metadata)
+        self.metadata, self.tls = client_security(
+            api_key=api_key,
+            tls=tls,
+            root_ca=root_ca,
+            client_cert=client_cert,
+            client_key=client_key,
+            server_name=server_name,
+            metadata=metadata,
+        )
         self._options = secure_options(self.tls, list(DEFAULT_CHANNEL_OPTIONS) + list(channel_options or ()))
         self._own_channel = channel is None
         self._channel: grpc.aio.Channel | None = channel
@@ -298,9 +334,11 @@ class AsyncClient:
             ch = self._channels.get(i)
             if ch is None:
                 a = self.addresses[i]
-                ch = self._channels[i] = (grpc.aio.secure_channel(a, self.tls.channel_credentials(),
-                                                                  options=self._options) if self.tls is not None
-                                          else grpc.aio.insecure_channel(a, options=self._options))
+                ch = self._channels[i] = (
+                    grpc.aio.secure_channel(a, self.tls.channel_credentials(), options=self._options)
+                    if self.tls is not None
+                    else grpc.aio.insecure_channel(a, options=self._options)
+                )
             stub = self._stubs[i] = router_pb2_grpc.RouterStub(ch)
             if i == 0:
                 self._channel, self._stub = ch, stub
@@ -324,32 +362,82 @@ class AsyncClient:
     def _timeout(self, timeout: Any) -> float | None:
         return self.timeout if timeout is DEFAULT else timeout
 
-    def generate_stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
-                        top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                        stop: str | Sequence[str] | None = None, model: str | None = None,
-                        request_id: str | None = None, timeout: Any = DEFAULT,
-                        return_prompt_token_ids: bool = False, **sampling: Any) -> AsyncGenerateStream:
-        req = make_request(prompt=prompt, messages=None, add_generation_prompt=None, model=model,
-                           default_model=self.model, request_id=request_id,
-                           return_prompt_token_ids=return_prompt_token_ids,
-                           sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                         seed=seed, stop=stop, **sampling))
+    def generate_stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        timeout: Any = DEFAULT,
+        return_prompt_token_ids: bool = False,
+        **sampling: Any,
+    ) -> AsyncGenerateStream:
+        req = make_request(
+            prompt=prompt,
+            messages=None,
+            add_generation_prompt=None,
+            model=model,
+            default_model=self.model,
+            request_id=request_id,
+            return_prompt_token_ids=return_prompt_token_ids,
+            sampling=dict(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                stop=stop,
+                **sampling,
+            ),
+        )
         return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry, own_id=request_id is None)
 
     async def generate(self, prompt: Prompt, **kw: Any) -> Completion:
         return await self.generate_stream(prompt, **kw).until_done()
 
-    def chat_stream(self, messages: Iterable[Message], *, add_generation_prompt: bool | None = None,
-                    tools: Sequence[Mapping[str, Any]] | None = None,
-                    max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-                    top_k: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                    model: str | None = None, request_id: str | None = None, timeout: Any = DEFAULT,
-                    return_prompt_token_ids: bool = False, **sampling: Any) -> AsyncGenerateStream:
-        req = make_request(prompt=None, messages=messages, add_generation_prompt=add_generation_prompt, model=model,
-                           default_model=self.model, request_id=request_id,
-                           return_prompt_token_ids=return_prompt_token_ids, tools=tools,
-                           sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                         seed=seed, stop=stop, **sampling))
+    def chat_stream(
+        self,
+        messages: Iterable[Message],
+        *,
+        add_generation_prompt: bool | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        timeout: Any = DEFAULT,
+        return_prompt_token_ids: bool = False,
+        **sampling: Any,
+    ) -> AsyncGenerateStream:
+        req = make_request(
+            prompt=None,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            model=model,
+            default_model=self.model,
+            request_id=request_id,
+            return_prompt_token_ids=return_prompt_token_ids,
+            tools=tools,
+            sampling=dict(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                stop=stop,
+                **sampling,
+            ),
+        )
         return AsyncGenerateStream(self, req, self._timeout(timeout), self.retry, own_id=request_id is None)
 
     async def chat(self, messages: Iterable[Message], **kw: Any) -> Completion:
@@ -391,10 +479,12 @@ class AsyncClient:
                 continue  # a router that is down holds nothing now
         return False
 
-    async def cluster_status(self, *, role: str | int | None = None, model: str = "",
-                             timeout: Any = DEFAULT) -> router_pb2.ClusterStatusResponse:
-        return await self._unary("ClusterStatus", router_pb2.ClusterStatusRequest(role=role_value(role), model=model),
-                                 timeout)
+    async def cluster_status(
+        self, *, role: str | int | None = None, model: str = "", timeout: Any = DEFAULT
+    ) -> router_pb2.ClusterStatusResponse:
+        return await self._unary(
+            "ClusterStatus", router_pb2.ClusterStatusRequest(role=role_value(role), model=model), timeout
+        )
 
     async def validate_config(self, *, timeout: Any = DEFAULT, **kw: Any) -> router_pb2.ValidateConfigResponse:
         return await self._unary("ValidateConfig", validate_request(**kw), timeout)
@@ -404,7 +494,8 @@ class AsyncClient:
         assert self._channel is not None
         try:
             r = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError:
             return False
         return r.status == health_pb2.HealthCheckResponse.SERVING

@@ -8,6 +8,7 @@ Every exception carries the server's message as ``str(e)`` / ``e.message``, the 
     except pdserve.client.InvalidArgumentError as e:
         print(e.message)
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +21,14 @@ class PdserveError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, request_id: str | None = None,
-                 debug_error_string: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: grpc.StatusCode | None = None,
+        request_id: str | None = None,
+        debug_error_string: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
@@ -131,10 +138,24 @@ class GenerationFailedError(UnavailableError):
 
 _BY_CODE: dict[grpc.StatusCode, type[PdserveError]] = {
     cls.code: cls
-    for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, UnavailableError, ResourceExhaustedError,
-                DeadlineExceededError, CancelledError, PermissionDeniedError, UnauthenticatedError,
-                FailedPreconditionError, OutOfRangeError, AbortedError, UnimplementedError, InternalError,
-                DataLossError, UnknownError)
+    for cls in (
+        InvalidArgumentError,
+        NotFoundError,
+        AlreadyExistsError,
+        UnavailableError,
+        ResourceExhaustedError,
+        DeadlineExceededError,
+        CancelledError,
+        PermissionDeniedError,
+        UnauthenticatedError,
+        FailedPreconditionError,
+        OutOfRangeError,
+        AbortedError,
+        UnimplementedError,
+        InternalError,
+        DataLossError,
+        UnknownError,
+    )
 }
 
 
@@ -161,9 +182,24 @@ def from_rpc_error(e: grpc.RpcError, request_id: str | None = None) -> PdserveEr
 
 
 __all__ = [
-    "PdserveError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError", "UnavailableError",
-    "ResourceExhaustedError", "DeadlineExceededError", "CancelledError", "PermissionDeniedError",
-    "UnauthenticatedError", "FailedPreconditionError", "OutOfRangeError", "AbortedError", "UnimplementedError",
-    "InternalError", "DataLossError", "UnknownError", "GenerationFailedError", "exception_class_for",
+    "PdserveError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "UnavailableError",
+    "ResourceExhaustedError",
+    "DeadlineExceededError",
+    "CancelledError",
+    "PermissionDeniedError",
+    "UnauthenticatedError",
+    "FailedPreconditionError",
+    "OutOfRangeError",
+    "AbortedError",
+    "UnimplementedError",
+    "InternalError",
+    "DataLossError",
+    "UnknownError",
+    "GenerationFailedError",
+    "exception_class_for",
     "from_rpc_error",
 ]

@@ -1,5 +1,6 @@
 """Retry policy: exponential backoff with jitter, on UNAVAILABLE only, never after a Generate stream delivered a
 message (tokens are never re-sent), always within the call's deadline."""
+
 from __future__ import annotations
 
 import random
@@ -75,6 +76,8 @@ class RetryState:
         if left is not None and left <= delay:
             raise DeadlineExceededError(
                 f"deadline of {self.deadline.timeout:g}s exceeded while retrying after {self.attempt} attempt(s); "
-                f"last error: {err.status_name}: {err.message}", request_id=err.request_id) from err
+                f"last error: {err.status_name}: {err.message}",
+                request_id=err.request_id,
+            ) from err
         self.attempt += 1
         return delay

@@ -1,12 +1,13 @@
 """The blocking client.
 
-    from pdserve.client import Client
+from pdserve.client import Client
 
-    with Client("127.0.0.1:50051") as c:          # several routers: Client("h1:50051,h2:50051")
-        print(c.generate("The capital of France is", max_tokens=8, temperature=0).text)
-        for chunk in c.chat_stream([{"role": "user", "content": "Hi!"}], max_tokens=32):
-            print(chunk.text, end="", flush=True)
+with Client("127.0.0.1:50051") as c:          # several routers: Client("h1:50051,h2:50051")
+    print(c.generate("The capital of France is", max_tokens=8, temperature=0).text)
+    for chunk in c.chat_stream([{"role": "user", "content": "Hi!"}], max_tokens=32):
+        print(chunk.text, end="", flush=True)
 """
+
 from __future__ import annotations
 
 import threading
@@ -56,10 +57,16 @@ class GenerateStream:
     the router then frees the request's KV and iteration stops with ``finish_reason == "cancelled"``.
     ``completion`` is the whole :class:`Completion` once the stream is done."""
 
-    def __init__(self, stub: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest, timeout: float | None,
-                 retry: RetryPolicy, metadata: Sequence[tuple[str, str]] | None,
-                 routers: "tuple[list[router_pb2_grpc.RouterStub], list[str], RouterSet] | None" = None,
-                 own_id: bool = False) -> None:
+    def __init__(
+        self,
+        stub: router_pb2_grpc.RouterStub,
+        request: router_pb2.GenerateRequest,
+        timeout: float | None,
+        retry: RetryPolicy,
+        metadata: Sequence[tuple[str, str]] | None,
+        routers: "tuple[list[router_pb2_grpc.RouterStub], list[str], RouterSet] | None" = None,
+        own_id: bool = False,
+    ) -> None:
         self._own_id = own_id  # the SDK made the request id: a retry may take a fresh one
         # (stubs, addresses, RouterSet) of every router: attempts go round them (a retry: the next one)
         self._stubs, self._addresses, self._routers = routers or ([stub], [""], RouterSet(1))
@@ -164,8 +171,11 @@ class GenerateStream:
             except StopIteration:
                 self._finish()
                 if self._builder.last is None and not self._cancelled:
-                    raise GenerationFailedError("the Generate stream ended without a final message",
-                                                request_id=self.request_id, partial=self._build()) from None
+                    raise GenerationFailedError(
+                        "the Generate stream ended without a final message",
+                        request_id=self.request_id,
+                        partial=self._build(),
+                    ) from None
                 raise
             except grpc.RpcError as e:
                 if self._cancelled:
@@ -175,8 +185,11 @@ class GenerateStream:
                 if self._got_message:
                     self._finish()
                     if isinstance(err, UnavailableError):  # never re-sent elsewhere: tokens would repeat
-                        raise GenerationFailedError(_on_router(self._addresses[self._on], err.message),
-                                                    request_id=self.request_id, partial=self._build("error")) from None
+                        raise GenerationFailedError(
+                            _on_router(self._addresses[self._on], err.message),
+                            request_id=self.request_id,
+                            partial=self._build("error"),
+                        ) from None
                     raise err from None
                 if isinstance(err, UnavailableError):
                     self._routers.failed(self._on)
@@ -201,14 +214,16 @@ class GenerateStream:
                 left = self._deadline.remaining()
                 if left is not None and left <= 0:
                     self._done = True
-                    raise DeadlineExceededError(f"deadline of {self._deadline.timeout:g}s exceeded",
-                                                request_id=self.request_id)
+                    raise DeadlineExceededError(
+                        f"deadline of {self._deadline.timeout:g}s exceeded", request_id=self.request_id
+                    )
                 on = self._order[self._attempt % len(self._order)]
                 if self._attempt and on != self._on:
                     self._fresh_id()
                 self._on = on
-                self._call = self._stubs[self._on].Generate(self._request, timeout=left,
-                                                            metadata=self._metadata or None)
+                self._call = self._stubs[self._on].Generate(
+                    self._request, timeout=left, metadata=self._metadata or None
+                )
             return self._call
 
     def _fresh_id(self) -> None:
@@ -241,7 +256,9 @@ class GenerateStream:
             if chunk.finish_reason == "error":
                 self._failed = GenerationFailedError(
                     chunk.error_message or "the request failed after tokens were streamed",
-                    request_id=self.request_id, partial=self._build("error"))
+                    request_id=self.request_id,
+                    partial=self._build("error"),
+                )
             else:
                 self._finish()
         return chunk
@@ -281,28 +298,49 @@ class Client:
     file of the CA to trust) connects with TLS; ``client_cert`` / ``client_key`` add a client certificate (mutual
     TLS); ``server_name`` overrides the name checked in the server certificate; or pass a ready ``tls`` config."""
 
-    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 retry: RetryPolicy | None = None, model: str = "",
-                 metadata: Sequence[tuple[str, str]] | None = None,
-                 channel_options: Sequence[tuple[str, Any]] | None = None,
-                 channel: grpc.Channel | None = None, api_key: str | None = None,
-                 root_ca: str | None = None, client_cert: str | None = None, client_key: str | None = None,
-                 server_name: str | None = None, tls: TLSConfig | None = None) -> None:
-        self.addresses = router_addresses(address) if channel is None else [address if isinstance(address, str)
-                                                                              else ",".join(address)]
+    def __init__(
+        self,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
+        *,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        model: str = "",
+        metadata: Sequence[tuple[str, str]] | None = None,
+        channel_options: Sequence[tuple[str, Any]] | None = None,
+        channel: grpc.Channel | None = None,
+        api_key: str | None = None,
+        root_ca: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        server_name: str | None = None,
+        tls: TLSConfig | None = None,
+    ) -> None:
+        self.addresses = (
+            router_addresses(address)
+            if channel is None
+            else [address if isinstance(address, str) else ",".join(address)]
+        )
         self.address = self.addresses[0]
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
         self.model = model
-        self.metadata, self.tls = client_security(api_key=api_key, tls=tls, root_ca=root_ca, client_cert=client_cert,
-                                                  client_key=client_key, server_name=server_name, metadata=metadata)
+        self.metadata, self.tls = client_security(
+            api_key=api_key,
+            tls=tls,
+            root_ca=root_ca,
+            client_cert=client_cert,
+            client_key=client_key,
+            server_name=server_name,
+            metadata=metadata,
+        )
         self._own_channel = channel is None
         opts = secure_options(self.tls, list(DEFAULT_CHANNEL_OPTIONS) + list(channel_options or ()))
         if channel is not None:
             self._channels = [channel]
         elif self.tls is not None:
-            self._channels = [grpc.secure_channel(a, self.tls.channel_credentials(), options=opts)
-                              for a in self.addresses]
+            self._channels = [
+                grpc.secure_channel(a, self.tls.channel_credentials(), options=opts) for a in self.addresses
+            ]
         else:
             self._channels = [grpc.insecure_channel(a, options=opts) for a in self.addresses]
         self._channel = self._channels[0]
@@ -328,40 +366,104 @@ class Client:
         return self.timeout if timeout is DEFAULT else timeout
 
     # --- generation --------------------------------------------------------------------------------------------
-    def generate_stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
-                        top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                        stop: str | Sequence[str] | None = None, model: str | None = None,
-                        request_id: str | None = None, timeout: Any = DEFAULT,
-                        return_prompt_token_ids: bool = False, **sampling: Any) -> GenerateStream:
+    def generate_stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        timeout: Any = DEFAULT,
+        return_prompt_token_ids: bool = False,
+        **sampling: Any,
+    ) -> GenerateStream:
         """Stream a completion of ``prompt`` (text, or token ids used verbatim)."""
-        req = make_request(prompt=prompt, messages=None, add_generation_prompt=None, model=model,
-                           default_model=self.model, request_id=request_id,
-                           return_prompt_token_ids=return_prompt_token_ids,
-                           sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                         seed=seed, stop=stop, **sampling))
-        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata,
-                              (self._stubs, self._names, self._routers), own_id=request_id is None)
+        req = make_request(
+            prompt=prompt,
+            messages=None,
+            add_generation_prompt=None,
+            model=model,
+            default_model=self.model,
+            request_id=request_id,
+            return_prompt_token_ids=return_prompt_token_ids,
+            sampling=dict(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                stop=stop,
+                **sampling,
+            ),
+        )
+        return GenerateStream(
+            self._stub,
+            req,
+            self._timeout(timeout),
+            self.retry,
+            self.metadata,
+            (self._stubs, self._names, self._routers),
+            own_id=request_id is None,
+        )
 
     def generate(self, prompt: Prompt, **kw: Any) -> Completion:
         """The whole completion of ``prompt`` (same arguments as :meth:`generate_stream`)."""
         return self.generate_stream(prompt, **kw).until_done()
 
-    def chat_stream(self, messages: Iterable[Message], *, add_generation_prompt: bool | None = None,
-                    tools: Sequence[Mapping[str, Any]] | None = None,
-                    max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-                    top_k: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                    model: str | None = None, request_id: str | None = None, timeout: Any = DEFAULT,
-                    return_prompt_token_ids: bool = False, **sampling: Any) -> GenerateStream:
+    def chat_stream(
+        self,
+        messages: Iterable[Message],
+        *,
+        add_generation_prompt: bool | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        timeout: Any = DEFAULT,
+        return_prompt_token_ids: bool = False,
+        **sampling: Any,
+    ) -> GenerateStream:
         """Stream the assistant's reply to ``messages`` (dicts with role/content, and tool_calls / tool_call_id),
         rendered by the router with the model's chat template (given ``tools``, OpenAI tool objects, too). Constrain
         the output with ``structured_output={"json_schema": ...}`` (or json_object, regex, choice, grammar)."""
-        req = make_request(prompt=None, messages=messages, add_generation_prompt=add_generation_prompt, model=model,
-                           default_model=self.model, request_id=request_id,
-                           return_prompt_token_ids=return_prompt_token_ids, tools=tools,
-                           sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                         seed=seed, stop=stop, **sampling))
-        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, self.metadata,
-                              (self._stubs, self._names, self._routers), own_id=request_id is None)
+        req = make_request(
+            prompt=None,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            model=model,
+            default_model=self.model,
+            request_id=request_id,
+            return_prompt_token_ids=return_prompt_token_ids,
+            tools=tools,
+            sampling=dict(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                stop=stop,
+                **sampling,
+            ),
+        )
+        return GenerateStream(
+            self._stub,
+            req,
+            self._timeout(timeout),
+            self.retry,
+            self.metadata,
+            (self._stubs, self._names, self._routers),
+            own_id=request_id is None,
+        )
 
     def chat(self, messages: Iterable[Message], **kw: Any) -> Completion:
         """The assistant's whole reply (same arguments as :meth:`chat_stream`)."""
@@ -403,11 +505,13 @@ class Client:
                 continue  # a router that is down holds nothing now
         return False
 
-    def cluster_status(self, *, role: str | int | None = None, model: str = "",
-                       timeout: Any = DEFAULT) -> router_pb2.ClusterStatusResponse:
+    def cluster_status(
+        self, *, role: str | int | None = None, model: str = "", timeout: Any = DEFAULT
+    ) -> router_pb2.ClusterStatusResponse:
         """Every registered pod (state, load, KV blocks per rank) and the router's queue."""
-        return self._unary("ClusterStatus",
-                           router_pb2.ClusterStatusRequest(role=role_value(role), model=model), timeout)
+        return self._unary(
+            "ClusterStatus", router_pb2.ClusterStatusRequest(role=role_value(role), model=model), timeout
+        )
 
     def validate_config(self, *, timeout: Any = DEFAULT, **kw: Any) -> router_pb2.ValidateConfigResponse:
         """Check a model + parallel config on the router (``model_path=`` or ``num_attention_heads=`` /

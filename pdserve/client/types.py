@@ -1,4 +1,5 @@
 """Response types of the SDK (plain dataclasses) and the request builder shared by the sync and async clients."""
+
 from __future__ import annotations
 
 import json
@@ -58,10 +59,20 @@ class Timing:
     client_e2e_s: float | None = None
 
     @classmethod
-    def from_proto(cls, t: common_pb2.Timing, client_ttft_s: float | None = None,
-                   client_e2e_s: float | None = None) -> "Timing":
-        return cls(t.ttft_s, t.e2e_s, t.queue_s, t.prefill_s, t.kv_transfer_s, t.decode_s, t.mean_tpot_s,
-                   client_ttft_s, client_e2e_s)
+    def from_proto(
+        cls, t: common_pb2.Timing, client_ttft_s: float | None = None, client_e2e_s: float | None = None
+    ) -> "Timing":
+        return cls(
+            t.ttft_s,
+            t.e2e_s,
+            t.queue_s,
+            t.prefill_s,
+            t.kv_transfer_s,
+            t.decode_s,
+            t.mean_tpot_s,
+            client_ttft_s,
+            client_e2e_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -116,9 +127,13 @@ class PromptLogprobs:
 
     @classmethod
     def from_proto(cls, p: common_pb2.PromptLogprobs) -> "PromptLogprobs":
-        return cls(list(p.token_ids), list(p.tokens), [None, *p.logprobs],
-                   [None, *(dict(zip(t.token_ids, t.logprobs)) for t in p.top_logprobs)],
-                   [None, *(dict(zip(t.token_ids, t.tokens)) for t in p.top_logprobs)])
+        return cls(
+            list(p.token_ids),
+            list(p.tokens),
+            [None, *p.logprobs],
+            [None, *(dict(zip(t.token_ids, t.logprobs)) for t in p.top_logprobs)],
+            [None, *(dict(zip(t.token_ids, t.tokens)) for t in p.top_logprobs)],
+        )
 
 
 @dataclass
@@ -206,30 +221,38 @@ class CompletionBuilder:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def build(self, finish_reason: str | None = None, client_ttft_s: float | None = None,
-              client_e2e_s: float | None = None) -> Completion:
+    def build(
+        self, finish_reason: str | None = None, client_ttft_s: float | None = None, client_e2e_s: float | None = None
+    ) -> Completion:
         last = self.last
         # A sequence that never ended on its own (the request was cancelled / failed) takes the request's reason.
         fallback = finish_reason if finish_reason is not None else (last.finish_reason if last else None)
         first = self.subs.get(0)
         if self.n > 1 and finish_reason is None and first is not None and first.last is not None:
             finish_reason = first.last.finish_reason  # the top-level fields are choice 0's
-        usage = last.usage if last is not None and last.usage is not None else Usage(
-            completion_tokens=len(self.token_ids))
+        usage = (
+            last.usage if last is not None and last.usage is not None else Usage(completion_tokens=len(self.token_ids))
+        )
         timing = last.timing if last is not None and last.timing is not None else Timing()
         timing = Timing(**{**timing.__dict__, "client_ttft_s": client_ttft_s, "client_e2e_s": client_e2e_s})
         return Completion(
-            request_id=self.request_id, text=self.text, token_ids=list(self.token_ids),
+            request_id=self.request_id,
+            text=self.text,
+            token_ids=list(self.token_ids),
             finish_reason=finish_reason if finish_reason is not None else (last.finish_reason if last else None),
-            stop_reason=last.stop_reason if last else "", usage=usage, timing=timing,
+            stop_reason=last.stop_reason if last else "",
+            usage=usage,
+            timing=timing,
             routing=last.routing if last is not None and last.routing is not None else Routing(),
             logprobs=list(self.logprobs) if self.want_logprobs else None,
             top_logprobs=list(self.top_logprobs) if self.top_logprobs else None,
-            prompt_token_ids=self.prompt_token_ids, error_message=last.error_message if last else "",
+            prompt_token_ids=self.prompt_token_ids,
+            error_message=last.error_message if last else "",
             tokens=list(self.tokens) if self.want_logprobs else None,
             top_tokens=list(self.top_tokens) if self.top_tokens else None,
             choices=None if self.n == 1 else [self._choice(i, fallback) for i in range(self.n)],
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
     def _choice(self, i: int, finish_reason: str | None) -> Completion:
         sub = self.subs.get(i) or CompletionBuilder(self.request_id)
@@ -240,31 +263,57 @@ class CompletionBuilder:
         return c
 
 
-def chunk_from_proto(m: router_pb2.GenerateResponse, client_ttft_s: float | None = None,
-                     client_e2e_s: float | None = None) -> GenerateChunk:
+def chunk_from_proto(
+    m: router_pb2.GenerateResponse, client_ttft_s: float | None = None, client_e2e_s: float | None = None
+) -> GenerateChunk:
     final = m.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
     return GenerateChunk(
-        request_id=m.request_id, token_ids=list(m.token_ids), text=m.text, logprobs=list(m.logprobs),
+        request_id=m.request_id,
+        token_ids=list(m.token_ids),
+        text=m.text,
+        logprobs=list(m.logprobs),
         top_logprobs=[dict(zip(t.token_ids, t.logprobs)) for t in m.top_logprobs],
-        finish_reason=finish_reason_name(m.finish_reason), stop_reason=m.stop_reason,
+        finish_reason=finish_reason_name(m.finish_reason),
+        stop_reason=m.stop_reason,
         usage=Usage.from_proto(m.usage) if final and m.HasField("usage") else None,
         timing=Timing.from_proto(m.timing, client_ttft_s, client_e2e_s) if final and m.HasField("timing") else None,
         routing=Routing.from_proto(m.routing) if final and m.HasField("routing") else None,
-        index=m.index, prompt_logprobs=(PromptLogprobs.from_proto(m.prompt_logprobs)
-                                        if m.HasField("prompt_logprobs") else None),
+        index=m.index,
+        prompt_logprobs=(PromptLogprobs.from_proto(m.prompt_logprobs) if m.HasField("prompt_logprobs") else None),
         prompt_token_ids=list(m.prompt_token_ids) if len(m.prompt_token_ids) else None,
-        error_message=m.error_message, tokens=list(m.tokens),
-        top_tokens=[dict(zip(t.token_ids, t.tokens)) for t in m.top_logprobs])
+        error_message=m.error_message,
+        tokens=list(m.tokens),
+        top_tokens=[dict(zip(t.token_ids, t.tokens)) for t in m.top_logprobs],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Requests
 # ----------------------------------------------------------------------------------------------------------------
 
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs",
-                    "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias", "n", "best_of",
-                    "prompt_logprobs", "structured_output")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "max_tokens",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "ignore_eos",
+    "top_logprobs",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "skip_special_tokens",
+    "min_p",
+    "logit_bias",
+    "n",
+    "best_of",
+    "prompt_logprobs",
+    "structured_output",
+)
 
 
 def structured_output(value: Any) -> common_pb2.StructuredOutput:
@@ -273,8 +322,9 @@ def structured_output(value: Any) -> common_pb2.StructuredOutput:
     if isinstance(value, common_pb2.StructuredOutput):
         return value
     if not isinstance(value, Mapping) or len(value) != 1:
-        raise TypeError("structured_output must be a dict with exactly one of json_schema, json_object, regex, "
-                        "choice, grammar")
+        raise TypeError(
+            "structured_output must be a dict with exactly one of json_schema, json_object, regex, choice, grammar"
+        )
     ((kind, v),) = value.items()
     so = common_pb2.StructuredOutput()
     if kind == "json_schema":
@@ -288,8 +338,9 @@ def structured_output(value: Any) -> common_pb2.StructuredOutput:
     elif kind in ("regex", "grammar"):
         setattr(so, kind, str(v))
     else:
-        raise TypeError(f"unknown structured_output kind {kind!r}; use json_schema, json_object, regex, choice or "
-                        "grammar")
+        raise TypeError(
+            f"unknown structured_output kind {kind!r}; use json_schema, json_object, regex, choice or grammar"
+        )
     return so
 
 
@@ -297,8 +348,9 @@ def sampling_params(**kw: Any) -> common_pb2.SamplingParams:
     """SamplingParams from keyword arguments; None means "unset" (the server's default)."""
     unknown = set(kw) - set(_SAMPLING_FIELDS)
     if unknown:
-        raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}; "
-                        f"known: {', '.join(_SAMPLING_FIELDS)}")
+        raise TypeError(
+            f"unknown sampling parameter(s): {', '.join(sorted(unknown))}; known: {', '.join(_SAMPLING_FIELDS)}"
+        )
     sp = common_pb2.SamplingParams()
     for name, value in kw.items():
         if value is None:
@@ -326,28 +378,44 @@ def chat_message(m: Message) -> router_pb2.ChatMessage:
     if not isinstance(m, Mapping):
         role, content = m
         return router_pb2.ChatMessage(role=str(role), content=str(content))
-    msg = router_pb2.ChatMessage(role=str(m["role"]), content=str(m.get("content") or ""),
-                                 tool_call_id=str(m.get("tool_call_id") or ""), name=str(m.get("name") or ""))
+    msg = router_pb2.ChatMessage(
+        role=str(m["role"]),
+        content=str(m.get("content") or ""),
+        tool_call_id=str(m.get("tool_call_id") or ""),
+        name=str(m.get("name") or ""),
+    )
     for c in m.get("tool_calls") or ():
         fn = c.get("function", c)
         args = fn.get("arguments", "")
-        msg.tool_calls.add(id=str(c.get("id") or ""), name=str(fn.get("name") or ""),
-                           arguments=args if isinstance(args, str) else json.dumps(args))
+        msg.tool_calls.add(
+            id=str(c.get("id") or ""),
+            name=str(fn.get("name") or ""),
+            arguments=args if isinstance(args, str) else json.dumps(args),
+        )
     return msg
 
 
-def build_generate_request(*, prompt: Prompt | None = None, messages: Iterable[Message] | None = None,
-                           add_generation_prompt: bool | None = None, model: str = "", request_id: str | None = None,
-                           return_prompt_token_ids: bool = False, params: common_pb2.SamplingParams | None = None,
-                           tools: Sequence[Mapping[str, Any]] | None = None) -> router_pb2.GenerateRequest:
+def build_generate_request(
+    *,
+    prompt: Prompt | None = None,
+    messages: Iterable[Message] | None = None,
+    add_generation_prompt: bool | None = None,
+    model: str = "",
+    request_id: str | None = None,
+    return_prompt_token_ids: bool = False,
+    params: common_pb2.SamplingParams | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> router_pb2.GenerateRequest:
     """tools (chat only): OpenAI tool objects, passed to the model's chat template."""
-    req = router_pb2.GenerateRequest(request_id=request_id or new_request_id(), model=model or "",
-                                     return_prompt_token_ids=return_prompt_token_ids)
+    req = router_pb2.GenerateRequest(
+        request_id=request_id or new_request_id(), model=model or "", return_prompt_token_ids=return_prompt_token_ids
+    )
     if (prompt is None) == (messages is None):
         raise TypeError("give exactly one of prompt or messages")
     if messages is not None:
-        chat = router_pb2.ChatPrompt(messages=[chat_message(m) for m in messages],
-                                     tools_json=json.dumps(list(tools)) if tools else "")
+        chat = router_pb2.ChatPrompt(
+            messages=[chat_message(m) for m in messages], tools_json=json.dumps(list(tools)) if tools else ""
+        )
         if add_generation_prompt is not None:
             chat.add_generation_prompt = add_generation_prompt
         req.chat.CopyFrom(chat)

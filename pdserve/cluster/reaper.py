@@ -7,6 +7,7 @@ service (nor the TP-rank processes a service spawned, which share its group) out
 
     python -m pdserve.cluster.reaper [--grace SECONDS]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,7 @@ crashes at startup does not spin. Under a policy other than ``never`` a liveness
 serving and then fails ``liveness_failures`` health checks in a row (a pod whose TP rank died reports NOT_SERVING; a
 frozen one does not answer) is killed, which counts as a failure and so restarts it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -12,6 +12,7 @@ probe, with exponential back-off; ``supervise_in_background()`` runs it on a thr
     with cluster:                       # start() ... stop()
         print(cluster.endpoints.router)
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -102,8 +103,7 @@ def _libc_prctl() -> Callable[..., int] | None:
 _PRCTL = _libc_prctl()
 
 
-def _child_preexec(parent_pid: int, cpus: tuple[int, ...] | None = None,
-                   deathsig: bool = True) -> Callable[[], None]:
+def _child_preexec(parent_pid: int, cpus: tuple[int, ...] | None = None, deathsig: bool = True) -> Callable[[], None]:
     prctl = _PRCTL
 
     def setup() -> None:  # runs in the forked child, before exec
@@ -129,8 +129,11 @@ def _tls_values(tls: "TLSConfig | None") -> dict[str, object]:
     """The tls_* config fields that make a service use ``tls`` (nothing for plaintext)."""
     if tls is None:
         return {}
-    out: dict[str, object] = {f"tls_{f}": getattr(tls, f) for f in ("cert_file", "key_file", "ca_file",
-                                                                     "server_name") if getattr(tls, f) is not None}
+    out: dict[str, object] = {
+        f"tls_{f}": getattr(tls, f)
+        for f in ("cert_file", "key_file", "ca_file", "server_name")
+        if getattr(tls, f) is not None
+    }
     return out | ({"tls_require_client_cert": True} if tls.require_client_cert else {})
 
 
@@ -138,11 +141,21 @@ class LocalCluster:
     """Start / supervise / stop one local cluster. Not thread-safe; call from the main thread (PDEATHSIG is tied to
     the thread that spawned the child)."""
 
-    def __init__(self, topology: Topology, *, log_dir: str | os.PathLike[str] | None = None,
-                 python: str = sys.executable, env: dict[str, str] | None = None,
-                 echo: Callable[[str], None] | None = None, drain_timeout_s: float = 5.0,
-                 cluster_token: str = "", api_key: str = "", tls: TLSConfig | None = None,
-                 num_routers: int | None = None, restart_policy: RestartPolicy | None = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+        echo: Callable[[str], None] | None = None,
+        drain_timeout_s: float = 5.0,
+        cluster_token: str = "",
+        api_key: str = "",
+        tls: TLSConfig | None = None,
+        num_routers: int | None = None,
+        restart_policy: RestartPolicy | None = None,
+    ) -> None:
         if num_routers is not None:  # shorthand for the topology's router count
             if num_routers < 1:
                 raise ValueError(f"num_routers must be >= 1, got {num_routers}")
@@ -212,8 +225,12 @@ class LocalCluster:
             name = router_name(i)
             # Routers after the first cannot share its fixed side ports: they take free ones.
             args = t.router_args if i == 0 else _free_side_ports(t.router_args)
-            router = [*py, "router", *argv_for(RouterConfig, host=h, port=port, **model,
-                                               drain_timeout_s=self.drain_timeout_s, **tls), *args]
+            router = [
+                *py,
+                "router",
+                *argv_for(RouterConfig, host=h, port=port, **model, drain_timeout_s=self.drain_timeout_s, **tls),
+                *args,
+            ]
             services.append(Service(name, "router", router, f"{h}:{port}", self.log_dir / f"{name}.log"))
         if t.http_port is not None:
             # the front is the router's client (no require_client_cert) ...
@@ -221,14 +238,28 @@ class LocalCluster:
             serving = self._front_tls()
             if serving is not None:  # ... and serves HTTPS with the same certificate (+ mTLS)
                 front |= {f"http_{k}": v for k, v in _tls_values(serving).items() if k != "tls_server_name"}
-            services.append(Service("openai-http", "http",
-                                    [*py, "router.openai_http", *argv_for(OpenAIHttpConfig, router=router_addr, host=h,
-                                                                          port=t.http_port, **front)],
-                                    f"{h}:{t.http_port}", self.log_dir / "openai-http.log"))
+            services.append(
+                Service(
+                    "openai-http",
+                    "http",
+                    [
+                        *py,
+                        "router.openai_http",
+                        *argv_for(OpenAIHttpConfig, router=router_addr, host=h, port=t.http_port, **front),
+                    ],
+                    f"{h}:{t.http_port}",
+                    self.log_dir / "openai-http.log",
+                )
+            )
 
-        common: dict[str, object] = {**model, "block_size": t.block_size, "host": h,
-                                     "router_address": router_addr,
-                                     "drain_timeout_s": self.drain_timeout_s, **tls}
+        common: dict[str, object] = {
+            **model,
+            "block_size": t.block_size,
+            "host": h,
+            "router_address": router_addr,
+            "drain_timeout_s": self.drain_timeout_s,
+            **tls,
+        }
         if t.max_model_len is not None:
             common["max_model_len"] = t.max_model_len
         if t.device is not None:
@@ -236,24 +267,62 @@ class LocalCluster:
         if t.dtype is not None:
             common["dtype"] = t.dtype
         for p in t.prefill:
-            argv = [*py, "prefill_svc", *argv_for(PrefillConfig, common, tensor_parallel_size=p.tensor_parallel_size,
-                                                  port=p.port, pod_id=p.name, **self._pod_common(p))]
-            services.append(Service(p.name, "prefill", argv + list(p.extra_args), f"{h}:{p.port}",
-                                    self.log_dir / f"{p.name}.log", p))
+            argv = [
+                *py,
+                "prefill_svc",
+                *argv_for(
+                    PrefillConfig,
+                    common,
+                    tensor_parallel_size=p.tensor_parallel_size,
+                    port=p.port,
+                    pod_id=p.name,
+                    **self._pod_common(p),
+                ),
+            ]
+            services.append(
+                Service(
+                    p.name, "prefill", argv + list(p.extra_args), f"{h}:{p.port}", self.log_dir / f"{p.name}.log", p
+                )
+            )
         for p in t.decode:
-            argv = [*py, "decode_svc", *argv_for(DecodeConfig, common, tensor_parallel_size=p.tensor_parallel_size,
-                                                 decode_context_parallel_size=p.decode_context_parallel_size,
-                                                 dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
-                                                 port=p.port, pod_id=p.name, **self._pod_common(p))]
-            services.append(Service(p.name, "decode", argv + list(p.extra_args), f"{h}:{p.port}",
-                                    self.log_dir / f"{p.name}.log", p))
+            argv = [
+                *py,
+                "decode_svc",
+                *argv_for(
+                    DecodeConfig,
+                    common,
+                    tensor_parallel_size=p.tensor_parallel_size,
+                    decode_context_parallel_size=p.decode_context_parallel_size,
+                    dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
+                    port=p.port,
+                    pod_id=p.name,
+                    **self._pod_common(p),
+                ),
+            ]
+            services.append(
+                Service(p.name, "decode", argv + list(p.extra_args), f"{h}:{p.port}", self.log_dir / f"{p.name}.log", p)
+            )
         for p in t.unified:  # a decode pod that also computes prompts: one engine, no KV transfer
-            argv = [*py, "decode_svc", *argv_for(DecodeConfig, common, tensor_parallel_size=p.tensor_parallel_size,
-                                                 decode_context_parallel_size=p.decode_context_parallel_size,
-                                                 dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
-                                                 port=p.port, pod_id=p.name, unified=True, **self._pod_common(p))]
-            services.append(Service(p.name, "unified", argv + list(p.extra_args), f"{h}:{p.port}",
-                                    self.log_dir / f"{p.name}.log", p))
+            argv = [
+                *py,
+                "decode_svc",
+                *argv_for(
+                    DecodeConfig,
+                    common,
+                    tensor_parallel_size=p.tensor_parallel_size,
+                    decode_context_parallel_size=p.decode_context_parallel_size,
+                    dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
+                    port=p.port,
+                    pod_id=p.name,
+                    unified=True,
+                    **self._pod_common(p),
+                ),
+            ]
+            services.append(
+                Service(
+                    p.name, "unified", argv + list(p.extra_args), f"{h}:{p.port}", self.log_dir / f"{p.name}.log", p
+                )
+            )
         return services
 
     @staticmethod
@@ -291,23 +360,43 @@ class LocalCluster:
             raise
         now = time.monotonic()
         pol = self.restart_policy
-        self._health = {s.name: ServiceHealth(started_at=now, serving=True, next_probe=now + pol.liveness_period_s)
-                        for s in self.services}
+        self._health = {
+            s.name: ServiceHealth(started_at=now, serving=True, next_probe=now + pol.liveness_period_s)
+            for s in self.services
+        }
         t = self.topology
         self.endpoints = Endpoints(
             router=f"{t.host}:{t.router_port}",
             http=None if t.http_port is None else f"{self.http_scheme}://{t.host}:{t.http_port}",
-            pods=[{"name": s.name, "role": s.kind, "address": s.address, "pid": s.pid,
-                   "tensor_parallel_size": s.spec.tensor_parallel_size,
-                   "decode_context_parallel_size": s.spec.decode_context_parallel_size}
-                  for s in self.services if s.spec is not None],
-            log_dir=str(self.log_dir), model=str(t.model_path()), routers=self.router_addresses)
+            pods=[
+                {
+                    "name": s.name,
+                    "role": s.kind,
+                    "address": s.address,
+                    "pid": s.pid,
+                    "tensor_parallel_size": s.spec.tensor_parallel_size,
+                    "decode_context_parallel_size": s.spec.decode_context_parallel_size,
+                }
+                for s in self.services
+                if s.spec is not None
+            ],
+            log_dir=str(self.log_dir),
+            model=str(t.model_path()),
+            routers=self.router_addresses,
+        )
         return self.endpoints
 
     def _start_reaper(self) -> None:
-        self._reaper = subprocess.Popen([self.python, "-m", "pdserve.cluster.reaper"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL, stderr=open(self.log_dir / "reaper.log", "ab"),
-                                        start_new_session=True, env=self.env, text=True, bufsize=1)
+        self._reaper = subprocess.Popen(
+            [self.python, "-m", "pdserve.cluster.reaper"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log_dir / "reaper.log", "ab"),
+            start_new_session=True,
+            env=self.env,
+            text=True,
+            bufsize=1,
+        )
 
     def _tell_reaper(self, line: str) -> None:
         if self._reaper is not None and self._reaper.stdin is not None:
@@ -335,11 +424,19 @@ class LocalCluster:
         logf = open(s.log_path, "ab")
         self._critical += 1  # a Ctrl-C now must not leave a started child unrecorded
         try:
-            s.proc = subprocess.Popen(s.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                      start_new_session=True, env=env,
-                                      preexec_fn=_child_preexec(
-                                          os.getpid(), s.spec.cpus if s.spec is not None else None,
-                                          deathsig=threading.current_thread() is threading.main_thread()))
+            s.proc = subprocess.Popen(
+                s.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                preexec_fn=_child_preexec(
+                    os.getpid(),
+                    s.spec.cpus if s.spec is not None else None,
+                    deathsig=threading.current_thread() is threading.main_thread(),
+                ),
+            )
             self._tell_reaper(str(s.proc.pid))  # its own session: pgid == pid
         finally:
             logf.close()
@@ -374,8 +471,10 @@ class LocalCluster:
         for s in self.services if services is None else services:
             rc = s.exited()
             if rc is not None:
-                raise ClusterError(f"{s.name} exited with status {rc} while the cluster was starting; "
-                                   f"last lines of {s.log_path}:\n{s.log_tail()}")
+                raise ClusterError(
+                    f"{s.name} exited with status {rc} while the cluster was starting; "
+                    f"last lines of {s.log_path}:\n{s.log_tail()}"
+                )
 
     def _wait_healthy(self, services: list[Service], deadline: float) -> None:
         import grpc
@@ -396,8 +495,7 @@ class LocalCluster:
                         continue
                     ch = channels.get(name) or channels.setdefault(name, sync_channel(s.address, self.tls))
                     try:
-                        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                 timeout=1.0)
+                        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                         if r.status == health_pb2.HealthCheckResponse.SERVING:
                             del pending[name]
                             self.echo(f"{name} is serving on {s.address}")
@@ -405,8 +503,11 @@ class LocalCluster:
                         pass
                 if pending and time.monotonic() > deadline:
                     raise ClusterError(
-                        "timed out waiting for " + ", ".join(pending) + " to serve; last lines of their logs:\n"
-                        + "\n".join(f"--- {s.log_path}\n{s.log_tail(15)}" for s in pending.values()))
+                        "timed out waiting for "
+                        + ", ".join(pending)
+                        + " to serve; last lines of their logs:\n"
+                        + "\n".join(f"--- {s.log_path}\n{s.log_tail(15)}" for s in pending.values())
+                    )
                 if pending:
                     time.sleep(0.25)
         finally:
@@ -415,7 +516,7 @@ class LocalCluster:
 
     @property
     def http_scheme(self) -> str:
-        """"https" when the services serve TLS (the HTTP front then serves HTTPS with the same certificate)."""
+        """ "https" when the services serve TLS (the HTTP front then serves HTTPS with the same certificate)."""
         return "https" if self._front_tls() is not None else "http"
 
     def _front_tls(self) -> "TLSConfig | None":
@@ -522,9 +623,11 @@ class LocalCluster:
                     h.consecutive += 1
                     delay = pol.delay(h.consecutive)
                     h.restart_at, h.exit_code, h.reason, h.delay_s = now + delay, rc, reason, delay
-                    self._announce(f"{s.name} exited with status {rc}"
-                                   f"{' (liveness probe failed)' if reason == 'liveness' else ''}; restarting it in "
-                                   f"{delay:g}s (restart {h.consecutive} in a row, policy {pol.mode})")
+                    self._announce(
+                        f"{s.name} exited with status {rc}"
+                        f"{' (liveness probe failed)' if reason == 'liveness' else ''}; restarting it in "
+                        f"{delay:g}s (restart {h.consecutive} in a row, policy {pol.mode})"
+                    )
                 if time.monotonic() >= h.restart_at:
                     self._respawn(s, h)
 
@@ -741,8 +844,10 @@ class LocalCluster:
         data = self.endpoints.to_json()
         data["supervisor_pid"] = os.getpid()
         data["pids"] = [s.pid for s in self.services if s.pid is not None]
-        data["services"] = [{"name": s.name, "kind": s.kind, "address": s.address, "pid": s.pid,
-                             "log": str(s.log_path)} for s in self.services]
+        data["services"] = [
+            {"name": s.name, "kind": s.kind, "address": s.address, "pid": s.pid, "log": str(s.log_path)}
+            for s in self.services
+        ]
         tmp = Path(str(path) + ".tmp")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)

@@ -22,6 +22,7 @@ The whole topology is checked once, with pdserve.parallel_config (the rules the 
 process starts: DCP on a prefill pod, a TP/DCP pair the model does not allow, clashing ports are refused with the
 rule's message and the suggested fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,9 +60,11 @@ class PodSpec:
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(tensor_parallel_size=int(self.tensor_parallel_size),
-                              decode_context_parallel_size=int(self.decode_context_parallel_size),
-                              dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size)
+        return ParallelConfig(
+            tensor_parallel_size=int(self.tensor_parallel_size),
+            decode_context_parallel_size=int(self.decode_context_parallel_size),
+            dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size,
+        )
 
     def describe(self) -> str:
         s = f"tp={self.tensor_parallel_size}"
@@ -85,11 +88,11 @@ def parse_cpus(v: Any, what: str = "cpus") -> tuple[int, ...]:
                 lo, sep, hi = part.partition("-")
                 out.update(range(int(lo), int(hi) + 1) if sep else [int(lo)])
         except ValueError:
-            raise TopologyError(f"{what}: expected cores like \"0-3,8\" or [0, 1], got {v!r}") from None
+            raise TopologyError(f'{what}: expected cores like "0-3,8" or [0, 1], got {v!r}') from None
     elif isinstance(v, (list, tuple)) and all(isinstance(c, int) and not isinstance(c, bool) for c in v):
         out.update(v)
     else:
-        raise TopologyError(f"{what}: expected cores like \"0-3,8\" or [0, 1], got {v!r}")
+        raise TopologyError(f'{what}: expected cores like "0-3,8" or [0, 1], got {v!r}')
     if not out or min(out) < 0:
         raise TopologyError(f"{what}: expected at least one core number >= 0, got {v!r}")
     return tuple(sorted(out))
@@ -144,7 +147,7 @@ class Topology:
     @property
     def router_ports(self) -> list[int]:
         """Every router's gRPC port, the first router's first."""
-        extra = list(self.extra_router_ports[:self.num_routers - 1])
+        extra = list(self.extra_router_ports[: self.num_routers - 1])
         return [self.router_port, *extra, *[0] * (self.num_routers - 1 - len(extra))]
 
     # ------------------------------------------------------------------------------------------------------------
@@ -169,8 +172,18 @@ class Topology:
     def from_dict(cls, data: Any) -> "Topology":
         if not isinstance(data, Mapping):
             raise TopologyError(f"the topology must be a mapping, got {type(data).__name__}")
-        known = {"model", "host", "block_size", "max_model_len", "device", "dtype", "router", "prefill", "decode",
-                 "unified"}
+        known = {
+            "model",
+            "host",
+            "block_size",
+            "max_model_len",
+            "device",
+            "dtype",
+            "router",
+            "prefill",
+            "decode",
+            "unified",
+        }
         _no_unknown(data, known, "topology")
         topo = cls()
         if data.get("model") is not None:
@@ -222,10 +235,14 @@ class Topology:
         """A copy with the given (non-None) top-level fields and per-role pod settings replaced:
         ``prefill_pods``/``decode_pods`` (counts), ``prefill_tp``, ``decode_tp``, ``decode_dcp``,
         ``dcp_interleave``, ``num_kv_blocks``."""
-        t = dataclasses.replace(self, prefill=[dataclasses.replace(p) for p in self.prefill],
-                                decode=[dataclasses.replace(p) for p in self.decode],
-                                unified=[dataclasses.replace(p) for p in self.unified], warnings=[],
-                                extra_router_ports=list(self.extra_router_ports))
+        t = dataclasses.replace(
+            self,
+            prefill=[dataclasses.replace(p) for p in self.prefill],
+            decode=[dataclasses.replace(p) for p in self.decode],
+            unified=[dataclasses.replace(p) for p in self.unified],
+            warnings=[],
+            extra_router_ports=list(self.extra_router_ports),
+        )
         if kw.get("num_routers") is not None:
             if kw["num_routers"] < 1:
                 raise TopologyError(f"--routers must be >= 1, got {kw['num_routers']}")
@@ -247,8 +264,7 @@ class Topology:
                 if n < 1:
                     raise TopologyError(f"--{role}-pods must be >= 1, got {n}")
                 template = pods[0] if pods else (default_prefill() if role == "prefill" else default_decode())
-                pods = [pods[i] if i < len(pods) else dataclasses.replace(template, port=0, name="")
-                        for i in range(n)]
+                pods = [pods[i] if i < len(pods) else dataclasses.replace(template, port=0, name="") for i in range(n)]
             setattr(t, role, pods)
         for p in t.prefill:
             if kw.get("prefill_tp") is not None:
@@ -280,8 +296,9 @@ class Topology:
 
         return ensure_default_model()
 
-    def resolve(self, model: ModelParallelInfo | None = None, cores: int | None = None,
-                one_role: bool = False) -> "Topology":
+    def resolve(
+        self, model: ModelParallelInfo | None = None, cores: int | None = None, one_role: bool = False
+    ) -> "Topology":
         """Check everything once and fill in "auto" sizes and pod names; returns self. Raises TopologyError.
         cores: CPU cores the pods share (default: this process's CPU affinity). one_role: allow a cluster without
         decode (or without prefill) pods, which cannot generate but serves one role (e.g. prefill-only tests)."""
@@ -290,8 +307,10 @@ class Topology:
         if not self.decode and not (one_role and self.prefill) and not self.unified:
             raise TopologyError("the cluster needs at least one decode pod (or unified pods)")
         if self.unified and bool(self.prefill) != bool(self.decode):
-            raise TopologyError("unified pods serve alone or beside a prefill/decode pair (where they act as decode "
-                                "targets): give both prefill and decode pods, or neither")
+            raise TopologyError(
+                "unified pods serve alone or beside a prefill/decode pair (where they act as decode "
+                "targets): give both prefill and decode pods, or neither"
+            )
         if self.model is not None:
             mp = Path(self.model)
             if not (mp / "config.json").is_file():
@@ -319,15 +338,20 @@ class Topology:
         allowed = os.sched_getaffinity(0)
         for p in self.pods:
             if p.cpus is not None and not set(p.cpus) <= allowed:
-                raise TopologyError(f"{p.name}: cpus {format_cpus(p.cpus)} include cores this machine does not offer "
-                                    f"(available: {format_cpus(tuple(sorted(allowed)))}); pick cores from those")
+                raise TopologyError(
+                    f"{p.name}: cpus {format_cpus(p.cpus)} include cores this machine does not offer "
+                    f"(available: {format_cpus(tuple(sorted(allowed)))}); pick cores from those"
+                )
 
     def placement(self) -> list[str]:
         """One line per pod: where it runs (what `pdserve up` logs before starting anything)."""
         every = format_cpus(tuple(sorted(os.sched_getaffinity(0))))
-        return [f"{p.name}: cpus {format_cpus(p.cpus) if p.cpus is not None else every + ' (unpinned)'}, "
-                f"{max(1, len(p.cpus or os.sched_getaffinity(0)) // int(p.tensor_parallel_size))} thread(s) "
-                f"per rank x {p.tensor_parallel_size} rank(s)" for p in self.pods]
+        return [
+            f"{p.name}: cpus {format_cpus(p.cpus) if p.cpus is not None else every + ' (unpinned)'}, "
+            f"{max(1, len(p.cpus or os.sched_getaffinity(0)) // int(p.tensor_parallel_size))} thread(s) "
+            f"per rank x {p.tensor_parallel_size} rank(s)"
+            for p in self.pods
+        ]
 
     def _resolve_pod(self, p: PodSpec, model: ModelParallelInfo) -> None:
         tp, dcp = p.tensor_parallel_size, p.decode_context_parallel_size
@@ -340,17 +364,23 @@ class Topology:
             if dcp == AUTO:
                 dcp = p.decode_context_parallel_size = 1
             if dcp != 1:
-                raise TopologyError(f"{p.name}: decode context parallelism is decode-only; "
-                                    f"a prefill pod needs dcp=1 (got {dcp}). Suggested fix: remove dcp from the "
-                                    "prefill pods")
+                raise TopologyError(
+                    f"{p.name}: decode context parallelism is decode-only; "
+                    f"a prefill pod needs dcp=1 (got {dcp}). Suggested fix: remove dcp from the "
+                    "prefill pods"
+                )
         if tp == AUTO or dcp == AUTO:
             tp, dcp = self._auto_dcp(p, model, tp, dcp)
             p.tensor_parallel_size, p.decode_context_parallel_size = tp, dcp
         for name, v in (("tp", tp), ("dcp", dcp), ("interleave", p.dcp_kv_cache_interleave_size)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TopologyError(f"{p.name}: {name} must be a positive integer or 'auto', got {v!r}")
-        cfg = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                             dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size, block_size=self.block_size)
+        cfg = ParallelConfig(
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
+            block_size=self.block_size,
+        )
         verdict = check_parallel_config(model, cfg)
         if not verdict.valid:
             fix = f" Suggested fix for {p.name}: {verdict.fix.text}" if verdict.fix is not None else ""
@@ -366,35 +396,48 @@ class Topology:
             for d in dcps:
                 if not isinstance(t, int) or not isinstance(d, int) or d > t:
                     continue
-                cfg = ParallelConfig(tensor_parallel_size=t, decode_context_parallel_size=d,
-                                     dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
-                                     block_size=self.block_size)
+                cfg = ParallelConfig(
+                    tensor_parallel_size=t,
+                    decode_context_parallel_size=d,
+                    dcp_kv_cache_interleave_size=p.dcp_kv_cache_interleave_size,
+                    block_size=self.block_size,
+                )
                 if check_parallel_config(model, cfg).valid:
                     return self._fit_cores(p, model, tp, dcp, t, d)
         # No DCP > 1 layout exists for this model (e.g. MHA): run without DCP and say so.
         t = 1 if tp == AUTO else tp
         if dcp != AUTO:
-            raise TopologyError(f"{p.name}: no tensor-parallel size up to {MAX_AUTO_TP} allows dcp={dcp} for this "
-                                f"model ({model.kind}, {model.num_attention_heads} heads, {model.num_kv_heads} KV "
-                                "heads); choose another dcp or tp")
-        self.warnings.append(f"{p.name}: this model ({model.kind}, {model.num_attention_heads} heads, "
-                             f"{model.num_kv_heads} KV heads) allows no DCP > 1"
-                             + (f" at tp={tp}" if tp != AUTO else "") + f"; running {p.name} with tp={t} dcp=1")
+            raise TopologyError(
+                f"{p.name}: no tensor-parallel size up to {MAX_AUTO_TP} allows dcp={dcp} for this "
+                f"model ({model.kind}, {model.num_attention_heads} heads, {model.num_kv_heads} KV "
+                "heads); choose another dcp or tp"
+            )
+        self.warnings.append(
+            f"{p.name}: this model ({model.kind}, {model.num_attention_heads} heads, "
+            f"{model.num_kv_heads} KV heads) allows no DCP > 1"
+            + (f" at tp={tp}" if tp != AUTO else "")
+            + f"; running {p.name} with tp={t} dcp=1"
+        )
         return int(t), 1
 
-    def _fit_cores(self, p: PodSpec, model: ModelParallelInfo, tp: int | str, dcp: int | str, t: int,
-                   d: int) -> tuple[int, int]:
+    def _fit_cores(
+        self, p: PodSpec, model: ModelParallelInfo, tp: int | str, dcp: int | str, t: int, d: int
+    ) -> tuple[int, int]:
         shape = f"{model.num_attention_heads} heads, {model.num_kv_heads} KV heads"
         on_gpu = (self.device or "cpu").startswith("cuda")
         if on_gpu or tp != AUTO or dcp != AUTO or t <= self._cores:
             if tp == AUTO and dcp == AUTO:
                 where = "GPUs" if on_gpu else f"{self._cores} cores"
-                self.notes.append(f"{p.name}: tp={t} dcp={d}, the smallest DCP layout this model allows ({shape}); "
-                                  f"{t} ranks on {where}")
+                self.notes.append(
+                    f"{p.name}: tp={t} dcp={d}, the smallest DCP layout this model allows ({shape}); "
+                    f"{t} ranks on {where}"
+                )
             return t, d
-        self.notes.append(f"{p.name}: tp=1 dcp=1: DCP for this model ({shape}) needs tp={t}, more ranks than this "
-                          f"machine's {self._cores} cores, and ranks sharing cores decode slower than one rank on "
-                          f"all of them; for DCP anyway pass --decode-tp {t} --decode-dcp {d}")
+        self.notes.append(
+            f"{p.name}: tp=1 dcp=1: DCP for this model ({shape}) needs tp={t}, more ranks than this "
+            f"machine's {self._cores} cores, and ranks sharing cores decode slower than one rank on "
+            f"all of them; for DCP anyway pass --decode-tp {t} --decode-dcp {d}"
+        )
         return 1, 1
 
     def _check_ports(self) -> None:
@@ -438,11 +481,18 @@ def router_name(i: int) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 _POD_KEYS = {
-    "tp": "tensor_parallel_size", "tensor_parallel_size": "tensor_parallel_size",
-    "dcp": "decode_context_parallel_size", "decode_context_parallel_size": "decode_context_parallel_size",
-    "interleave": "dcp_kv_cache_interleave_size", "dcp_kv_cache_interleave_size": "dcp_kv_cache_interleave_size",
-    "port": "port", "num_kv_blocks": "num_kv_blocks", "max_num_seqs": "max_num_seqs", "args": "extra_args",
-    "name": "name", "cpus": "cpus",
+    "tp": "tensor_parallel_size",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "dcp": "decode_context_parallel_size",
+    "decode_context_parallel_size": "decode_context_parallel_size",
+    "interleave": "dcp_kv_cache_interleave_size",
+    "dcp_kv_cache_interleave_size": "dcp_kv_cache_interleave_size",
+    "port": "port",
+    "num_kv_blocks": "num_kv_blocks",
+    "max_num_seqs": "max_num_seqs",
+    "args": "extra_args",
+    "name": "name",
+    "cpus": "cpus",
 }
 
 
@@ -491,8 +541,9 @@ def _pod(role: str, i: int, spec: Any) -> PodSpec:
 def _no_unknown(d: Mapping[str, Any], known: set[str], where: str) -> None:
     unknown = [k for k in d if k not in known]
     if unknown:
-        raise TopologyError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                            f"known: {', '.join(sorted(known))}")
+        raise TopologyError(
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}"
+        )
 
 
 def _int(v: Any, what: str, lo: int | None = None) -> int:

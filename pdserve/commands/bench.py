@@ -1,4 +1,5 @@
 """`pdserve bench NAME [--quick] --out FILE.json`: run one benchmark, print its table, write its JSON."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--device", default="cpu", help="torch device of the benchmarks that take one (engine)")
-    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
-                   help="serve: SLOs as vLLM's bench serve takes them, e.g. ttft:2000 tpot:150 (milliseconds)")
-    p.add_argument("--endpoint", metavar="URL",
-                   help="serve: load an OpenAI-compatible server already running on loopback instead of the sides")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        default=[],
+        help="serve: SLOs as vLLM's bench serve takes them, e.g. ttft:2000 tpot:150 (milliseconds)",
+    )
+    p.add_argument(
+        "--endpoint",
+        metavar="URL",
+        help="serve: load an OpenAI-compatible server already running on loopback instead of the sides",
+    )
     p.add_argument("--rates", type=float, nargs="+", metavar="RPS", help="serve: request rates to sweep")
     p.add_argument("--chaos", action="store_true", help="soak: inject faults (kills, freezes, KV path drops) in load")
     p.set_defaults(func=run_bench)

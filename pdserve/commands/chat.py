@@ -8,6 +8,7 @@ prompt, or /exit, quits. /reset forgets the conversation.
 
 Exit status: 0 done; 1 a request failed (its gRPC status and the server's message on stderr); 130 Ctrl-C.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,12 @@ from pdserve.commands.generate import (
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("chat", help="chat with the model of a running cluster (streams the reply)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "chat",
+        help="chat with the model of a running cluster (streams the reply)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("message", nargs="?", default=None, help="one user message (omitted: interactive)")
     p.add_argument("--system", default=None, help="system prompt")
     add_sampling_arguments(p)
@@ -80,7 +85,7 @@ def run_chat(args: argparse.Namespace) -> int:
             if line in ("/exit", "/quit"):
                 return 0
             if line == "/reset":
-                del history[1 if args.system else 0:]
+                del history[1 if args.system else 0 :]
                 continue
             history.append({"role": "user", "content": line})
             kw["request_id"] = None  # a fresh id per turn

@@ -8,6 +8,7 @@ Ctrl-C cancels the request (the cluster frees its KV) and exits with 130.
 
 Exit status: 0 done; 1 the request failed (the error's gRPC status and the server's message on stderr); 130 Ctrl-C.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,14 +22,21 @@ DEFAULT_ROUTER = "127.0.0.1:50051"
 
 
 def add_connection_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--router", default=os.environ.get("PDSERVE_ROUTER", DEFAULT_ROUTER), metavar="HOST:PORT",
-                   help=f"router gRPC address, or several comma-separated (default $PDSERVE_ROUTER or "
-                        f"{DEFAULT_ROUTER})")
+    p.add_argument(
+        "--router",
+        default=os.environ.get("PDSERVE_ROUTER", DEFAULT_ROUTER),
+        metavar="HOST:PORT",
+        help=f"router gRPC address, or several comma-separated (default $PDSERVE_ROUTER or {DEFAULT_ROUTER})",
+    )
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of the request in seconds")
     from pdserve.security import API_KEY_ENV, add_tls_arguments
 
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
-                   help=f"the router's API key (default ${API_KEY_ENV})")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help=f"the router's API key (default ${API_KEY_ENV})",
+    )
     add_tls_arguments(p, client_only=True)
 
 
@@ -57,16 +65,28 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw = dict(model=args.model or None, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-              top_k=args.top_k, seed=args.seed, stop=args.stop, request_id=args.request_id)
+    kw = dict(
+        model=args.model or None,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        request_id=args.request_id,
+    )
     if args.ignore_eos:
         kw["ignore_eos"] = True
     return kw
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("generate", help="stream a completion from a running cluster",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "generate",
+        help="stream a completion from a running cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("prompt", nargs="?", default="-", help="the prompt ('-' or omitted: read stdin)")
     p.add_argument("--token-ids", metavar="IDS", help="send these comma-separated token ids instead of text")
     add_sampling_arguments(p)
@@ -88,9 +108,13 @@ def print_stats(c: Any) -> None:
     t = c.timing
     ttft = t.ttft_s if t.ttft_s else (t.client_ttft_s or 0.0)
     tpot = f", {t.mean_tpot_s * 1000:.1f} ms/token" if t.mean_tpot_s else ""
-    print(f"[{c.usage.prompt_tokens} prompt + {c.usage.completion_tokens} completion tokens, "
-          f"TTFT {ttft:.3f}s{tpot}, {t.e2e_s or (t.client_e2e_s or 0.0):.2f}s total, finish: {c.finish_reason}"
-          f"{' (' + repr(c.stop_reason) + ')' if c.stop_reason else ''}]", file=sys.stderr, flush=True)
+    print(
+        f"[{c.usage.prompt_tokens} prompt + {c.usage.completion_tokens} completion tokens, "
+        f"TTFT {ttft:.3f}s{tpot}, {t.e2e_s or (t.client_e2e_s or 0.0):.2f}s total, finish: {c.finish_reason}"
+        f"{' (' + repr(c.stop_reason) + ')' if c.stop_reason else ''}]",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def fail(cmd: str, e: Exception) -> int:

@@ -1,4 +1,5 @@
 """`pdserve offline` (in this process) — the engine answering a prompt without any service."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,16 @@ def run_offline(args: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.sampling import SamplingParams
 
-    with LLMEngine(EngineConfig(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
-                                decode_context_parallel_size=args.decode_context_parallel_size)) as eng:
-        prompt = args.prompt if args.raw else eng.tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}])
+    with LLMEngine(
+        EngineConfig(
+            model=args.model,
+            tensor_parallel_size=args.tensor_parallel_size,
+            decode_context_parallel_size=args.decode_context_parallel_size,
+        )
+    ) as eng:
+        prompt = (
+            args.prompt if args.raw else eng.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        )
         rid = eng.add_request(prompt, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
         while eng.has_unfinished():
             for out in eng.step():

@@ -7,6 +7,7 @@
 
 Exit status: 0 every router answered; 1 one did not (its error on stderr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,12 @@ from pdserve.commands.generate import add_connection_arguments, connection_kwarg
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("status", help="show the pods of a running cluster", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "status",
+        help="show the pods of a running cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_connection_arguments(p)
     p.add_argument("--role", choices=["prefill", "decode"], default=None, help="only pods of this role")
     p.add_argument("--model", default="", help="only pods serving this model")
@@ -37,21 +42,48 @@ def _short(enum_name: str, prefix: str) -> str:
 def format_status(st: Any) -> str:
     from pdserve_api.v1 import common_pb2
 
-    rows = [("POD", "ROLE", "STATE", "ADDRESS", "MODEL", "TP", "DCP", "KV FREE/TOTAL (per rank)", "RUN", "WAIT",
-             "INFLIGHT", "HB AGE")]
+    rows = [
+        (
+            "POD",
+            "ROLE",
+            "STATE",
+            "ADDRESS",
+            "MODEL",
+            "TP",
+            "DCP",
+            "KV FREE/TOTAL (per rank)",
+            "RUN",
+            "WAIT",
+            "INFLIGHT",
+            "HB AGE",
+        )
+    ]
     for p in st.pods:
         kv = " ".join(f"{r.free_blocks}/{r.total_blocks}" for r in p.kv) or "-"
-        rows.append((p.pod_id, _short(common_pb2.Role.Name(p.role), "ROLE_"),
-                     _short(common_pb2.PodState.Name(p.state), "POD_STATE_"), p.address, p.model,
-                     str(p.parallel.tensor_parallel_size or 1), str(p.parallel.decode_context_parallel_size or 1),
-                     kv, str(p.load.num_running_seqs), str(p.load.num_waiting_seqs), str(p.num_inflight_requests),
-                     f"{p.last_heartbeat_age_s:.1f}s"))
+        rows.append(
+            (
+                p.pod_id,
+                _short(common_pb2.Role.Name(p.role), "ROLE_"),
+                _short(common_pb2.PodState.Name(p.state), "POD_STATE_"),
+                p.address,
+                p.model,
+                str(p.parallel.tensor_parallel_size or 1),
+                str(p.parallel.decode_context_parallel_size or 1),
+                kv,
+                str(p.load.num_running_seqs),
+                str(p.load.num_waiting_seqs),
+                str(p.num_inflight_requests),
+                f"{p.last_heartbeat_age_s:.1f}s",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if not st.pods:
         lines.append("(no pods registered)")
-    lines.append(f"ready models: {', '.join(st.ready_models) or 'none'}; router queue: {st.router_queue_depth}; "
-                 f"in flight: {st.num_inflight_requests}")
+    lines.append(
+        f"ready models: {', '.join(st.ready_models) or 'none'}; router queue: {st.router_queue_depth}; "
+        f"in flight: {st.num_inflight_requests}"
+    )
     return "\n".join(lines)
 
 
@@ -69,8 +101,10 @@ def format_routers(seen: dict[str, Any]) -> str:
         pods = {p.pod_id for p in st.pods}
         ready = sum(p.state == common_pb2.POD_STATE_READY for p in st.pods)
         missing = sorted(everyone - pods)
-        lines.append(f"router {addr}: {len(pods)} pods ({ready} ready), in flight {st.num_inflight_requests}, queue "
-                     f"{st.router_queue_depth}" + (f"; does not list {', '.join(missing)}" if missing else ""))
+        lines.append(
+            f"router {addr}: {len(pods)} pods ({ready} ready), in flight {st.num_inflight_requests}, queue "
+            f"{st.router_queue_depth}" + (f"; does not list {', '.join(missing)}" if missing else "")
+        )
     return "\n".join(lines)
 
 
@@ -94,14 +128,25 @@ def run_status(args: argparse.Namespace) -> int:
                     seen[a] = f"error: {e.status_name}: {e.message}"
                     failed = True
             if args.json:
-                dicts = {a: st if isinstance(st, str) else MessageToDict(st, preserving_proto_field_name=True)
-                         for a, st in seen.items()}
+                dicts = {
+                    a: st if isinstance(st, str) else MessageToDict(st, preserving_proto_field_name=True)
+                    for a, st in seen.items()
+                }
                 if len(addresses) == 1:
                     if not failed:
                         print(json.dumps(dicts[addresses[0]], indent=1))
                 else:
-                    print(json.dumps({"routers": [{"address": a, **({"error": d} if isinstance(d, str) else d)}
-                                                  for a, d in dicts.items()]}, indent=1))
+                    print(
+                        json.dumps(
+                            {
+                                "routers": [
+                                    {"address": a, **({"error": d} if isinstance(d, str) else d)}
+                                    for a, d in dicts.items()
+                                ]
+                            },
+                            indent=1,
+                        )
+                    )
             else:
                 if args.watch:
                     print("\x1b[2J\x1b[H", end="")

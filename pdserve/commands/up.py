@@ -16,6 +16,7 @@ routers again by itself. Each restart is logged.
 
 Exit status: 0 after a clean stop; 1 if the cluster could not start or a service died; 2 on a bad topology.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,74 +47,147 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", metavar="FILE.yaml", help="topology file (flags below override it)")
     p.add_argument("--model", metavar="PATH", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", help="address every service listens on (default 127.0.0.1)")
-    p.add_argument("--port", dest="router_port", type=int, metavar="N",
-                   help="router gRPC port (default 50051; 0: any free port)")
-    p.add_argument("--routers", dest="num_routers", type=int, metavar="N",
-                   help="number of routers (default 1); every pod registers with all, the first takes --port, the "
-                        "others free ports")
-    p.add_argument("--http-port", type=int, metavar="N",
-                   help="OpenAI-compatible HTTP port (default 8000; 0: any free port; -1: none)")
+    p.add_argument(
+        "--port", dest="router_port", type=int, metavar="N", help="router gRPC port (default 50051; 0: any free port)"
+    )
+    p.add_argument(
+        "--routers",
+        dest="num_routers",
+        type=int,
+        metavar="N",
+        help="number of routers (default 1); every pod registers with all, the first takes --port, the "
+        "others free ports",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        metavar="N",
+        help="OpenAI-compatible HTTP port (default 8000; 0: any free port; -1: none)",
+    )
     p.add_argument("--prefill-pods", type=int, metavar="N", help="number of prefill pods (default 1)")
     p.add_argument("--prefill-tp", type=int, metavar="N", help="tensor-parallel size of each prefill pod")
     p.add_argument("--decode-pods", type=int, metavar="N", help="number of decode pods (default 1)")
-    p.add_argument("--decode-tp", type=_size, metavar="N|auto",
-                   help="tensor-parallel size of each decode pod (default auto: the smallest that allows DCP, or 1 "
-                        "on CPU when that needs more ranks than cores)")
-    p.add_argument("--decode-dcp", type=_size, metavar="N|auto",
-                   help="decode context-parallel size (default auto: the smallest > 1 the model allows)")
+    p.add_argument(
+        "--decode-tp",
+        type=_size,
+        metavar="N|auto",
+        help="tensor-parallel size of each decode pod (default auto: the smallest that allows DCP, or 1 "
+        "on CPU when that needs more ranks than cores)",
+    )
+    p.add_argument(
+        "--decode-dcp",
+        type=_size,
+        metavar="N|auto",
+        help="decode context-parallel size (default auto: the smallest > 1 the model allows)",
+    )
     p.add_argument("--dcp-interleave", type=int, metavar="N", help="DCP KV interleave size in tokens (default 1)")
     p.add_argument("--block-size", type=int, metavar="N", help="KV block size in tokens (default 16)")
     p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV blocks per rank on every pod")
     p.add_argument("--max-model-len", type=int, metavar="N", help="context length served")
     p.add_argument("--device", metavar="DEV", help="device of every pod: cpu, cuda (default: the pods' default)")
-    p.add_argument("--unified", action="store_true", default=None,
-                   help="colocated serving: one unified pod (prefill and decode in one engine, chunked prefill "
-                        "between decode steps, no KV transfer) instead of the prefill/decode pair")
+    p.add_argument(
+        "--unified",
+        action="store_true",
+        default=None,
+        help="colocated serving: one unified pod (prefill and decode in one engine, chunked prefill "
+        "between decode steps, no KV transfer) instead of the prefill/decode pair",
+    )
     p.add_argument("--unified-cpus", metavar="CORES", help="cores of every unified pod and its ranks")
-    p.add_argument("--prefill-cpus", metavar="CORES", help="cores of every prefill pod and its ranks, e.g. 0 or "
-                   "0-3,8 (sched_setaffinity; threads per rank = cores / TP); default: every core")
+    p.add_argument(
+        "--prefill-cpus",
+        metavar="CORES",
+        help="cores of every prefill pod and its ranks, e.g. 0 or "
+        "0-3,8 (sched_setaffinity; threads per rank = cores / TP); default: every core",
+    )
     p.add_argument("--decode-cpus", metavar="CORES", help="cores of every decode pod and its ranks (as --prefill-cpus)")
-    p.add_argument("--dtype", choices=DTYPES, help="weights, activations and KV cache of every pod (default: auto, "
-                                                   "the checkpoint's dtype)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="weights, activations and KV cache of every pod (default: auto, the checkpoint's dtype)",
+    )
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
     topo = Topology.from_yaml(args.config) if args.config else Topology()
     return topo.with_overrides(
-        model=args.model, host=args.host, router_port=args.router_port, http_port=args.http_port,
+        model=args.model,
+        host=args.host,
+        router_port=args.router_port,
+        http_port=args.http_port,
         num_routers=getattr(args, "num_routers", None),
-        prefill_pods=args.prefill_pods, prefill_tp=args.prefill_tp, decode_pods=args.decode_pods,
-        decode_tp=args.decode_tp, decode_dcp=args.decode_dcp, dcp_interleave=args.dcp_interleave,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        device=args.device, dtype=args.dtype, prefill_cpus=getattr(args, "prefill_cpus", None),
-        decode_cpus=getattr(args, "decode_cpus", None), unified=getattr(args, "unified", None),
-        unified_cpus=getattr(args, "unified_cpus", None))
+        prefill_pods=args.prefill_pods,
+        prefill_tp=args.prefill_tp,
+        decode_pods=args.decode_pods,
+        decode_tp=args.decode_tp,
+        decode_dcp=args.decode_dcp,
+        dcp_interleave=args.dcp_interleave,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        dtype=args.dtype,
+        prefill_cpus=getattr(args, "prefill_cpus", None),
+        decode_cpus=getattr(args, "decode_cpus", None),
+        unified=getattr(args, "unified", None),
+        unified_cpus=getattr(args, "unified_cpus", None),
+    )
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("up", help="start a local cluster (router + prefill + decode with DCP)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "up",
+        help="start a local cluster (router + prefill + decode with DCP)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_topology_arguments(p)
     p.add_argument("--log-dir", metavar="DIR", help="service logs (default ~/.cache/pdserve/logs/up-<time>-<pid>)")
     p.add_argument("--ready-file", metavar="PATH", help="write the endpoints and pids as JSON here once ready")
-    p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
-                   help="give up if the cluster is not ready after this long (default 900)")
-    p.add_argument("--stop-timeout", type=float, default=15.0, metavar="S",
-                   help="on Ctrl-C, seconds each service gets to stop before it is killed (default 15)")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="give up if the cluster is not ready after this long (default 900)",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="on Ctrl-C, seconds each service gets to stop before it is killed (default 15)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the checked topology and the commands, start nothing")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the endpoints")
-    p.add_argument("--ask", metavar="PROMPT",
-                   help="once ready, send PROMPT as a chat message (greedy), stream the answer, then stop everything")
+    p.add_argument(
+        "--ask",
+        metavar="PROMPT",
+        help="once ready, send PROMPT as a chat message (greedy), stream the answer, then stop everything",
+    )
     p.add_argument("--ask-max-tokens", type=int, default=128, metavar="N", help="answer length limit for --ask")
     from pdserve.cluster.restart import RESTART_MODES, RestartPolicy
 
     d = RestartPolicy()
-    p.add_argument("--restart", choices=RESTART_MODES, default="never",
-                   help="restart policy of every service (default never: a service that dies stops the cluster)")
-    p.add_argument("--restart-backoff", type=float, default=d.backoff_s, metavar="S",
-                   help=f"delay before the first restart, doubled for each crash in a row (default {d.backoff_s:g})")
-    p.add_argument("--restart-backoff-max", type=float, default=d.backoff_max_s, metavar="S",
-                   help=f"longest delay between restarts (default {d.backoff_max_s:g})")
+    p.add_argument(
+        "--restart",
+        choices=RESTART_MODES,
+        default="never",
+        help="restart policy of every service (default never: a service that dies stops the cluster)",
+    )
+    p.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=d.backoff_s,
+        metavar="S",
+        help=f"delay before the first restart, doubled for each crash in a row (default {d.backoff_s:g})",
+    )
+    p.add_argument(
+        "--restart-backoff-max",
+        type=float,
+        default=d.backoff_max_s,
+        metavar="S",
+        help=f"longest delay between restarts (default {d.backoff_max_s:g})",
+    )
     add_security_arguments(p)
     p.set_defaults(func=run_up)
     return p
@@ -123,11 +197,19 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.security import API_KEY_ENV, add_tls_arguments
 
     g = p.add_argument_group("security")
-    g.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN") or None, metavar="TOKEN",
-                   help="secret pods present to register and to pull KV from each other (default "
-                        "$PDSERVE_CLUSTER_TOKEN, else a random one per run)")
-    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
-                   help=f"clients must send this key, over gRPC and HTTP (default ${API_KEY_ENV}; none: open)")
+    g.add_argument(
+        "--cluster-token",
+        default=os.environ.get("PDSERVE_CLUSTER_TOKEN") or None,
+        metavar="TOKEN",
+        help="secret pods present to register and to pull KV from each other (default "
+        "$PDSERVE_CLUSTER_TOKEN, else a random one per run)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help=f"clients must send this key, over gRPC and HTTP (default ${API_KEY_ENV}; none: open)",
+    )
     add_tls_arguments(p)
 
 
@@ -142,8 +224,9 @@ def _ask(router: str, prompt: str, max_tokens: int, **security: Any) -> int:
     print(f"\n> {prompt}", flush=True)
     try:
         with Client(router, timeout=600, **security) as client:
-            c = stream_to_terminal(client.chat_stream([{"role": "user", "content": prompt}],
-                                                      max_tokens=max_tokens, temperature=0))
+            c = stream_to_terminal(
+                client.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0)
+            )
     except PdserveError as e:
         _err(f"the cluster could not answer: {e.status_name}: {e.message}")
         return 1
@@ -189,19 +272,43 @@ def run_up(args: argparse.Namespace) -> int:
     except ValueError as e:
         _err(str(e))
         return 2
-    cluster = LocalCluster(topo, log_dir=args.log_dir, echo=echo, cluster_token=token, api_key=args.api_key or "",
-                           tls=tls, restart_policy=policy)
+    cluster = LocalCluster(
+        topo,
+        log_dir=args.log_dir,
+        echo=echo,
+        cluster_token=token,
+        api_key=args.api_key or "",
+        tls=tls,
+        restart_policy=policy,
+    )
     if args.dry_run:
         topo.assign_ports()
         plan = cluster._plan()
-        print(json.dumps({"model": str(topo.model_path()), "router": f"{topo.host}:{topo.router_port}",
-                          "routers": cluster.router_addresses,
-                          "http_port": topo.http_port, "notes": topo.notes,
-                          "pods": [{"name": p.name, "role": p.role, "port": p.port, "tp": p.tensor_parallel_size,
-                                    "dcp": p.decode_context_parallel_size,
-                                    "interleave": p.dcp_kv_cache_interleave_size,
-                                    "cpus": None if p.cpus is None else list(p.cpus)} for p in topo.pods],
-                          "commands": {s.name: s.argv for s in plan}}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": str(topo.model_path()),
+                    "router": f"{topo.host}:{topo.router_port}",
+                    "routers": cluster.router_addresses,
+                    "http_port": topo.http_port,
+                    "notes": topo.notes,
+                    "pods": [
+                        {
+                            "name": p.name,
+                            "role": p.role,
+                            "port": p.port,
+                            "tp": p.tensor_parallel_size,
+                            "dcp": p.decode_context_parallel_size,
+                            "interleave": p.dcp_kv_cache_interleave_size,
+                            "cpus": None if p.cpus is None else list(p.cpus),
+                        }
+                        for p in topo.pods
+                    ],
+                    "commands": {s.name: s.argv for s in plan},
+                },
+                indent=1,
+            )
+        )
         return 0
 
     cluster.install_signal_handlers()
@@ -214,8 +321,11 @@ def run_up(args: argparse.Namespace) -> int:
             return 1
         if args.ready_file:
             cluster.write_ready_file(args.ready_file)
-        print(f"pdserve up: cluster ready in {time.monotonic() - t0:.1f}s, serving "
-              f"{cluster.endpoints.model}\n{cluster.describe()}", flush=True)
+        print(
+            f"pdserve up: cluster ready in {time.monotonic() - t0:.1f}s, serving "
+            f"{cluster.endpoints.model}\n{cluster.describe()}",
+            flush=True,
+        )
         if args.ask is not None:
             return _ask(cluster.endpoints.router, args.ask, args.ask_max_tokens, api_key=args.api_key, tls=tls)
         print("Press Ctrl-C to stop.", flush=True)

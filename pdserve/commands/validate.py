@@ -29,11 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("model (either --model, or the head counts)")
     src.add_argument("--model", metavar="PATH", help="model directory (or its config.json)")
     src.add_argument("--num-attention-heads", type=int, metavar="N", help="total query heads, instead of --model")
-    src.add_argument("--num-kv-heads", type=int, metavar="N",
-                     help="total KV heads (default: same as --num-attention-heads, i.e. MHA)")
+    src.add_argument(
+        "--num-kv-heads",
+        type=int,
+        metavar="N",
+        help="total KV heads (default: same as --num-attention-heads, i.e. MHA)",
+    )
     src.add_argument("--use-mla", action="store_true", help="the model uses MLA (only with the head counts)")
-    src.add_argument("--sliding-window", type=int, metavar="N",
-                     help="the model has sliding-window attention of N tokens (only with the head counts)")
+    src.add_argument(
+        "--sliding-window",
+        type=int,
+        metavar="N",
+        help="the model has sliding-window attention of N tokens (only with the head counts)",
+    )
     par = p.add_argument_group("parallel config (vLLM's flags)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
     par.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1, metavar="N")
@@ -58,8 +66,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def _model_from_args(args: argparse.Namespace) -> ModelParallelInfo:
     if args.model is not None:
-        if args.num_attention_heads is not None or args.num_kv_heads is not None or args.use_mla \
-                or args.sliding_window is not None:
+        if (
+            args.num_attention_heads is not None
+            or args.num_kv_heads is not None
+            or args.use_mla
+            or args.sliding_window is not None
+        ):
             raise ValueError("give either --model or the head counts, not both")
         return ModelParallelInfo.from_model_path(args.model)
     if args.num_attention_heads is None:
@@ -92,7 +104,9 @@ def run_validate(args: argparse.Namespace) -> int:
             "valid": verdict.valid,
             "rule": verdict.rule,
             "message": verdict.message,
-            "fix": None if verdict.fix is None else {
+            "fix": None
+            if verdict.fix is None
+            else {
                 "flag": verdict.fix.flag,
                 "value": verdict.fix.value,
                 "text": verdict.fix.text,
@@ -112,8 +126,9 @@ def run_validate(args: argparse.Namespace) -> int:
 
 def main_validate(argv: Sequence[str] | None = None) -> int:
     """Standalone entry (tests, ``python -m pdserve.commands.validate``); returns the exit code."""
-    p = argparse.ArgumentParser(prog="pdserve validate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve validate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return run_validate(p.parse_args(list(argv) if argv is not None else None))
 

@@ -2,6 +2,7 @@
 
 With DCP each rank stores only its own tokens, so each rank has its own allocator and each sequence a block table
 per rank sized to ceil(local tokens / block_size)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -73,8 +74,14 @@ class BlockAllocator:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, dcp_size: int = 1, interleave: int = 1,
-                 enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dcp_size: int = 1,
+        interleave: int = 1,
+        enable_prefix_caching: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.dcp_size, self.interleave = dcp_size, interleave
         self.ranks = [BlockAllocator(num_blocks) for _ in range(dcp_size)]
@@ -131,8 +138,9 @@ class BlockManager:
         destination block)] for the caller to copy), or None (nothing taken) when a rank has no free block for its
         copy."""
         bs = self.block_size
-        splits = [divmod(dcp_local_count(num_tokens, self.dcp_size, self.interleave, r), bs)
-                  for r in range(self.dcp_size)]
+        splits = [
+            divmod(dcp_local_count(num_tokens, self.dcp_size, self.interleave, r), bs) for r in range(self.dcp_size)
+        ]
         if any(rem and self.ranks[r].num_free < 1 for r, (_, rem) in enumerate(splits)):
             return None
         tables: list[list[int]] = []
@@ -154,7 +162,7 @@ class BlockManager:
         out, prev = [], b""
         bs = self.block_size
         for i in range(n_blocks):
-            prev = hashlib.blake2b(prev + repr(ids[i * bs:(i + 1) * bs]).encode(), digest_size=16).digest()
+            prev = hashlib.blake2b(prev + repr(ids[i * bs : (i + 1) * bs]).encode(), digest_size=16).digest()
             out.append(prev)
         return out
 

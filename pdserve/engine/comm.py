@@ -7,6 +7,7 @@
 - ``TorchComm``: a torch.distributed group (gloo on CPU, NCCL on GPU).
 
 Tensors larger than a slot go through in slot-sized pieces."""
+
 from __future__ import annotations
 
 import struct
@@ -116,7 +117,7 @@ class ShmComm:
         self._mm, self._data = region.mm, data
         buf = torch.frombuffer(region.mm, dtype=torch.uint8)
         # [parity, rank, slot byte]
-        self._slots = buf[data:data + 2 * self.size * self.slot_bytes].view(2, self.size, self.slot_bytes)
+        self._slots = buf[data : data + 2 * self.size * self.slot_bytes].view(2, self.size, self.slot_bytes)
         self._views: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
     def _next(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -126,7 +127,7 @@ class ShmComm:
         if view is None:
             if len(self._views) > 256:
                 self._views.clear()
-            view = self._views[key] = self._slots[key[0], :, :numel * dtype.itemsize].view(dtype)
+            view = self._views[key] = self._slots[key[0], :, : numel * dtype.itemsize].view(dtype)
         return view
 
     def _exchange(self, flat: torch.Tensor, what: str) -> torch.Tensor:
@@ -142,7 +143,7 @@ class ShmComm:
             return _sum_in_order(self._exchange(flat, "an all-reduce"), torch.empty_like(flat)).view(x.shape)
         out = torch.empty_like(flat)
         for a in range(0, n, piece):
-            _sum_in_order(self._exchange(flat[a:a + piece], "an all-reduce"), out[a:a + piece])
+            _sum_in_order(self._exchange(flat[a : a + piece], "an all-reduce"), out[a : a + piece])
         return out.view(x.shape)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +153,7 @@ class ShmComm:
             return self._exchange(flat, "an all-gather").clone().view(self.size, *x.shape)
         out = torch.empty((self.size, n), dtype=x.dtype)
         for a in range(0, n, piece):
-            out[:, a:a + piece].copy_(self._exchange(flat[a:a + piece], "an all-gather"))
+            out[:, a : a + piece].copy_(self._exchange(flat[a : a + piece], "an all-gather"))
         return out.view(self.size, *x.shape)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -163,14 +164,14 @@ class ShmComm:
         m, piece = part.shape[1], self.slot_bytes // x.dtype.itemsize
         if part.numel() <= piece:
             slots = self._exchange(part.view(-1), "a reduce-scatter")
-            out = _sum_in_order(slots[:, self.rank * m:(self.rank + 1) * m], torch.empty(m, dtype=x.dtype))
+            out = _sum_in_order(slots[:, self.rank * m : (self.rank + 1) * m], torch.empty(m, dtype=x.dtype))
         else:  # the whole input does not fit a slot: send each destination its share in turn
             out = torch.empty(m, dtype=x.dtype)
             for dst in range(self.size):
                 for a in range(0, m, piece):
-                    slots = self._exchange(part[dst, a:a + piece], "a reduce-scatter")
+                    slots = self._exchange(part[dst, a : a + piece], "a reduce-scatter")
                     if dst == self.rank:
-                        _sum_in_order(slots, out[a:a + piece])
+                        _sum_in_order(slots, out[a : a + piece])
         return out.view(rows.shape[0] // self.size, *rows.shape[1:]).movedim(0, dim).contiguous()
 
     # --- the driver's channel to the other ranks (world group only): bytes with a length header ---
@@ -187,9 +188,9 @@ class ShmComm:
             at = self._slot_at(0)
             if self.rank == 0:
                 assert data is not None
-                chunk = data[sent:sent + piece]
+                chunk = data[sent : sent + piece]
                 _LEN.pack_into(mm, at, len(data))
-                mm[at + _LEN.size:at + _LEN.size + len(chunk)] = chunk
+                mm[at + _LEN.size : at + _LEN.size + len(chunk)] = chunk
             if sent == 0:
                 self.barrier.wait(timeout_s, what, watch=(0,) if timeout_s is None else None)
             else:
@@ -197,7 +198,7 @@ class ShmComm:
             total = _LEN.unpack_from(mm, at)[0]
             take = min(piece, total - sent)
             if self.rank != 0:
-                out.append(bytes(mm[at + _LEN.size:at + _LEN.size + take]))
+                out.append(bytes(mm[at + _LEN.size : at + _LEN.size + take]))
             sent += take
             if sent >= total:
                 return data if data is not None else b"".join(out)
@@ -209,16 +210,16 @@ class ShmComm:
         parts: list[list[bytes]] = [[] for _ in range(self.size)]
         while True:
             ats = [self._slot_at(r) for r in range(self.size)]
-            chunk = data[sent:sent + piece]
+            chunk = data[sent : sent + piece]
             _LEN.pack_into(mm, ats[self.rank], len(data))
-            mm[ats[self.rank] + _LEN.size:ats[self.rank] + _LEN.size + len(chunk)] = chunk
+            mm[ats[self.rank] + _LEN.size : ats[self.rank] + _LEN.size + len(chunk)] = chunk
             self.barrier.wait(self.timeout_s, what)
             longest = 0
             for r, at in enumerate(ats):
                 total = _LEN.unpack_from(mm, at)[0]
                 longest = max(longest, total)
                 if self.rank == 0 and total > sent:
-                    parts[r].append(bytes(mm[at + _LEN.size:at + _LEN.size + min(piece, total - sent)]))
+                    parts[r].append(bytes(mm[at + _LEN.size : at + _LEN.size + min(piece, total - sent)]))
             sent += piece
             if sent >= longest:
                 return [b"".join(p) for p in parts] if self.rank == 0 else None

@@ -1,5 +1,6 @@
 """EngineConfig: what an LLMEngine is built with. Light on purpose (no torch), so that the supervisor and every CLI
 can read its fields before anything heavy is imported; ``metadata`` holds each field's command-line help."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,41 +16,66 @@ MAX_N = 128  # sequences per request (parallel sampling / best_of); more is a mi
 
 @dataclass
 class EngineConfig:
-    model: str | None = field(default=None, metadata={
-        "help": "HF checkpoint directory (default: the bundled SmolLM2 model)", "metavar": "PATH"})
-    max_model_len: int | None = field(default=None, metadata={
-        "help": "longest sequence (default: min(max_position_embeddings, 8192))"})
+    model: str | None = field(
+        default=None,
+        metadata={"help": "HF checkpoint directory (default: the bundled SmolLM2 model)", "metavar": "PATH"},
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest sequence (default: min(max_position_embeddings, 8192))"}
+    )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     num_kv_blocks: int = field(default=2048, metadata={"help": "KV blocks per rank"})
     max_num_seqs: int = field(default=64, metadata={"help": "sequences scheduled at once"})
     max_num_batched_tokens: int = field(default=4096, metadata={"help": "tokens in one engine step"})
     prefill_chunk_size: int = field(default=1024, metadata={"help": "prompt tokens computed per step and sequence"})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "aliases": ("--prefix-caching",), "help": "reuse the KV of shared prompt prefixes"})
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"aliases": ("--prefix-caching",), "help": "reuse the KV of shared prompt prefixes"}
+    )
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",), "help": "TP ranks of this pod"})
-    decode_context_parallel_size: int = field(default=1, metadata={
-        "aliases": ("-dcp",), "help": "decode context parallel size (decode pods)"})
-    dcp_kv_cache_interleave_size: int = field(default=1, metadata={
-        "help": "tokens per DCP rank before the KV cache moves to the next one"})
+    decode_context_parallel_size: int = field(
+        default=1, metadata={"aliases": ("-dcp",), "help": "decode context parallel size (decode pods)"}
+    )
+    dcp_kv_cache_interleave_size: int = field(
+        default=1, metadata={"help": "tokens per DCP rank before the KV cache moves to the next one"}
+    )
     device: str = field(default="cpu", metadata={"help": "torch device: cpu or cuda"})
-    attention_backend: str | None = field(default=None, metadata={
-        "choices": ATTENTION_BACKENDS, "help": "attention kernels (default: picked by device)"})
+    attention_backend: str | None = field(
+        default=None, metadata={"choices": ATTENTION_BACKENDS, "help": "attention kernels (default: picked by device)"}
+    )
     # CPU: prompts computed on F.linear like transformers (logits bit-identical to it) instead of oneDNN-packed
     # weights (faster, logits off by fp32 rounding; figures in docs/performance.md, "Linear layers").
-    exact_prefill: bool = field(default=False, metadata={
-        "help": "CPU: compute prompts with transformers' GEMM (bit-identical logits) instead of oneDNN-packed "
-                "weights (faster, logits within ~1e-4)"})
+    exact_prefill: bool = field(
+        default=False,
+        metadata={
+            "help": "CPU: compute prompts with transformers' GEMM (bit-identical logits) instead of oneDNN-packed "
+            "weights (faster, logits within ~1e-4)"
+        },
+    )
     # CPU ranks of one pod: "auto" = shared memory (gloo where the host cannot), or "shm" / "gloo" (executor.py).
-    cpu_collectives: str = field(default="auto", metadata={
-        "choices": CPU_COLLECTIVES,
-        "help": "how CPU ranks of a pod talk: shm (shared memory, the auto choice on Linux) or gloo"})
+    cpu_collectives: str = field(
+        default="auto",
+        metadata={
+            "choices": CPU_COLLECTIVES,
+            "help": "how CPU ranks of a pod talk: shm (shared memory, the auto choice on Linux) or gloo",
+        },
+    )
     # "auto" pins rank r to one core when a pod's ranks outnumber its cores; "on" / "off".
-    cpu_pinning: str = field(default="auto", metadata={
-        "choices": CPU_PINNING, "help": "pin each rank to one core (auto: when the pod's ranks outnumber its cores)"})
+    cpu_pinning: str = field(
+        default="auto",
+        metadata={
+            "choices": CPU_PINNING,
+            "help": "pin each rank to one core (auto: when the pod's ranks outnumber its cores)",
+        },
+    )
     # Norms, softmax, LSE and sampling stay in float32 whatever this is.
-    dtype: str = field(default="auto", metadata={
-        "choices": DTYPES, "help": "weights, activations and KV cache (auto: the checkpoint's torch_dtype in "
-                                   "config.json, float32 when it names none)"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "choices": DTYPES,
+            "help": "weights, activations and KV cache (auto: the checkpoint's torch_dtype in "
+            "config.json, float32 when it names none)",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -59,20 +85,27 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len!r}")
         if self.prefill_chunk_size > self.max_num_batched_tokens:
-            raise ValueError("prefill_chunk_size must not exceed max_num_batched_tokens "
-                             f"({self.prefill_chunk_size} > {self.max_num_batched_tokens})")
+            raise ValueError(
+                "prefill_chunk_size must not exceed max_num_batched_tokens "
+                f"({self.prefill_chunk_size} > {self.max_num_batched_tokens})"
+            )
         if self.cpu_collectives not in CPU_COLLECTIVES:
-            raise ValueError(f"EngineConfig.cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, "
-                             f"got {self.cpu_collectives!r}")
+            raise ValueError(
+                f"EngineConfig.cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, "
+                f"got {self.cpu_collectives!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.cpu_pinning not in CPU_PINNING:
-            raise ValueError(f"EngineConfig.cpu_pinning must be one of {', '.join(CPU_PINNING)}, "
-                             f"got {self.cpu_pinning!r}")
+            raise ValueError(
+                f"EngineConfig.cpu_pinning must be one of {', '.join(CPU_PINNING)}, got {self.cpu_pinning!r}"
+            )
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                              decode_context_parallel_size=self.decode_context_parallel_size,
-                              dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size,
-                              block_size=self.block_size)
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            decode_context_parallel_size=self.decode_context_parallel_size,
+            dcp_kv_cache_interleave_size=self.dcp_kv_cache_interleave_size,
+            block_size=self.block_size,
+        )

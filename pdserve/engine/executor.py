@@ -4,6 +4,7 @@ The engine's process is rank 0 (the driver): it schedules, broadcasts each step,
 Ranks 1..N-1 are spawned processes that loop on the broadcast. Between ranks on one CPU host the collectives and
 the step broadcast go through shared memory (pdserve/engine/comm.py, ``cpu_collectives="shm"``, the default);
 ``"gloo"`` keeps torch.distributed's gloo; CUDA ranks use NCCL."""
+
 from __future__ import annotations
 
 import datetime
@@ -106,8 +107,13 @@ def _build_rank(spec: RankSpec, rank: int) -> tuple[ModelRunner, "_Channel | Non
     torch.set_num_threads(spec.threads_per_rank)
     _pin(spec, rank)
     cfg = ModelConfig.from_path(spec.model_path)
-    ps = ParallelState(tp_size=spec.tp_size, tp_rank=rank, dcp_size=spec.dcp_size, dcp_rank=rank % spec.dcp_size,
-                       dcp_interleave=spec.interleave)
+    ps = ParallelState(
+        tp_size=spec.tp_size,
+        tp_rank=rank,
+        dcp_size=spec.dcp_size,
+        dcp_rank=rank % spec.dcp_size,
+        dcp_interleave=spec.interleave,
+    )
     channel: _Channel | None = None
     if spec.collectives == "shm":
         assert spec.shm is not None and spec.shm_world is not None
@@ -119,10 +125,16 @@ def _build_rank(spec: RankSpec, rank: int) -> tuple[ModelRunner, "_Channel | Non
         channel = _ShmChannel(world)
     elif spec.tp_size > 1:
         host, _, port = spec.init_method.removeprefix("tcp://").rpartition(":")
-        store = dist.TCPStore(host, int(port), spec.tp_size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=spec.init_timeout_s))
-        dist.init_process_group(spec.collectives, store=store, world_size=spec.tp_size, rank=rank,
-                                timeout=datetime.timedelta(seconds=spec.timeout_s))
+        store = dist.TCPStore(
+            host, int(port), spec.tp_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=spec.init_timeout_s)
+        )
+        dist.init_process_group(
+            spec.collectives,
+            store=store,
+            world_size=spec.tp_size,
+            rank=rank,
+            timeout=datetime.timedelta(seconds=spec.timeout_s),
+        )
         ps.tp_comm = TorchComm(dist.group.WORLD, spec.tp_size, rank)
         # Every rank must create every group, in the same order.
         for first in range(0, spec.tp_size, spec.dcp_size):
@@ -134,8 +146,18 @@ def _build_rank(spec: RankSpec, rank: int) -> tuple[ModelRunner, "_Channel | Non
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     backend = select_backend(device, spec.attention_backend)
-    runner = ModelRunner(spec.model_path, cfg, ps, backend, spec.num_blocks, spec.block_size, spec.max_model_len,
-                         device=device, dtype=getattr(torch, spec.dtype), exact_prefill=spec.exact_prefill)
+    runner = ModelRunner(
+        spec.model_path,
+        cfg,
+        ps,
+        backend,
+        spec.num_blocks,
+        spec.block_size,
+        spec.max_model_len,
+        device=device,
+        dtype=getattr(torch, spec.dtype),
+        exact_prefill=spec.exact_prefill,
+    )
     return runner, channel
 
 
@@ -295,10 +317,23 @@ class Executor:
         self._last_broadcast = time.monotonic()
 
     @classmethod
-    def create(cls, model_path: str, tp_size: int, dcp_size: int, interleave: int, num_blocks: int, block_size: int,
-               max_model_len: int, device: str = "cpu", attention_backend: str | None = None,
-               timeout_s: float = 120.0, exact_prefill: bool = False, cpu_collectives: str = "auto",
-               cpu_pinning: str = "auto", dtype: str = "float32") -> "Executor":
+    def create(
+        cls,
+        model_path: str,
+        tp_size: int,
+        dcp_size: int,
+        interleave: int,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        device: str = "cpu",
+        attention_backend: str | None = None,
+        timeout_s: float = 120.0,
+        exact_prefill: bool = False,
+        cpu_collectives: str = "auto",
+        cpu_pinning: str = "auto",
+        dtype: str = "float32",
+    ) -> "Executor":
         allowed = sorted(os.sched_getaffinity(0))
         cores = len(allowed)
         collectives, why = resolve_collectives(cpu_collectives, device, tp_size)
@@ -319,13 +354,38 @@ class Executor:
         pin, pin_why = resolve_pinning(cpu_pinning, device, tp_size, cores)
         cpus = tuple(allowed) if pin else None
         if tp_size > 1:
-            log.info("TP %d x DCP %d ranks: collectives %s (%s); %d thread(s) per rank on %d core(s); %s (%s)",
-                     tp_size, dcp_size, collectives, why, threads, cores,
-                     f"rank r pinned to core {list(allowed)}[r % {cores}]" if pin else "no CPU pinning", pin_why)
-        spec = RankSpec(model_path, tp_size, dcp_size, interleave, num_blocks, block_size, max_model_len, device,
-                        attention_backend, f"tcp://127.0.0.1:{free_port()}", timeout_s, threads_per_rank=threads,
-                        exact_prefill=exact_prefill, dtype=dtype, collectives=collectives, shm=shm, shm_world=world,
-                        shm_dcp=dcp_groups, cpus=cpus)
+            log.info(
+                "TP %d x DCP %d ranks: collectives %s (%s); %d thread(s) per rank on %d core(s); %s (%s)",
+                tp_size,
+                dcp_size,
+                collectives,
+                why,
+                threads,
+                cores,
+                f"rank r pinned to core {list(allowed)}[r % {cores}]" if pin else "no CPU pinning",
+                pin_why,
+            )
+        spec = RankSpec(
+            model_path,
+            tp_size,
+            dcp_size,
+            interleave,
+            num_blocks,
+            block_size,
+            max_model_len,
+            device,
+            attention_backend,
+            f"tcp://127.0.0.1:{free_port()}",
+            timeout_s,
+            threads_per_rank=threads,
+            exact_prefill=exact_prefill,
+            dtype=dtype,
+            collectives=collectives,
+            shm=shm,
+            shm_world=world,
+            shm_dcp=dcp_groups,
+            cpus=cpus,
+        )
         try:
             return cls(spec)
         finally:
@@ -388,8 +448,7 @@ class Executor:
         wait for the next step inside a collective, which the process group aborts after ``timeout_s`` ("Timed out
         waiting for recv"), killing the rank: without this, a TP pod idle for ``timeout_s`` loses its ranks. Over
         shared memory ranks wait as long as the driver lives, so there is nothing to do."""
-        if isinstance(self.channel, _DistChannel) and \
-                time.monotonic() - self._last_broadcast > self.spec.timeout_s / 4:
+        if isinstance(self.channel, _DistChannel) and time.monotonic() - self._last_broadcast > self.spec.timeout_s / 4:
             self.channel.send(_PING)
             self._last_broadcast = time.monotonic()
 

@@ -2,6 +2,7 @@
 
 Blocks are counted the same way for both (the block manager hands out block ids per DCP rank); only what a block
 holds differs, so this is where the cache is sized and allocated."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,13 @@ class KVCacheLayout:
     def for_model(cls, cfg: ModelConfig, tp_size: int, block_size: int) -> "KVCacheLayout":
         if cfg.mla is not None:
             return cls(MLA, cfg.num_layers, block_size, latent_dim=cfg.mla.latent_dim)
-        return cls(GQA, cfg.num_layers, block_size, kv_heads=num_local_kv_heads(cfg.num_kv_heads, tp_size),
-                   head_dim=cfg.head_dim)
+        return cls(
+            GQA,
+            cfg.num_layers,
+            block_size,
+            kv_heads=num_local_kv_heads(cfg.num_kv_heads, tp_size),
+            head_dim=cfg.head_dim,
+        )
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         if self.kind == MLA:

@@ -16,6 +16,7 @@ The driver reaches the workers only through named operations (``Executor.connect
 ``deliver``, ``checksums``, ``abort``, ``info`` and ``close`` (``KVConnectorWorker.OPS``), each run on every rank,
 results in rank order. Role implementations (the prefill publisher, the decode puller) live with their services.
 """
+
 from __future__ import annotations
 
 import struct
@@ -67,10 +68,10 @@ class KVConnectorMetadata:
         at, bt = 8 + 32 * n + 8 * n_blocks, 0
         saves = []
         for i in range(n):
-            num_tokens, nb, nl, nr = head[4 * i:4 * i + 4]
-            lid, rid = data[at:at + nl].decode(), data[at + nl:at + nl + nr].decode()
+            num_tokens, nb, nl, nr = head[4 * i : 4 * i + 4]
+            lid, rid = data[at : at + nl].decode(), data[at + nl : at + nl + nr].decode()
             at += nl + nr
-            saves.append(KVSaveRequest(lid, rid, tuple(blocks[bt:bt + nb]), num_tokens))
+            saves.append(KVSaveRequest(lid, rid, tuple(blocks[bt : bt + nb]), num_tokens))
             bt += nb
         return KVConnectorMetadata(tuple(saves))
 

@@ -1,6 +1,7 @@
 """LLMEngine: tokenize -> schedule -> run the model on every rank -> sample -> stream outputs.
 
 Used directly for offline generation and benchmarks, and inside the prefill and decode services."""
+
 from __future__ import annotations
 
 import collections.abc
@@ -27,7 +28,6 @@ from pdserve.structured import GrammarBackend, StructuredOutputError
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("pdserve.engine")
-
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -105,15 +105,27 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
         if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                             f"({mc.max_position_embeddings})")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"({mc.max_position_embeddings})"
+            )
         self.tokenizer = Tokenizer(cfg.model)
         self.dtype = resolve_dtype(cfg.dtype, mc)
-        self.executor = Executor.create(cfg.model, cfg.tensor_parallel_size, cfg.decode_context_parallel_size,
-                                        cfg.dcp_kv_cache_interleave_size, cfg.num_kv_blocks, cfg.block_size,
-                                        self.max_model_len, cfg.device, cfg.attention_backend,
-                                        exact_prefill=cfg.exact_prefill, cpu_collectives=cfg.cpu_collectives,
-                                        cpu_pinning=cfg.cpu_pinning, dtype=self.dtype)
+        self.executor = Executor.create(
+            cfg.model,
+            cfg.tensor_parallel_size,
+            cfg.decode_context_parallel_size,
+            cfg.dcp_kv_cache_interleave_size,
+            cfg.num_kv_blocks,
+            cfg.block_size,
+            self.max_model_len,
+            cfg.device,
+            cfg.attention_backend,
+            exact_prefill=cfg.exact_prefill,
+            cpu_collectives=cfg.cpu_collectives,
+            cpu_pinning=cfg.cpu_pinning,
+            dtype=self.dtype,
+        )
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -131,8 +143,13 @@ class LLMEngine:
 
     def _init_requests(self) -> None:
         cfg = self.config
-        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.decode_context_parallel_size,
-                                   cfg.dcp_kv_cache_interleave_size, cfg.enable_prefix_caching)
+        self.blocks = BlockManager(
+            cfg.num_kv_blocks,
+            cfg.block_size,
+            cfg.decode_context_parallel_size,
+            cfg.dcp_kv_cache_interleave_size,
+            cfg.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_chunk_size)
         self.sampler = Sampler(sorted(getattr(self, "eos_ids", ())), self._grammar_backend)
         self._tracked: dict[str, _Tracked] = {}
@@ -147,8 +164,9 @@ class LLMEngine:
 
     def _grammar_backend(self) -> GrammarBackend:
         """Structured output's backend for this model's tokenizer and logits width (built on first use)."""
-        return GrammarBackend.for_tokenizer(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
-                                            sorted(self.eos_ids))
+        return GrammarBackend.for_tokenizer(
+            self.tokenizer.hf_tokenizer, self.model_config.vocab_size, sorted(self.eos_ids)
+        )
 
     # --- requests ---
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -159,8 +177,10 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"prompt token id {bad!r} is out of range [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}: "
-                               f"shorten the prompt to at most {self.max_model_len - 1} tokens")
+            raise RequestError(
+                f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"shorten the prompt to at most {self.max_model_len - 1} tokens"
+            )
         if not isinstance(params, SamplingParams):
             raise RequestError("params must be a SamplingParams")
         bad = next((t for t in params.logit_bias if t >= vocab), None)
@@ -172,9 +192,16 @@ class LLMEngine:
             except StructuredOutputError as e:
                 raise RequestError(f"structured output: {e}") from None
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, *, hold_kv: bool = False, n: int = 1,
-                    prompt_logprobs: int | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        hold_kv: bool = False,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
+    ) -> str:
         """hold_kv (prefill pods): when the request finishes its blocks stay allocated (in self.held) until
         release(request_id), so a KV transfer can read them.
 
@@ -185,8 +212,11 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_n(n, params, hold_kv)
-        if prompt_logprobs is not None and (isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int)
-                                            or not 0 <= prompt_logprobs <= MAX_LOGPROBS):
+        if prompt_logprobs is not None and (
+            isinstance(prompt_logprobs, bool)
+            or not isinstance(prompt_logprobs, int)
+            or not 0 <= prompt_logprobs <= MAX_LOGPROBS
+        ):
             raise RequestError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {prompt_logprobs!r}")
         seq = self._new_sequence(ids, params, request_id, n)
         seq.hold_kv = hold_kv
@@ -276,8 +306,9 @@ class LLMEngine:
         self.scheduler.awaiting_kv[seq.request_id] = seq
         return seq
 
-    def add_awaiting_kv(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                        headroom: int = 0, n: int = 1) -> Sequence | None:
+    def add_awaiting_kv(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, headroom: int = 0, n: int = 1
+    ) -> Sequence | None:
         """A request whose prompt KV someone else writes: its prompt's blocks now, keeping headroom blocks per rank
         free (plus one per extra sequence of n, for the copies of the prompt's last block at the fork); None
         (nothing kept) when they do not fit. Raises RequestError for a bad prompt or a used id."""
@@ -295,13 +326,16 @@ class LLMEngine:
         does not count in num_generated_tokens (this engine did not sample it)."""
         return self.start_decoding_all(seq, [first_token], [first_logprob])[0]
 
-    def start_decoding_all(self, seq: Sequence, first_tokens: list[int], first_logprobs: list[float]
-                           ) -> list[RequestOutput]:
+    def start_decoding_all(
+        self, seq: Sequence, first_tokens: list[int], first_logprobs: list[float]
+    ) -> list[RequestOutput]:
         """start_decoding for a request of n = len(first_tokens) sequences: the landed prompt KV is forked to the
         n sequences (sequence i continues from first_tokens[i]); one output per sequence, in index order."""
         if len(first_tokens) != seq.n or len(first_logprobs) != seq.n:
-            raise RequestError(f"the request has n={seq.n} but {len(first_tokens)} first tokens / "
-                               f"{len(first_logprobs)} logprobs were given")
+            raise RequestError(
+                f"the request has n={seq.n} but {len(first_tokens)} first tokens / "
+                f"{len(first_logprobs)} logprobs were given"
+            )
         self.scheduler.kv_landed(seq, first_tokens[0], first_logprobs[0])
         seq.output_ids.pop()  # _append_token appends it again, with its checks
         seq.output_logprobs.pop()
@@ -315,8 +349,9 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.awaiting_kv)
 
-    def set_kv_connector(self, scheduler: KVConnectorScheduler | None,
-                         worker: KVConnectorSpec | None = None) -> list[Any]:
+    def set_kv_connector(
+        self, scheduler: KVConnectorScheduler | None, worker: KVConnectorSpec | None = None
+    ) -> list[Any]:
         """Install the KV connector: scheduler runs each step on this thread; worker (when given) is built on every
         rank. Returns each rank's worker info() in rank order (exceptions as values; [] without a worker)."""
         self.kv_scheduler = scheduler
@@ -327,8 +362,12 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if step is None:
             return []
-        inp = build_step_input(step, self.config.block_size, self.config.decode_context_parallel_size,
-                               self.config.dcp_kv_cache_interleave_size)
+        inp = build_step_input(
+            step,
+            self.config.block_size,
+            self.config.decode_context_parallel_size,
+            self.config.dcp_kv_cache_interleave_size,
+        )
         if self.kv_scheduler is not None:
             inp.kv_meta = self.kv_scheduler.build_connector_meta(step)
         logits = self.executor.execute(inp)
@@ -345,29 +384,33 @@ class LLMEngine:
             # A request of n that samples its first tokens gets n rows of the same logits (one per sequence).
             counts = [s.n if not s.output_ids else 1 for s in sampled]
             rows = [r for r, k in enumerate(counts) for _ in range(k)]
-            x = logits[:len(sampled)] if len(rows) == len(sampled) else logits[torch.tensor(rows)]
+            x = logits[: len(sampled)] if len(rows) == len(sampled) else logits[torch.tensor(rows)]
             members = [(s, i) for s, k in zip(sampled, counts) for i in range(k)]
             toks, lps, tops = self.sampler.sample(
-                x, [child_params(s.params, i) for s, i in members],
+                x,
+                [child_params(s.params, i) for s, i in members],
                 [child_request_id(s.request_id, i) for s, i in members],
-                [s.prompt_ids for s, _ in members], [s.output_ids for s, _ in members])
+                [s.prompt_ids for s, _ in members],
+                [s.output_ids for s, _ in members],
+            )
             at = 0
             for seq, k in zip(sampled, counts):
                 if k == 1:
                     outputs.append(self._append_token(seq, toks[at], lps[at], top=tops[at]))
                 else:
-                    outputs.extend(self._fan_out(seq, toks[at:at + k], lps[at:at + k], tops[at:at + k]))
+                    outputs.extend(self._fan_out(seq, toks[at : at + k], lps[at : at + k], tops[at : at + k]))
                 at += k
         return outputs
 
-    def _score_prompts(self, seqs: list[Sequence], logits: torch.Tensor,
-                       prompt_rows: list[tuple[int, int, int, int]]) -> None:
+    def _score_prompts(
+        self, seqs: list[Sequence], logits: torch.Tensor, prompt_rows: list[tuple[int, int, int, int]]
+    ) -> None:
         """Prompt logprobs: the log-softmax (fp32) of each prompt position's logits at the next prompt token, and
         the top alternatives."""
         for i, row0, count, first in prompt_rows:
             seq = seqs[i]
-            lp = torch.log_softmax(logits[row0:row0 + count].float(), dim=-1)
-            targets = torch.tensor(seq.prompt_ids[first + 1:first + 1 + count], dtype=torch.long, device=lp.device)
+            lp = torch.log_softmax(logits[row0 : row0 + count].float(), dim=-1)
+            targets = torch.tensor(seq.prompt_ids[first + 1 : first + 1 + count], dtype=torch.long, device=lp.device)
             chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
             k = seq.prompt_logprobs or 0
             if k:
@@ -377,8 +420,14 @@ class LLMEngine:
                 tops = [([], [])] * count
             seq.prompt_lps.extend((c, t[0], t[1]) for c, t in zip(chosen, tops))
 
-    def _fan_out(self, seq: Sequence, toks: list[int], lps: list[float],
-                 tops: list[tuple[list[int], list[float]] | None], sampled_here: bool = True) -> list[RequestOutput]:
+    def _fan_out(
+        self,
+        seq: Sequence,
+        toks: list[int],
+        lps: list[float],
+        tops: list[tuple[list[int], list[float]] | None],
+        sampled_here: bool = True,
+    ) -> list[RequestOutput]:
         """seq's n first tokens are out: fork its prompt KV to n - 1 new sequences (full blocks shared, the last
         partly filled one copied; a sequence that finds no free block is queued and recomputed like a preempted
         one), then every sequence takes its token. Sequences that end at their first token (max_tokens=1, as on
@@ -389,8 +438,15 @@ class LLMEngine:
         copies: list[tuple[int, int, int]] = []
         needs_kv = seq.params.max_tokens > 1
         for i in range(1, len(toks)):
-            child = Sequence(child_request_id(rid, i), list(seq.prompt_ids), child_params(seq.params, i), seq.arrival,
-                             index=i, group=rid, num_cached_prefix=seq.num_cached_prefix)
+            child = Sequence(
+                child_request_id(rid, i),
+                list(seq.prompt_ids),
+                child_params(seq.params, i),
+                seq.arrival,
+                index=i,
+                group=rid,
+                num_cached_prefix=seq.num_cached_prefix,
+            )
             self._tracked[child.request_id] = _Tracked(child, IncrementalDetokenizer(self.tokenizer, seq.prompt_ids))
             group.append(child)
             if not needs_kv:
@@ -411,8 +467,14 @@ class LLMEngine:
         self._groups[rid] = group
         return [self._append_token(s, t, lp, sampled_here, top) for s, t, lp, top in zip(group, toks, lps, tops)]
 
-    def _append_token(self, seq: Sequence, tok: int, lp: float, sampled_here: bool = True,
-                      top: tuple[list[int], list[float]] | None = None) -> RequestOutput:
+    def _append_token(
+        self,
+        seq: Sequence,
+        tok: int,
+        lp: float,
+        sampled_here: bool = True,
+        top: tuple[list[int], list[float]] | None = None,
+    ) -> RequestOutput:
         tr = self._tracked[seq.request_id]
         seq.output_ids.append(tok)
         seq.output_logprobs.append(lp)
@@ -440,7 +502,7 @@ class LLMEngine:
         # Hold back a tail that could still become a stop string, so no streamed text is ever taken back.
         hold = 0 if reason is not None or not p.stop else max(len(s) for s in p.stop) - 1
         upto = max(tr.emitted, len(visible) - hold)
-        delta = visible[tr.emitted:upto]
+        delta = visible[tr.emitted : upto]
         tr.emitted = upto
         cached = seq.num_cached_prefix  # freeing the blocks below resets it
         finished = reason is not None
@@ -455,22 +517,48 @@ class LLMEngine:
                 if finished:
                     del self._groups[seq.group]
         first_out = len(seq.output_ids) == 1 and seq.prompt_logprobs is not None
-        out = RequestOutput(seq.group or seq.request_id, [tok], [lp], delta, finished, reason,
-                            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-                            cached_tokens=cached, new_top_logprobs=[top], index=seq.index,
-                            prompt_logprobs=list(seq.prompt_lps) if first_out else None)
+        out = RequestOutput(
+            seq.group or seq.request_id,
+            [tok],
+            [lp],
+            delta,
+            finished,
+            reason,
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            cached_tokens=cached,
+            new_top_logprobs=[top],
+            index=seq.index,
+            prompt_logprobs=list(seq.prompt_lps) if first_out else None,
+        )
         return out
 
     # --- convenience for offline use, tests and benchmarks ---
-    def generate(self, prompts: collections.abc.Sequence[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None, n: int = 1,
-                 prompt_logprobs: int | None = None) -> list[dict[str, Any]]:
+    def generate(
+        self,
+        prompts: collections.abc.Sequence[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
+    ) -> list[dict[str, Any]]:
         """One result per prompt; with n > 1 its "choices" hold the n sequences' results in index order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         rids = [self.add_request(p, sp, n=n, prompt_logprobs=prompt_logprobs) for p, sp in zip(prompts, plist)]
         results: dict[str, list[dict[str, Any]]] = {
-            r: [{"request_id": r, "index": i, "token_ids": [], "logprobs": [], "top_logprobs": [], "text": "",
-                 "finish_reason": None} for i in range(n)] for r in rids}
+            r: [
+                {
+                    "request_id": r,
+                    "index": i,
+                    "token_ids": [],
+                    "logprobs": [],
+                    "top_logprobs": [],
+                    "text": "",
+                    "finish_reason": None,
+                }
+                for i in range(n)
+            ]
+            for r in rids
+        }
         done: set[str] = set()
         while len(done) < len(rids):
             for out in self.step():

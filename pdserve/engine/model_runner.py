@@ -3,6 +3,7 @@
 StepInput is a plain picklable object: the driver builds it once for every DCP rank and broadcasts it, so every
 rank of a pod runs the same step on its own share of the KV. Over shared memory it travels as one flat int64 array
 (``encode`` / ``decode``), not as a pickled object graph."""
+
 from __future__ import annotations
 
 import struct
@@ -46,32 +47,49 @@ class StepInput:
         extra = b"" if self.kv_meta is None else self.kv_meta.encode()
         t, b, n_logits = self.input_ids.numel(), len(self.query_start_pos), self.logits_indices.numel()
         head = [int(self.is_prefill), t, b, n_logits, dcp, len(extra), *(bt.shape[1] for bt in self.block_tables)]
-        parts = [torch.tensor(head + self.cu_seqlens_q + self.query_start_pos + self.sample_rows, dtype=torch.int64),
-                 self.input_ids, self.positions, self.logits_indices, *self.slot_mappings, *self.context_lens,
-                 *(bt.reshape(-1) for bt in self.block_tables)]
+        parts = [
+            torch.tensor(head + self.cu_seqlens_q + self.query_start_pos + self.sample_rows, dtype=torch.int64),
+            self.input_ids,
+            self.positions,
+            self.logits_indices,
+            *self.slot_mappings,
+            *self.context_lens,
+            *(bt.reshape(-1) for bt in self.block_tables),
+        ]
         return torch.cat([p.to(torch.int64) for p in parts]).numpy().tobytes() + extra
 
     @staticmethod
     def decode(data: bytes) -> "StepInput":
         is_prefill, t, b, n_logits, dcp, n_extra = struct.unpack_from("<6q", data)
         n_ints = (len(data) - n_extra) // 8
-        a = torch.frombuffer(bytearray(data[:n_ints * 8]), dtype=torch.int64)
-        widths = a[6:6 + dcp].tolist()
+        a = torch.frombuffer(bytearray(data[: n_ints * 8]), dtype=torch.int64)
+        widths = a[6 : 6 + dcp].tolist()
         at = 6 + dcp
 
         def take(n: int) -> torch.Tensor:
             nonlocal at
             at += n
-            return a[at - n:at]
+            return a[at - n : at]
 
         lists = take(b + 1 + b + n_logits).tolist()
         ids, pos, logits = take(t), take(t), take(n_logits)
         slots = [take(t) for _ in range(dcp)]
         ctx = [take(b) for _ in range(dcp)]
         tables = [take(b * w).view(b, w) for w in widths]
-        meta = KVConnectorMetadata.decode(data[n_ints * 8:]) if n_extra else None
-        return StepInput(bool(is_prefill), ids, pos, lists[:b + 1], lists[b + 1:2 * b + 1], logits,
-                         lists[2 * b + 1:], slots, ctx, tables, meta)
+        meta = KVConnectorMetadata.decode(data[n_ints * 8 :]) if n_extra else None
+        return StepInput(
+            bool(is_prefill),
+            ids,
+            pos,
+            lists[: b + 1],
+            lists[b + 1 : 2 * b + 1],
+            logits,
+            lists[2 * b + 1 :],
+            slots,
+            ctx,
+            tables,
+            meta,
+        )
 
 
 def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave: int) -> StepInput:
@@ -82,15 +100,16 @@ def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave:
     for i, (seq, n) in enumerate(zip(step.seqs, step.chunk_lens)):
         start = seq.num_computed
         all_ids = seq.all_ids
-        ids.extend(all_ids[start:start + n])
+        ids.extend(all_ids[start : start + n])
         pos.extend(range(start, start + n))
         starts.append(start)
         cu.append(cu[-1] + n)
         for p in range(start, start + n):
             owner, li = dcp_slot(p, dcp, interleave)
             for r in range(dcp):
-                slots[r].append(seq.block_tables[r][li // block_size] * block_size + li % block_size
-                                if r == owner else -1)
+                slots[r].append(
+                    seq.block_tables[r][li // block_size] * block_size + li % block_size if r == owner else -1
+                )
         for r in range(dcp):
             ctx[r].append(dcp_local_count(start + n, dcp, interleave, r))
         if start + n == seq.num_tokens:  # this chunk reaches the end: its last row predicts the next token
@@ -113,7 +132,7 @@ def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave:
         width = max(len(s.block_tables[r]) for s in step.seqs)
         t = torch.zeros(len(step.seqs), max(width, 1), dtype=torch.int64)
         for i, s in enumerate(step.seqs):
-            t[i, :len(s.block_tables[r])] = torch.tensor(s.block_tables[r], dtype=torch.int64)
+            t[i, : len(s.block_tables[r])] = torch.tensor(s.block_tables[r], dtype=torch.int64)
         tables.append(t)
     return StepInput(
         is_prefill=step.is_prefill,
@@ -133,9 +152,19 @@ def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave:
 class ModelRunner:
     """One rank's model weights and KV cache."""
 
-    def __init__(self, model_path: str, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend,
-                 num_blocks: int, block_size: int, max_model_len: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, exact_prefill: bool = False) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        exact_prefill: bool = False,
+    ) -> None:
         self.cfg, self.ps, self.block_size, self.device = cfg, ps, block_size, torch.device(device)
         with torch.device(self.device):
             self.model = build_model(cfg, ps, backend, max_positions=max_model_len).to(dtype)

@@ -3,6 +3,7 @@
 A step is either a prefill step (chunks of prompts, each capped at prefill_chunk_size, all within
 max_num_batched_tokens) or a decode step (one token for every running sequence). When both kinds of work wait the
 scheduler alternates, so a stream of prompts never stalls decoding and long prompts never stall short ones."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -20,8 +21,9 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_size: int) -> None:
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk_size: int
+    ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -1,4 +1,5 @@
 """A request as the engine tracks it: its tokens, how many have KV in the cache, and its block tables."""
+
 from __future__ import annotations
 
 import enum

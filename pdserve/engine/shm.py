@@ -7,6 +7,7 @@ included, so nothing can be left behind.
 The barrier is built from glibc's process-shared semaphores and a futex word in the region (ctypes, Linux):
 arriving is an atomic increment, the rank that completes a phase publishes it in the futex word and wakes the
 sleepers, and waiting ranks sleep in the kernel instead of spinning, since a pod's ranks may outnumber its cores."""
+
 from __future__ import annotations
 
 import ctypes
@@ -102,7 +103,7 @@ def proc_state(pid: int) -> str | None:
     except OSError:
         return None
     at = stat.rindex(b")") + 2  # the command name in parentheses may itself hold spaces or ")"
-    return stat[at:at + 1].decode()
+    return stat[at : at + 1].decode()
 
 
 class Barrier:
@@ -116,8 +117,9 @@ class Barrier:
 
     SLICE_S = 0.25
 
-    def __init__(self, region: ShmRegion, offset: int, n: int, rank: int, ranks: list[int], spin: int = 0,
-                 stall_s: float = 3.0) -> None:
+    def __init__(
+        self, region: ShmRegion, offset: int, n: int, rank: int, ranks: list[int], spin: int = 0, stall_s: float = 3.0
+    ) -> None:
         assert _libc is not None, shm_supported()
         self._lib: ctypes.CDLL = _libc
         self.n, self.rank, self.ranks, self.spin, self.stall_s = n, rank, ranks, spin, stall_s
@@ -212,8 +214,9 @@ class Barrier:
             self.check_peers(what, watch)
             if deadline is not None and time.monotonic() > deadline:
                 late = self._missing()
-                raise RankFailure(f"{what} timed out after {timeout_s:.0f} s waiting for TP rank(s) {late}",
-                                  late[0] if late else None)
+                raise RankFailure(
+                    f"{what} timed out after {timeout_s:.0f} s waiting for TP rank(s) {late}", late[0] if late else None
+                )
 
     def _missing(self) -> list[int]:
         return [self.ranks[i] for i in range(self.n) if self._arrived[i] < self._seq]
@@ -231,8 +234,10 @@ class Barrier:
             if state in ("T", "t"):
                 since = self._stopped_since.setdefault(pid, now)
                 if now - since > self.stall_s:
-                    raise RankFailure(f"TP rank {self.ranks[i]} (pid {pid}) has been stopped for "
-                                      f"{now - since:.1f} s during {what}", self.ranks[i])
+                    raise RankFailure(
+                        f"TP rank {self.ranks[i]} (pid {pid}) has been stopped for {now - since:.1f} s during {what}",
+                        self.ranks[i],
+                    )
             else:
                 self._stopped_since.pop(pid, None)
 

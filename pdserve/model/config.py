@@ -1,5 +1,6 @@
 """Model configuration read from an HF checkpoint's config.json (Llama, Mistral, Qwen2 and DeepSeek-V2/V3
 families; Kimi K2 checkpoints name DeepseekV3ForCausalLM)."""
+
 from __future__ import annotations
 
 import json
@@ -185,11 +186,14 @@ def _req(raw: dict[str, Any], key: str, source: str) -> Any:
 
 
 def _deepseek(raw: dict[str, Any], family: str, source: str) -> tuple[MLAConfig, MoEConfig | None]:
-    mla = MLAConfig(q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=int(_req(raw, "kv_lora_rank", source)),
-                    qk_nope_head_dim=int(_req(raw, "qk_nope_head_dim", source)),
-                    qk_rope_head_dim=int(_req(raw, "qk_rope_head_dim", source)),
-                    v_head_dim=int(_req(raw, "v_head_dim", source)),
-                    rope_interleave=bool(raw.get("rope_interleave", True)))
+    mla = MLAConfig(
+        q_lora_rank=raw.get("q_lora_rank"),
+        kv_lora_rank=int(_req(raw, "kv_lora_rank", source)),
+        qk_nope_head_dim=int(_req(raw, "qk_nope_head_dim", source)),
+        qk_rope_head_dim=int(_req(raw, "qk_rope_head_dim", source)),
+        v_head_dim=int(_req(raw, "v_head_dim", source)),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+    )
     if not raw.get("n_routed_experts"):
         return mla, None
     v3 = family == "deepseek_v3"
@@ -197,21 +201,28 @@ def _deepseek(raw: dict[str, Any], family: str, source: str) -> tuple[MLAConfig,
     method = str(raw.get("topk_method") or ("noaux_tc" if v3 else "greedy"))
     scoring = str(raw.get("scoring_func") or ("sigmoid" if v3 else "softmax"))
     if (method, scoring) not in (("greedy", "softmax"), ("group_limited_greedy", "softmax"), ("noaux_tc", "sigmoid")):
-        raise ModelConfigError(f"{source}: MoE routing topk_method={method!r} with scoring_func={scoring!r} is not "
-                               "supported (greedy/group_limited_greedy with softmax, noaux_tc with sigmoid)")
+        raise ModelConfigError(
+            f"{source}: MoE routing topk_method={method!r} with scoring_func={scoring!r} is not "
+            "supported (greedy/group_limited_greedy with softmax, noaux_tc with sigmoid)"
+        )
     n = int(raw["n_routed_experts"])
     n_group = int(raw.get("n_group") or 1)
     if n % n_group:
         raise ModelConfigError(f"{source}: n_routed_experts ({n}) must be divisible by n_group ({n_group})")
-    moe = MoEConfig(n_routed_experts=n, num_experts_per_tok=int(_req(raw, "num_experts_per_tok", source)),
-                    moe_intermediate_size=int(_req(raw, "moe_intermediate_size", source)),
-                    n_shared_experts=int(raw.get("n_shared_experts") or 0),
-                    first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
-                    moe_layer_freq=int(raw.get("moe_layer_freq") or 1), n_group=n_group,
-                    topk_group=int(raw.get("topk_group") or n_group),
-                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                    routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-                    scoring_func=scoring, topk_method=method)
+    moe = MoEConfig(
+        n_routed_experts=n,
+        num_experts_per_tok=int(_req(raw, "num_experts_per_tok", source)),
+        moe_intermediate_size=int(_req(raw, "moe_intermediate_size", source)),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
+        n_group=n_group,
+        topk_group=int(raw.get("topk_group") or n_group),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        scoring_func=scoring,
+        topk_method=method,
+    )
     return mla, moe
 
 
@@ -226,8 +237,9 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         scaling = dict(raw.get("rope_scaling") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; supported: "
-                               f"{SUPPORTED_ROPE_TYPES}")
+        raise ModelConfigError(
+            f"{source}: rope scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
     if rope_type == "default":
         return theta, None
     scaling["rope_type"] = rope_type

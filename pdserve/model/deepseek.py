@@ -5,6 +5,7 @@ and partials merge by LSE, as for GQA).
 
 Prefill attends in the expanded form (per-head K/V from the latent); decode in the absorbed form (q_nope @ W_UK
 against the cached latent as one shared head, then W_UV), which reads each cached row once per step."""
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,7 @@ class Linear(nn.Module):
 def softmax_scale(cfg: ModelConfig) -> float:
     """qk_head_dim^-0.5, times DeepSeek's YaRN mscale(factor, mscale_all_dim)^2 (as transformers applies it)."""
     assert cfg.mla is not None
-    scale = cfg.mla.qk_head_dim ** -0.5
+    scale = cfg.mla.qk_head_dim**-0.5
     s = cfg.rope_scaling or {}
     m_all = s.get("mscale_all_dim")
     factor = float(s.get("factor") or 1.0)
@@ -67,8 +68,9 @@ class MLAttention(nn.Module):
         # Under DCP every rank of a group attends with the whole group's heads over its own tokens (as GQA's
         # Attention), and dcp_merge hands each rank its own heads back.
         first = ps.tp_rank - ps.dcp_rank
-        self.q_group_heads = [h for r in range(first, first + ps.dcp_size)
-                              for h in q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, r)]
+        self.q_group_heads = [
+            h for r in range(first, first + ps.dcp_size) for h in q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, r)
+        ]
         nq, h, bias = len(self.q_group_heads), cfg.hidden_size, bool(cfg.raw.get("attention_bias", False))
         if m.q_lora_rank is None:
             self.q_proj: Linear | None = Linear(nq * m.qk_head_dim, h)
@@ -88,17 +90,26 @@ class MLAttention(nn.Module):
         self.rope: Callable = apply_rope_interleaved if interleave else apply_rope
 
     def linears(self) -> list[Linear]:
-        return [x for x in (self.q_proj, self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.o_proj)
-                if x is not None]
+        return [
+            x
+            for x in (self.q_proj, self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.o_proj)
+            if x is not None
+        ]
 
     def _w_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [nq, nope, L], W_UV [nq, v, L]): kv_b_proj's key and value rows per head, as views."""
         m = self.mla
         w = self.kv_b_proj.weight.view(len(self.q_group_heads), m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
+        return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], latent_layer: torch.Tensor,
-                meta: AttentionMetadata, packed: bool) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        latent_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        packed: bool,
+    ) -> torch.Tensor:
         m, t, nq = self.mla, x.shape[0], len(self.q_group_heads)
         if self.q_proj is not None:
             q = self.q_proj(x, packed)
@@ -106,29 +117,35 @@ class MLAttention(nn.Module):
             assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, packed)), packed)
         q = q.view(t, nq, m.qk_head_dim)
-        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
+        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
         kv = self.kv_a_proj_with_mqa(x, packed)
         kv_c = self.kv_a_layernorm(kv[:, : m.kv_lora_rank])
         # One rope call for the query heads and the shared key (as GQA's q and k side by side).
-        pe = self.rope(cos_sin, torch.cat([q_pe, kv[:, None, m.kv_lora_rank:]], dim=1))
+        pe = self.rope(cos_sin, torch.cat([q_pe, kv[:, None, m.kv_lora_rank :]], dim=1))
         q_pe, k_pe = pe[:, :nq], pe[:, nq]
         latent = torch.cat([kv_c, k_pe], dim=-1)
         write_latent(latent_layer, latent, meta.slot_mapping, meta.all_slots_local)
         w_uk, w_uv = self._w_kv_b()
         if meta.is_prefill:
-            out, lse = self.backend.forward_prefill(torch.cat([q_nope, q_pe], dim=-1), latent_layer, meta,
-                                                    self.scale, self._expand,
-                                                    latent if meta.dcp_size == 1 else None)
+            out, lse = self.backend.forward_prefill(
+                torch.cat([q_nope, q_pe], dim=-1),
+                latent_layer,
+                meta,
+                self.scale,
+                self._expand,
+                latent if meta.dcp_size == 1 else None,
+            )
             if self.ps.dcp_size > 1:
                 out = self.ps.dcp_merge(out, lse)
         else:
             q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, nq, L]
-            o_lat, lse = self.backend.forward_decode(torch.cat([q_lat, q_pe], dim=-1), latent_layer, meta,
-                                                     self.scale, m.kv_lora_rank)
+            o_lat, lse = self.backend.forward_decode(
+                torch.cat([q_lat, q_pe], dim=-1), latent_layer, meta, self.scale, m.kv_lora_rank
+            )
             if self.ps.dcp_size > 1:
                 o_lat = self.ps.dcp_merge(o_lat, lse)
                 mine = len(self.q_heads)
-                w_uv = w_uv[self.ps.dcp_rank * mine:(self.ps.dcp_rank + 1) * mine]
+                w_uv = w_uv[self.ps.dcp_rank * mine : (self.ps.dcp_rank + 1) * mine]
             out = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, heads, v]
         o = self.o_proj  # row-parallel: its bias goes on once, after the all-reduce
         out = self.ps.all_reduce(plinear.linear(out.reshape(t, -1), o.weight, o.packed if packed else None))
@@ -138,8 +155,8 @@ class MLAttention(nn.Module):
         """Latent rows [N, L + R] -> every group head's K [N, nq, nope + R] and V [N, nq, v]."""
         m, nq = self.mla, len(self.q_group_heads)
         kv = F.linear(rows[:, : m.kv_lora_rank], self.kv_b_proj.weight).view(-1, nq, m.qk_nope_head_dim + m.v_head_dim)
-        k_pe = rows[:, None, m.kv_lora_rank:].expand(-1, nq, -1)
-        return torch.cat([kv[..., : m.qk_nope_head_dim], k_pe], dim=-1), kv[..., m.qk_nope_head_dim:]
+        k_pe = rows[:, None, m.kv_lora_rank :].expand(-1, nq, -1)
+        return torch.cat([kv[..., : m.qk_nope_head_dim], k_pe], dim=-1), kv[..., m.qk_nope_head_dim :]
 
 
 class DecoderLayer(nn.Module):
@@ -182,8 +199,13 @@ class DeepseekCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        logits_indices: torch.Tensor | None, on_layer_done: Callable[[int], None] | None = None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor | None:
         packed = not (meta.is_prefill and self.exact_prefill)
         x = F.embedding(input_ids, self.embed_tokens)

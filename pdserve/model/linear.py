@@ -7,6 +7,7 @@ The cost: the packed kernel sums in another order than MKL, so fp32 logits diffe
 (greedy choices change only at exact ties). EngineConfig.exact_prefill keeps prefill on F.linear, whose logits are
 bit-identical to transformers' (the reference tests check both modes). The packed copy is extra memory (one more
 copy of the linear weights), paid only by CPU float32/bfloat16 runners."""
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear(x, weight, bias), computed from the packed weight when one is given."""
     if packed is not None and x.dim() == 2:
         return _linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")

@@ -2,6 +2,7 @@
 
 Tokens of a step are flattened ([T]) as in nano-vllm; each rank holds its TP slice of the weights (column-parallel
 QKV and gate/up, row-parallel o and down followed by an all-reduce) and, under DCP, 1/dcp of every sequence's KV."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -41,8 +42,9 @@ class Attention(nn.Module):
         # Under DCP every rank of a group attends with the whole group's queries over its share of the tokens, so
         # it projects them all itself (a few extra rows of weights) instead of gathering them from its peers.
         first = ps.tp_rank - ps.dcp_rank
-        self.q_group_heads = [h for r in range(first, first + ps.dcp_size)
-                              for h in q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, r)]
+        self.q_group_heads = [
+            h for r in range(first, first + ps.dcp_size) for h in q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, r)
+        ]
         self.kv_heads = kv_heads_for_tp_rank(cfg.num_kv_heads, ps.tp_size, ps.tp_rank)
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -58,8 +60,12 @@ class Attention(nn.Module):
         self.o_packed: torch.Tensor | None = None
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
-        meta: AttentionMetadata, packed: bool,
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        packed: bool,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = plinear.linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias)
@@ -73,8 +79,9 @@ class Attention(nn.Module):
         out = self.ps.all_reduce(out)
         return out if self.o_bias is None else out + self.o_bias
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         ps = self.ps
         if ps.dcp_size == 1:
             return self.backend.forward(q, kv_layer, meta, self.scale, new_kv=(k, v))[0]
@@ -85,8 +92,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, intermediate_size: int | None = None,
-                 reduce: bool = True) -> None:
+    def __init__(
+        self, cfg: ModelConfig, ps: ParallelState, intermediate_size: int | None = None, reduce: bool = True
+    ) -> None:
         """intermediate_size: a width other than the config's (MoE shared experts); reduce False leaves the
         all-reduce (and the down bias) to the caller, which sums this rank's partial with others first."""
         super().__init__()
@@ -157,8 +165,13 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        logits_indices: torch.Tensor | None, on_layer_done: Callable[[int], None] | None = None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor | None:
         """on_layer_done(i), when given, runs right after layer i wrote its KV (prefill pods publish it).
         logits_indices None: no logits (TP ranks other than the driver, which alone samples)."""

@@ -1,6 +1,7 @@
 """DeepSeek-V2/V3 mixture of experts, tensor-parallel without expert parallelism: every rank holds every expert's
 1/TP slice of the intermediate dimension (as vLLM's TP-only MoE), so routing is replicated and one all-reduce sums
 the routed and shared experts' partials."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ class Router(nn.Module):
         # Plain float32 tensors, not parameters: the model's .to(dtype) must leave routing in float32 (transformers
         # keeps gate.weight and e_score_correction_bias in fp32), or bf16 ties would pick other experts.
         self.weight = torch.empty(m.n_routed_experts, cfg.hidden_size, dtype=torch.float32)
-        self.e_score_correction_bias = (torch.empty(m.n_routed_experts, dtype=torch.float32)
-                                        if m.topk_method == "noaux_tc" else None)
+        self.e_score_correction_bias = (
+            torch.empty(m.n_routed_experts, dtype=torch.float32) if m.topk_method == "noaux_tc" else None
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.moe
@@ -72,8 +74,9 @@ class MoE(nn.Module):
         self.inter_start = ps.tp_rank * base + min(ps.tp_rank, rem)
         self.gate_up_weight = _param(m.n_routed_experts, 2 * self.inter, cfg.hidden_size)  # experts' gate, then up
         self.down_weight = _param(m.n_routed_experts, cfg.hidden_size, self.inter)
-        self.shared_experts = (MLP(cfg, ps, m.moe_intermediate_size * m.n_shared_experts, reduce=False)
-                               if m.n_shared_experts else None)
+        self.shared_experts = (
+            MLP(cfg, ps, m.moe_intermediate_size * m.n_shared_experts, reduce=False) if m.n_shared_experts else None
+        )
 
     def forward(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -87,7 +90,7 @@ class MoE(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            sel = order[at:at + n]
+            sel = order[at : at + n]
             at += n
             tok = sel // k
             gate, up = F.linear(x[tok], self.gate_up_weight[e]).chunk(2, dim=-1)

@@ -1,4 +1,5 @@
 """Which slice of the model this process runs: its tensor-parallel rank and its decode-context-parallel group."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class ParallelState:
         mine = slice(self.dcp_rank * h // self.dcp_size, (self.dcp_rank + 1) * h // self.dcp_size)
         assert self.dcp_comm is not None
         parts = self.dcp_comm.all_gather(torch.cat([out.reshape(-1), lse.reshape(-1)]))
-        outs = parts[:, :t * h * d].view(-1, t, h, d)[:, :, mine]
-        lses = parts[:, t * h * d:].view(-1, t, h)[:, :, mine]
+        outs = parts[:, : t * h * d].view(-1, t, h, d)[:, :, mine]
+        lses = parts[:, t * h * d :].view(-1, t, h)[:, :, mine]
         # The gather promoted a 16-bit out to the LSE's fp32: merge in fp32, go on in out's dtype.
         return merge_attn_states(outs, lses)[0].to(out.dtype)

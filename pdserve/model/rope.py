@@ -1,4 +1,5 @@
 """Rotary position embeddings with the scaling variants HF configs name (default, linear, llama3, yarn)."""
+
 from __future__ import annotations
 
 import math

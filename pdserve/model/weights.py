@@ -1,4 +1,5 @@
 """Loading HF safetensors into the (possibly TP-sliced) model, with errors that name the file and key."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,8 +53,10 @@ def _targets(model: CausalLM | DeepseekCausalLM) -> Targets:
     cfg = model.cfg
     d, h = cfg.head_dim, cfg.hidden_size
     whole = lambda t: t  # noqa: E731
-    out: dict = {"model.embed_tokens.weight": (model.embed_tokens, (cfg.vocab_size, h), whole),
-                 "model.norm.weight": (model.norm.weight, (h,), whole)}
+    out: dict = {
+        "model.embed_tokens.weight": (model.embed_tokens, (cfg.vocab_size, h), whole),
+        "model.norm.weight": (model.norm.weight, (h,), whole),
+    }
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (model.lm_head, (cfg.vocab_size, h), whole)
     for i, layer in enumerate(model.layers):
@@ -81,8 +84,10 @@ def _deepseek_targets(model: DeepseekCausalLM) -> Targets:
     assert cfg.mla is not None
     m, h = cfg.mla, cfg.hidden_size
     whole = lambda t: t  # noqa: E731
-    out: Targets = {"model.embed_tokens.weight": (model.embed_tokens, (cfg.vocab_size, h), whole),
-                    "model.norm.weight": (model.norm.weight, (h,), whole)}
+    out: Targets = {
+        "model.embed_tokens.weight": (model.embed_tokens, (cfg.vocab_size, h), whole),
+        "model.norm.weight": (model.norm.weight, (h,), whole),
+    }
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (model.lm_head, (cfg.vocab_size, h), whole)
     nh = cfg.num_heads
@@ -104,14 +109,20 @@ def _deepseek_targets(model: DeepseekCausalLM) -> Targets:
             if a.q_a_proj.bias is not None:
                 out[sa + "q_a_proj.bias"] = (a.q_a_proj.bias, (m.q_lora_rank,), whole)
             out[sa + "q_a_layernorm.weight"] = (a.q_a_layernorm.weight, (m.q_lora_rank,), whole)
-            out[sa + "q_b_proj.weight"] = (a.q_b_proj.weight, (nh * m.qk_head_dim, m.q_lora_rank),
-                                           lambda t, r=q_rows: t[r])
+            out[sa + "q_b_proj.weight"] = (
+                a.q_b_proj.weight,
+                (nh * m.qk_head_dim, m.q_lora_rank),
+                lambda t, r=q_rows: t[r],
+            )
         out[sa + "kv_a_proj_with_mqa.weight"] = (a.kv_a_proj_with_mqa.weight, (m.latent_dim, h), whole)
         if a.kv_a_proj_with_mqa.bias is not None:
             out[sa + "kv_a_proj_with_mqa.bias"] = (a.kv_a_proj_with_mqa.bias, (m.latent_dim,), whole)
         out[sa + "kv_a_layernorm.weight"] = (a.kv_a_layernorm.weight, (m.kv_lora_rank,), whole)
-        out[sa + "kv_b_proj.weight"] = (a.kv_b_proj.weight, (nh * (m.qk_nope_head_dim + m.v_head_dim),
-                                                             m.kv_lora_rank), lambda t, r=kv_rows: t[r])
+        out[sa + "kv_b_proj.weight"] = (
+            a.kv_b_proj.weight,
+            (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            lambda t, r=kv_rows: t[r],
+        )
         out[sa + "o_proj.weight"] = (a.o_proj.weight, (h, nh * m.v_head_dim), lambda t, r=o_cols: t[:, r])
         if a.o_proj.bias is not None:
             out[sa + "o_proj.bias"] = (a.o_proj.bias, (h,), whole)
@@ -165,5 +176,7 @@ def load_weights(model: CausalLM | DeepseekCausalLM, path: str | Path) -> None:
     missing = sorted(set(targets) - seen)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise WeightLoadError(f"{path}: missing tensor(s) {', '.join(repr(k) for k in missing[:3])}{more} "
-                              f"in {', '.join(f.name for f in files)}")
+        raise WeightLoadError(
+            f"{path}: missing tensor(s) {', '.join(repr(k) for k in missing[:3])}{more} "
+            f"in {', '.join(f.name for f in files)}"
+        )

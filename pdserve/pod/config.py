@@ -1,5 +1,6 @@
 """PodServing: the serving part every pod config holds (where it listens, how it joins the router, TLS, shutdown),
 so prefill and decode pods take the same flags with the same meaning. Validated when built."""
+
 from __future__ import annotations
 
 import math
@@ -30,23 +31,41 @@ def _seconds(v: object) -> bool:
 class PodServing:
     host: str = field(default="127.0.0.1", metadata={"help": "listen address of the gRPC server"})
     port: int = field(default=0, metadata={"help": "gRPC port (0: pick a free one)"})
-    advertise_host: str | None = field(default=None, metadata={
-        "help": "host the router and other pods reach this pod at (default: --host)"})
+    advertise_host: str | None = field(
+        default=None, metadata={"help": "host the router and other pods reach this pod at (default: --host)"}
+    )
     # One meaning on every service: unset = no endpoint, 0 = any free port.
-    metrics_port: int | None = field(default=None, metadata={
-        "help": "serve Prometheus /metrics over HTTP on this port (0: any free port; unset: not served)"})
+    metrics_port: int | None = field(
+        default=None,
+        metadata={"help": "serve Prometheus /metrics over HTTP on this port (0: any free port; unset: not served)"},
+    )
     pod_id: str | None = field(default=None, metadata={"help": "this pod's name in the router (default: per pod)"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "model name clients use (default: the checkpoint directory's name)", "metavar": "NAME"})
-    router_address: str | None = field(default=None, metadata={
-        "flag": "router", "aliases": ("--router-address",), "metavar": "HOST:PORT[,HOST:PORT...]",
-        "help": "the routers' Registry: register with and heartbeat load to each; a name resolving to several "
-                "addresses (a headless Service) means every one, re-resolved (omitted: run standalone)"})
-    cluster_token: str = field(default="", metadata={
-        "env": CLUSTER_TOKEN_ENV, "secret": True, "help": "shared secret of the router's Registry and the KV peers"})
+    served_model_name: str | None = field(
+        default=None,
+        metadata={"help": "model name clients use (default: the checkpoint directory's name)", "metavar": "NAME"},
+    )
+    router_address: str | None = field(
+        default=None,
+        metadata={
+            "flag": "router",
+            "aliases": ("--router-address",),
+            "metavar": "HOST:PORT[,HOST:PORT...]",
+            "help": "the routers' Registry: register with and heartbeat load to each; a name resolving to several "
+            "addresses (a headless Service) means every one, re-resolved (omitted: run standalone)",
+        },
+    )
+    cluster_token: str = field(
+        default="",
+        metadata={
+            "env": CLUSTER_TOKEN_ENV,
+            "secret": True,
+            "help": "shared secret of the router's Registry and the KV peers",
+        },
+    )
     heartbeat_interval_s: float = field(default=2.0, metadata={"help": "until the router says otherwise"})
-    drain_timeout_s: float = field(default=60.0, metadata={
-        "help": "SIGTERM: longest wait for in-flight work before the pod stops anyway"})
+    drain_timeout_s: float = field(
+        default=60.0, metadata={"help": "SIGTERM: longest wait for in-flight work before the pod stops anyway"}
+    )
     # --- security (pdserve.security): all unset = plaintext ---
     tls_cert_file: str | None = tls_field("cert_file")
     tls_key_file: str | None = tls_field("key_file")
@@ -87,6 +106,11 @@ class PodServing:
         """TLS settings (checked when the config is built), or None for plaintext."""
         from pdserve.security import TLSConfig
 
-        tls = TLSConfig(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file,
-                        require_client_cert=self.tls_require_client_cert, server_name=self.tls_server_name)
+        tls = TLSConfig(
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            ca_file=self.tls_ca_file,
+            require_client_cert=self.tls_require_client_cert,
+            server_name=self.tls_server_name,
+        )
         return tls if tls.enabled or tls.require_client_cert else None

@@ -3,6 +3,7 @@ threads reach it only through a command queue, and a wake nudges an idle loop.
 
 ``EngineThread`` holds the mechanics (start and report a start-up error, a command queue, wake, stop/join, the
 dead-rank check); each pod's loop (prefill_svc/worker.py, decode_svc/engine_loop.py) holds its policy."""
+
 from __future__ import annotations
 
 import logging

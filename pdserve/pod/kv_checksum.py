@@ -8,6 +8,7 @@ position so that bytes landing at the wrong token or head change the sum. Every 
 the designated holder of (the first rank holding that head among the ranks holding that token), so each row is
 counted once per pod; the pod adds its ranks' partial sums. CRC-32 is zlib's (the standard library's).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -24,12 +25,16 @@ MASK = 0xFFFFFFFF
 def _designated_heads(layout: KVLayout, rank: int) -> list[int]:
     """Heads of ``rank`` that it, and no lower rank of its DCP group, is counted for."""
     dcp = layout.dcp_rank(rank)
-    return [h for h in layout.kv_heads_of_rank(rank)
-            if min(r for r in layout.ranks_holding_head(h) if layout.dcp_rank(r) == dcp) == rank]
+    return [
+        h
+        for h in layout.kv_heads_of_rank(rank)
+        if min(r for r in layout.ranks_holding_head(h) if layout.dcp_rank(r) == dcp) == rank
+    ]
 
 
-def partial_checksums(layout: KVLayout, rank: int, region: torch.Tensor, block_table: Sequence[int],
-                      num_tokens: int, block_tokens: int) -> list[int]:
+def partial_checksums(
+    layout: KVLayout, rank: int, region: torch.Tensor, block_table: Sequence[int], num_tokens: int, block_tokens: int
+) -> list[int]:
     """This rank's share of the checksum of each logical block of ``block_tokens`` tokens (of ``num_tokens``), read
     from its KV ``region`` (shape ``[layers, 2, blocks, block_size, local heads, head_dim]``) at ``block_table``."""
     n_blocks = -(-num_tokens // block_tokens)

@@ -1,4 +1,5 @@
 """Lifecycle pieces every pod server shares: version, health, id checks, signals and the event loop."""
+
 from __future__ import annotations
 
 import asyncio

@@ -4,6 +4,7 @@ A pod is given one or more router addresses (``host:port``). Each is resolved to
 re-resolved every ``resolve_interval_s``: behind a Kubernetes headless Service a name resolves to one A record per
 router replica, so a pod registers with (and heartbeats to) every replica, and with new ones as they appear. Each
 router replica therefore sees every pod without the replicas talking to each other."""
+
 from __future__ import annotations
 
 import asyncio
@@ -103,17 +104,30 @@ class _Link:
                 raise
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAUTHENTICATED and not self._warned:
-                    log.error("router %s refused this pod (UNAUTHENTICATED: %s); check --cluster-token "
-                              "(PDSERVE_CLUSTER_TOKEN); retrying every %.1fs", self.label, e.details(),
-                              self.interval_s)
+                    log.error(
+                        "router %s refused this pod (UNAUTHENTICATED: %s); check --cluster-token "
+                        "(PDSERVE_CLUSTER_TOKEN); retrying every %.1fs",
+                        self.label,
+                        e.details(),
+                        self.interval_s,
+                    )
                     self._warned = True
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT and not self._warned:
-                    log.error("router %s refused this pod's registration as malformed (%s); retrying every %.1fs",
-                              self.label, e.details(), self.interval_s)
+                    log.error(
+                        "router %s refused this pod's registration as malformed (%s); retrying every %.1fs",
+                        self.label,
+                        e.details(),
+                        self.interval_s,
+                    )
                     self._warned = True
                 if not self._warned:  # one warning per outage, not one per interval
-                    log.warning("router %s unreachable (%s: %s); retrying every %.1fs", self.label,
-                                e.code().name, e.details(), self.interval_s)
+                    log.warning(
+                        "router %s unreachable (%s: %s); retrying every %.1fs",
+                        self.label,
+                        e.code().name,
+                        e.details(),
+                        self.interval_s,
+                    )
                     self._warned = True
             except Exception:
                 log.exception("registration / heartbeat with router %s failed", self.label)
@@ -165,7 +179,8 @@ class _Link:
             try:
                 await self._stub.DeregisterWorker(
                     registry_pb2.DeregisterWorkerRequest(pod_id=pod_id, cluster_token=self.owner.cluster_token),
-                    timeout=RPC_TIMEOUT_S)
+                    timeout=RPC_TIMEOUT_S,
+                )
             except grpc.aio.AioRpcError as e:
                 log.warning("deregistering from router %s failed: %s", self.label, e.details())
         self.registered = False
@@ -176,11 +191,18 @@ class Registrar:
     """Registers the pod with every router, heartbeats every interval (re-registering with a router that forgot it),
     deregisters. ``desired_state`` from any router (e.g. an operator's DRAINING) is passed to on_desired_state."""
 
-    def __init__(self, router_addresses: str | Sequence[str], cluster_token: str, interval_s: float,
-                 register_request: Callable[[], registry_pb2.RegisterWorkerRequest | None],
-                 heartbeat_request: Callable[[], registry_pb2.HeartbeatRequest],
-                 on_desired_state: Callable[[int], None] | None = None, tls: TLSConfig | None = None,
-                 resolve: Resolver = resolve_ipv4, resolve_interval_s: float = RESOLVE_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        router_addresses: str | Sequence[str],
+        cluster_token: str,
+        interval_s: float,
+        register_request: Callable[[], registry_pb2.RegisterWorkerRequest | None],
+        heartbeat_request: Callable[[], registry_pb2.HeartbeatRequest],
+        on_desired_state: Callable[[int], None] | None = None,
+        tls: TLSConfig | None = None,
+        resolve: Resolver = resolve_ipv4,
+        resolve_interval_s: float = RESOLVE_INTERVAL_S,
+    ) -> None:
         self.addresses = parse_router_addresses(router_addresses)
         self.cluster_token = cluster_token
         self.interval_s = interval_s

@@ -2,6 +2,7 @@
 
 The router refuses the same fields before any pod is contacted (router/core.py), so a client gets one clean
 INVALID_ARGUMENT whichever service it talks to."""
+
 from __future__ import annotations
 
 from pdserve.sampling import SamplingParams, SamplingParamsError
@@ -40,8 +41,10 @@ def refuse_unsupported(sp: pb.SamplingParams, who: str) -> None:
     """Raise SamplingParamsError naming every unsupported field set; who: e.g. "this decode pod"."""
     names = unsupported_fields(sp)
     if names:
-        raise SamplingParamsError(f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not implemented by "
-                                  f"{who}: leave unset (or at the neutral value)")
+        raise SamplingParamsError(
+            f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not implemented by "
+            f"{who}: leave unset (or at the neutral value)"
+        )
 
 
 def num_sequences(sp: pb.SamplingParams) -> int:
@@ -55,8 +58,9 @@ def num_sequences(sp: pb.SamplingParams) -> int:
     return max(n, sp.best_of)
 
 
-def engine_params(sp: pb.SamplingParams, max_tokens: int, ignore_eos: bool, logprobs: bool,
-                  min_tokens: int | None = None) -> SamplingParams:
+def engine_params(
+    sp: pb.SamplingParams, max_tokens: int, ignore_eos: bool, logprobs: bool, min_tokens: int | None = None
+) -> SamplingParams:
     """The engine's SamplingParams from the proto's sampling fields (the caller decides the stop rules).
     Raises SamplingParamsError for values out of range."""
     return SamplingParams(

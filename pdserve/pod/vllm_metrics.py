@@ -2,6 +2,7 @@
 vLLM read a pdserve pod unchanged. Names, label names and bucket boundaries follow vLLM's PrometheusStatLogger
 (vllm/v1/metrics/loggers.py). A pod creates only the families it measures (docs/metrics.md says which and what they
 mean there): the prefill pod computes prompts and samples the first token, the decode pod samples every later one."""
+
 from __future__ import annotations
 
 import threading
@@ -16,14 +17,76 @@ ENGINE = "0"  # a pod runs one engine, vLLM's engine index 0
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 # vLLM PrometheusStatLogger's buckets for vllm:time_to_first_token_seconds
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 # vLLM PrometheusStatLogger's buckets for vllm:inter_token_latency_seconds (and its older time_per_output_token name)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 # vLLM PrometheusStatLogger's request_latency_buckets (vllm:e2e_request_latency_seconds)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def kv_usage(used: int, total: int) -> float:
@@ -55,7 +118,7 @@ class Alias:
         for fam in self.source.collect():
             out = Metric(self.name, self.documentation, fam.type)
             for smp in fam.samples:
-                out.samples.append(smp._replace(name=self.name + smp.name[len(fam.name):]))
+                out.samples.append(smp._replace(name=self.name + smp.name[len(fam.name) :]))
             yield out
 
     def describe(self):
@@ -68,16 +131,24 @@ class _PodVllmMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         lv = (model_name, ENGINE)
         r = registry
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                             LABELS, registry=r).labels(*lv)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                             LABELS, registry=r).labels(*lv)
-        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                                    LABELS, registry=r).labels(*lv)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                                         LABELS, registry=r).labels(*lv)
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          (*LABELS, "finished_reason"), registry=r)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", LABELS, registry=r
+        ).labels(*lv)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", LABELS, registry=r
+        ).labels(*lv)
+        self.kv_cache_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", LABELS, registry=r
+        ).labels(*lv)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
+        ).labels(*lv)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            (*LABELS, "finished_reason"),
+            registry=r,
+        )
         self.request_success = {reason: success.labels(*lv, reason) for reason in FINISHED_REASONS}
 
     def set_state(self, running: int, waiting: int, kv_cache_usage: float) -> None:
@@ -92,11 +163,16 @@ class PrefillVllmMetrics(_PodVllmMetrics):
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         super().__init__(registry, model_name)
         lv = (model_name, ENGINE)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS,
-                                     registry=registry).labels(*lv)
-        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", LABELS,
-                                             registry=registry, buckets=TTFT_BUCKETS).labels(*lv)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=registry
+        ).labels(*lv)
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            LABELS,
+            registry=registry,
+            buckets=TTFT_BUCKETS,
+        ).labels(*lv)
 
     def first_token(self, ttft_s: float, num_prompt_tokens: int, finished_reason: str | None) -> None:
         """A prompt got its first token; finished_reason when the request ended there (no decode follows)."""
@@ -113,15 +189,30 @@ class DecodeVllmMetrics(_PodVllmMetrics):
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         super().__init__(registry, model_name)
         lv = (model_name, ENGINE)
-        itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", LABELS,
-                        registry=registry, buckets=ITL_BUCKETS)
+        itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            LABELS,
+            registry=registry,
+            buckets=ITL_BUCKETS,
+        )
         self.inter_token_latency = itl.labels(*lv)
         # the name vLLM exported before renaming it, still read by older dashboards
-        registry.register(Alias(itl, "vllm:time_per_output_token_seconds", "Histogram of time per output token in "
-                                "seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead."))
-        self.e2e_request_latency = Histogram("vllm:e2e_request_latency_seconds",
-                                             "Histogram of e2e request latency in seconds.", LABELS,
-                                             registry=registry, buckets=REQUEST_LATENCY_BUCKETS).labels(*lv)
+        registry.register(
+            Alias(
+                itl,
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in "
+                "seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+            )
+        )
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            LABELS,
+            registry=registry,
+            buckets=REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
         self._lock = threading.Lock()
         self._generated = 0
 

@@ -1,4 +1,5 @@
 """`pdserve bench peer` when vLLM's CPU build cannot be installed: a clear message, exit 2, nothing in this env."""
+
 from __future__ import annotations
 
 import argparse

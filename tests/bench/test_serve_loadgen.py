@@ -1,5 +1,6 @@
 """`pdserve bench serve`'s load generator: it refuses every target but this machine's loopback, its workload and
 its Poisson arrivals are the same for a seed and have the stated shape."""
+
 from __future__ import annotations
 
 import statistics

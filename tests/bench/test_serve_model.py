@@ -1,6 +1,7 @@
 """bench/serve_model.py, the discrete-event model behind `pdserve bench serve`'s core-count answer: on cases worked
 out by hand (one request alone: TTFT is its prefill, TPOT one decode step; a unified pod's prefill stalls the decode
 of a running request; the split keeps it out) and the SLO capacity search."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """`pdserve bench serve`'s statistics on a synthetic trace whose answers are worked out by hand: TTFT, TPOT and ITL
 percentiles, goodput and SLO attainment (failed and one-token requests included), the SLO capacity of a sweep and
 vLLM's --goodput syntax."""
+
 from __future__ import annotations
 
 import pytest

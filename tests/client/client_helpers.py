@@ -1,6 +1,7 @@
 """A real grpc.aio server implementing the Router service whose answers each test scripts (status codes, a hang,
 a failure after one message). It does not imitate the router's generation: the live-cluster tests do that for real.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -76,7 +77,6 @@ class ServerThread:
             fut.cancel()
 
 
-
 def abort_with(code: grpc.StatusCode, message: str):
     async def script(n, request, context):
         await context.abort(code, message)
@@ -86,7 +86,11 @@ def abort_with(code: grpc.StatusCode, message: str):
 
 
 def final_message(request_id: str, text: str = "") -> router_pb2.GenerateResponse:
-    return router_pb2.GenerateResponse(request_id=request_id, token_ids=[5], text=text,
-                                       finish_reason=common_pb2.FINISH_REASON_STOP,
-                                       usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=1),
-                                       timing=common_pb2.Timing(ttft_s=0.01, e2e_s=0.02))
+    return router_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=[5],
+        text=text,
+        finish_reason=common_pb2.FINISH_REASON_STOP,
+        usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=1),
+        timing=common_pb2.Timing(ttft_s=0.01, e2e_s=0.02),
+    )

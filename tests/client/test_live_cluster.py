@@ -13,6 +13,7 @@ Two slow tests run the default model (SmolLM2): the default topology (its decode
 cores) asks for the capital of France, and a decode pod at TP 9 x DCP 3 (nine shared-memory ranks) gives the same
 answer token for token.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,9 +44,26 @@ def tiny(tiny_factory):
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, tiny):
-    u = UpProcess(["--model", str(tiny), "--port", "0", "--http-port", "0", "--decode-tp", "2", "--decode-dcp", "2",
-                   "--num-kv-blocks", "256", "--max-model-len", "2048"],
-                  log_dir=tmp_path_factory.mktemp("up-live"), startup_timeout=600)
+    u = UpProcess(
+        [
+            "--model",
+            str(tiny),
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--decode-tp",
+            "2",
+            "--decode-dcp",
+            "2",
+            "--num-kv-blocks",
+            "256",
+            "--max-model-len",
+            "2048",
+        ],
+        log_dir=tmp_path_factory.mktemp("up-live"),
+        startup_timeout=600,
+    )
     try:
         u.start()
     except BaseException:
@@ -82,8 +100,9 @@ def _wait_idle(client: Client, timeout: float = 20.0) -> dict[str, list[tuple[in
     while True:
         kv = _kv(client)
         st = client.cluster_status()
-        if (_all_free(kv) and sum(p.load.num_active_leases for p in st.pods) == 0
-                and st.num_inflight_requests == 0) or time.monotonic() > end:
+        if (
+            _all_free(kv) and sum(p.load.num_active_leases for p in st.pods) == 0 and st.num_inflight_requests == 0
+        ) or time.monotonic() > end:
             return kv
         time.sleep(0.2)
 
@@ -99,8 +118,9 @@ def _wait_held(client: Client, timeout: float = 10.0) -> dict[str, list[tuple[in
 
 def test_endpoints_and_status(up, client, model_name):
     st = client.cluster_status()
-    shapes = {p.pod_id: (p.parallel.tensor_parallel_size or 1, p.parallel.decode_context_parallel_size or 1)
-              for p in st.pods}
+    shapes = {
+        p.pod_id: (p.parallel.tensor_parallel_size or 1, p.parallel.decode_context_parallel_size or 1) for p in st.pods
+    }
     assert shapes == {"prefill-0": (1, 1), "decode-0": (2, 2)}
     assert model_name in st.ready_models
     assert up.info["http"].startswith("http://127.0.0.1:")
@@ -132,8 +152,9 @@ def test_async_streaming_matches_sync(up, client):
         async with AsyncClient(up.router, timeout=120) as ac:
             stream = ac.generate_stream(PROMPT, max_tokens=10, temperature=0, ignore_eos=True)
             texts = [ch.text async for ch in stream]
-            many = await asyncio.gather(*(ac.generate(PROMPT, max_tokens=10, temperature=0, ignore_eos=True)
-                                          for _ in range(4)))
+            many = await asyncio.gather(
+                *(ac.generate(PROMPT, max_tokens=10, temperature=0, ignore_eos=True) for _ in range(4))
+            )
             return "".join(texts), stream.completion, many
 
     text, comp, many = asyncio.run(run())
@@ -197,7 +218,7 @@ def test_server_errors_are_typed_with_the_message(client):
     with pytest.raises(InvalidArgumentError, match="max_model_len"):
         client.generate([5] * 3000, max_tokens=2)
     with pytest.raises(InvalidArgumentError, match="out of range"):
-        client.generate([10 ** 8], max_tokens=2)
+        client.generate([10**8], max_tokens=2)
     with pytest.raises(InvalidArgumentError, match="sampling_params"):
         client.generate("hi", max_tokens=2, temperature=-1.0)
     stream = client.generate_stream(PROMPT, max_tokens=1500, ignore_eos=True, request_id="live-dup")
@@ -214,12 +235,22 @@ def test_openai_client_matches_the_grpc_path(up, client, model_name):
     assert model_name in [m.id for m in oa.models.list()]
 
     ref = client.generate(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
-    r = oa.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
-                              extra_body={"ignore_eos": True})
+    r = oa.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.usage.prompt_tokens, 12)
-    parts = list(oa.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    parts = list(
+        oa.completions.create(
+            model=model_name,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(p.choices[0].text for p in parts if p.choices) == ref.text
     assert [p.choices[0].finish_reason for p in parts if p.choices and p.choices[0].finish_reason] == ["length"]
     assert parts[-1].usage.completion_tokens == 12
@@ -228,8 +259,7 @@ def test_openai_client_matches_the_grpc_path(up, client, model_name):
     r = oa.chat.completions.create(model=model_name, messages=MSGS, max_tokens=8, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == cref.text
     assert r.usage.completion_tokens == cref.usage.completion_tokens
-    parts = list(oa.chat.completions.create(model=model_name, messages=MSGS, max_tokens=8, temperature=0,
-                                            stream=True))
+    parts = list(oa.chat.completions.create(model=model_name, messages=MSGS, max_tokens=8, temperature=0, stream=True))
     assert parts[0].choices[0].delta.role == "assistant"
     assert "".join(p.choices[0].delta.content or "" for p in parts) == cref.text
     assert parts[-1].choices[0].finish_reason == cref.finish_reason
@@ -244,20 +274,23 @@ def test_openai_batch_prompts_and_disconnect(up, client, model_name):
     oa = openai.OpenAI(base_url=up.http + "/v1", api_key="unused", max_retries=0, timeout=120)
     prompts = [PROMPT, "Hello there, my friend"]
     refs = [client.generate(p, max_tokens=6, temperature=0, ignore_eos=True).text for p in prompts]
-    r = oa.completions.create(model=model_name, prompt=prompts, max_tokens=6, temperature=0,
-                              extra_body={"ignore_eos": True})
+    r = oa.completions.create(
+        model=model_name, prompt=prompts, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == refs
     assert r.usage.completion_tokens == 12
     texts = ["", ""]
-    for part in oa.completions.create(model=model_name, prompt=prompts, max_tokens=6, temperature=0, stream=True,
-                                      extra_body={"ignore_eos": True}):
+    for part in oa.completions.create(
+        model=model_name, prompt=prompts, max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    ):
         for ch in part.choices:
             texts[ch.index] += ch.text
     assert texts == refs
     # a streaming HTTP client that goes away: the request is cancelled and its KV freed
     assert _all_free(_wait_idle(client))
-    stream = oa.chat.completions.create(model=model_name, messages=MSGS, max_tokens=1500, temperature=0,
-                                        stream=True, extra_body={"ignore_eos": True})
+    stream = oa.chat.completions.create(
+        model=model_name, messages=MSGS, max_tokens=1500, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     n = 0
     for _ in stream:
         n += 1
@@ -273,21 +306,62 @@ def test_cli_generate_and_status(up, model_name):
     import sys
 
     ref = Client(up.router).generate(PROMPT, max_tokens=6, temperature=0, ignore_eos=True).text
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", PROMPT, "--router", up.router,
-                          "--max-tokens", "6", "--temperature", "0", "--ignore-eos"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "generate",
+            PROMPT,
+            "--router",
+            up.router,
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == ref + "\n" and "TTFT" in out.stderr and "6 completion tokens" in out.stderr
-    chat = subprocess.run([sys.executable, "-m", "pdserve.cli", "chat", MSGS[1]["content"], "--system",
-                           MSGS[0]["content"], "--router", up.router, "--max-tokens", "8", "--temperature", "0"],
-                          capture_output=True, text=True, timeout=120)
+    chat = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "chat",
+            MSGS[1]["content"],
+            "--system",
+            MSGS[0]["content"],
+            "--router",
+            up.router,
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout == Client(up.router).chat(MSGS, max_tokens=8, temperature=0).text + "\n"
-    bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "hi", "--router", up.router,
-                          "--model", "nope"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "generate", "hi", "--router", up.router, "--model", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "'nope'" in bad.stderr
-    st = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", up.router],
-                        capture_output=True, text=True, timeout=60)
+    st = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--router", up.router],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert st.returncode == 0 and "prefill-0" in st.stdout and "decode-0" in st.stdout and model_name in st.stdout
 
 
@@ -306,8 +380,12 @@ def _ask_france(up: UpProcess) -> str:
     assert "Paris" in r.text, r.text
     oa = openai.OpenAI(base_url=up.http + "/v1", api_key="unused", timeout=300)
     name = oa.models.list().data[0].id
-    r2 = oa.chat.completions.create(model=name, max_tokens=24, temperature=0,
-                                    messages=[{"role": "user", "content": "What is the capital of France?"}])
+    r2 = oa.chat.completions.create(
+        model=name,
+        max_tokens=24,
+        temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     assert r2.choices[0].message.content == r.text
     return r.text
 
@@ -321,8 +399,10 @@ def test_default_model_answers_the_capital_of_france(tmp_path):
     with UpProcess(["--port", "0", "--http-port", "0"], log_dir=tmp_path / "logs", startup_timeout=900) as up:
         pods = {p["name"]: p for p in up.info["pods"]}
         got = pods["decode-0"]
-        assert (got["tensor_parallel_size"], got["decode_context_parallel_size"]) == \
-            (want.tensor_parallel_size, want.decode_context_parallel_size)
+        assert (got["tensor_parallel_size"], got["decode_context_parallel_size"]) == (
+            want.tensor_parallel_size,
+            want.decode_context_parallel_size,
+        )
         _ask_france(up)
     assert up.wait_all_gone(10) == []
 
@@ -332,8 +412,11 @@ def test_dcp_decode_pod_gives_the_same_answer(tmp_path):
     """TP 9 x DCP 3 (each rank holds a third of the tokens) against a TP 1 decode pod: the same greedy text."""
     texts = []
     for tp, dcp in ((1, 1), (9, 3)):
-        with UpProcess(["--port", "0", "--http-port", "0", "--decode-tp", str(tp), "--decode-dcp", str(dcp)],
-                       log_dir=tmp_path / f"logs-{tp}", startup_timeout=900) as up:
+        with UpProcess(
+            ["--port", "0", "--http-port", "0", "--decode-tp", str(tp), "--decode-dcp", str(dcp)],
+            log_dir=tmp_path / f"logs-{tp}",
+            startup_timeout=900,
+        ) as up:
             assert {p["name"]: p for p in up.info["pods"]}["decode-0"]["decode_context_parallel_size"] == dcp
             texts.append(_ask_france(up))
         assert up.wait_all_gone(10) == []

@@ -3,6 +3,7 @@ param), the router's gRPC statuses mapped to HTTP statuses in OpenAI's error sha
 whose errors before the first token are ordinary HTTP errors), unknown routes / methods, and the official `openai`
 client raising its typed errors with the server's message. Token streams are tested against a live cluster in
 test_live_cluster.py."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,12 @@ def _base(srv) -> str:
 
 def _post(srv, path: str, body: bytes | dict, method: str = "POST") -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(_base(srv) + path, data=data if method == "POST" else None, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        _base(srv) + path,
+        data=data if method == "POST" else None,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -65,39 +70,61 @@ def _assert_openai_error(body: dict, *, param=None, code=None, type_=None, messa
         assert message in err["message"]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"model": "m", "prompt": "x", "n": 0}, "n"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "n": 200}, "n"),
-    ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 1}, "echo"),
-    ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True}, "echo"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"1": "big"}}, "logit_bias"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "min_p": "low"}, "min_p"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "n": 3, "best_of": 2}, "best_of"),
-    ("/v1/completions", {"model": "m"}, "prompt"),
-    ("/v1/completions", {"model": "m", "prompt": [1, "a"]}, "prompt"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "stop": [1]}, "stop"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "frobnicate": 1}, "frobnicate"),
-    ("/v1/completions", {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-     "top_logprobs"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                              "top_logprobs": -1}, "top_logprobs"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "yaml"}}, "response_format"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                              "functions": [{"name": "f"}]}, "functions"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"model": "m", "prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "n": 200}, "n"),
+        ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True}, "echo"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"1": "big"}}, "logit_bias"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "min_p": "low"}, "min_p"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        ("/v1/completions", {"model": "m"}, "prompt"),
+        ("/v1/completions", {"model": "m", "prompt": [1, "a"]}, "prompt"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stop": [1]}, "stop"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+            "functions",
+        ),
+    ],
+)
 def test_bad_requests_are_400_with_the_param(srv, servicer, path, body, param):
     status, out = _post(srv, path, body)
     assert status == 400
@@ -124,18 +151,22 @@ def test_unknown_route_and_wrong_method(srv):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("code,http,err_code", [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400, None),
-    (grpc.StatusCode.NOT_FOUND, 404, "model_not_found"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_exceeded"),
-    (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
-    (grpc.StatusCode.INTERNAL, 500, None),
-])
+@pytest.mark.parametrize(
+    "code,http,err_code",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, None),
+        (grpc.StatusCode.NOT_FOUND, 404, "model_not_found"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_exceeded"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
+        (grpc.StatusCode.INTERNAL, 500, None),
+    ],
+)
 def test_router_status_becomes_http_status_in_openai_shape(srv, servicer, stream, code, http, err_code):
     servicer.script = abort_with(code, f"router says {code.name}")
-    for path, body in (("/v1/completions", {"model": "m", "prompt": "hi", "stream": stream}),
-                       ("/v1/chat/completions", {"model": "m", "stream": stream,
-                                                 "messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"model": "m", "prompt": "hi", "stream": stream}),
+        ("/v1/chat/completions", {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}),
+    ):
         status, out = _post(srv, path, body)
         assert status == http, out
         _assert_openai_error(out, code=err_code, message=f"router says {code.name}")
@@ -143,12 +174,24 @@ def test_router_status_becomes_http_status_in_openai_shape(srv, servicer, stream
 
 def test_request_fields_reach_the_router(srv, servicer):
     servicer.script = abort_with(grpc.StatusCode.INVALID_ARGUMENT, "stop here")
-    _post(srv, "/v1/chat/completions", {
-        "model": "m", "messages": [{"role": "developer", "content": "be brief"},
-                                   {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                {"type": "text", "text": "b"}]}],
-        "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 1, "stop": "\n", "top_k": 3,
-        "request_id": "abc"})
+    _post(
+        srv,
+        "/v1/chat/completions",
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 1,
+            "stop": "\n",
+            "top_k": 3,
+            "request_id": "abc",
+        },
+    )
     req = servicer.calls[-1][1]
     assert req.model == "m" and req.request_id == "abc"
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "ab")]
@@ -171,8 +214,9 @@ def test_openai_client_raises_typed_errors_with_the_server_message(srv, servicer
     with pytest.raises(openai.NotFoundError, match="unknown model 'gpt-4'"):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.NotFoundError, match="unknown model 'gpt-4'"):
-        for _ in client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}],
-                                                stream=True):
+        for _ in client.chat.completions.create(
+            model="gpt-4", messages=[{"role": "user", "content": "x"}], stream=True
+        ):
             pass
     servicer.script = abort_with(grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue full")
     with pytest.raises(openai.RateLimitError, match="router queue full"):
@@ -190,8 +234,9 @@ def test_models_lists_the_ready_models(srv, servicer):
 
 
 def test_parsers_directly():
-    p, prompts = parse_completion({"model": "x", "prompt": [[1, 2], [3]], "stream": True,
-                                   "stream_options": {"include_usage": True}})
+    p, prompts = parse_completion(
+        {"model": "x", "prompt": [[1, 2], [3]], "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert prompts == [[1, 2], [3]] and p.stream and p.include_usage
     p, msgs, agp = parse_chat({"messages": [{"role": "user", "content": None}], "add_generation_prompt": False})
     assert msgs == [{"role": "user", "content": ""}] and agp is False and p.sampling == {}
@@ -203,6 +248,7 @@ DEAD_ROUTER = "127.0.0.1:1"  # nothing listens: UNAVAILABLE before any token
 def _answers(n, request, context):
     async def gen():
         yield final_message(request.request_id, "ok")
+
     return gen()
 
 
@@ -210,6 +256,7 @@ def _fails_after_a_token(n, request, context):
     async def gen():
         yield router_pb2.GenerateResponse(request_id=request.request_id, token_ids=[7], text="a")
         await context.abort(grpc.StatusCode.UNAVAILABLE, "decode failed after 1 tokens were sent: worker died")
+
     return gen()
 
 
@@ -231,8 +278,9 @@ def test_front_fails_over_to_another_router_before_the_first_token_only():
         for _ in range(2):
             texts = []
             with pytest.raises(openai.APIError, match=f"router {s.address} failed mid-stream: .*worker died"):
-                for chunk in client.chat.completions.create(model="m", stream=True,
-                                                            messages=[{"role": "user", "content": "hi"}]):
+                for chunk in client.chat.completions.create(
+                    model="m", stream=True, messages=[{"role": "user", "content": "hi"}]
+                ):
                     texts.append(chunk.choices[0].delta.content if chunk.choices else None)
             assert "a" in texts
         assert len(s.servicer.calls) == 2  # one call per request: nothing re-sent after a token

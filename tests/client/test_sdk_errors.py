@@ -4,6 +4,7 @@ backoff on UNAVAILABLE only and never after a message arrived, deadlines, cancel
 The server here is a real grpc.aio server implementing the Router service, scripted per test to answer with given
 status codes; it does not imitate the router's generation (the live tests in test_live_cluster.py do that for real).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -161,6 +162,7 @@ def _fails_after_tokens(n, request, context):
     async def gen():
         yield router_pb2.GenerateResponse(request_id=request.request_id, token_ids=[7], text="a")
         await context.abort(grpc.StatusCode.UNAVAILABLE, "decode failed after 1 tokens were sent: worker died")
+
     return gen()
 
 
@@ -192,6 +194,7 @@ def _hang(n, request, context):
     async def gen():
         await asyncio.sleep(30)
         yield final_message(request.request_id)
+
     return gen()
 
 
@@ -284,8 +287,16 @@ def test_request_building(srv, servicer):
 
     servicer.script = script
     with Client(srv.address, model="m1") as c:
-        c.chat([{"role": "system", "content": "s"}, ("user", "u")], max_tokens=4, temperature=0.0, stop="\n",
-               seed=3, stop_token_ids=[9], add_generation_prompt=True, request_id="r-x")
+        c.chat(
+            [{"role": "system", "content": "s"}, ("user", "u")],
+            max_tokens=4,
+            temperature=0.0,
+            stop="\n",
+            seed=3,
+            stop_token_ids=[9],
+            add_generation_prompt=True,
+            request_id="r-x",
+        )
     req = seen["req"]
     assert req.request_id == "r-x" and req.model == "m1"
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "s"), ("user", "u")]
@@ -305,6 +316,7 @@ DEAD = "127.0.0.1:1"  # nothing listens: UNAVAILABLE before any token
 def _answers(n, request, context):
     async def gen():
         yield final_message(request.request_id, "ok")
+
     return gen()
 
 

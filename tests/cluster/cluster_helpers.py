@@ -4,6 +4,7 @@
     python cluster_helpers.py service obedient|stubborn N     # a service with N spawned ranks
     python cluster_helpers.py supervise N_SERVICES            # a LocalCluster running stand-ins; prints pids
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -40,9 +41,16 @@ def supervise(n: int, log_dir: str) -> None:
 
     c = LocalCluster(Topology(), log_dir=log_dir)
     Path(log_dir).mkdir(parents=True, exist_ok=True)
-    c.services = [Service(f"svc-{i}", "prefill", [sys.executable, __file__, "service",
-                                                  "stubborn" if i % 2 else "obedient", "2"],
-                          "127.0.0.1:1", Path(log_dir) / f"svc-{i}.log") for i in range(n)]
+    c.services = [
+        Service(
+            f"svc-{i}",
+            "prefill",
+            [sys.executable, __file__, "service", "stubborn" if i % 2 else "obedient", "2"],
+            "127.0.0.1:1",
+            Path(log_dir) / f"svc-{i}.log",
+        )
+        for i in range(n)
+    ]
     c._start_reaper()
     for s in c.services:
         c._spawn(s)

@@ -2,6 +2,7 @@
 with code 0 within its drain timeout + 2 s, with its whole process group (TP rank processes, NIXL / UCX and
 kv_transfer threads) gone; nothing has to be SIGKILLed. Busy means: a prefill pod holding a KV lease that no decode
 pod ever reads, a decode pod streaming a long request, a router with that stream in flight."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,18 @@ def tiny(tiny_factory):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny):
     drain = ["--drain-timeout-s", str(DRAIN_S)]
-    c = e2e_cluster(tmp_path_factory.mktemp("clean-stop"), tiny, num_prefill=1, num_decode=1, prefill_tp=2,
-                    decode_tp=2, decode_dcp=2, router_args=drain, prefill_args=drain, decode_args=drain)
+    c = e2e_cluster(
+        tmp_path_factory.mktemp("clean-stop"),
+        tiny,
+        num_prefill=1,
+        num_decode=1,
+        prefill_tp=2,
+        decode_tp=2,
+        decode_dcp=2,
+        router_args=drain,
+        prefill_args=drain,
+        decode_args=drain,
+    )
     c.start()
     yield c
     c.stop()
@@ -50,8 +61,9 @@ def sigterm_and_time(cluster, name: str) -> float:
     try:
         rc = proc.wait(DRAIN_S + SLACK_S + 10)
     except Exception:
-        raise AssertionError(f"{name} still runs {DRAIN_S + SLACK_S + 10:g}s after SIGTERM:\n"
-                             + cluster.service(name).log_tail(40)) from None
+        raise AssertionError(
+            f"{name} still runs {DRAIN_S + SLACK_S + 10:g}s after SIGTERM:\n" + cluster.service(name).log_tail(40)
+        ) from None
     while not _group_gone(proc.pid) and time.monotonic() - t0 < DRAIN_S + SLACK_S + 10:
         time.sleep(0.02)
     took = time.monotonic() - t0
@@ -111,12 +123,20 @@ def test_busy_prefill_pod_stops_within_the_drain_timeout(cluster):
     prefill = prefill_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(cluster.service("p0").address))
     ids = [1, 7, 11, 13, 17, 19, 23, 29, 31]
     alloc = decode.AllocateKV(decode_pb2.AllocateKVRequest(request_id="held", num_tokens=len(ids)), timeout=30)
-    pre = prefill.Prefill(prefill_pb2.PrefillRequest(
-        request_id="held", prompt_token_ids=ids,
-        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-        decode_target=prefill_pb2.DecodeTarget(decode_pod_id="d0", layout=alloc.layout,
-                                               block_tables=alloc.block_tables,
-                                               transfer_modes=alloc.transfer_modes)), timeout=60)
+    pre = prefill.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id="held",
+            prompt_token_ids=ids,
+            sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+            decode_target=prefill_pb2.DecodeTarget(
+                decode_pod_id="d0",
+                layout=alloc.layout,
+                block_tables=alloc.block_tables,
+                transfer_modes=alloc.transfer_modes,
+            ),
+        ),
+        timeout=60,
+    )
     assert pre.kv_handle.kv_transfer_address
     took = sigterm_and_time(cluster, "p0")
     assert DRAIN_S - 0.5 < took < DRAIN_S + SLACK_S, f"busy prefill pod took {took:.2f}s (drain {DRAIN_S:g}s)"

@@ -1,6 +1,7 @@
 """CPU placement of pods: `cpus:` in topology files and `pdserve up --prefill-cpus/--decode-cpus`. The cores asked
 for are what the kernel reports for the pod and for every TP rank it spawns (os.sched_getaffinity of each pid), each
 rank gets cores / TP threads, and `pdserve up` logs the placement before it starts anything."""
+
 from __future__ import annotations
 
 import os
@@ -40,9 +41,29 @@ def test_pdserve_up_pins_pods_and_their_ranks(tmp_path, tiny_factory):
     model = tiny_factory("llama", num_heads=8, num_kv_heads=1, vocab_size=49152)
     first, second = sorted(os.sched_getaffinity(0))[:2]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    up = UpProcess(["--model", str(model), "--port", "0", "--http-port", "-1", "--num-kv-blocks", "64",
-                    "--decode-tp", "2", "--decode-dcp", "2", "--prefill-cpus", str(first),
-                    "--decode-cpus", str(second)], log_dir=tmp_path / "logs", env=env, startup_timeout=300)
+    up = UpProcess(
+        [
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--http-port",
+            "-1",
+            "--num-kv-blocks",
+            "64",
+            "--decode-tp",
+            "2",
+            "--decode-dcp",
+            "2",
+            "--prefill-cpus",
+            str(first),
+            "--decode-cpus",
+            str(second),
+        ],
+        log_dir=tmp_path / "logs",
+        env=env,
+        startup_timeout=300,
+    )
     with up:
         pods = {s["name"]: s["pid"] for s in up.info["services"]}
         prefill, decode = psutil.Process(pods["prefill-0"]), psutil.Process(pods["decode-0"])

@@ -2,6 +2,7 @@
 exponential back-off and registers with every router again; a pod whose TP rank died fails its liveness probe and
 is restarted; a router comes back and the pods register with it; each restart is logged; ``never`` leaves the dead
 service down."""
+
 from __future__ import annotations
 
 import os
@@ -31,10 +32,15 @@ def test_which_exits_restart():
     assert RestartPolicy("always").restarts(0)
 
 
-@pytest.mark.parametrize("bad,says", [(dict(mode="sometimes"), "restart policy must be one of"),
-                                      (dict(backoff_s=5, backoff_max_s=1), "backoff_max_s"),
-                                      (dict(liveness_failures=0), "liveness_failures"),
-                                      (dict(liveness_period_s=0), "liveness_period_s")])
+@pytest.mark.parametrize(
+    "bad,says",
+    [
+        (dict(mode="sometimes"), "restart policy must be one of"),
+        (dict(backoff_s=5, backoff_max_s=1), "backoff_max_s"),
+        (dict(liveness_failures=0), "liveness_failures"),
+        (dict(liveness_period_s=0), "liveness_period_s"),
+    ],
+)
 def test_bad_policy_is_refused_with_the_field_named(bad, says):
     with pytest.raises(ValueError, match=says):
         RestartPolicy(**bad)
@@ -47,11 +53,27 @@ def tiny(tiny_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny):
-    policy = RestartPolicy("on-failure", backoff_s=0.5, backoff_max_s=4.0, liveness_period_s=1.0,
-                           liveness_timeout_s=2.0, liveness_failures=2)
+    policy = RestartPolicy(
+        "on-failure",
+        backoff_s=0.5,
+        backoff_max_s=4.0,
+        liveness_period_s=1.0,
+        liveness_timeout_s=2.0,
+        liveness_failures=2,
+    )
     lines: list[str] = []
-    c = e2e_cluster(tmp_path_factory.mktemp("restart"), tiny, num_prefill=1, num_decode=1, decode_tp=2,
-                    decode_dcp=2, num_kv_blocks=64, restart_policy=policy, num_routers=2, echo=lines.append)
+    c = e2e_cluster(
+        tmp_path_factory.mktemp("restart"),
+        tiny,
+        num_prefill=1,
+        num_decode=1,
+        decode_tp=2,
+        decode_dcp=2,
+        num_kv_blocks=64,
+        restart_policy=policy,
+        num_routers=2,
+        echo=lines.append,
+    )
     c.start()
     c.lines = lines
     c.supervise_in_background(0.1)
@@ -86,8 +108,9 @@ def _wait_ready_everywhere(cluster, name: str, timeout: float = 90) -> None:
                     st = e
                 now = time.monotonic()
                 if not isinstance(st, UnavailableError) and any(
-                        p.pod_id == name and p.state == common_pb2.POD_STATE_READY and p.uptime_s <= now - restarted
-                        for p in st.pods):
+                    p.pod_id == name and p.state == common_pb2.POD_STATE_READY and p.uptime_s <= now - restarted
+                    for p in st.pods
+                ):
                     break
                 assert time.monotonic() < end, f"{name} not READY in {addr}: {st}"
                 time.sleep(0.2)

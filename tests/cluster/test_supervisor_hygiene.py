@@ -2,6 +2,7 @@
 other grandchildren included, SIGKILL for those that ignore SIGTERM), and a supervisor that is SIGKILLed takes its
 services with it (PR_SET_PDEATHSIG + the reaper watchdog). Uses stand-in services (tests/cluster/cluster_helpers.py);
 the same checks against the real `pdserve up` are in tests/client/test_live_cluster.py."""
+
 from __future__ import annotations
 
 import os
@@ -54,9 +55,16 @@ def _gone(pids: list[int], timeout: float) -> list[int]:
 
 def test_stop_kills_every_group_member_including_stubborn_ones(tmp_path):
     c = LocalCluster(Topology(), log_dir=tmp_path)
-    c.services = [Service(f"svc-{i}", "prefill" if i else "router",
-                          [sys.executable, HELPER, "service", "stubborn" if i == 1 else "obedient", "2"],
-                          "127.0.0.1:1", tmp_path / f"svc-{i}.log") for i in range(3)]
+    c.services = [
+        Service(
+            f"svc-{i}",
+            "prefill" if i else "router",
+            [sys.executable, HELPER, "service", "stubborn" if i == 1 else "obedient", "2"],
+            "127.0.0.1:1",
+            tmp_path / f"svc-{i}.log",
+        )
+        for i in range(3)
+    ]
     c._start_reaper()
     for s in c.services:
         c._spawn(s)
@@ -70,8 +78,12 @@ def test_stop_kills_every_group_member_including_stubborn_ones(tmp_path):
 
 
 def test_sigkilled_supervisor_takes_its_services_with_it(tmp_path):
-    sup = subprocess.Popen([sys.executable, HELPER, "supervise", "2", str(tmp_path)], stdout=subprocess.PIPE,
-                           text=True, start_new_session=True)
+    sup = subprocess.Popen(
+        [sys.executable, HELPER, "supervise", "2", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = sup.stdout.readline()
         assert line.startswith("pids"), line
@@ -89,8 +101,9 @@ def test_interrupt_during_spawn_is_deferred_until_the_child_is_recorded(tmp_path
     from pdserve.cluster.supervisor import Interrupted
 
     c = LocalCluster(Topology(), log_dir=tmp_path)
-    s = Service("svc", "prefill", [sys.executable, "-c", "import time; time.sleep(60)"], "127.0.0.1:1",
-                tmp_path / "svc.log")
+    s = Service(
+        "svc", "prefill", [sys.executable, "-c", "import time; time.sleep(60)"], "127.0.0.1:1", tmp_path / "svc.log"
+    )
     c.services = [s]
     c._signalled = signal.SIGINT  # as if Ctrl-C arrived while Popen was running
     with pytest.raises(Interrupted):

@@ -1,4 +1,5 @@
 """Topology of `pdserve up`: YAML and flags, checked once with pdserve.parallel_config (no process is started)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,16 @@ MHA = ModelParallelInfo(num_attention_heads=8, num_kv_heads=8)
 def _ckpt(tmp_path: Path, heads: int = 8, kv: int = 1) -> Path:
     d = tmp_path / "ckpt"
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": heads,
-                                               "num_key_value_heads": kv, "hidden_size": 64}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv,
+                "hidden_size": 64,
+            }
+        )
+    )
     (d / "tokenizer.json").write_text("{}")
     return d
 
@@ -39,8 +48,9 @@ def test_auto_dcp_for_smollm2_shape_and_mha_fallback():
     t = Topology().resolve(SMOLLM2, cores=16)
     d = t.decode[0]
     assert (d.tensor_parallel_size, d.decode_context_parallel_size) == (9, 3)  # 9 heads, 3 KV heads
-    assert t.notes == ["decode-0: tp=9 dcp=3, the smallest DCP layout this model allows (9 heads, 3 KV heads); "
-                       "9 ranks on 16 cores"]
+    assert t.notes == [
+        "decode-0: tp=9 dcp=3, the smallest DCP layout this model allows (9 heads, 3 KV heads); 9 ranks on 16 cores"
+    ]
     t = Topology().resolve(MHA)  # MHA allows no DCP > 1: runs without, and says so
     assert (t.decode[0].tensor_parallel_size, t.decode[0].decode_context_parallel_size) == (1, 1)
     assert t.warnings and "allows no DCP > 1" in t.warnings[0]
@@ -98,8 +108,13 @@ decode:
     assert t.router_args == ["--max-queue-len", "8"]
     assert [(p.name, p.tensor_parallel_size) for p in t.prefill] == [("prefill-0", 2), ("prefill-1", 2)]
     d0, d1 = t.decode
-    assert (d0.tensor_parallel_size, d0.decode_context_parallel_size, d0.dcp_kv_cache_interleave_size,
-            d0.port, d0.num_kv_blocks) == (4, 2, 4, 6001, 64)
+    assert (
+        d0.tensor_parallel_size,
+        d0.decode_context_parallel_size,
+        d0.dcp_kv_cache_interleave_size,
+        d0.port,
+        d0.num_kv_blocks,
+    ) == (4, 2, 4, 6001, 64)
     assert (d1.tensor_parallel_size, d1.decode_context_parallel_size) == (2, 2)
     assert d1.extra_args == ["--max-num-seqs", "8"]
     t.assign_ports()
@@ -107,17 +122,20 @@ decode:
     assert 0 not in ports and len(set(ports)) == len(ports) and 6001 in ports
 
 
-@pytest.mark.parametrize("text,match", [
-    ("prefill: [{tp: 1, tpp: 2}]", "unknown key"),
-    ("decoder: []", "unknown key"),
-    ("prefill: [{tp: two}]", "must be an integer"),
-    ("prefill: []", "non-empty list"),
-    ("router: {port: 70000}", r"\[0, 65535\]"),
-    ("decode: {count: 2, port: 7000}", "cannot be shared"),
-    ("- a\n- b", "must be a mapping"),
-    ("dtype: fp8", "dtype must be one of auto, float32, bfloat16, float16"),
-    ("prefill: [{tp: 1", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("prefill: [{tp: 1, tpp: 2}]", "unknown key"),
+        ("decoder: []", "unknown key"),
+        ("prefill: [{tp: two}]", "must be an integer"),
+        ("prefill: []", "non-empty list"),
+        ("router: {port: 70000}", r"\[0, 65535\]"),
+        ("decode: {count: 2, port: 7000}", "cannot be shared"),
+        ("- a\n- b", "must be a mapping"),
+        ("dtype: fp8", "dtype must be one of auto, float32, bfloat16, float16"),
+        ("prefill: [{tp: 1", "not valid YAML"),
+    ],
+)
 def test_yaml_errors_name_the_problem(tmp_path, text, match):
     f = tmp_path / "bad.yaml"
     f.write_text(text)
@@ -143,8 +161,9 @@ def test_flags_override_the_file(tmp_path):
     register(sub)
     from pdserve.commands.up import topology_from_args
 
-    args = ap.parse_args(["up", "--config", str(f), "--decode-dcp", "2", "--prefill-pods", "2", "--port", "0",
-                          "--http-port", "-1"])
+    args = ap.parse_args(
+        ["up", "--config", str(f), "--decode-dcp", "2", "--prefill-pods", "2", "--port", "0", "--http-port", "-1"]
+    )
     t = topology_from_args(args).resolve(GQA_1KV)
     assert [p.tensor_parallel_size for p in t.prefill] == [2, 2]
     assert (t.decode[0].tensor_parallel_size, t.decode[0].decode_context_parallel_size) == (4, 2)
@@ -164,8 +183,12 @@ def test_model_directory_checks(tmp_path):
 
 def test_up_dry_run_prints_the_checked_plan(tmp_path):
     d = _ckpt(tmp_path, heads=8, kv=1)
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run",
-                          "--port", "0", "--http-port", "0"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--port", "0", "--http-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     dec = [p for p in plan["pods"] if p["role"] == "decode"][0]
@@ -176,14 +199,34 @@ def test_up_dry_run_prints_the_checked_plan(tmp_path):
     assert "--router" in plan["commands"]["prefill-0"] and "--device" not in cmd
     assert "--router" in cmd  # decode pods register with the router too
     assert "--dtype" not in cmd  # auto unless asked
-    bf16 = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--dtype",
-                           "bfloat16"], capture_output=True, text=True, timeout=120)
+    bf16 = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--dtype", "bfloat16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bf16.returncode == 0, bf16.stderr
     for argv in json.loads(bf16.stdout)["commands"].values():  # the same dtype on every pod, none on the router
         assert ("--dtype" in argv) == (argv[2] in ("prefill_svc", "decode_svc"))
         assert "--dtype" not in argv or argv[argv.index("--dtype") + 1] == "bfloat16"
-    bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run",
-                          "--decode-tp", "2", "--decode-dcp", "4"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            str(d),
+            "--dry-run",
+            "--decode-tp",
+            "2",
+            "--decode-dcp",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "Suggested fix" in bad.stderr and bad.stdout == ""
 
 
@@ -208,8 +251,12 @@ def test_several_routers_from_yaml_and_flags(tmp_path, monkeypatch):
     t.assign_ports()
     assert len(set(t.router_ports)) == 3 and 0 not in t.router_ports
     assert Topology.from_dict({"router": {"count": 2}}).router_ports == [50051, 0]
-    for bad, match in [({"count": 0}, "router.count"), ({"count": 2, "ports": [1, 2, 3]}, "router.count"),
-                       ({"ports": []}, "router.ports"), ({"port": 5, "ports": [6]}, "router.port")]:
+    for bad, match in [
+        ({"count": 0}, "router.count"),
+        ({"count": 2, "ports": [1, 2, 3]}, "router.count"),
+        ({"ports": []}, "router.ports"),
+        ({"port": 5, "ports": [6]}, "router.port"),
+    ]:
         with pytest.raises(TopologyError, match=match):
             Topology.from_dict({"router": bad})
     with pytest.raises(TopologyError, match="given to both router and router-1"):
@@ -221,8 +268,26 @@ def test_several_routers_from_yaml_and_flags(tmp_path, monkeypatch):
 
 def test_up_dry_run_points_every_pod_at_every_router(tmp_path):
     d = _ckpt(tmp_path, heads=8, kv=1)
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--routers",
-                          "2", "--port", "0", "--http-port", "-1"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            str(d),
+            "--dry-run",
+            "--routers",
+            "2",
+            "--port",
+            "0",
+            "--http-port",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert len(plan["routers"]) == 2 and plan["router"] == plan["routers"][0]

@@ -1,6 +1,7 @@
 """`pdserve up` with the real services, in a subprocess: whatever happens during startup (a service that dies, a
 Ctrl-C before the cluster is ready), it exits and no process it started survives. The ready-cluster checks (SDK,
 OpenAI client, Ctrl-C after serving) are in tests/client/test_live_cluster.py."""
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,11 @@ def tiny(tiny_factory):
 def test_a_service_that_dies_at_startup_fails_up_and_stops_the_rest(tmp_path, tiny):
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text("router: {args: [--no-such-flag]}\n")
-    up = UpProcess(["--config", str(cfg), "--model", str(tiny), "--port", "0", "--http-port", "0",
-                    "--num-kv-blocks", "64"], log_dir=tmp_path / "logs", startup_timeout=300)
+    up = UpProcess(
+        ["--config", str(cfg), "--model", str(tiny), "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"],
+        log_dir=tmp_path / "logs",
+        startup_timeout=300,
+    )
     up.start(wait=False)
     try:
         rc = up.proc.wait(300)
@@ -36,8 +40,11 @@ def test_a_service_that_dies_at_startup_fails_up_and_stops_the_rest(tmp_path, ti
 
 
 def test_ctrl_c_during_startup_stops_everything(tmp_path, tiny):
-    up = UpProcess(["--model", str(tiny), "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"],
-                   log_dir=tmp_path / "logs", startup_timeout=300)
+    up = UpProcess(
+        ["--model", str(tiny), "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"],
+        log_dir=tmp_path / "logs",
+        startup_timeout=300,
+    )
     up.start(wait=False)
     try:
         # wait until the services (and the decode pod's second TP rank) are running, then Ctrl-C
@@ -58,9 +65,24 @@ def test_ctrl_c_during_startup_stops_everything(tmp_path, tiny):
 
 def test_ask_answers_then_stops_everything(tmp_path, tiny):
     """`pdserve up --ask PROMPT` (what scripts/run.sh runs): up, one streamed chat answer, everything stopped."""
-    up = UpProcess(["--model", str(tiny), "--port", "0", "--http-port", "0", "--num-kv-blocks", "64",
-                    "--ask", "What is the capital of France?", "--ask-max-tokens", "5"],
-                   log_dir=tmp_path / "logs", startup_timeout=300)
+    up = UpProcess(
+        [
+            "--model",
+            str(tiny),
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--num-kv-blocks",
+            "64",
+            "--ask",
+            "What is the capital of France?",
+            "--ask-max-tokens",
+            "5",
+        ],
+        log_dir=tmp_path / "logs",
+        startup_timeout=300,
+    )
     up.start(wait=False)
     try:
         while up.proc.poll() is None:
@@ -78,8 +100,11 @@ def test_ask_answers_then_stops_everything(tmp_path, tiny):
 
 def test_sigkilled_up_takes_every_service_with_it(tmp_path, tiny):
     """`pdserve up` killed with SIGKILL (no chance to clean up): its services and their TP ranks still die."""
-    up = UpProcess(["--model", str(tiny), "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"],
-                   log_dir=tmp_path / "logs", startup_timeout=300)
+    up = UpProcess(
+        ["--model", str(tiny), "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"],
+        log_dir=tmp_path / "logs",
+        startup_timeout=300,
+    )
     try:
         up.start()
         assert len(up.descendants()) >= 6
@@ -99,7 +124,11 @@ def test_up_process_dies_with_the_test_that_started_it(tmp_path, tiny):
     import psutil
 
     tests_dir = str(Path(__file__).resolve().parents[1])  # where up_helpers lives
-    driver = subprocess.Popen([sys.executable, "-c", f"""
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import sys
 import time
 sys.path.insert(0, {tests_dir!r})
@@ -109,7 +138,11 @@ up = UpProcess(["--model", {str(tiny)!r}, "--port", "0", "--http-port", "0", "--
 up.start(wait=False)
 print(up.proc.pid, flush=True)
 time.sleep(600)
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     up_pid = int(driver.stdout.readline())
     up_proc = psutil.Process(up_pid)
     seen: dict[int, psutil.Process] = {}

@@ -1,5 +1,6 @@
 """Fixtures for the decode service tests: tiny checkpoints (8 query heads; 2 KV heads and MQA) and reference TP 1
 engines standing in for the prefill pod."""
+
 from __future__ import annotations
 
 import os

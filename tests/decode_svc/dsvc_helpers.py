@@ -1,4 +1,5 @@
 """Helpers for the decode service tests (ground truth from transformers, an engine publishing KV as prefill does)."""
+
 from __future__ import annotations
 
 import collections.abc
@@ -20,12 +21,14 @@ PROMPTS = [
 class PrefillStandIn(EnginePrefill):
     """A TP 1 engine publishing prompt KV over kv_transfer (TCP), as a prefill pod does; decode pods pull it."""
 
-    def source(self, pod, prompt: list[int], num_tokens: int | None = None,
-               timeout_s: float = 60.0) -> TransferKVSource:
+    def source(
+        self, pod, prompt: list[int], num_tokens: int | None = None, timeout_s: float = 60.0
+    ) -> TransferKVSource:
         """A KV source for pod on a fresh lease over the prompt's KV (its first num_tokens tokens)."""
         handoff = self.handoff(prompt, num_tokens)
-        return TransferKVSource(handoff.to_json(), handoff.num_tokens,
-                                PullerFactory.for_engine(pod.engine, backend="tcp"), timeout_s)
+        return TransferKVSource(
+            handoff.to_json(), handoff.num_tokens, PullerFactory.for_engine(pod.engine, backend="tcp"), timeout_s
+        )
 
     def handed(self, pod, prompt: list[int]) -> tuple[TransferKVSource, int, float]:
         """(KV source on a fresh lease, first token, its logprob): what a Decode call carries."""

@@ -1,6 +1,7 @@
 """bench/decode.py's KV-capacity part (no model run): at a fixed per-rank KV budget AllocateKV admits at least
 0.95 x DCP times as many 2,048-token sequences as at DCP 1 (GQA, and MLA at TP 8 with DCP up to 8); DCP 2 is refused
 for SmolLM2 at TP 9 by the rules; MLA's per-rank KV bytes per token fall as 1/DCP."""
+
 from __future__ import annotations
 
 
@@ -8,9 +9,14 @@ def test_kv_capacity_scales_with_dcp():
     from bench.decode import _capacity
 
     rows, ratios, raw = _capacity()
-    assert set(ratios) == {"kv_capacity_smollm2_dcp3_vs_dcp1_x_3", "kv_capacity_tiny_dcp2_vs_dcp1_x_2",
-                           "kv_capacity_tiny_dcp3_vs_dcp1_x_3", "kv_capacity_mla_dcp2_vs_dcp1_x_2",
-                           "kv_capacity_mla_dcp4_vs_dcp1_x_4", "kv_capacity_mla_dcp8_vs_dcp1_x_8"}
+    assert set(ratios) == {
+        "kv_capacity_smollm2_dcp3_vs_dcp1_x_3",
+        "kv_capacity_tiny_dcp2_vs_dcp1_x_2",
+        "kv_capacity_tiny_dcp3_vs_dcp1_x_3",
+        "kv_capacity_mla_dcp2_vs_dcp1_x_2",
+        "kv_capacity_mla_dcp4_vs_dcp1_x_4",
+        "kv_capacity_mla_dcp8_vs_dcp1_x_8",
+    }
     assert all(v >= 0.95 for v in ratios.values()), ratios
     smol = raw["capacity"]["SmolLM2-135M"]
     assert smol["dcp2"]["allowed"] is False and "divisible" in smol["dcp2"]["refusal"]

@@ -16,6 +16,7 @@ a real decode pod (``python -m decode_svc`` in a router + prefill + decode clust
 - afterwards the pod's own heartbeat (free KV blocks, reservations, running / waiting) equals the baseline, and a
   valid request still decodes end to end through the router.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -25,13 +26,26 @@ from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
-from fuzz_helpers import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING,
-                                 VOCAB, assert_refused, idle, ok_ids, settled_snapshot, tiny_cluster)
+from fuzz_helpers import (
+    FUZZ_SETTINGS,
+    MAX_MODEL_LEN,
+    NON_FINITE,
+    POD_BAD_SAMPLING,
+    VOCAB,
+    assert_refused,
+    idle,
+    ok_ids,
+    settled_snapshot,
+    tiny_cluster,
+)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
-NEG32 = st.integers(-2**31, -1)
-BAD_IDS = st.one_of(st.just(""), st.text(min_size=257, max_size=400, alphabet="xyz"),
-                    st.builds(lambda c: f"id{c}", st.sampled_from(["\n", "\x00", "\t", "\x1b"])))
+NEG32 = st.integers(-(2**31), -1)
+BAD_IDS = st.one_of(
+    st.just(""),
+    st.text(min_size=257, max_size=400, alphabet="xyz"),
+    st.builds(lambda c: f"id{c}", st.sampled_from(["\n", "\x00", "\t", "\x1b"])),
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +64,16 @@ def baseline(cluster):
 @pytest.fixture(scope="module")
 def stubs(cluster, baseline):
     opts = [("grpc.max_send_message_length", 128 << 20)]
-    with grpc.insecure_channel(baseline.pods["d0"].address, options=opts) as dch, \
-            grpc.insecure_channel(baseline.pods["p0"].address) as pch, \
-            grpc.insecure_channel(cluster.router_address) as rch:
-        yield decode_pb2_grpc.DecodeWorkerStub(dch), prefill_pb2_grpc.PrefillWorkerStub(pch), \
-            router_pb2_grpc.RouterStub(rch)
+    with (
+        grpc.insecure_channel(baseline.pods["d0"].address, options=opts) as dch,
+        grpc.insecure_channel(baseline.pods["p0"].address) as pch,
+        grpc.insecure_channel(cluster.router_address) as rch,
+    ):
+        yield (
+            decode_pb2_grpc.DecodeWorkerStub(dch),
+            prefill_pb2_grpc.PrefillWorkerStub(pch),
+            router_pb2_grpc.RouterStub(rch),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +97,39 @@ def alloc(**kw) -> decode_pb2.AllocateKVRequest:
 
 
 def _layout(**kw) -> pb.KVLayout:
-    base = dict(num_layers=2, block_size=16, num_kv_heads=1, head_dim=16, dtype="float32", tp_size=1, dcp_size=1,
-                dcp_kv_cache_interleave_size=1, pipeline_parallel_size=1, num_blocks=64, num_kv_heads_per_rank=1,
-                element_size=4)
+    base = dict(
+        num_layers=2,
+        block_size=16,
+        num_kv_heads=1,
+        head_dim=16,
+        dtype="float32",
+        tp_size=1,
+        dcp_size=1,
+        dcp_kv_cache_interleave_size=1,
+        pipeline_parallel_size=1,
+        num_blocks=64,
+        num_kv_heads_per_rank=1,
+        element_size=4,
+    )
     base.update(kw)
     return pb.KVLayout(**base)
 
 
 BAD_ALLOCATIONS = st.one_of(
     st.builds(lambda rid: alloc(request_id=rid), BAD_IDS),
-    st.builds(lambda n: alloc(num_tokens=n), st.one_of(st.integers(-2**31, 0), st.integers(MAX_MODEL_LEN, 2**31 - 1))),
+    st.builds(
+        lambda n: alloc(num_tokens=n), st.one_of(st.integers(-(2**31), 0), st.integers(MAX_MODEL_LEN, 2**31 - 1))
+    ),
     st.builds(lambda n: alloc(num_reserved_output_tokens=n), NEG32),
-    st.builds(lambda t: alloc(ttl_s=t), st.one_of(st.floats(max_value=-1e-9), NON_FINITE,
-                                                  st.floats(min_value=86400.001, allow_infinity=False))),
-    st.builds(lambda name, v: alloc(prefill_layout=_layout(**{name: v})),
-              st.sampled_from(["num_layers", "num_kv_heads", "head_dim"]), st.integers(3, 2**31 - 1)),
+    st.builds(
+        lambda t: alloc(ttl_s=t),
+        st.one_of(st.floats(max_value=-1e-9), NON_FINITE, st.floats(min_value=86400.001, allow_infinity=False)),
+    ),
+    st.builds(
+        lambda name, v: alloc(prefill_layout=_layout(**{name: v})),
+        st.sampled_from(["num_layers", "num_kv_heads", "head_dim"]),
+        st.integers(3, 2**31 - 1),
+    ),
     st.builds(lambda d: alloc(prefill_layout=_layout(dtype=d)), st.sampled_from(["float16", "bfloat16", "nonsense"])),
 )
 
@@ -112,13 +149,25 @@ def dreq(kv_address: str, **kw) -> decode_pb2.DecodeRequest:
     """A well-formed Decode of a 5-token prompt whose handle names lease "fz-none" on the real prefill pod, with kw's
     fields replaced ("kv_handle__x" = kv_handle.x)."""
     req = decode_pb2.DecodeRequest(
-        request_id=f"fz-{next(_n)}", prompt_token_ids=[5, 6, 7, 8, 9], first_token_id=11, first_token_logprob=-1.0,
+        request_id=f"fz-{next(_n)}",
+        prompt_token_ids=[5, 6, 7, 8, 9],
+        first_token_id=11,
+        first_token_logprob=-1.0,
         sampling_params=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-        kv_handle=pb.KVHandle(lease_id="fz-none", prefill_pod_id="p0", kv_transfer_address=kv_address, num_layers=2,
-                              num_tokens=5, ttl_s=30, transfer_mode=pb.TRANSFER_MODE_GRPC, layout=_layout(),
-                              block_tables=[pb.BlockTable(block_ids=[0], num_tokens=5)]))
+        kv_handle=pb.KVHandle(
+            lease_id="fz-none",
+            prefill_pod_id="p0",
+            kv_transfer_address=kv_address,
+            num_layers=2,
+            num_tokens=5,
+            ttl_s=30,
+            transfer_mode=pb.TRANSFER_MODE_GRPC,
+            layout=_layout(),
+            block_tables=[pb.BlockTable(block_ids=[0], num_tokens=5)],
+        ),
+    )
     for k, v in kw.items():
-        obj, name = (req.kv_handle, k[len("kv_handle__"):]) if k.startswith("kv_handle__") else (req, k)
+        obj, name = (req.kv_handle, k[len("kv_handle__") :]) if k.startswith("kv_handle__") else (req, k)
         if name in ("sampling_params", "layout"):
             getattr(obj, name).CopyFrom(v)
         elif name == "prompt_token_ids":
@@ -131,24 +180,40 @@ def dreq(kv_address: str, **kw) -> decode_pb2.DecodeRequest:
 def bad_decodes(kv_address: str):
     return st.one_of(
         st.builds(lambda rid: dreq(kv_address, request_id=rid), BAD_IDS),
-        st.builds(lambda p: dreq(kv_address, prompt_token_ids=p, kv_handle__num_tokens=len(p)), st.one_of(
-            st.just([]),
-            st.builds(lambda pre, bad: pre + [bad], ok_ids(0, 5), st.one_of(NEG32, st.integers(VOCAB, 2**31 - 1))),
-            st.builds(lambda n: [7] * n, st.integers(MAX_MODEL_LEN, 3 * MAX_MODEL_LEN)))),
+        st.builds(
+            lambda p: dreq(kv_address, prompt_token_ids=p, kv_handle__num_tokens=len(p)),
+            st.one_of(
+                st.just([]),
+                st.builds(lambda pre, bad: pre + [bad], ok_ids(0, 5), st.one_of(NEG32, st.integers(VOCAB, 2**31 - 1))),
+                st.builds(lambda n: [7] * n, st.integers(MAX_MODEL_LEN, 3 * MAX_MODEL_LEN)),
+            ),
+        ),
         st.builds(lambda t: dreq(kv_address, first_token_id=t), st.one_of(NEG32, st.integers(VOCAB, 2**31 - 1))),
         st.builds(lambda v: dreq(kv_address, first_token_logprob=v), NON_FINITE),
         st.builds(lambda v: dreq(kv_address, num_cached_tokens=v), st.one_of(NEG32, st.integers(6, 2**31 - 1))),
         st.builds(lambda sp: dreq(kv_address, sampling_params=sp), POD_BAD_SAMPLING),
-        st.builds(lambda m: dreq(kv_address, kv_handle__transfer_mode=m),
-                  st.one_of(NEG32, st.integers(4, 2**31 - 1))),
-        st.builds(lambda a: dreq(kv_address, kv_handle__kv_transfer_address=a),
-                  st.sampled_from(["", "file:///tmp/kv.pt", "file://"])),
-        st.builds(lambda n: dreq(kv_address, kv_handle__num_tokens=n),
-                  st.integers(-2**31, 2**31 - 1).filter(lambda n: n != 5)),
-        st.builds(lambda name, v: dreq(kv_address, kv_handle__layout=_layout(**{name: v})),
-                  st.sampled_from(["num_layers", "block_size", "num_kv_heads", "head_dim", "tp_size"]), NEG32),
-        st.builds(lambda v: dreq(kv_address, kv_handle__layout=_layout(tp_size=2),
-                                 kv_handle__kv_transfer_address=",".join([kv_address] * v)), st.integers(3, 5)),
+        st.builds(lambda m: dreq(kv_address, kv_handle__transfer_mode=m), st.one_of(NEG32, st.integers(4, 2**31 - 1))),
+        st.builds(
+            lambda a: dreq(kv_address, kv_handle__kv_transfer_address=a),
+            st.sampled_from(["", "file:///tmp/kv.pt", "file://"]),
+        ),
+        st.builds(
+            lambda n: dreq(kv_address, kv_handle__num_tokens=n),
+            st.integers(-(2**31), 2**31 - 1).filter(lambda n: n != 5),
+        ),
+        st.builds(
+            lambda name, v: dreq(kv_address, kv_handle__layout=_layout(**{name: v})),
+            st.sampled_from(["num_layers", "block_size", "num_kv_heads", "head_dim", "tp_size"]),
+            NEG32,
+        ),
+        st.builds(
+            lambda v: dreq(
+                kv_address,
+                kv_handle__layout=_layout(tp_size=2),
+                kv_handle__kv_transfer_address=",".join([kv_address] * v),
+            ),
+            st.integers(3, 5),
+        ),
     )
 
 
@@ -170,11 +235,17 @@ def test_a_refused_decode_leaves_its_reservation_intact(stubs, kv_address, basel
     """AllocateKV, then a malformed Decode (or one whose prompt length disagrees with the reservation) for the same
     id: INVALID_ARGUMENT, and the reservation is neither consumed nor leaked: CancelDecode finds and frees it."""
     decode, _, _ = stubs
-    req = data.draw(st.one_of(
-        bad_decodes(kv_address).filter(lambda r: r.request_id and r.request_id.isprintable()
-                                       and len(r.request_id) <= 256),
-        st.builds(lambda k: dreq(kv_address, prompt_token_ids=[7] * k, kv_handle__num_tokens=k),
-                  st.integers(1, 60).filter(lambda k: k != n))))
+    req = data.draw(
+        st.one_of(
+            bad_decodes(kv_address).filter(
+                lambda r: r.request_id and r.request_id.isprintable() and len(r.request_id) <= 256
+            ),
+            st.builds(
+                lambda k: dreq(kv_address, prompt_token_ids=[7] * k, kv_handle__num_tokens=k),
+                st.integers(1, 60).filter(lambda k: k != n),
+            ),
+        )
+    )
     if len(req.prompt_token_ids) == n:
         return  # the strategy's prompt happens to match the reservation: not a mismatch case
     decode.AllocateKV(decode_pb2.AllocateKVRequest(request_id=req.request_id, num_tokens=n), timeout=60)
@@ -182,6 +253,7 @@ def test_a_refused_decode_leaves_its_reservation_intact(stubs, kv_address, basel
         list(decode.Decode(req, timeout=60))
     assert_refused(ei.value, (INVALID,), str(req)[:400])
     assert decode.CancelDecode(decode_pb2.CancelDecodeRequest(request_id=req.request_id), timeout=30).found is True
+
 
 @FUZZ_SETTINGS
 @given(lease=st.text(min_size=1, max_size=40, alphabet="abcdef0123456789-"))
@@ -210,17 +282,25 @@ def test_a_real_lease_with_block_tables_outside_the_cache_is_refused(stubs, kv_a
     the Decode is refused with a message (INVALID_ARGUMENT / FAILED_PRECONDITION / ABORTED / OUT_OF_RANGE), the
     decode pod holds nothing, and the lease is still released normally."""
     decode, prefill, _ = stubs
-    pre = prefill.Prefill(prefill_pb2.PrefillRequest(
-        request_id=f"fz-real-{next(_n)}", prompt_token_ids=[5, 6, 7, 8, 9],
-        sampling_params=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)), timeout=120)
+    pre = prefill.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=f"fz-real-{next(_n)}",
+            prompt_token_ids=[5, 6, 7, 8, 9],
+            sampling_params=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        ),
+        timeout=120,
+    )
     try:
         req = dreq(kv_address, first_token_id=pre.first_token_id, first_token_logprob=pre.first_token_logprob)
         req.kv_handle.CopyFrom(pre.kv_handle)
         req.kv_handle.block_tables[0].block_ids[:] = blocks
         with pytest.raises(grpc.RpcError) as ei:
             list(decode.Decode(req, timeout=120))
-        assert_refused(ei.value, (INVALID, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED,
-                                  grpc.StatusCode.OUT_OF_RANGE), str(blocks))
+        assert_refused(
+            ei.value,
+            (INVALID, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED, grpc.StatusCode.OUT_OF_RANGE),
+            str(blocks),
+        )
         assert decode.CancelDecode(decode_pb2.CancelDecodeRequest(request_id=req.request_id), timeout=30).found is False
     finally:
         prefill.ReleaseKV(prefill_pb2.ReleaseKVRequest(lease_id=pre.kv_handle.lease_id), timeout=30)
@@ -246,9 +326,15 @@ def test_after_the_barrage_the_pod_is_unchanged_and_serves(cluster, stubs, basel
     resp = decode.AllocateKV(alloc(request_id="fz-valid", num_tokens=40), timeout=60)
     assert len(resp.block_tables) == 1 and len(resp.block_tables[0].block_ids) >= 3
     assert decode.CancelDecode(decode_pb2.CancelDecodeRequest(request_id="fz-valid"), timeout=30).found
-    msgs = list(router.Generate(router_pb2.GenerateRequest(
-        token_ids=pb.TokenIds(ids=[5, 6, 7, 8]),
-        sampling_params=pb.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)), timeout=120))
+    msgs = list(
+        router.Generate(
+            router_pb2.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[5, 6, 7, 8]),
+                sampling_params=pb.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+            ),
+            timeout=120,
+        )
+    )
     assert sum(len(m.token_ids) for m in msgs) == 6 and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert msgs[-1].routing.decode_pod_id == "d0"
     after = settled_snapshot(cluster.router_address, baseline)

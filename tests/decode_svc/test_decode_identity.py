@@ -1,6 +1,7 @@
 """Greedy decode on a decode pod (KV delivered from a reference engine) is token-identical to transformers, for
 every (TP, DCP, interleave) the parallel rules allow on 8q/2kv and MQA checkpoints; the others are refused with the
 rule's message. Also checks per-rank KV accounting for each layout."""
+
 from __future__ import annotations
 
 import math
@@ -20,25 +21,45 @@ BLOCK = 8
 
 # (model, tp, dcp, interleave) allowed by vLLM's rules (pdserve/parallel_config.py).
 VALID = [
-    ("gqa", 1, 1, 1), ("gqa", 2, 1, 1), ("gqa", 4, 2, 1), ("gqa", 4, 2, 4),
-    ("mqa", 1, 1, 1), ("mqa", 2, 1, 1), ("mqa", 2, 2, 1), ("mqa", 2, 2, 4),
-    ("mqa", 4, 2, 1), ("mqa", 4, 2, 4), ("mqa", 4, 4, 1), ("mqa", 4, 4, 4),
+    ("gqa", 1, 1, 1),
+    ("gqa", 2, 1, 1),
+    ("gqa", 4, 2, 1),
+    ("gqa", 4, 2, 4),
+    ("mqa", 1, 1, 1),
+    ("mqa", 2, 1, 1),
+    ("mqa", 2, 2, 1),
+    ("mqa", 2, 2, 4),
+    ("mqa", 4, 2, 1),
+    ("mqa", 4, 2, 4),
+    ("mqa", 4, 4, 1),
+    ("mqa", 4, 4, 4),
 ]
-TP_GT_KV = ("Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater than the "
-            "model's total number of KV heads (2). Increase `--tensor-parallel-size` or set "
-            "`--decode-context-parallel-size 1`.")
-DCP_MAX = ("`--decode-context-parallel-size` (4) exceeds the maximum supported value (2) for "
-           "`--tensor-parallel-size` (4) and 2 model KV heads.")
+TP_GT_KV = (
+    "Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater than the "
+    "model's total number of KV heads (2). Increase `--tensor-parallel-size` or set "
+    "`--decode-context-parallel-size 1`."
+)
+DCP_MAX = (
+    "`--decode-context-parallel-size` (4) exceeds the maximum supported value (2) for "
+    "`--tensor-parallel-size` (4) and 2 model KV heads."
+)
 # With 2 KV heads vLLM refuses (2, 2) and (4, 4): those cells of the grid assert the refusal instead.
 REFUSED = [("gqa", 2, 2, 1, TP_GT_KV), ("gqa", 2, 2, 4, TP_GT_KV), ("gqa", 4, 4, 1, DCP_MAX), ("gqa", 4, 4, 4, DCP_MAX)]
 
 
-@pytest.mark.parametrize("model,tp,dcp,interleave,message", REFUSED,
-                         ids=[f"{m}-tp{t}-dcp{d}-i{i}" for m, t, d, i, _ in REFUSED])
+@pytest.mark.parametrize(
+    "model,tp,dcp,interleave,message", REFUSED, ids=[f"{m}-tp{t}-dcp{d}-i{i}" for m, t, d, i, _ in REFUSED]
+)
 def test_refused_configs(tiny_models, model, tp, dcp, interleave, message):
     with pytest.raises(ParallelConfigError) as ei:
-        build(DecodeConfig, model=str(tiny_models[model]), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-              dcp_kv_cache_interleave_size=interleave, block_size=BLOCK)
+        build(
+            DecodeConfig,
+            model=str(tiny_models[model]),
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            dcp_kv_cache_interleave_size=interleave,
+            block_size=BLOCK,
+        )
     assert ei.value.message == message
 
 
@@ -46,8 +67,15 @@ def test_refused_configs(tiny_models, model, tp, dcp, interleave, message):
 def test_greedy_identical_to_transformers(tiny_models, prefill_standins, model, tp, dcp, interleave):
     path = tiny_models[model]
     want = hf_greedy(path, PROMPTS, NEW_TOKENS)
-    cfg = build(DecodeConfig, model=str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                dcp_kv_cache_interleave_size=interleave, block_size=BLOCK, num_kv_blocks=48)
+    cfg = build(
+        DecodeConfig,
+        model=str(path),
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        dcp_kv_cache_interleave_size=interleave,
+        block_size=BLOCK,
+        num_kv_blocks=48,
+    )
     pod = DecodePod(cfg)
     try:
         total = pod.num_blocks

@@ -1,5 +1,6 @@
 """SmolLM2-135M (9 query / 3 KV heads) on a decode pod at TP 9, DCP 3: greedy output token-identical to
 transformers, each rank holding its DCP third of the KV. Nine rank processes on a small CPU: few tokens."""
+
 from __future__ import annotations
 
 import math
@@ -23,12 +24,22 @@ def test_smollm2_tp9_dcp3_matches_transformers():
     from pdserve.tokenizer import Tokenizer
 
     path = ensure_default_model()
-    prompts = [Tokenizer(str(path)).encode("The capital of France is"),
-               Tokenizer(str(path)).encode("def fibonacci(n):\n    ")]
+    prompts = [
+        Tokenizer(str(path)).encode("The capital of France is"),
+        Tokenizer(str(path)).encode("def fibonacci(n):\n    "),
+    ]
     want = hf_greedy(path, prompts, NEW_TOKENS)
     ref = PrefillStandIn(path, num_kv_blocks=64)
-    cfg = build(DecodeConfig, model=str(path), tensor_parallel_size=9, decode_context_parallel_size=3,
-                dcp_kv_cache_interleave_size=1, block_size=4, num_kv_blocks=32, max_model_len=256)
+    cfg = build(
+        DecodeConfig,
+        model=str(path),
+        tensor_parallel_size=9,
+        decode_context_parallel_size=3,
+        dcp_kv_cache_interleave_size=1,
+        block_size=4,
+        num_kv_blocks=32,
+        max_model_len=256,
+    )
     pod = DecodePod(cfg)
     try:
         res, fin = {}, {}

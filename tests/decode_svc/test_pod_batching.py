@@ -2,6 +2,7 @@
 different steps are each token-identical to their solo run; cancellation and finishing free every block; when blocks
 run out new requests wait and the youngest sequence is preempted and recomputed, never lost; AllocateKV-style
 reservations hold exactly each rank's DCP share and expire."""
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,6 @@ class FakeClock:
         return self.t
 
 
-
-
 @pytest.fixture(scope="module")
 def clock():
     return FakeClock()
@@ -41,8 +40,16 @@ def clock():
 
 @pytest.fixture(scope="module")
 def pod(tiny_models, clock):
-    cfg = build(DecodeConfig, model=str(tiny_models["mqa"]), tensor_parallel_size=TP, decode_context_parallel_size=DCP,
-                block_size=BLOCK, num_kv_blocks=160, reservation_ttl_s=5.0, admission_timeout_s=600.0)
+    cfg = build(
+        DecodeConfig,
+        model=str(tiny_models["mqa"]),
+        tensor_parallel_size=TP,
+        decode_context_parallel_size=DCP,
+        block_size=BLOCK,
+        num_kv_blocks=160,
+        reservation_ttl_s=5.0,
+        admission_timeout_s=600.0,
+    )
     p = DecodePod(cfg, clock=clock)
     yield p
     p.shutdown()
@@ -113,7 +120,7 @@ def test_cancel_half_midway_frees_blocks_at_once(pod, prefilled, solo):
         if i % 2:
             assert fin[f"h{i}"] == "cancelled"
             got = res.get(f"h{i}", [])
-            assert 0 < len(got) < MAX_TOKENS[i] and got == solo[i][:len(got)]
+            assert 0 < len(got) < MAX_TOKENS[i] and got == solo[i][: len(got)]
             held, released = freed[i]
             assert released == held and sum(held) > 0  # exactly its blocks, right away
         else:
@@ -154,7 +161,7 @@ def test_reservation_accounting_takeover_and_expiry(pod, prefilled, solo, clock)
         pod.submit("take", PROMPTS[3][:-1], greedy(MAX_TOKENS[3]), first, lp, short)
     res, fin = {}, {}
     record([pod.submit("take", PROMPTS[3], greedy(MAX_TOKENS[3]), first, lp, src)], res, fin)
-    assert [t[:len(tables[r])] for r, t in enumerate(pod.engine.block_tables_of("take"))] == tables
+    assert [t[: len(tables[r])] for r, t in enumerate(pod.engine.block_tables_of("take"))] == tables
     drain_pod(pod, res, fin)
     assert res["take"] == solo[3]
     # an unused reservation expires after its TTL
@@ -219,8 +226,9 @@ def test_kv_leases_renewed_while_queued_and_a_lost_lease_fails(pod, prefilled, s
     handoff = standin.handoff(PROMPTS[4])
     standin.publisher.abort(handoff.lease_id)
     first, lp = standin.prefill(PROMPTS[4])
-    src = TransferKVSource(handoff.to_json(), len(PROMPTS[4]), PullerFactory.for_engine(pod.engine, backend="tcp"),
-                           timeout_s=10)
+    src = TransferKVSource(
+        handoff.to_json(), len(PROMPTS[4]), PullerFactory.for_engine(pod.engine, backend="tcp"), timeout_s=10
+    )
     with pytest.raises(KVDeliveryError) as ei:
         pod.submit("gone", PROMPTS[4], greedy(4), first, lp, src)
     assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION

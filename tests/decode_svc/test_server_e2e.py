@@ -3,6 +3,7 @@ DCP 2): AllocateKV -> KV pulled over kv_transfer (TCP) from an engine publishing
 stream (token-identical to transformers) -> CancelDecode frees blocks; grpc.health.v1; Prometheus gauges, also
 under vLLM's names; SIGTERM drains (in-flight streams finish, new calls get UNAVAILABLE); an invalid parallel
 config refuses to start with the rule's message."""
+
 from __future__ import annotations
 
 import os
@@ -75,11 +76,32 @@ def registry():
 class Pod:
     def __init__(self, model: Path, *args: str) -> None:
         self.model_name = model.name
-        cmd = [sys.executable, "-m", "decode_svc", "--model", str(model), "--port", "0",
-               "--metrics-port", "0", "--block-size", str(BLOCK),
-               "--num-kv-blocks", str(NUM_BLOCKS), "--log-level", "WARNING", *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "decode_svc",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--block-size",
+            str(BLOCK),
+            "--num-kv-blocks",
+            str(NUM_BLOCKS),
+            "--log-level",
+            "WARNING",
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.lines: list[str] = []
         ready = threading.Event()
 
@@ -141,10 +163,15 @@ def _request(rid, prompt, handed, max_tokens, logprobs=False):
     """A DecodeRequest as the router sends it; handed = (standin, first token, logprob): the KV on a fresh lease."""
     standin, first, lp = handed
     return decode_pb2.DecodeRequest(
-        request_id=rid, prompt_token_ids=prompt, first_token_id=first, first_token_logprob=lp,
-        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                                  logprobs=logprobs),
-        kv_handle=handoff_to_kv_handle(standin.handoff(prompt), "prefill-test", 60.0))
+        request_id=rid,
+        prompt_token_ids=prompt,
+        first_token_id=first,
+        first_token_logprob=lp,
+        sampling_params=common_pb2.SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
+        ),
+        kv_handle=handoff_to_kv_handle(standin.handoff(prompt), "prefill-test", 60.0),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -154,22 +181,52 @@ def handed(prefill_standins):
 
 
 def test_invalid_parallel_config_refuses_to_start(tiny_models):
-    r = subprocess.run([sys.executable, "-m", "decode_svc", "--model", str(tiny_models["gqa"]),
-                        "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2", "--port", "0"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "decode_svc",
+            "--model",
+            str(tiny_models["gqa"]),
+            "--tensor-parallel-size",
+            "2",
+            "--decode-context-parallel-size",
+            "2",
+            "--port",
+            "0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
-    assert ("Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater than the "
-            "model's total number of KV heads (2). Increase `--tensor-parallel-size` or set "
-            "`--decode-context-parallel-size 1`.") in r.stderr
+    assert (
+        "Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater than the "
+        "model's total number of KV heads (2). Increase `--tensor-parallel-size` or set "
+        "`--decode-context-parallel-size 1`."
+    ) in r.stderr
     assert "decode_svc ready" not in r.stdout
 
 
 def test_decode_service_end_to_end(tiny_models, handed, registry):
     want = hf_greedy(tiny_models["mqa"], PROMPTS, 32)
     reg, reg_addr = registry
-    pod = Pod(tiny_models["mqa"], "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
-              "--dcp-kv-cache-interleave-size", "4", "--kv-transfer-backend", "tcp", "--router", reg_addr,
-              "--pod-id", "decode-0")
+    pod = Pod(
+        tiny_models["mqa"],
+        "--tensor-parallel-size",
+        "2",
+        "--decode-context-parallel-size",
+        "2",
+        "--dcp-kv-cache-interleave-size",
+        "4",
+        "--kv-transfer-backend",
+        "tcp",
+        "--router",
+        reg_addr,
+        "--pod-id",
+        "decode-0",
+    )
     try:
         # Registered with the router as a decode pod with its layout; heartbeats carry free KV per rank.
         deadline = time.time() + 30
@@ -182,8 +239,10 @@ def test_decode_service_end_to_end(tiny_models, handed, registry):
         assert [k.free_blocks for k in reg.of("heartbeat")[-1].kv] == [NUM_BLOCKS, NUM_BLOCKS]
 
         for svc in ("", "pdserve.v1.DecodeWorker"):
-            assert pod.health.Check(health_pb2.HealthCheckRequest(service=svc)).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            assert (
+                pod.health.Check(health_pb2.HealthCheckRequest(service=svc)).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
         m = pod.metrics()
         assert m['pdserve_decode_running_seqs{pod="decode-0"}'] == 0
         assert pod.free_blocks() == [NUM_BLOCKS, NUM_BLOCKS]
@@ -244,8 +303,11 @@ def test_decode_service_end_to_end(tiny_models, handed, registry):
         assert v["vllm:e2e_request_latency_seconds_count"] == 1
         assert v['vllm:request_success_total{finished_reason="length"}'] == 1
         assert v['vllm:request_success_total{finished_reason="stop"}'] == 0
-        assert (v["vllm:num_requests_running"], v["vllm:num_requests_waiting"], v["vllm:kv_cache_usage_perc"]) == \
-            (0, 0, 0)
+        assert (v["vllm:num_requests_running"], v["vllm:num_requests_waiting"], v["vllm:kv_cache_usage_perc"]) == (
+            0,
+            0,
+            0,
+        )
 
         # A Decode without reservation, the other prompt: every rank pulls its share from the publisher.
         chunks = list(pod.stub.Decode(_request("t", PROMPTS[0], handed[0], 32)))
@@ -268,15 +330,18 @@ def test_decode_service_end_to_end(tiny_models, handed, registry):
         rest = list(stream)
         assert rest[-1].finish_reason == common_pb2.FINISH_REASON_CANCELLED
         streamed = list(got.token_ids) + [t for c in rest for t in c.token_ids]
-        assert [first0] + streamed[:31] == want[0][:len(streamed[:31]) + 1]
+        assert [first0] + streamed[:31] == want[0][: len(streamed[:31]) + 1]
         pod.wait_free([NUM_BLOCKS, NUM_BLOCKS])
         assert not pod.stub.CancelDecode(decode_pb2.CancelDecodeRequest(request_id="nope")).found
         v, _ = pod.vllm()  # "a", "t" ran to their length; "b" was cancelled: vLLM's abort
         assert v['vllm:request_success_total{finished_reason="length"}'] == 2
         assert v['vllm:request_success_total{finished_reason="abort"}'] == 1
         assert v["vllm:e2e_request_latency_seconds_count"] == 3 and v["vllm:num_requests_running"] == 0
-        assert v["vllm:generation_tokens_total"] == \
-            pod.metrics()['pdserve_decode_generated_tokens_total{pod="decode-0"}'] == 31 + 31 + len(streamed)
+        assert (
+            v["vllm:generation_tokens_total"]
+            == pod.metrics()['pdserve_decode_generated_tokens_total{pod="decode-0"}']
+            == 31 + 31 + len(streamed)
+        )
 
         # A client that closes its stream frees the blocks too.
         stream = pod.stub.Decode(_request("c", prompt0, h0, 3000))
@@ -298,12 +363,15 @@ def test_decode_service_end_to_end(tiny_models, handed, registry):
         first_chunk = next(stream)
         pod.proc.send_signal(signal.SIGTERM)
         deadline = time.time() + 30
-        while pod.health.Check(health_pb2.HealthCheckRequest(service="")).status == \
-                health_pb2.HealthCheckResponse.SERVING:
+        while (
+            pod.health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+        ):
             assert time.time() < deadline
             time.sleep(0.02)
-        for call in (lambda: pod.stub.AllocateKV(decode_pb2.AllocateKVRequest(request_id="e", num_tokens=5)),
-                     lambda: list(pod.stub.Decode(_request("e", prompt0, h0, 4)))):
+        for call in (
+            lambda: pod.stub.AllocateKV(decode_pb2.AllocateKVRequest(request_id="e", num_tokens=5)),
+            lambda: list(pod.stub.Decode(_request("e", prompt0, h0, 4))),
+        ):
             with pytest.raises(grpc.RpcError) as ei:
                 call()
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE

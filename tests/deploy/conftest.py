@@ -1,5 +1,6 @@
 """Fixtures for the deploy checks: the tools (installed by deploy/ci/install_tools.sh when missing, never skipped)
 and helm renders cached per session."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,4 +32,3 @@ def render(tools) -> Callable[..., "checks.Result"]:
         return cache[key]
 
     return _render
-

@@ -1,5 +1,6 @@
 """Shared helpers of tests/deploy: the checks module (deploy/ci/checks.py), the container entrypoint and health
 check scripts (docker/), loaded by path, and small manifest helpers."""
+
 from __future__ import annotations
 
 import importlib.util

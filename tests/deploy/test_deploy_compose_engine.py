@@ -6,6 +6,7 @@ through subprocess: `import docker` here would find the repo's own docker/ folde
 `down` run the Compose v2 binary that deploy/ci/install_tools.sh installs, on the same engine.
 Time: a first build downloads torch and converts the default model (minutes); later builds hit the layer cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,6 @@ def _containers(project: str) -> list[dict]:
     return json.loads(_docker("inspect", *ids).stdout) if ids else []
 
 
-
-
 @pytest.fixture(scope="module")
 def engine():
     why = _engine_problem()
@@ -65,21 +64,47 @@ def test_compose_cluster_serves_a_request(engine, tools):
     tag = f"pdserve-e2e:{uuid.uuid4().hex[:8]}"
     project = f"pdserve-e2e-{uuid.uuid4().hex[:8]}"
     # FLAVOR=cpu; the CUDA stage points at the CPU base too, so a builder that runs every stage pulls nothing CUDA.
-    _docker("build", "-f", str(REPO / "docker" / "Dockerfile"), "-t", tag, "--build-arg", "FLAVOR=cpu",
-            "--build-arg", f"CUDA_BASE_IMAGE={CPU_BASE}", str(REPO), timeout=3000)
+    _docker(
+        "build",
+        "-f",
+        str(REPO / "docker" / "Dockerfile"),
+        "-t",
+        tag,
+        "--build-arg",
+        "FLAVOR=cpu",
+        "--build-arg",
+        f"CUDA_BASE_IMAGE={CPU_BASE}",
+        str(REPO),
+        timeout=3000,
+    )
     ports = {name: free_port() for name in ("ROUTER", "PREFILL", "DECODE")}
-    env = {**tools.env(), "PDSERVE_IMAGE": tag, "PDSERVE_PROJECT": project,
-           **{f"PDSERVE_{k}_PORT": str(v) for k, v in ports.items()}}
+    env = {
+        **tools.env(),
+        "PDSERVE_IMAGE": tag,
+        "PDSERVE_PROJECT": project,
+        **{f"PDSERVE_{k}_PORT": str(v) for k, v in ports.items()},
+    }
     compose = [str(tools.compose), "-f", str(REPO / "docker" / "compose.yaml"), "-p", project]
     try:
-        up = subprocess.run([*compose, "up", "-d", "--no-build", "--wait", "--wait-timeout", "900"], env=env,
-                            capture_output=True, text=True, timeout=1200)
+        up = subprocess.run(
+            [*compose, "up", "-d", "--no-build", "--wait", "--wait-timeout", "900"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         containers = _containers(project)
-        states = {c["Config"]["Labels"]["com.docker.compose.service"]:
-                  (c["State"]["Status"], (c["State"].get("Health") or {}).get("Status")) for c in containers}
+        states = {
+            c["Config"]["Labels"]["com.docker.compose.service"]: (
+                c["State"]["Status"],
+                (c["State"].get("Health") or {}).get("Status"),
+            )
+            for c in containers
+        }
         if up.returncode != 0:
-            logs = "\n".join(f"--- {c['Name']}\n" + _docker("logs", "--tail", "80", c["Id"], check=False).stdout
-                             for c in containers)
+            logs = "\n".join(
+                f"--- {c['Name']}\n" + _docker("logs", "--tail", "80", c["Id"], check=False).stdout for c in containers
+            )
             pytest.fail(f"compose up failed: {up.stderr[-3000:]}\nstates: {states}\n{logs}")
         assert states == {s: ("running", "healthy") for s in ("router", "prefill", "decode")}, states
         with Client(f"127.0.0.1:{ports['ROUTER']}", timeout=120) as client:
@@ -89,8 +114,13 @@ def test_compose_cluster_serves_a_request(engine, tools):
         assert out.usage.completion_tokens >= 1 and out.token_ids
         assert out.routing.prefill_pod_id and out.routing.decode_pod_id
     finally:
-        subprocess.run([*compose, "down", "--volumes", "--remove-orphans", "--timeout", "30"], env=env,
-                       capture_output=True, text=True, timeout=300)
+        subprocess.run(
+            [*compose, "down", "--volumes", "--remove-orphans", "--timeout", "30"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         label = f"label=com.docker.compose.project={project}"
         ids = _docker("ps", "-aq", "--filter", label, check=False).stdout.split()
         if ids:

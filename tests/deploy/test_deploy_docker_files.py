@@ -1,6 +1,7 @@
 """docker/: the Dockerfile's shape (multi-stage, CPU by default, CUDA by build argument with flashinfer and NCCL,
 non-root, models baked at build time, gRPC HEALTHCHECK) and the compose cluster as Compose resolves it (router +
 prefill + decode with DCP=2 inside one container, ports on 127.0.0.1, config by environment and a mounted YAML)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -48,7 +49,7 @@ def test_dockerfile_stages_and_flavors():
 
 def test_dockerfile_runtime_is_non_root_with_grpc_healthcheck_and_baked_models():
     ins = _instructions()
-    runtime = ins[max(i for i, (op, rest) in enumerate(ins) if op == "FROM"):]
+    runtime = ins[max(i for i, (op, rest) in enumerate(ins) if op == "FROM") :]
     users = [rest for op, rest in runtime if op == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
     health = [rest for op, rest in runtime if op == "HEALTHCHECK"]
@@ -71,8 +72,10 @@ def test_tiny_dcp_model_fits_the_compose_layout():
     assert check_parallel_config(model, ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)).valid
     # ... and SmolLM2 cannot do DCP=2 at all, which is why compose serves the tiny model.
     smol = ModelParallelInfo(9, 3)
-    assert not any(check_parallel_config(smol, ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=2))
-                   .valid for tp in range(1, 33))
+    assert not any(
+        check_parallel_config(smol, ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=2)).valid
+        for tp in range(1, 33)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +119,9 @@ def test_compose_decode_runs_dcp2_in_one_container(compose):
 
 def test_compose_environment_overrides_the_yaml(tools, monkeypatch):
     monkeypatch.setenv("PDSERVE_DECODE_TP", "4")
-    r = checks._run(tools, "compose", [tools.compose, "-f", REPO / "docker" / "compose.yaml", "config",
-                                       "--format", "json"])
+    r = checks._run(
+        tools, "compose", [tools.compose, "-f", REPO / "docker" / "compose.yaml", "config", "--format", "json"]
+    )
     # checks' tool env drops nothing named PDSERVE_DECODE_*: the override reaches the decode container.
     assert r.ok, r.output
     svc = json.loads(r.output)["services"]["decode"]
@@ -173,16 +177,18 @@ def test_tls_material_stays_out_of_git_and_the_build_context():
 def test_compose_two_router_overlay(tools):
     """docker/compose.routers.yaml: a second router like the first on its own host port, and both pods registered
     with both routers."""
-    r = checks.compose_config(tools, [REPO / "docker" / "compose.yaml", REPO / "docker" / "compose.routers.yaml"],
-                              fmt="json")
+    r = checks.compose_config(
+        tools, [REPO / "docker" / "compose.yaml", REPO / "docker" / "compose.routers.yaml"], fmt="json"
+    )
     assert r.ok, r.output
     merged = json.loads(r.output)
     services = merged["services"]
     assert set(services) == {"router", "router-2", "prefill", "decode"}
     assert services["router-2"]["command"] == ["router"] and services["router-2"]["hostname"] == "router-2"
     assert [(p["host_ip"], p["target"]) for p in services["router-2"]["ports"]] == [("127.0.0.1", 50051)]
-    assert {p["published"] for p in services["router"]["ports"]} != {p["published"] for p in
-                                                                   services["router-2"]["ports"]}
+    assert {p["published"] for p in services["router"]["ports"]} != {
+        p["published"] for p in services["router-2"]["ports"]
+    }
     for worker in ("prefill", "decode"):
         assert _settings(merged, worker)["router"] == "router:50051,router-2:50051"
         assert set(services[worker]["depends_on"]) == {"router", "router-2"}

@@ -1,5 +1,6 @@
 """docker/entrypoint.py (YAML + environment -> service command line, parallel-config check before start) and
 docker/healthcheck.py (grpc.health.v1 probe), without a container."""
+
 from __future__ import annotations
 
 import json
@@ -25,13 +26,26 @@ def _model_dir(tmp_path: Path, heads: int, kv: int) -> Path:
 
 
 def test_precedence_defaults_yaml_env():
-    cfg = {"common": {"model": "/m", "tensor_parallel_size": 4, "decode_context_parallel_size": 2},
-           "decode": {"tensor_parallel_size": 2, "port": 6000}}
-    env = {"PDSERVE_ARG_PORT": "7000", "PDSERVE_ARG_DCP_KV_CACHE_INTERLEAVE_SIZE": "",  # empty: ignored
-           "PDSERVE_ARG_ROUTER": "null", "PDSERVE_ARG_MAX_NUM_SEQS": "8", "OTHER": "x"}
+    cfg = {
+        "common": {"model": "/m", "tensor_parallel_size": 4, "decode_context_parallel_size": 2},
+        "decode": {"tensor_parallel_size": 2, "port": 6000},
+    }
+    env = {
+        "PDSERVE_ARG_PORT": "7000",
+        "PDSERVE_ARG_DCP_KV_CACHE_INTERLEAVE_SIZE": "",  # empty: ignored
+        "PDSERVE_ARG_ROUTER": "null",
+        "PDSERVE_ARG_MAX_NUM_SEQS": "8",
+        "OTHER": "x",
+    }
     s = entrypoint.resolve("decode", cfg, env)
-    assert s == {"host": "0.0.0.0", "port": 7000, "model": "/m", "tensor_parallel_size": 2,
-                 "decode_context_parallel_size": 2, "max_num_seqs": 8}
+    assert s == {
+        "host": "0.0.0.0",
+        "port": 7000,
+        "model": "/m",
+        "tensor_parallel_size": 2,
+        "decode_context_parallel_size": 2,
+        "max_num_seqs": 8,
+    }
     # DCP keys from `common:` never reach prefill or the router; the router gets no --router.
     p = entrypoint.resolve("prefill", cfg, {})
     assert "decode_context_parallel_size" not in p and p["tensor_parallel_size"] == 4 and p["router"] == "router:50051"
@@ -40,9 +54,9 @@ def test_precedence_defaults_yaml_env():
 
 
 def test_flags():
-    assert entrypoint.to_flags({"tensor_parallel_size": 2, "enforce_eager": True, "no_prefix_caching": False,
-                                "x": [1, 2], "model": "/m"}) == \
-        ["--tensor-parallel-size", "2", "--enforce-eager", "--x", "1", "--x", "2", "--model", "/m"]
+    assert entrypoint.to_flags(
+        {"tensor_parallel_size": 2, "enforce_eager": True, "no_prefix_caching": False, "x": [1, 2], "model": "/m"}
+    ) == ["--tensor-parallel-size", "2", "--enforce-eager", "--x", "1", "--x", "2", "--model", "/m"]
     with pytest.raises(entrypoint.EntrypointError):
         entrypoint.to_flags({"bad": {"nested": 1}})
 
@@ -69,8 +83,13 @@ def test_plumbing_keys_follow_the_service_flags():
 def test_compose_settings_are_accepted_by_the_service_parser(role):
     """The flags the image would pass (compose YAML + env) parse with the service's real argparse parser."""
     cfg = yaml.safe_load((REPO / "docker" / "config" / "pdserve.yaml").read_text())
-    env = {"PDSERVE_ARG_ADVERTISE_HOST": role, "PDSERVE_CLUSTER_TOKEN": "t", "PDSERVE_LOG_LEVEL": "info",
-           "PDSERVE_ARG_METRICS_PORT": "9400", "PDSERVE_ARG_POD_ID": f"{role}-0"}
+    env = {
+        "PDSERVE_ARG_ADVERTISE_HOST": role,
+        "PDSERVE_CLUSTER_TOKEN": "t",
+        "PDSERVE_LOG_LEVEL": "info",
+        "PDSERVE_ARG_METRICS_PORT": "9400",
+        "PDSERVE_ARG_POD_ID": f"{role}-0",
+    }
     settings = entrypoint.resolve(role, cfg, env)
     flags = entrypoint.service_flags(role)
     assert flags is not None, f"{role}: parser not found"
@@ -84,13 +103,18 @@ def test_compose_settings_are_accepted_by_the_service_parser(role):
 def test_refused_config_exits_2_with_pdserve_validate_output(tmp_path, capsys, monkeypatch):
     model = _model_dir(tmp_path, 9, 3)  # SmolLM2's shape
     cfg = tmp_path / "pdserve.yaml"
-    cfg.write_text(yaml.safe_dump({"common": {"model": str(model)},
-                                   "decode": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {"common": {"model": str(model)}, "decode": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}}
+        )
+    )
     monkeypatch.setattr(entrypoint.os, "execve", lambda *a: pytest.fail("must not start the service"))
     assert entrypoint.main(["decode"], {"PDSERVE_CONFIG": str(cfg), "PDSERVE_RUN_DIR": str(tmp_path)}) == 2
     ours = capsys.readouterr().err
-    assert main_validate(["--model", str(model), "--tensor-parallel-size", "2",
-                          "--decode-context-parallel-size", "2"]) == 2
+    assert (
+        main_validate(["--model", str(model), "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"])
+        == 2
+    )
     theirs = capsys.readouterr().err
     assert ours == theirs and ours.startswith("invalid parallel config: Total number of attention heads (9)")
 
@@ -100,17 +124,32 @@ def test_start_execs_the_service_with_the_token_from_the_secret_file(tmp_path, m
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     cfg = tmp_path / "pdserve.yaml"
-    cfg.write_text(yaml.safe_dump({"common": {"model": str(model)},
-                                   "decode": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {"common": {"model": str(model)}, "decode": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}}
+        )
+    )
     calls = []
     monkeypatch.setattr(entrypoint.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
-    monkeypatch.setattr(entrypoint, "service_flags", lambda role: {"--port", "--host", "--model", "--cluster-token",
-                                                                   "--tensor-parallel-size",
-                                                                   "--decode-context-parallel-size"})
-    env = {"PDSERVE_CONFIG": str(cfg), "PDSERVE_RUN_DIR": str(tmp_path / "run"),
-           "PDSERVE_CLUSTER_TOKEN_FILE": str(token)}
+    monkeypatch.setattr(
+        entrypoint,
+        "service_flags",
+        lambda role: {
+            "--port",
+            "--host",
+            "--model",
+            "--cluster-token",
+            "--tensor-parallel-size",
+            "--decode-context-parallel-size",
+        },
+    )
+    env = {
+        "PDSERVE_CONFIG": str(cfg),
+        "PDSERVE_RUN_DIR": str(tmp_path / "run"),
+        "PDSERVE_CLUSTER_TOKEN_FILE": str(token),
+    }
     entrypoint.main(["decode", "--max-num-seqs", "4"], env)
-    (path, argv, child_env), = calls
+    ((path, argv, child_env),) = calls
     assert argv[1:3] == ["-m", "decode_svc"] and argv[-2:] == ["--max-num-seqs", "4"]
     assert "--decode-context-parallel-size" in argv and "--router" not in argv
     assert child_env["PDSERVE_CLUSTER_TOKEN"] == "s3cret"  # for services that read it from the environment
@@ -122,9 +161,13 @@ def test_start_execs_the_service_with_the_token_from_the_secret_file(tmp_path, m
 def test_print_args_cli_runs_as_a_script(tmp_path):
     cfg = tmp_path / "pdserve.yaml"
     cfg.write_text(yaml.safe_dump({"router": {"port": 6001, "model": str(tmp_path)}}))
-    out = subprocess.run([sys.executable, str(REPO / "docker" / "entrypoint.py"), "print-args", "router"],
-                         capture_output=True, text=True, env={"PDSERVE_CONFIG": str(cfg), "PATH": "/usr/bin:/bin",
-                                                              "PYTHONPATH": str(REPO)}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "docker" / "entrypoint.py"), "print-args", "router"],
+        capture_output=True,
+        text=True,
+        env={"PDSERVE_CONFIG": str(cfg), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     argv = json.loads(out.stdout)
     assert argv[1:3] == ["-m", "router"] and argv[argv.index("--port") + 1] == "6001"

@@ -1,6 +1,7 @@
 """Each offline check fails on a deliberate error: a broken compose file, a Dockerfile with a lint error, broken
 values files (schema and parallel config), and manifests with a wrong field (built-in kinds and a custom resource,
 both hand-written and mutated from the chart's own output)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,8 +44,11 @@ def test_dockerfile_with_root_user_fails_hadolint(tools, tmp_path):
 
 def test_dockerfile_with_unpinned_pip_install_fails_hadolint(tools, tmp_path):
     bad = tmp_path / "Dockerfile"
-    bad.write_text((REPO / "docker" / "Dockerfile").read_text().replace(
-        "USER 10001:10001", "RUN pip install requests\nUSER 10001:10001"))
+    bad.write_text(
+        (REPO / "docker" / "Dockerfile")
+        .read_text()
+        .replace("USER 10001:10001", "RUN pip install requests\nUSER 10001:10001")
+    )
     r = checks.hadolint(tools, bad)
     assert not r.ok
     assert "DL3013" in r.output, r.output
@@ -111,8 +115,12 @@ def test_rendered_chart_with_a_wrong_field_fails(tools, render):
     def pdb(d):
         d["spec"]["maxUnavailable"] = {"pods": 1}
 
-    for kind, fn in (("Deployment", deployment), ("LeaderWorkerSet", lws), ("ServiceMonitor", servicemonitor),
-                     ("PodDisruptionBudget", pdb)):
+    for kind, fn in (
+        ("Deployment", deployment),
+        ("LeaderWorkerSet", lws),
+        ("ServiceMonitor", servicemonitor),
+        ("PodDisruptionBudget", pdb),
+    ):
         r = _mutate_and_validate(tools, out.output, kind, fn)
         assert not r.ok, f"{kind}: {r.output}"
         assert "1 invalid manifest(s)" in r.output, r.output
@@ -126,6 +134,10 @@ def test_unknown_kinds_are_errors_not_skipped(tools):
 
 
 def test_fixtures_exist():
-    for name in ("compose-broken.yaml", "values-broken-typo.yaml", "values-broken-dcp.yaml",
-                 "manifest-wrong-field.yaml"):
+    for name in (
+        "compose-broken.yaml",
+        "values-broken-typo.yaml",
+        "values-broken-dcp.yaml",
+        "manifest-wrong-field.yaml",
+    ):
         assert Path(FIXTURES / name).is_file(), name

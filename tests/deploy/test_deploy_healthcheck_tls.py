@@ -2,6 +2,7 @@
 compose TLS overlay run it: the probe trusts PDSERVE_TLS_CA_FILE, checks PDSERVE_TLS_SERVER_NAME and presents the
 container's certificate (PDSERVE_TLS_CERT_FILE / _KEY_FILE), so it passes a service that requires client
 certificates, also when the service learnt that from its config file rather than PDSERVE_TLS_REQUIRE_CLIENT_CERT."""
+
 from __future__ import annotations
 
 from concurrent import futures
@@ -13,8 +14,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 pki_mod = _load("pdserve_security_helpers", REPO / "tests" / "security" / "security_helpers.py")
 
-TLS_VARS = ("PDSERVE_TLS_CERT_FILE", "PDSERVE_TLS_KEY_FILE", "PDSERVE_TLS_CA_FILE", "PDSERVE_TLS_SERVER_NAME",
-            "PDSERVE_TLS_REQUIRE_CLIENT_CERT")
+TLS_VARS = (
+    "PDSERVE_TLS_CERT_FILE",
+    "PDSERVE_TLS_KEY_FILE",
+    "PDSERVE_TLS_CA_FILE",
+    "PDSERVE_TLS_SERVER_NAME",
+    "PDSERVE_TLS_REQUIRE_CLIENT_CERT",
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +33,11 @@ def _server(pki, require_client_cert: bool):
     servicer = health.HealthServicer()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    creds = grpc.ssl_server_credentials([(pki.server_key.read_bytes(), pki.server_cert.read_bytes())],
-                                        root_certificates=pki.ca.read_bytes(),
-                                        require_client_auth=require_client_cert)
+    creds = grpc.ssl_server_credentials(
+        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())],
+        root_certificates=pki.ca.read_bytes(),
+        require_client_auth=require_client_cert,
+    )
     port = server.add_secure_port("127.0.0.1:0", creds)
     server.start()
     return server, port
@@ -53,8 +61,13 @@ def _container_env(monkeypatch, pki, **extra):
     """The environment the chart / compose overlay give a container (the service's own certificate)."""
     for v in TLS_VARS:
         monkeypatch.delenv(v, raising=False)
-    env = {"PDSERVE_TLS_CERT_FILE": str(pki.server_cert), "PDSERVE_TLS_KEY_FILE": str(pki.server_key),
-           "PDSERVE_TLS_CA_FILE": str(pki.ca), "PDSERVE_TLS_SERVER_NAME": "localhost", **extra}
+    env = {
+        "PDSERVE_TLS_CERT_FILE": str(pki.server_cert),
+        "PDSERVE_TLS_KEY_FILE": str(pki.server_key),
+        "PDSERVE_TLS_CA_FILE": str(pki.ca),
+        "PDSERVE_TLS_SERVER_NAME": "localhost",
+        **extra,
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
 

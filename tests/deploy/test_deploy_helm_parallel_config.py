@@ -7,6 +7,7 @@
 3. Broken values files, rendered with the real chart, fail with "<role>: invalid parallel config: <message>", the
    same text `pdserve validate` prints for the numbers the chart names.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -53,20 +54,36 @@ def _render_cases(tools, tmp_path: Path, helper: str, cases: list[dict]) -> list
 
 
 def _python_message(c: dict) -> tuple[str, str | None]:
-    model = ModelParallelInfo(num_attention_heads=c["heads"], num_kv_heads=c["kv"], use_mla=c["mla"],
-                              sliding_window=c["sw"] or None)
-    cfg = ParallelConfig(tensor_parallel_size=c["tp"], decode_context_parallel_size=c["dcp"],
-                         pipeline_parallel_size=c["pp"], dcp_kv_cache_interleave_size=c["inter"],
-                         block_size=c["block"])
+    model = ModelParallelInfo(
+        num_attention_heads=c["heads"], num_kv_heads=c["kv"], use_mla=c["mla"], sliding_window=c["sw"] or None
+    )
+    cfg = ParallelConfig(
+        tensor_parallel_size=c["tp"],
+        decode_context_parallel_size=c["dcp"],
+        pipeline_parallel_size=c["pp"],
+        dcp_kv_cache_interleave_size=c["inter"],
+        block_size=c["block"],
+    )
     v = check_parallel_config(model, cfg)
     return ("" if v.valid else v.message), v.rule
 
 
 def _grid() -> list[dict]:
-    shapes = [(h, kv, mla) for h in (1, 4, 8, 9, 12, 16, 32, 64) for kv in (1, 2, 3, 4, 8, 16, 32, 64)
-              for mla in (False, True) if kv <= h and (mla or h % kv == 0)]
-    sizes = dict(tp=(-1, 0, 1, 2, 3, 4, 6, 8, 12, 16, 32), dcp=(0, 1, 2, 3, 4, 8), pp=(1, 1, 1, 0, 2),
-                 inter=(1, 1, 2, 4, 16, 32, 0), block=(16, 16, 8, 32, 0), sw=(0, 0, 0, 4096))
+    shapes = [
+        (h, kv, mla)
+        for h in (1, 4, 8, 9, 12, 16, 32, 64)
+        for kv in (1, 2, 3, 4, 8, 16, 32, 64)
+        for mla in (False, True)
+        if kv <= h and (mla or h % kv == 0)
+    ]
+    sizes = dict(
+        tp=(-1, 0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
+        dcp=(0, 1, 2, 3, 4, 8),
+        pp=(1, 1, 1, 0, 2),
+        inter=(1, 1, 2, 4, 16, 32, 0),
+        block=(16, 16, 8, 32, 0),
+        sw=(0, 0, 0, 4096),
+    )
     everything = list(itertools.product(shapes, *sizes.values()))
     rng = random.Random(8)
     picked = rng.sample(everything, 2500)
@@ -85,8 +102,10 @@ def _grid() -> list[dict]:
         ((8, 1, False), 0, 1, 1, 1, 16, 0),  # positive sizes
         ((8, 1, False), 2, 2, 1, 1, 16, 0),  # valid
     ]
-    return [dict(heads=s[0], kv=s[1], mla=s[2], tp=tp, dcp=dcp, pp=pp, inter=inter, block=block, sw=sw)
-            for s, tp, dcp, pp, inter, block, sw in picked]
+    return [
+        dict(heads=s[0], kv=s[1], mla=s[2], tp=tp, dcp=dcp, pp=pp, inter=inter, block=block, sw=sw)
+        for s, tp, dcp, pp, inter, block, sw in picked
+    ]
 
 
 def test_parallel_rules_match_pdserve_parallel_config(tools, tmp_path):
@@ -104,21 +123,34 @@ def test_parallel_rules_match_pdserve_parallel_config(tools, tmp_path):
 
 
 def test_model_shape_messages_match_model_parallel_info(tools, tmp_path):
-    cases = [dict(heads=h, kv=kv, mla=mla, sw=sw) for h in (-1, 0, 8, 9) for kv in (-2, 0, 1, 2, 3)
-             for mla in (False, True) for sw in (-1, 0, 4096)]
+    cases = [
+        dict(heads=h, kv=kv, mla=mla, sw=sw)
+        for h in (-1, 0, 8, 9)
+        for kv in (-2, 0, 1, 2, 3)
+        for mla in (False, True)
+        for sw in (-1, 0, 4096)
+    ]
     chart_messages = _render_cases(tools, tmp_path, "pdserve.modelError", cases)
     for c, got in zip(cases, chart_messages):
         try:
-            ModelParallelInfo(num_attention_heads=c["heads"], num_kv_heads=c["kv"], use_mla=c["mla"],
-                              sliding_window=None if c["sw"] == 0 else c["sw"])
+            ModelParallelInfo(
+                num_attention_heads=c["heads"],
+                num_kv_heads=c["kv"],
+                use_mla=c["mla"],
+                sliding_window=None if c["sw"] == 0 else c["sw"],
+            )
             want = ""
         except ValueError as e:
             want = str(e)
         assert got == want, c
 
 
-BROKEN_VALUES = ["values-broken-dcp.yaml", "values-broken-dcp-gqa.yaml", "values-broken-interleave.yaml",
-                 "values-broken-prefill.yaml"]
+BROKEN_VALUES = [
+    "values-broken-dcp.yaml",
+    "values-broken-dcp-gqa.yaml",
+    "values-broken-interleave.yaml",
+    "values-broken-prefill.yaml",
+]
 
 
 def _numbers(values_file: Path) -> tuple[str, dict]:
@@ -128,10 +160,17 @@ def _numbers(values_file: Path) -> tuple[str, dict]:
     model = {**defaults["model"], **v.get("model", {})}
     role = "prefill" if "prefill" in v else "decode"
     r = {**defaults[role], **v.get(role, {})}
-    nums = dict(heads=model["numAttentionHeads"], kv=model["numKvHeads"], mla=model["useMla"],
-                sw=model["slidingWindow"], tp=r["tensorParallelSize"], pp=1, block=r["blockSize"],
-                dcp=r.get("decodeContextParallelSize", 1) if role == "decode" else 1,
-                inter=r.get("dcpKvCacheInterleaveSize", 1) if role == "decode" else 1)
+    nums = dict(
+        heads=model["numAttentionHeads"],
+        kv=model["numKvHeads"],
+        mla=model["useMla"],
+        sw=model["slidingWindow"],
+        tp=r["tensorParallelSize"],
+        pp=1,
+        block=r["blockSize"],
+        dcp=r.get("decodeContextParallelSize", 1) if role == "decode" else 1,
+        inter=r.get("dcpKvCacheInterleaveSize", 1) if role == "decode" else 1,
+    )
     return role, nums
 
 
@@ -155,6 +194,12 @@ def test_broken_values_fail_with_pdserve_validate_message(render, name):
 
 def test_valid_dcp_values_render(render):
     # The compose layout on the tiny MQA model, and the examples' numbers, pass.
-    out = render(sets=["model.numAttentionHeads=8", "model.numKvHeads=1", "decode.tensorParallelSize=2",
-                       "decode.decodeContextParallelSize=2"])
+    out = render(
+        sets=[
+            "model.numAttentionHeads=8",
+            "model.numKvHeads=1",
+            "decode.tensorParallelSize=2",
+            "decode.decodeContextParallelSize=2",
+        ]
+    )
     assert out.ok, out.output

@@ -1,6 +1,7 @@
 """What the chart renders: router Deployment + Service, prefill Deployment, decode pods as StatefulSet or
 LeaderWorkerSet, GPU resources and node selectors, gRPC probes, PDBs, optional HPA and ServiceMonitor, TLS and the
 cluster token, and a config the image's entrypoint turns into flags the services accept."""
+
 from __future__ import annotations
 
 import base64
@@ -43,8 +44,11 @@ def test_default_render(render):
     assert services["pdserve-router"]["spec"]["type"] == "ClusterIP"
     assert services["pdserve-decode"]["spec"]["clusterIP"] == "None"
     assert decode["spec"]["serviceName"] == "pdserve-decode"
-    assert {p["metadata"]["name"] for p in find(docs, "PodDisruptionBudget")} == \
-        {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+    assert {p["metadata"]["name"] for p in find(docs, "PodDisruptionBudget")} == {
+        "pdserve-router",
+        "pdserve-prefill",
+        "pdserve-decode",
+    }
     for w, port in ((router, 50051), (prefill, 50052), (decode, 50053)):
         c = _container(w)
         assert c["args"] == [w["metadata"]["labels"]["app.kubernetes.io/component"]]
@@ -110,8 +114,10 @@ def test_multi_node(render):
     (prefill,) = find(docs, "Deployment", "prefill")
     (lws,) = find(docs, "LeaderWorkerSet", "decode")
     assert "replicas" not in router["spec"] and "replicas" not in prefill["spec"]  # left to the HPAs
-    assert {h["spec"]["scaleTargetRef"]["name"] for h in find(docs, "HorizontalPodAutoscaler")} == \
-        {"pdserve-router", "pdserve-prefill"}
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in find(docs, "HorizontalPodAutoscaler")} == {
+        "pdserve-router",
+        "pdserve-prefill",
+    }
     assert lws["spec"]["replicas"] == 4
     c = _container(lws)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
@@ -173,6 +179,7 @@ def test_grpc_probes_with_tls_are_refused(render):
 
 # --- TLS / mutual TLS ------------------------------------------------------------------------------------------------
 
+
 def _workloads(docs: list[dict]) -> list[dict]:
     return [*find(docs, "Deployment"), *find(docs, "StatefulSet"), *find(docs, "LeaderWorkerSet")]
 
@@ -189,8 +196,11 @@ def test_default_render_has_no_tls_env(render):
 def test_mtls_example_sets_mutual_tls_on_every_service(render):
     docs = _rendered(render, [EX / "mtls.yaml"], api_versions=checks.EXAMPLE_API_VERSIONS["mtls"])
     workloads = _workloads(docs)
-    assert {w["metadata"]["labels"]["app.kubernetes.io/component"] for w in workloads} == \
-        {"router", "prefill", "decode"}
+    assert {w["metadata"]["labels"]["app.kubernetes.io/component"] for w in workloads} == {
+        "router",
+        "prefill",
+        "decode",
+    }
     for w in workloads:
         env = _env(w)
         assert env["PDSERVE_TLS_CERT_FILE"] == "/etc/pdserve/tls/tls.crt"
@@ -239,8 +249,11 @@ def test_rendered_tls_env_reaches_the_services_as_mutual_tls(render, role, monke
     from pdserve.security import tls_from_args
 
     pki = _load("pdserve_security_helpers", REPO / "tests" / "security" / "security_helpers.py").make_pki(tmp_path)
-    files = {"/etc/pdserve/tls/tls.crt": str(pki.server_cert), "/etc/pdserve/tls/tls.key": str(pki.server_key),
-             "/etc/pdserve/tls/ca.crt": str(pki.ca)}
+    files = {
+        "/etc/pdserve/tls/tls.crt": str(pki.server_cert),
+        "/etc/pdserve/tls/tls.key": str(pki.server_key),
+        "/etc/pdserve/tls/ca.crt": str(pki.ca),
+    }
     docs = _rendered(render, [EX / "mtls.yaml"], api_versions=checks.EXAMPLE_API_VERSIONS["mtls"])
     (w,) = [w for w in _workloads(docs) if w["metadata"]["labels"]["app.kubernetes.io/component"] == role]
     env = {k: files.get(v, v) for k, v in _env(w).items() if k.startswith("PDSERVE_TLS_")}
@@ -261,8 +274,9 @@ def test_model_dtype_reaches_both_pods_as_one_flag(render):
     (cm,) = find(docs, "ConfigMap")
     cfg = yaml.safe_load(cm["data"]["pdserve.yaml"])
     for role in ("prefill", "decode"):
-        argv = entrypoint.to_flags(entrypoint.fit_to_service(role, entrypoint.resolve(role, cfg, {}),
-                                                             entrypoint.service_flags(role)))
+        argv = entrypoint.to_flags(
+            entrypoint.fit_to_service(role, entrypoint.resolve(role, cfg, {}), entrypoint.service_flags(role))
+        )
         assert argv[argv.index("--dtype") + 1] == "bfloat16"
     assert "dtype" not in entrypoint.resolve("router", cfg, {})
     bad = render([], ["model.dtype=fp8"], ())
@@ -285,9 +299,14 @@ def test_headless_router_service_points_the_pods_at_every_router(render):
     for role in ("prefill", "decode"):
         assert entrypoint.resolve(role, cfg, {})["router"] == "pdserve-router-headless:50051"
     assert "router" not in entrypoint.resolve("router", cfg, {})
-    off = _rendered(render, [EX / "multi-node.yaml"], ["router.headlessService.enabled=false"],
-                    api_versions=checks.EXAMPLE_API_VERSIONS["multi-node"])
+    off = _rendered(
+        render,
+        [EX / "multi-node.yaml"],
+        ["router.headlessService.enabled=false"],
+        api_versions=checks.EXAMPLE_API_VERSIONS["multi-node"],
+    )
     assert {s["metadata"]["name"] for s in find(off, "Service", "router")} == {"pdserve-router"}
     (cm,) = find(off, "ConfigMap")
-    assert entrypoint.resolve("decode", yaml.safe_load(cm["data"]["pdserve.yaml"]), {})["router"] == \
-        "pdserve-router:50051"
+    assert (
+        entrypoint.resolve("decode", yaml.safe_load(cm["data"]["pdserve.yaml"]), {})["router"] == "pdserve-router:50051"
+    )

@@ -1,6 +1,7 @@
 """The offline CI checks of issue #8 pass on the repository's files: compose file against Compose and the
 compose-spec schema, Dockerfile through hadolint, and the Helm chart (lint, template, strict Kubernetes schemas) for
 its default values and every example values file."""
+
 from __future__ import annotations
 
 import pytest

@@ -37,17 +37,23 @@ def _serve(conn: Any, env: dict[str, str] | None = None) -> None:
                     write_rank(layout, r, full, a["tables"][r], regions[r])
                 freed[key] = []
                 pubs[key] = make_publisher(
-                    layout, regions, backend=a["backend"],
+                    layout,
+                    regions,
+                    backend=a["backend"],
                     on_free=lambda lid, rid, why, k=key: freed[k].append((lid, why)),
-                    lease_timeout_s=a.get("lease_timeout_s", 30.0), pin_ttl_s=a.get("pin_ttl_s", 10.0),
+                    lease_timeout_s=a.get("lease_timeout_s", 30.0),
+                    pin_ttl_s=a.get("pin_ttl_s", 10.0),
                     ucx_transports=a.get("ucx_transports"),
                 )
                 conn.send(("ok", pubs[key].name))
             elif cmd == "publish":
                 pub = pubs[a["key"]]
                 lid = pub.publish(
-                    a["request_id"], {r: a["tables"][r] for r in pub.regions}, a["num_tokens"],
-                    lease_id=a["lease_id"], layers_ready=a.get("layers_ready", 0),
+                    a["request_id"],
+                    {r: a["tables"][r] for r in pub.regions},
+                    a["num_tokens"],
+                    lease_id=a["lease_id"],
+                    layers_ready=a.get("layers_ready", 0),
                 )
                 conn.send(("ok", pub.handoff(lid).to_json()))
             elif cmd == "stream":  # layers become ready one by one, ``delay`` apart
@@ -117,15 +123,24 @@ class PrefillWorker:
         self.kill()
 
 
-def _decode_child(conn: Any, layout: dict, tables: list[list[int]], handoff: str, ucx_transports: str | None,
-                  env: dict[str, str], opts: dict[str, Any]) -> None:
+def _decode_child(
+    conn: Any,
+    layout: dict,
+    tables: list[list[int]],
+    handoff: str,
+    ucx_transports: str | None,
+    env: dict[str, str],
+    opts: dict[str, Any],
+) -> None:
     os.environ.update(env)
     pullers = []
     try:
         lay = KVLayout.from_dict(layout)
         regions = [empty_region(lay, 500 + r) for r in range(lay.tp_size)]
-        pullers = [make_puller(lay, r, regions[r], backend="nixl", ucx_transports=ucx_transports, **opts)
-                   for r in range(lay.tp_size)]
+        pullers = [
+            make_puller(lay, r, regions[r], backend="nixl", ucx_transports=ucx_transports, **opts)
+            for r in range(lay.tp_size)
+        ]
         h = KVHandoff.from_json(handoff)
         results = [p.pull(h, tables[r], timeout_s=30) for r, p in enumerate(pullers)]
         # numpy, not tensors: a tensor would cross as a shared-memory handle this process takes away on exit
@@ -137,14 +152,24 @@ def _decode_child(conn: Any, layout: dict, tables: list[list[int]], handoff: str
             p.close()
 
 
-def pull_in_own_process(layout: KVLayout, tables: list[list[int]], handoff: KVHandoff, ucx_transports: str | None,
-                        timeout: float = 120.0, env: dict[str, str] | None = None, **opts: Any) -> tuple[str, Any]:
+def pull_in_own_process(
+    layout: KVLayout,
+    tables: list[list[int]],
+    handoff: KVHandoff,
+    ucx_transports: str | None,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    **opts: Any,
+) -> tuple[str, Any]:
     """Every decode rank's NIXL puller in a fresh spawned process (UCX's transport list is a per-process setting, so
     it must not leak into the test process): ("ok", (regions, transports)) or ("err", what failed)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_child, args=(child, layout.to_dict(), tables, handoff.to_json(), ucx_transports,
-                                                   env or {}, opts), daemon=True)
+    proc = ctx.Process(
+        target=_decode_child,
+        args=(child, layout.to_dict(), tables, handoff.to_json(), ucx_transports, env or {}, opts),
+        daemon=True,
+    )
     proc.start()
     try:
         if not parent.poll(timeout):

@@ -31,8 +31,12 @@ class Clock:
 
 
 def _table(clock, freed, timeout=10.0, pin_ttl=5.0):
-    return LeaseTable(timeout_s=timeout, pin_ttl_s=pin_ttl, clock=clock,
-                      on_free=lambda lease, why: freed.append((lease.lease_id, why)))
+    return LeaseTable(
+        timeout_s=timeout,
+        pin_ttl_s=pin_ttl,
+        clock=clock,
+        on_free=lambda lease, why: freed.append((lease.lease_id, why)),
+    )
 
 
 def _metric(reason: str) -> float:
@@ -53,8 +57,12 @@ def test_expiry_frees_once_counts_and_refuses():
     assert t.sweep() == 1 and freed == [(lease.lease_id, "expired")]
     assert t.sweep() == 0 and len(freed) == 1  # freed exactly once
     assert t.freed_counts["expired"] == 1 and _metric("expired") == before + 1
-    for call in (lambda: t.check(lease.lease_id), lambda: t.pin(lease.lease_id, 0, 1),
-                 lambda: t.renew(lease.lease_id), lambda: t.wait_layers(lease.lease_id, 0, 0.0)):
+    for call in (
+        lambda: t.check(lease.lease_id),
+        lambda: t.pin(lease.lease_id, 0, 1),
+        lambda: t.renew(lease.lease_id),
+        lambda: t.wait_layers(lease.lease_id, 0, 0.0),
+    ):
         with pytest.raises(LeaseExpired, match="expired"):
             call()
     with pytest.raises(LeaseExpired, match="unknown"):

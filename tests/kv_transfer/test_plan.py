@@ -18,8 +18,17 @@ from pdserve import parallel_config as pc
 
 
 def _layout(kvh, tp, dcp=1, inter=1, bs=16, nb=24, layers=3, dim=4, dtype="float32"):
-    return KVLayout(num_layers=layers, num_kv_heads=kvh, head_dim=dim, dtype=dtype, block_size=bs,
-                    tp_size=tp, dcp_size=dcp, interleave=inter, num_blocks=nb)
+    return KVLayout(
+        num_layers=layers,
+        num_kv_heads=kvh,
+        head_dim=dim,
+        dtype=dtype,
+        block_size=bs,
+        tp_size=tp,
+        dcp_size=dcp,
+        interleave=inter,
+        num_blocks=nb,
+    )
 
 
 def _valid_cases():
@@ -75,8 +84,11 @@ def test_enough_cases_and_kinds():
     assert {d.interleave for _, d in CASES} == {1, 4}
 
 
-@pytest.mark.parametrize("src,dst", CASES, ids=lambda lay: (f"kvh{lay.num_kv_heads}tp{lay.tp_size}dcp{lay.dcp_size}"
-                                                             f"i{lay.interleave}bs{lay.block_size}"))
+@pytest.mark.parametrize(
+    "src,dst",
+    CASES,
+    ids=lambda lay: f"kvh{lay.num_kv_heads}tp{lay.tp_size}dcp{lay.dcp_size}i{lay.interleave}bs{lay.block_size}",
+)
 def test_plan_matches_reference(src, dst):
     num_tokens = 1 + (hash((src, dst)) % 90)
     _check_case(src, dst, num_tokens, seed=num_tokens)
@@ -218,8 +230,9 @@ def test_mla_layout_shape_and_bytes():
     assert not _mla(1).same_model(_layout(1, 1, dim=12))  # a GQA cache of the same width is another tensor
 
 
-@pytest.mark.parametrize("src,dst", MLA_CASES, ids=lambda lay: (f"tp{lay.tp_size}dcp{lay.dcp_size}"
-                                                                 f"i{lay.interleave}bs{lay.block_size}"))
+@pytest.mark.parametrize(
+    "src,dst", MLA_CASES, ids=lambda lay: f"tp{lay.tp_size}dcp{lay.dcp_size}i{lay.interleave}bs{lay.block_size}"
+)
 def test_mla_plan_matches_reference(src, dst):
     num_tokens = 1 + (hash((src, dst)) % 90)
     _check_case(src, dst, num_tokens, seed=num_tokens)

@@ -95,16 +95,22 @@ def test_nixl_puller_stages_tiny_segment_plans_or_sends_them_over_tcp_on_cpu():
     same = KVLayout(2, 2, 64, "float32", 16, tp_size=1, num_blocks=8)  # whole blocks: 8 KB segments
     sliced = KVLayout(2, 2, 64, "float32", 16, tp_size=2, num_blocks=8)  # one head per slot: 256 B segments
     try:
-        for dst, rank, opts, want in ((same, 0, {}, "nixl"), (sliced, 1, {}, "nixl"),
-                                      (sliced, 1, {"stage_bytes": 0}, "tcp")):
+        for dst, rank, opts, want in (
+            (same, 0, {}, "nixl"),
+            (sliced, 1, {}, "nixl"),
+            (sliced, 1, {"stage_bytes": 0}, "tcp"),
+        ):
             reg = torch.zeros(dst.region_shape())
             with make_puller(dst, rank, reg, backend="nixl", **opts) as p:
                 lid = pub.publish("r", {0: [0, 1, 2]}, 40, layers_ready=2)
                 assert p.pull(pub.handoff(lid), [4, 5, 6]).transport == want
                 plan = plan_reshard(lay, [[0, 1, 2]], dst, {rank: [4, 5, 6]}, 40, dst_ranks=[rank])
                 want_reg = torch.zeros(dst.region_shape())
-                apply_segments({0: region.view(-1).view(torch.uint8).numpy()},
-                               want_reg.view(-1).view(torch.uint8).numpy(), plan.segments(rank))
+                apply_segments(
+                    {0: region.view(-1).view(torch.uint8).numpy()},
+                    want_reg.view(-1).view(torch.uint8).numpy(),
+                    plan.segments(rank),
+                )
                 assert torch.equal(reg, want_reg), (rank, opts)
     finally:
         pub.close()

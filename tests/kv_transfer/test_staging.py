@@ -16,13 +16,25 @@ from kv_transfer.staging import plan_staging, scatter
 
 
 def _layout(kvh, tp, dcp=1, bs=16, nb=40, dim=16):
-    return KVLayout(num_layers=3, num_kv_heads=kvh, head_dim=dim, dtype="float32", block_size=bs,
-                    tp_size=tp, dcp_size=dcp, num_blocks=nb)
+    return KVLayout(
+        num_layers=3,
+        num_kv_heads=kvh,
+        head_dim=dim,
+        dtype="float32",
+        block_size=bs,
+        tp_size=tp,
+        dcp_size=dcp,
+        num_blocks=nb,
+    )
 
 
 CASES = [  # (kv heads, prefill tp, decode tp, decode dcp, decode block size, shuffled tables)
-    (2, 1, 1, 1, 16, True), (2, 1, 1, 1, 16, False), (2, 2, 1, 1, 32, True), (2, 1, 2, 1, 16, True),
-    (1, 1, 2, 2, 16, True), (2, 2, 4, 2, 16, True),
+    (2, 1, 1, 1, 16, True),
+    (2, 1, 1, 1, 16, False),
+    (2, 2, 1, 1, 32, True),
+    (2, 1, 2, 1, 16, True),
+    (1, 1, 2, 2, 16, True),
+    (2, 2, 4, 2, 16, True),
 ]
 
 
@@ -46,8 +58,11 @@ def test_staged_read_then_scatter_matches_direct_copy(kvh, src_tp, dst_tp, dcp, 
     for d in range(dst_tp):
         rp = plan.ranks[d]
         want = empty_region(dst, 500 + d)
-        apply_segments({r: t.view(-1).view(torch.uint8).numpy() for r, t in src_regions.items()},
-                       want.view(-1).view(torch.uint8).numpy(), plan.segments(d))
+        apply_segments(
+            {r: t.view(-1).view(torch.uint8).numpy() for r, t in src_regions.items()},
+            want.view(-1).view(torch.uint8).numpy(),
+            plan.segments(d),
+        )
         staged = plan_staging(rp.base, src.block_nbytes, rp.dst_plane_nbytes)
         if staged is None:
             continue

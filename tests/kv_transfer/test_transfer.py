@@ -72,8 +72,14 @@ class PrefillSide:
         self.key = f"{backend}-kvh{kvh}-tp{src_tp}-mla{int(self.layout.use_mla)}-{opts.get('tag', '')}"
         for r in range(src_tp):
             name = workers[r].call(
-                "start", key=self.key, layout=self.layout.to_dict(), ranks=[r], tables=self.tables,
-                num_tokens=NUM_TOKENS, seed=self.seed, backend=backend,
+                "start",
+                key=self.key,
+                layout=self.layout.to_dict(),
+                ranks=[r],
+                tables=self.tables,
+                num_tokens=NUM_TOKENS,
+                seed=self.seed,
+                backend=backend,
                 **{k: v for k, v in opts.items() if k != "tag"},
             )
             assert name == backend
@@ -83,8 +89,13 @@ class PrefillSide:
         parts = [
             KVHandoff.from_json(
                 self.workers[r].call(
-                    "publish", key=self.key, request_id=f"req-{lease[:6]}", tables=self.tables,
-                    num_tokens=NUM_TOKENS, lease_id=lease, layers_ready=layers_ready,
+                    "publish",
+                    key=self.key,
+                    request_id=f"req-{lease[:6]}",
+                    tables=self.tables,
+                    num_tokens=NUM_TOKENS,
+                    lease_id=lease,
+                    layers_ready=layers_ready,
                 )
             )
             for r in range(self.layout.tp_size)
@@ -104,8 +115,9 @@ class PrefillSide:
 class DecodeSide:
     """All ranks of one decode pod: regions, block tables and one puller per rank."""
 
-    def __init__(self, backend: str, kvh: int, tp: int, dcp: int, layout: KVLayout | None = None,
-                 **puller_opts) -> None:
+    def __init__(
+        self, backend: str, kvh: int, tp: int, dcp: int, layout: KVLayout | None = None, **puller_opts
+    ) -> None:
         self.layout = layout or _layout(kvh, tp, dcp, block=32 if dcp == 2 else BLOCK)  # mixed block sizes too
         self.tables = random_tables(self.layout, NUM_TOKENS, random.Random(7 * tp + dcp))
         self.regions = [empty_region(self.layout, 500 + r) for r in range(tp)]
@@ -197,9 +209,13 @@ def test_reshard_byte_identical(sides, backend, kvh, src_tp, tp, dcp):
         assert results[r].transport == backend
     # every decode rank reported done -> each prefill rank freed the lease ("done"), nothing else
     freed = _wait_for(
-        lambda: [x for x in pre.freed() if x[0] == handoff.lease_id] if len(
-            [x for x in pre.freed() if x[0] == handoff.lease_id]) == src_tp else None,
-        5.0, "prefill to free the lease",
+        lambda: (
+            [x for x in pre.freed() if x[0] == handoff.lease_id]
+            if len([x for x in pre.freed() if x[0] == handoff.lease_id]) == src_tp
+            else None
+        ),
+        5.0,
+        "prefill to free the lease",
     )
     assert {why for _, why in freed} == {"done"}
 
@@ -219,6 +235,7 @@ def test_streaming_layers_pulled_as_they_finish(workers, backend):
         def run(r):
             def on_landed(n, r=r):
                 landed[r].append((n, time.monotonic()))
+
             try:
                 results[r] = dec.pullers[r].pull(handoff, dec.tables[r], on_layers_landed=on_landed, timeout_s=30)
             except BaseException as e:
@@ -261,8 +278,9 @@ MLA_DIM = 24  # kv_lora_rank + qk_rope_head_dim of a tiny model
 
 
 def _mla(tp: int, dcp: int = 1, interleave: int = 1, block: int = BLOCK) -> KVLayout:
-    return KVLayout.mla(NUM_LAYERS, MLA_DIM, "float32", block, tp_size=tp, dcp_size=dcp, interleave=interleave,
-                        num_blocks=NUM_BLOCKS)
+    return KVLayout.mla(
+        NUM_LAYERS, MLA_DIM, "float32", block, tp_size=tp, dcp_size=dcp, interleave=interleave, num_blocks=NUM_BLOCKS
+    )
 
 
 MLA_CASES = [  # (prefill tp, decode tp, dcp, interleave): dcp == tp, dcp < tp, prefill TP != decode TP
@@ -324,6 +342,7 @@ def test_mla_streaming_layer_by_layer(workers, backend):
         def run(r):
             def on_landed(n, r=r):
                 landed[r].append((n, time.monotonic()))
+
             try:
                 results[r] = dec.pullers[r].pull(handoff, dec.tables[r], timeout_s=30, on_layers_landed=on_landed)
             except BaseException as e:
@@ -368,7 +387,9 @@ def test_prefill_killed_mid_transfer_raises_unavailable():
             t0 = time.monotonic()
             try:
                 decs[b].pullers[0].pull(
-                    handoffs[b], decs[b].tables[0], timeout_s=30,
+                    handoffs[b],
+                    decs[b].tables[0],
+                    timeout_s=30,
                     on_layers_landed=lambda n, b=b: landed_one[b].set(),
                 )
                 outcome[b] = ("returned", None)
@@ -431,8 +452,6 @@ def test_unpulled_lease_expires_and_late_reads_are_refused(workers, backend):
         dec.close()
 
 
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_handshake_timeouts_are_bounded(backend):
     dec = DecodeSide(backend, 2, 1, 1, handshake_timeout_s=1.0)
@@ -459,7 +478,8 @@ def test_concurrent_pulls_on_one_puller(workers, backend):
         table_b = [b for b in range(NUM_BLOCKS) if b not in dec.tables[0]][: len(dec.tables[0])]
         out = {}
         th = threading.Thread(
-            target=lambda: out.setdefault("slow", dec.pullers[0].pull(slow, dec.tables[0], timeout_s=30)))
+            target=lambda: out.setdefault("slow", dec.pullers[0].pull(slow, dec.tables[0], timeout_s=30))
+        )
         th.start()
         workers[0].call("stream", key=pre.key, lease_id=slow.lease_id, delay=0.5)
         time.sleep(0.3)  # the slow pull is now long-polling for layer 1
@@ -529,8 +549,15 @@ def test_late_nixl_read_is_refused_not_served(workers, split):
             return self._agent.initialize_xfer(*args, **kwargs)
 
     dec = DecodeSide("nixl", 2, 1, 1)
-    late = NixlPuller(dec.layout, 0, dec.regions[0], min_segment_bytes=0, handshake_timeout_s=5.0, io_timeout_s=5.0,
-                      **({"split_min_bytes": 0, "parallel_reads": 2} if split else {}))
+    late = NixlPuller(
+        dec.layout,
+        0,
+        dec.regions[0],
+        min_segment_bytes=0,
+        handshake_timeout_s=5.0,
+        io_timeout_s=5.0,
+        **({"split_min_bytes": 0, "parallel_reads": 2} if split else {}),
+    )
     try:
         handoff = pre.publish()
         res = dec.pull_all(handoff)  # a prompt reader: fine

@@ -2,6 +2,7 @@
 shared memory on either side. Re-shards are byte-identical as over the default transports, and the setting is shown
 to hold: restricted to a transport this host lacks (rc, InfiniBand verbs), the same read fails. Both sides run in
 processes of their own, since UCX takes the setting per process."""
+
 from __future__ import annotations
 
 import random
@@ -39,12 +40,35 @@ def _publish(workers, kvh: int, src_tp: int, seed: int) -> tuple[KVLayout, KVHan
     tables = random_tables(layout, NUM_TOKENS, random.Random(seed))
     key = f"ucx-tcp-{kvh}-{src_tp}-{seed}"
     for r in range(src_tp):
-        assert workers[r].call("start", key=key, layout=layout.to_dict(), ranks=[r], tables=tables,
-                               num_tokens=NUM_TOKENS, seed=seed, backend="nixl", ucx_transports="tcp") == "nixl"
+        assert (
+            workers[r].call(
+                "start",
+                key=key,
+                layout=layout.to_dict(),
+                ranks=[r],
+                tables=tables,
+                num_tokens=NUM_TOKENS,
+                seed=seed,
+                backend="nixl",
+                ucx_transports="tcp",
+            )
+            == "nixl"
+        )
     lease = new_lease_id()
-    parts = [KVHandoff.from_json(workers[r].call("publish", key=key, request_id=f"req-{lease[:6]}", tables=tables,
-                                                 num_tokens=NUM_TOKENS, lease_id=lease, layers_ready=NUM_LAYERS))
-             for r in range(src_tp)]
+    parts = [
+        KVHandoff.from_json(
+            workers[r].call(
+                "publish",
+                key=key,
+                request_id=f"req-{lease[:6]}",
+                tables=tables,
+                num_tokens=NUM_TOKENS,
+                lease_id=lease,
+                layers_ready=NUM_LAYERS,
+            )
+        )
+        for r in range(src_tp)
+    ]
     return layout, KVHandoff.merge(parts)
 
 
@@ -71,6 +95,14 @@ def test_the_transport_setting_holds(tcp_workers):
     is applied, not ignored."""
     _, handoff = _publish(tcp_workers, 2, 1, seed=7)
     dst = _layout(2, 1)
-    status, value = pull_in_own_process(dst, random_tables(dst, NUM_TOKENS, random.Random(8)), handoff, "rc",
-                                        env=LOOPBACK, min_segment_bytes=0, handshake_timeout_s=5.0, io_timeout_s=5.0)
+    status, value = pull_in_own_process(
+        dst,
+        random_tables(dst, NUM_TOKENS, random.Random(8)),
+        handoff,
+        "rc",
+        env=LOOPBACK,
+        min_segment_bytes=0,
+        handshake_timeout_s=5.0,
+        io_timeout_s=5.0,
+    )
     assert status == "err", "a read over a transport this host lacks succeeded: UCX_TLS was not applied"

@@ -1,5 +1,6 @@
 """One rank of tests/pdserve/test_comm.py: runs every collective over shared memory and over gloo on the same
 inputs and reports what disagrees (spawned: module level so that it can be pickled)."""
+
 from __future__ import annotations
 
 import datetime
@@ -50,8 +51,11 @@ def run_rank(rank: int, n: int, region, groups: list[ShmGroupSpec], port: int, q
                     mine = xs[rank]
                     got = shm.all_reduce(mine.clone())
                     want = gloo.all_reduce(mine.clone())
-                    digest.update(got.view(torch.uint8).numpy().tobytes() if dtype != torch.bfloat16
-                                  else got.view(torch.int16).numpy().tobytes())
+                    digest.update(
+                        got.view(torch.uint8).numpy().tobytes()
+                        if dtype != torch.bfloat16
+                        else got.view(torch.int16).numpy().tobytes()
+                    )
                     if dtype.is_floating_point:
                         if not torch.equal(got, in_rank_order(xs)):
                             problems.append(f"all_reduce is not the rank-order sum ({where})")
@@ -66,7 +70,7 @@ def run_rank(rank: int, n: int, region, groups: list[ShmGroupSpec], port: int, q
                     x3 = inputs(rank, dtype, (2 * n, numel), case + 900)
                     all3 = [inputs(r, dtype, (2 * n, numel), case + 900) for r in range(n)]
                     rs = shm.reduce_scatter(x3, dim=0)
-                    if rs.shape != (2, numel) or not torch.equal(rs, in_rank_order(all3)[2 * rank:2 * rank + 2]):
+                    if rs.shape != (2, numel) or not torch.equal(rs, in_rank_order(all3)[2 * rank : 2 * rank + 2]):
                         problems.append(f"reduce_scatter is not this rank's slice of the rank-order sum ({where})")
                     rs_g = gloo.reduce_scatter(x3.clone(), dim=0)
                     tol = TOL.get(dtype, 0)

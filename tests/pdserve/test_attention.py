@@ -1,5 +1,6 @@
 """Attention with LSE: partial attentions over disjoint key subsets merge to full attention; paged decode equals
 paged prefill; a rank with no keys contributes nothing."""
+
 from __future__ import annotations
 
 import pytest
@@ -62,7 +63,7 @@ def test_paged_decode_matches_prefill_last_row():
     k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
     kv = torch.zeros(2, 6, bs, hkv, d)
     table = torch.tensor([[5, 2, 0, 3]])  # scattered blocks
-    slots = torch.cat([table[0, i // bs:i // bs + 1] * bs + i % bs for i in range(n)])
+    slots = torch.cat([table[0, i // bs : i // bs + 1] * bs + i % bs for i in range(n)])
     write_kv(kv, k, v, slots)
     be = TorchAttentionBackend()
     pre = AttentionMetadata(True, slots, [0, n], [0], torch.tensor([n]), table)
@@ -86,10 +87,10 @@ def test_flashinfer_mla_page_table_covers_the_torch_decode_slots():
     assert indptr.dtype == indices.dtype == kv_len.dtype == torch.int32
     max_ctx = slots.numel() // 4
     for i in range(4):
-        pages = indices[indptr[i]:indptr[i + 1]].long()
+        pages = indices[indptr[i] : indptr[i + 1]].long()
         got = (pages.repeat_interleave(bs) * bs + torch.arange(bs).repeat(len(pages)))[: int(kv_len[i])]
         n = max(int(ctx[i]), 1)  # an empty shard reads one (masked-out) row on both paths
-        assert got.tolist() == slots[i * max_ctx: i * max_ctx + n].tolist()
+        assert got.tolist() == slots[i * max_ctx : i * max_ctx + n].tolist()
     assert empty is not None and empty.tolist() == [False, True, False, False]
 
 

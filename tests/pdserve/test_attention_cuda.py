@@ -1,6 +1,7 @@
 """The torch attention backend off CPU, the engine's attention on CUDA when flashinfer is absent: select_backend falls
 back to it on CUDA; its non-CPU path returns the interface's shapes (LSE unpadded, GQA heads expanded); and, on a
 CUDA machine, it matches its CPU path (GQA and MLA, masks, empty shards) and the engine matches transformers there."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -59,8 +60,9 @@ def test_torch_backend_on_cuda_matches_its_cpu_path(tmp_path):
 
 
 @cuda
-@pytest.mark.parametrize("family,shape", [("llama", dict(num_heads=8, num_kv_heads=2)),
-                                          ("deepseek_v3", dict(num_heads=4))])
+@pytest.mark.parametrize(
+    "family,shape", [("llama", dict(num_heads=8, num_kv_heads=2)), ("deepseek_v3", dict(num_heads=4))]
+)
 def test_engine_on_cuda_with_torch_attention_matches_transformers(tiny_factory, family, shape):
     from transformers import AutoModelForCausalLM
 
@@ -74,9 +76,16 @@ def test_engine_on_cuda_with_torch_attention_matches_transformers(tiny_factory, 
     want = []
     for p in prompts:
         ids = torch.tensor([p], device="cuda")
-        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-        want.append(g[0, len(p):].tolist())
+        g = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        want.append(g[0, len(p) :].tolist())
     assert got == want
 
 

@@ -1,4 +1,5 @@
 """Bad checkpoints, prompts and sampling parameters each give a clear error that says what to change."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,15 @@ def test_unsupported_architecture_is_named(tiny_copy):
 
 
 def test_unsupported_rope_scaling_is_named():
-    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"rope_type": "longrope"}}
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_scaling": {"rope_type": "longrope"},
+    }
     with pytest.raises(ModelConfigError, match="rope scaling type 'longrope'"):
         ModelConfig.from_dict(raw)
 
@@ -51,8 +59,11 @@ def test_misshaped_tensor_names_file_key_and_shapes(tiny_copy):
     tensors = load_file(f)
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(5, 64)
     save_file(tensors, f)
-    with pytest.raises(ModelConfigError, match=r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' "
-                                               r"has shape \[5, 64\], expected \[32, 64\]"):
+    with pytest.raises(
+        ModelConfigError,
+        match=r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' "
+        r"has shape \[5, 64\], expected \[32, 64\]",
+    ):
         LLMEngine(EngineConfig(model=str(tiny_copy), num_kv_blocks=8))
 
 
@@ -63,8 +74,9 @@ def test_missing_config_json(tmp_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_factory):
-    eng = LLMEngine(EngineConfig(model=str(tiny_factory("llama", num_heads=4, num_kv_heads=2)), num_kv_blocks=16,
-                                 max_model_len=64))
+    eng = LLMEngine(
+        EngineConfig(model=str(tiny_factory("llama", num_heads=4, num_kv_heads=2)), num_kv_blocks=16, max_model_len=64)
+    )
     yield eng
     eng.shutdown()
 
@@ -91,17 +103,20 @@ def test_duplicate_request_id(engine):
     engine.abort("dup")
 
 
-@pytest.mark.parametrize("kwargs,msg", [
-    (dict(temperature=-1), "temperature must be"),
-    (dict(temperature=float("nan")), "temperature must be"),
-    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-5), "top_k must be"),
-    (dict(max_tokens=0), "max_tokens must be"),
-    (dict(seed=-3), "seed must be"),
-    (dict(stop=[""]), "stop strings must be non-empty"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(temperature=-1), "temperature must be"),
+        (dict(temperature=float("nan")), "temperature must be"),
+        (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-5), "top_k must be"),
+        (dict(max_tokens=0), "max_tokens must be"),
+        (dict(seed=-3), "seed must be"),
+        (dict(stop=[""]), "stop strings must be non-empty"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids must be"),
+    ],
+)
 def test_invalid_sampling_params(kwargs, msg):
     with pytest.raises(SamplingParamsError, match=msg):
         SamplingParams(**kwargs)

@@ -1,5 +1,6 @@
 """Block accounting is exact: every block comes back, DCP ranks hold their ceil-share, the prefix cache reuses
 full blocks and never hands out a block still in use."""
+
 from __future__ import annotations
 
 import random

@@ -27,15 +27,20 @@ SEED_MSG = (
 
 @pytest.fixture
 def llama_dir(tmp_path):
-    cfg = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 32, "num_key_value_heads": 8,
-           "hidden_size": 4096}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_size": 4096,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return tmp_path
 
 
 def test_valid_config_exit_0_one_line(llama_dir, capsys):
-    rc = main_validate(["--model", str(llama_dir), "--tensor-parallel-size", "16",
-                        "--decode-context-parallel-size", "2"])
+    rc = main_validate(
+        ["--model", str(llama_dir), "--tensor-parallel-size", "16", "--decode-context-parallel-size", "2"]
+    )
     out, err = capsys.readouterr()
     assert rc == 0
     assert err == ""
@@ -43,8 +48,9 @@ def test_valid_config_exit_0_one_line(llama_dir, capsys):
 
 
 def test_refused_config_exit_2_message_and_fix_on_stderr(llama_dir, capsys):
-    rc = main_validate(["--model", str(llama_dir), "--tensor-parallel-size", "8",
-                        "--decode-context-parallel-size", "2"])
+    rc = main_validate(
+        ["--model", str(llama_dir), "--tensor-parallel-size", "8", "--decode-context-parallel-size", "2"]
+    )
     out, err = capsys.readouterr()
     assert rc == 2
     assert out == ""
@@ -66,18 +72,35 @@ def test_head_counts_instead_of_model(capsys):
     # MLA: only TP % DCP applies.
     assert main_validate(["--num-attention-heads", "16", "--use-mla", "-tp", "8", "-dcp", "8"]) == 0
     # Sliding window refuses DCP.
-    assert main_validate(["--num-attention-heads", "32", "--num-kv-heads", "8", "--sliding-window", "4096",
-                          "-tp", "16", "-dcp", "2"]) == 2
+    assert (
+        main_validate(
+            ["--num-attention-heads", "32", "--num-kv-heads", "8", "--sliding-window", "4096", "-tp", "16", "-dcp", "2"]
+        )
+        == 2
+    )
     assert "DCP not support sliding window." in capsys.readouterr().err
 
 
 def test_other_flags(capsys):
-    rc = main_validate(["--num-attention-heads", "32", "--num-kv-heads", "8", "-tp", "16", "-dcp", "2",
-                        "--dcp-kv-cache-interleave-size", "32", "--block-size", "16"])
+    rc = main_validate(
+        [
+            "--num-attention-heads",
+            "32",
+            "--num-kv-heads",
+            "8",
+            "-tp",
+            "16",
+            "-dcp",
+            "2",
+            "--dcp-kv-cache-interleave-size",
+            "32",
+            "--block-size",
+            "16",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
-    assert ("Block_size(16) should be greater than or equal to and divisible by cp_kv_cache_interleave_size (32)."
-            in err)
+    assert "Block_size(16) should be greater than or equal to and divisible by cp_kv_cache_interleave_size (32)." in err
     assert "--dcp-kv-cache-interleave-size 16" in err
     assert main_validate(["--num-attention-heads", "32", "--pipeline-parallel-size", "0"]) == 2
     assert "`--pipeline-parallel-size` must be a positive integer (>= 1), got 0." in capsys.readouterr().err
@@ -92,8 +115,9 @@ def test_json_output(capsys):
     assert data["message"] == SEED_MSG
     assert data["fix"]["flag"] == "--tensor-parallel-size" and data["fix"]["value"] == 16
     assert data["fix"]["changes"] == {"--tensor-parallel-size": 16}
-    assert main_validate(["--num-attention-heads", "32", "--num-kv-heads", "8", "-tp", "16", "-dcp", "2",
-                          "--json"]) == 0
+    assert (
+        main_validate(["--num-attention-heads", "32", "--num-kv-heads", "8", "-tp", "16", "-dcp", "2", "--json"]) == 0
+    )
     assert json.loads(capsys.readouterr().out) == {
         "valid": True,
         "rule": None,
@@ -121,8 +145,19 @@ def test_register_adds_validate_subcommand(capsys):
     parser = argparse.ArgumentParser(prog="pdserve")
     sub = parser.add_subparsers(dest="command")
     register(sub)
-    args = parser.parse_args(["validate", "--num-attention-heads", "32", "--num-kv-heads", "8",
-                              "--tensor-parallel-size", "8", "--decode-context-parallel-size", "2"])
+    args = parser.parse_args(
+        [
+            "validate",
+            "--num-attention-heads",
+            "32",
+            "--num-kv-heads",
+            "8",
+            "--tensor-parallel-size",
+            "8",
+            "--decode-context-parallel-size",
+            "2",
+        ]
+    )
     assert args.command == "validate"
     assert args.func is validate_cmd.run_validate
     assert args.func(args) == 2
@@ -133,16 +168,46 @@ def test_python_dash_m_entry_point():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.commands.validate", "--num-attention-heads", "32", "--num-kv-heads", "8",
-         "--tensor-parallel-size", "8", "--decode-context-parallel-size", "2"],
-        capture_output=True, text=True, env=env, cwd=str(REPO_ROOT), timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.commands.validate",
+            "--num-attention-heads",
+            "32",
+            "--num-kv-heads",
+            "8",
+            "--tensor-parallel-size",
+            "8",
+            "--decode-context-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(REPO_ROOT),
+        timeout=120,
     )
     assert proc.returncode == 2
     assert SEED_MSG in proc.stderr
     assert "--tensor-parallel-size 16" in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.commands.validate", "--num-attention-heads", "32", "--num-kv-heads", "8",
-         "-tp", "16", "-dcp", "2"],
-        capture_output=True, text=True, env=env, cwd=str(REPO_ROOT), timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.commands.validate",
+            "--num-attention-heads",
+            "32",
+            "--num-kv-heads",
+            "8",
+            "-tp",
+            "16",
+            "-dcp",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(REPO_ROOT),
+        timeout=120,
     )
     assert proc.returncode == 0 and proc.stdout.startswith("valid: ")

@@ -1,6 +1,7 @@
 """Shared-memory collectives (pdserve/engine/comm.py) against gloo on the same inputs, in real rank processes:
 odd sizes, 3 and 9 ranks, four dtypes, tensors and byte strings larger than a slot (sent in pieces). Reductions
 are the left-to-right sum in rank order, so every rank holds the same bits."""
+
 from __future__ import annotations
 
 import pytest

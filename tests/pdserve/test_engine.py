@@ -1,5 +1,6 @@
 """Continuous batching in one engine: requests joining at different steps, KV pressure (waiting and preemption),
 and cancellation all give each request the tokens it gets alone, and every block comes back."""
+
 from __future__ import annotations
 
 import random
@@ -40,8 +41,9 @@ def test_staggered_arrivals_under_kv_pressure_match_solo_runs(tiny_factory):
 def test_cancel_frees_blocks_immediately(tiny_factory):
     path = tiny_factory("llama", num_heads=8, num_kv_heads=2)
     with LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64)) as eng:
-        ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-               for p in _prompts(6, 1)]
+        ids = [
+            eng.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)) for p in _prompts(6, 1)
+        ]
         for _ in range(5):
             eng.step()
         assert eng.blocks.num_free() < 64

@@ -1,5 +1,6 @@
 """LLMEngine's API for pods that receive a prompt's KV from elsewhere (reserve, adopt, add_awaiting_kv,
 start_decoding, knows, block_tables_of), and the model-less bookkeeping engine."""
+
 from __future__ import annotations
 
 import pytest
@@ -89,8 +90,9 @@ def test_no_room_keeps_nothing_and_a_used_id_is_refused(engines):
 
 
 def test_bookkeeping_engine_reserves_without_a_model():
-    cfg = EngineConfig(model="unused", block_size=16, num_kv_blocks=12, decode_context_parallel_size=2,
-                       enable_prefix_caching=False)
+    cfg = EngineConfig(
+        model="unused", block_size=16, num_kv_blocks=12, decode_context_parallel_size=2, enable_prefix_caching=False
+    )
     eng = LLMEngine.bookkeeping(cfg, max_model_len=1024)
     seqs = []
     while (s := eng.reserve(f"c{len(seqs)}", 100, 100)) is not None:

@@ -1,4 +1,5 @@
 """EngineThread: the thread both pods run their engine on (start-up errors, commands in order, wake, stop)."""
+
 from __future__ import annotations
 
 import threading

@@ -1,5 +1,6 @@
 """pdserve.errors: ServiceError's status reaches the client through grpc_errors, for unary and streaming
 handlers; errors raised in rank processes keep their code across pickling."""
+
 from __future__ import annotations
 
 import asyncio
@@ -50,14 +51,17 @@ async def _stream(svc: Servicer, ctx: FakeContext) -> list[int]:
     return [x async for x in svc.Stream(1, ctx)]
 
 
-@pytest.mark.parametrize("error,status", [
-    (ServiceError(grpc.StatusCode.NOT_FOUND, "no such model"), (grpc.StatusCode.NOT_FOUND, "no such model")),
-    (InvalidArgument("bad field"), (grpc.StatusCode.INVALID_ARGUMENT, "bad field")),
-    (AlreadyExists("dup"), (grpc.StatusCode.ALREADY_EXISTS, "dup")),
-    (Exhausted("full"), (grpc.StatusCode.RESOURCE_EXHAUSTED, "full")),
-    (RequestError("prompt is empty"), (grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")),
-    (SamplingParamsError("top_p"), (grpc.StatusCode.INVALID_ARGUMENT, "top_p")),
-])
+@pytest.mark.parametrize(
+    "error,status",
+    [
+        (ServiceError(grpc.StatusCode.NOT_FOUND, "no such model"), (grpc.StatusCode.NOT_FOUND, "no such model")),
+        (InvalidArgument("bad field"), (grpc.StatusCode.INVALID_ARGUMENT, "bad field")),
+        (AlreadyExists("dup"), (grpc.StatusCode.ALREADY_EXISTS, "dup")),
+        (Exhausted("full"), (grpc.StatusCode.RESOURCE_EXHAUSTED, "full")),
+        (RequestError("prompt is empty"), (grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")),
+        (SamplingParamsError("top_p"), (grpc.StatusCode.INVALID_ARGUMENT, "top_p")),
+    ],
+)
 def test_handlers_answer_service_errors_with_their_status(error, status):
     ctx = FakeContext()
     with pytest.raises(Aborted):
@@ -79,7 +83,10 @@ def test_success_and_bugs_pass_through():
 
 
 def test_codes_survive_pickling():
-    for e in (KVDeliveryError("lease gone", grpc.StatusCode.FAILED_PRECONDITION), Unavailable("rank 1 died"),
-              ServiceError(grpc.StatusCode.ABORTED, "stop")):
+    for e in (
+        KVDeliveryError("lease gone", grpc.StatusCode.FAILED_PRECONDITION),
+        Unavailable("rank 1 died"),
+        ServiceError(grpc.StatusCode.ABORTED, "stop"),
+    ):
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is type(e) and (back.code, back.message, str(back)) == (e.code, e.message, str(e))

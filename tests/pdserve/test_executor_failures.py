@@ -1,5 +1,6 @@
 """A pod's ranks over shared memory when one of them fails: a killed or stopped rank is named within seconds (not
 after the 120 s collective timeout), and a SIGKILLed driver takes its ranks and their shared memory with it."""
+
 from __future__ import annotations
 
 import operator
@@ -16,8 +17,10 @@ from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.shm import RankFailure, proc_state, shm_supported
 from pdserve.sampling import SamplingParams
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}"),
+]
 
 NOTICE_S = 30.0  # far below the collective timeout (120 s): only the liveness checks can explain an answer this fast
 
@@ -96,8 +99,12 @@ def test_sigkilled_driver_leaves_no_rank_and_no_shared_segment(tiny_factory, tmp
     before = _shm_names()
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    driver = subprocess.Popen([sys.executable, str(script), str(model)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    driver = subprocess.Popen(
+        [sys.executable, str(script), str(model)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     try:
         pids = [int(p) for p in driver.stdout.readline().split()]
         assert len(pids) == 2
@@ -122,8 +129,9 @@ def test_shutdown_gives_the_driver_thread_back_its_cores_and_threads(tiny_factor
 
     model = tiny_factory("llama", num_heads=6, num_kv_heads=3, hidden_size=96)
     cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    eng = LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=3, num_kv_blocks=16, max_model_len=64,
-                                 cpu_pinning="on"))
+    eng = LLMEngine(
+        EngineConfig(model=str(model), tensor_parallel_size=3, num_kv_blocks=16, max_model_len=64, cpu_pinning="on")
+    )
     assert os.sched_getaffinity(0) != cpus or len(cpus) == 1
     eng.shutdown()
     assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads

@@ -2,6 +2,7 @@
 inside a collective, which the process group aborts after its timeout (so the driver sends keepalives); over shared
 memory they sleep as long as the driver lives. Ctrl-C reaches the whole process group. These tests use real 2-rank
 groups with a short collective timeout (4 s)."""
+
 from __future__ import annotations
 
 import operator
@@ -21,8 +22,17 @@ TIMEOUT_S = 4.0  # of each collective (the rendezvous has its own, long timeout)
 @pytest.fixture(params=["gloo", "shm"])
 def executor(request, tiny_factory):
     model = tiny_factory("llama", num_kv_heads=2)
-    ex = Executor.create(str(model), tp_size=2, dcp_size=1, interleave=1, num_blocks=8, block_size=16,
-                         max_model_len=256, timeout_s=TIMEOUT_S, cpu_collectives=request.param)
+    ex = Executor.create(
+        str(model),
+        tp_size=2,
+        dcp_size=1,
+        interleave=1,
+        num_blocks=8,
+        block_size=16,
+        max_model_len=256,
+        timeout_s=TIMEOUT_S,
+        cpu_collectives=request.param,
+    )
     assert ex.collectives == request.param
     try:
         yield ex

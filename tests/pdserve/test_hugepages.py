@@ -47,8 +47,10 @@ def _vma_of(addr: int) -> dict[str, str]:
     return entry
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("always", "madvise"),
-                    reason="transparent huge pages unavailable here")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or thp_mode() not in ("always", "madvise"),
+    reason="transparent huge pages unavailable here",
+)
 def test_region_is_advised_for_huge_pages():
     """The region's own mapping carries the huge-page advice (VmFlags "hg"), so the kernel backs it with 2 MB pages
     whenever it has them free. Whether it does depends on physical-memory fragmentation, not on this code, so the

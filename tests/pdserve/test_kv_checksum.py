@@ -2,6 +2,7 @@
 the sum a decode pod computes over what it read, whatever the two layouts (TP heads, DCP tokens, replicated heads);
 one damaged byte, or another request's block read in its place, changes the checksum of exactly that block. The copy
 between the layouts is kv_transfer's reference data path (plan_reshard + apply_segments)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,17 @@ NUM_BLOCKS = 24
 
 
 def _layout(tp: int, dcp: int = 1, heads: int = 2, interleave: int = 1) -> KVLayout:
-    return KVLayout(num_layers=3, num_kv_heads=heads, head_dim=8, dtype="float32", block_size=4, tp_size=tp,
-                    dcp_size=dcp, interleave=interleave, num_blocks=NUM_BLOCKS)
+    return KVLayout(
+        num_layers=3,
+        num_kv_heads=heads,
+        head_dim=8,
+        dtype="float32",
+        block_size=4,
+        tp_size=tp,
+        dcp_size=dcp,
+        interleave=interleave,
+        num_blocks=NUM_BLOCKS,
+    )
 
 
 def _regions(layout: KVLayout, seed: int) -> list[torch.Tensor]:
@@ -40,7 +50,7 @@ def _src_tables(layout: KVLayout, num_tokens: int, seed: int) -> list[list[int]]
 
 def _tables(layout: KVLayout, num_tokens: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.permutation(NUM_BLOCKS)[:layout.blocks_needed(num_tokens, r)].tolist() for r in range(layout.tp_size)]
+    return [rng.permutation(NUM_BLOCKS)[: layout.blocks_needed(num_tokens, r)].tolist() for r in range(layout.tp_size)]
 
 
 def _pod_sums(layout: KVLayout, regions: list[torch.Tensor], tables: list[list[int]], n: int, b: int) -> list[int]:

@@ -1,5 +1,6 @@
 """The engine's KV-connector interface: its metadata's encoding, and the hooks every rank's worker side sees per step
 (in order, with the scheduler side's typed metadata), on a real 2-rank pod."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,10 +12,13 @@ from pdserve.testing import RecordingKVConnector
 
 
 def test_metadata_round_trip():
-    for meta in (KVConnectorMetadata(),
-                 KVConnectorMetadata((KVSaveRequest("l-1", "r-1", (3, 9, 27), 40),)),
-                 KVConnectorMetadata((KVSaveRequest("", "\u00e9t\u00e9", (), 0),
-                                      KVSaveRequest("lease-\u4e2d", "r", tuple(range(70)), 1111)))):
+    for meta in (
+        KVConnectorMetadata(),
+        KVConnectorMetadata((KVSaveRequest("l-1", "r-1", (3, 9, 27), 40),)),
+        KVConnectorMetadata(
+            (KVSaveRequest("", "\u00e9t\u00e9", (), 0), KVSaveRequest("lease-\u4e2d", "r", tuple(range(70)), 1111))
+        ),
+    ):
         assert KVConnectorMetadata.decode(meta.encode()) == meta
 
 
@@ -26,8 +30,9 @@ class _SaveLastChunks(KVConnectorScheduler):
 
     def build_connector_meta(self, step):
         done = [s for s, n in zip(step.seqs, step.chunk_lens) if step.is_prefill and s.num_computed + n == s.num_tokens]
-        saves = tuple(KVSaveRequest(f"lease-{s.request_id}", s.request_id, tuple(s.block_tables[0]), s.num_tokens)
-                      for s in done)
+        saves = tuple(
+            KVSaveRequest(f"lease-{s.request_id}", s.request_id, tuple(s.block_tables[0]), s.num_tokens) for s in done
+        )
         meta = KVConnectorMetadata(saves) if saves else None
         self.built.append(meta)
         return meta
@@ -37,8 +42,17 @@ class _SaveLastChunks(KVConnectorScheduler):
 @pytest.mark.parametrize("collectives", ["shm", "gloo"])
 def test_hooks_run_in_order_on_every_rank(tiny_factory, collectives):
     model = tiny_factory("llama", num_kv_heads=2)
-    eng = LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=2, num_kv_blocks=32, max_model_len=128,
-                                 prefill_chunk_size=8, max_num_batched_tokens=8, cpu_collectives=collectives))
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(model),
+            tensor_parallel_size=2,
+            num_kv_blocks=32,
+            max_model_len=128,
+            prefill_chunk_size=8,
+            max_num_batched_tokens=8,
+            cpu_collectives=collectives,
+        )
+    )
     try:
         sched = _SaveLastChunks()
         assert eng.set_kv_connector(sched, KVConnectorSpec(RecordingKVConnector, ("t",))) == [("t", 0), ("t", 1)]
@@ -49,8 +63,11 @@ def test_hooks_run_in_order_on_every_rank(tiny_factory, collectives):
         saves = tuple((s.request_id, s.block_ids, s.num_tokens) for s in metas[0].saves)
         assert len(saves) == 1 and saves[0][2] == 20 and len(saves[0][1]) == 2
         layers = eng.model_config.num_layers
-        want = [("start_load_kv", saves), *(("save_kv_layer", i, saves) for i in range(layers)),
-                ("wait_for_save", saves)]
+        want = [
+            ("start_load_kv", saves),
+            *(("save_kv_layer", i, saves) for i in range(layers)),
+            ("wait_for_save", saves),
+        ]
         assert eng.executor.connector_call("take_finished") == [want, want]
         assert eng.executor.connector_call("take_finished") == [[], []]  # steps without metadata call nothing
         with pytest.raises(ValueError):

@@ -1,6 +1,7 @@
 """The engine's model against HF transformers on the same weights, for SmolLM2 and tiny random checkpoints of each
 supported family: greedy generation token-identical; fp32 prefill logits bit-identical under exact_prefill (F.linear,
 as transformers computes them) and within rounding (LOGIT_ATOL) on the default oneDNN-packed weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,11 +19,23 @@ TINY_SHAPES = {
     "llama-gqa": ("llama", dict(num_heads=8, num_kv_heads=2)),
     "llama-mqa-tied": ("llama", dict(num_heads=4, num_kv_heads=1, tie_word_embeddings=True)),
     "llama-mha-bias": ("llama", dict(num_heads=4, num_kv_heads=4, attention_bias=True, mlp_bias=True)),
-    "llama3-rope": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama3-rope": (
+        "llama",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+    ),
     "llama-linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
-    "llama-yarn-rope": ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                    "original_max_position_embeddings": 256})),
+    "llama-yarn-rope": (
+        "llama",
+        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
+    ),
     "mistral-window": ("mistral", dict(num_heads=8, num_kv_heads=2, sliding_window=16)),
     "qwen2-bias": ("qwen2", dict(num_heads=8, num_kv_heads=2)),
 }
@@ -33,19 +46,39 @@ TINY_SHAPES = {
 LOGIT_ATOL = 2.5e-4
 
 
-def full_logits(model_path, prompt: list[int], exact_prefill: bool = False,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def full_logits(
+    model_path, prompt: list[int], exact_prefill: bool = False, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Logits for every prompt position from one prefill through the paged cache."""
     cfg = ModelConfig.from_path(model_path)
     bs = 16
     nblk = (len(prompt) + bs - 1) // bs
-    runner = ModelRunner(str(model_path), cfg, ParallelState(), TorchAttentionBackend(), nblk + 1, bs, 4096,
-                         dtype=dtype, exact_prefill=exact_prefill)
+    runner = ModelRunner(
+        str(model_path),
+        cfg,
+        ParallelState(),
+        TorchAttentionBackend(),
+        nblk + 1,
+        bs,
+        4096,
+        dtype=dtype,
+        exact_prefill=exact_prefill,
+    )
     table = torch.arange(1, nblk + 1)  # skip block 0 so a wrong table would show
     slots = table.repeat_interleave(bs) * bs + torch.arange(bs).repeat(nblk)
     n = len(prompt)
-    step = StepInput(True, torch.tensor(prompt), torch.arange(n), [0, n], [0], torch.arange(n), [0],
-                     [slots[:n]], [torch.tensor([n])], [table.unsqueeze(0)])
+    step = StepInput(
+        True,
+        torch.tensor(prompt),
+        torch.arange(n),
+        [0, n],
+        [0],
+        torch.arange(n),
+        [0],
+        [slots[:n]],
+        [torch.tensor([n])],
+        [table.unsqueeze(0)],
+    )
     return runner.execute(step)
 
 
@@ -57,8 +90,7 @@ def hf_logits(model_path, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt])).logits[0].float()
 
 
-PROMPTS = [[5, 17, 33, 2 + 40, 99, 7, 8, 100, 31, 64, 12, 3, 250, 18, 19, 20, 21, 22, 1, 9],
-           list(range(30, 67)), [11]]
+PROMPTS = [[5, 17, 33, 2 + 40, 99, 7, 8, 100, 31, 64, 12, 3, 250, 18, 19, 20, 21, 22, 1, 9], list(range(30, 67)), [11]]
 
 
 @pytest.mark.parametrize("name", list(TINY_SHAPES))
@@ -78,10 +110,13 @@ def test_tiny_greedy_batch_matches_transformers(tiny_factory, name):
     path = tiny_factory(family, **shape)
     want = hf_greedy(path, PROMPTS, 32)
     with LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=128)) as eng:
-        alone = [eng.generate([p], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]["token_ids"]
-                 for p in PROMPTS]
-        batch = [r["token_ids"] for r in eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32,
-                                                                              ignore_eos=True))]
+        alone = [
+            eng.generate([p], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]["token_ids"]
+            for p in PROMPTS
+        ]
+        batch = [
+            r["token_ids"] for r in eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        ]
         assert eng.blocks.num_free() == 128
     assert alone == want
     assert batch == want

@@ -17,6 +17,7 @@ sequences part. So the test asserts, per prompt: identical tokens up to the firs
 choices are a near-tie under transformers' own logits (within the tolerance above); and identical first 16 tokens on
 the prompts measured to have no near-tie that early. Measured agreement over 64 tokens (engine vs transformers bf16,
 tokens before the first divergence): 19, 50, 1, 6 for the four prompts below (printed by the test with -s)."""
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,12 @@ from tests.pdserve.test_model_reference import full_logits
 pytestmark = pytest.mark.timeout(600)
 
 U = 2.0**-8  # bf16 unit roundoff (8 significant bits)
-TEXTS = ["What is the capital of France?", "Explain gravity to a child.", "Write a haiku about the sea.",
-         "What is 12 times 7?"]
+TEXTS = [
+    "What is the capital of France?",
+    "Explain gravity to a child.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+]
 FIRST16 = TEXTS[:2]  # no near-tie in their first 16 steps (measured)
 NEW_TOKENS = 64
 
@@ -78,9 +83,16 @@ def test_bf16_prefill_logits_within_rounding_of_transformers(smollm2_path, hf_bf
 
 
 def _hf_generate(model, prompt: list[int], n: int) -> list[int]:
-    g = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                       max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return g[0, len(prompt):].tolist()
+    g = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return g[0, len(prompt) :].tolist()
 
 
 def test_bf16_greedy_agrees_with_transformers_up_to_near_ties(smollm2_path, hf_bf16):
@@ -114,8 +126,11 @@ def test_dtype_auto_follows_the_checkpoint_and_bad_names_are_refused(smollm2_pat
 
     mc = ModelConfig.from_path(smollm2_path)
     raw = dict(mc.raw)
-    for key, name, want in (("dtype", "bfloat16", "bfloat16"), ("torch_dtype", "float16", "float16"),
-                            ("dtype", None, "float32")):
+    for key, name, want in (
+        ("dtype", "bfloat16", "bfloat16"),
+        ("torch_dtype", "float16", "float16"),
+        ("dtype", None, "float32"),
+    ):
         raw.pop("dtype", None)
         raw.pop("torch_dtype", None)
         if name is not None:

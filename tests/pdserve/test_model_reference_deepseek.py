@@ -1,6 +1,7 @@
 """DeepSeek-V2/V3 (MLA + MoE) against transformers on tiny random checkpoints it writes: fp32 prefill logits within
 1e-4 (expanded MLA), greedy tokens identical for 32 tokens single and batched through LLMEngine (absorbed MLA decode
 over the paged latent cache), at TP 1 and under TP / DCP."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,20 +15,28 @@ from hf_helpers import hf_greedy
 from tests.pdserve.test_model_reference import PROMPTS, full_logits, hf_logits
 
 # DeepSeek's own YaRN (V2 and V3 ship mscale == mscale_all_dim; the softmax scale then grows by mscale_all_dim^2).
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32,
-        "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 YARN_ROPE_ONLY = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale": 1.0}
 
 # Every shape has a dense first layer, MoE after it with one shared expert, 8 experts in 4 groups (testing.py).
 DEEPSEEK_SHAPES = {
     "v2-group-limited": ("deepseek_v2", dict(num_heads=4)),
-    "v2-lite-greedy-no-qlora": ("deepseek_v2", dict(num_heads=4, q_lora_rank=None, topk_method="greedy",
-                                                    n_group=1, topk_group=1, n_shared_experts=2)),
+    "v2-lite-greedy-no-qlora": (
+        "deepseek_v2",
+        dict(num_heads=4, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, n_shared_experts=2),
+    ),
     "v2-yarn": ("deepseek_v2", dict(num_heads=4, rope_scaling=YARN)),
     "v3-noaux-tc": ("deepseek_v3", dict(num_heads=4)),
     "v3-no-qlora-yarn": ("deepseek_v3", dict(num_heads=4, q_lora_rank=None, rope_scaling=YARN)),
-    "v3-yarn-rope-only-no-norm": ("deepseek_v3", dict(num_heads=4, rope_scaling=YARN_ROPE_ONLY,
-                                                      norm_topk_prob=False)),
+    "v3-yarn-rope-only-no-norm": ("deepseek_v3", dict(num_heads=4, rope_scaling=YARN_ROPE_ONLY, norm_topk_prob=False)),
     "v3-rope-halves-wide-v": ("deepseek_v3", dict(num_heads=4, rope_interleave=False, v_head_dim=40)),
 }
 
@@ -64,8 +73,14 @@ def test_deepseek_chunked_prefill_matches_transformers(tiny_factory):
     path = tiny_factory("deepseek_v3", num_heads=4)
     want = hf_greedy(path, PROMPTS, 32)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    cfg = EngineConfig(model=str(path), block_size=4, num_kv_blocks=128, prefill_chunk_size=7,
-                       max_num_batched_tokens=16, enable_prefix_caching=False)
+    cfg = EngineConfig(
+        model=str(path),
+        block_size=4,
+        num_kv_blocks=128,
+        prefill_chunk_size=7,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
     with LLMEngine(cfg) as eng:
         assert [r["token_ids"] for r in eng.generate(PROMPTS, sp)] == want
 
@@ -82,11 +97,26 @@ def test_deepseek_latent_cache_layout(tiny_factory):
 
 
 def _deepseek_v3_raw(**over) -> dict:
-    raw = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
-           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 32,
-           "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-           "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "n_group": 4,
-           "topk_group": 2, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    raw = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+    }
     return {**raw, **over}
 
 
@@ -103,9 +133,15 @@ def test_unsupported_moe_routing_is_refused():
 
 # tp % dcp == 0 is MLA's only DCP rule: every rank of a DCP group caches 1/dcp of the tokens of the one shared latent.
 # chunk: prompts prefilled 7 tokens a step, so later chunks attend over every DCP rank's share of the cache.
-TP_DCP = [("deepseek_v3", 2, 1, 1, None), ("deepseek_v3", 2, 2, 1, None), ("deepseek_v3", 4, 2, 2, 7),
-          ("deepseek_v3", 4, 4, 1, None), ("deepseek_v3", 4, 4, 4, None), ("deepseek_v2", 2, 2, 4, 7),
-          ("deepseek_v2", 4, 4, 1, None)]
+TP_DCP = [
+    ("deepseek_v3", 2, 1, 1, None),
+    ("deepseek_v3", 2, 2, 1, None),
+    ("deepseek_v3", 4, 2, 2, 7),
+    ("deepseek_v3", 4, 4, 1, None),
+    ("deepseek_v3", 4, 4, 4, None),
+    ("deepseek_v2", 2, 2, 4, 7),
+    ("deepseek_v2", 4, 4, 1, None),
+]
 
 
 @pytest.mark.parametrize("family,tp,dcp,interleave,chunk", TP_DCP)
@@ -115,9 +151,16 @@ def test_deepseek_tp_dcp_greedy_matches_transformers(tiny_factory, family, tp, d
     path = tiny_factory(family, **shape)
     want = hf_greedy(path, PROMPTS, 32)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    cfg = EngineConfig(model=str(path), block_size=4, num_kv_blocks=64, tensor_parallel_size=tp,
-                       decode_context_parallel_size=dcp, dcp_kv_cache_interleave_size=interleave,
-                       prefill_chunk_size=chunk or 1024, max_num_batched_tokens=16 if chunk else 4096)
+    cfg = EngineConfig(
+        model=str(path),
+        block_size=4,
+        num_kv_blocks=64,
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        dcp_kv_cache_interleave_size=interleave,
+        prefill_chunk_size=chunk or 1024,
+        max_num_batched_tokens=16 if chunk else 4096,
+    )
     with LLMEngine(cfg) as eng:
         assert eng.generate([PROMPTS[0]], sp)[0]["token_ids"] == want[0]
         assert [r["token_ids"] for r in eng.generate(PROMPTS, sp)] == want

@@ -1,6 +1,7 @@
 """The oneDNN-prepacked linear (pdserve/model/linear.py): F.linear's result up to fp32 rounding at decode and prefill
 row counts, exactly F.linear without a packed weight, and engaged by the CPU model runner in both phases unless
 exact_prefill keeps prefill on F.linear."""
+
 from __future__ import annotations
 
 import pytest

@@ -83,7 +83,9 @@ def reference(H, kv, mla, sw, tp, dcp, pp, inter, bs):
             return "dcp_tp_gt_kv_heads", SEED_TP_GT_KV.format(tensor_parallel_size=tp, total_num_kv_heads=kv)
         if dcp > tp // kv:
             return "dcp_max_size", SEED_MAX_DCP.format(
-                decode_context_parallel_size=dcp, max_dcp_size=tp // kv, tensor_parallel_size=tp,
+                decode_context_parallel_size=dcp,
+                max_dcp_size=tp // kv,
+                tensor_parallel_size=tp,
                 total_num_kv_heads=kv,
             )
         if (H // kv) % dcp != 0:
@@ -119,15 +121,30 @@ def reference(H, kv, mla, sw, tp, dcp, pp, inter, bs):
 
 def ref_of(model: ModelParallelInfo, cfg: ParallelConfig):
     return reference(
-        model.num_attention_heads, model.num_kv_heads, model.use_mla, model.sliding_window,
-        cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.pipeline_parallel_size,
-        cfg.dcp_kv_cache_interleave_size, cfg.block_size,
+        model.num_attention_heads,
+        model.num_kv_heads,
+        model.use_mla,
+        model.sliding_window,
+        cfg.tensor_parallel_size,
+        cfg.decode_context_parallel_size,
+        cfg.pipeline_parallel_size,
+        cfg.dcp_kv_cache_interleave_size,
+        cfg.block_size,
     )
 
 
 # (heads, kv heads, mla) -- GQA, MHA, MQA, odd GQA, and an MLA model (DeepSeek-V2-Lite-like head counts).
-MODELS = [(32, 8, False), (32, 32, False), (32, 1, False), (64, 8, False), (40, 8, False), (24, 6, False),
-          (24, 2, False), (16, 16, True), (128, 128, True)]
+MODELS = [
+    (32, 8, False),
+    (32, 32, False),
+    (32, 1, False),
+    (64, 8, False),
+    (40, 8, False),
+    (24, 6, False),
+    (24, 2, False),
+    (16, 16, True),
+    (128, 128, True),
+]
 TPS = [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 DCPS = [0, 1, 2, 3, 4, 8]
 PPS = [1, 2, 0]
@@ -151,8 +168,16 @@ GRID = list(grid())
 
 def test_rule_table_matches_module():
     assert [r for r, _ in RULES] == [
-        "positive_sizes", "tp_divisible_by_dcp", "heads_divisible_by_tp", "dcp_tp_gt_kv_heads", "dcp_max_size",
-        "dcp_q_per_kv", "interleave_block_size", "kv_heads_split", "dcp_group_kv_head", "dcp_sliding_window",
+        "positive_sizes",
+        "tp_divisible_by_dcp",
+        "heads_divisible_by_tp",
+        "dcp_tp_gt_kv_heads",
+        "dcp_max_size",
+        "dcp_q_per_kv",
+        "interleave_block_size",
+        "kv_heads_split",
+        "dcp_group_kv_head",
+        "dcp_sliding_window",
     ]
 
 
@@ -200,14 +225,19 @@ def brute_smallest_tp(model, cfg):
 
 
 def _rest(cfg):
-    return (cfg.decode_context_parallel_size, cfg.pipeline_parallel_size, cfg.dcp_kv_cache_interleave_size,
-            cfg.block_size)
+    return (
+        cfg.decode_context_parallel_size,
+        cfg.pipeline_parallel_size,
+        cfg.dcp_kv_cache_interleave_size,
+        cfg.block_size,
+    )
 
 
 def brute_largest_dcp_below(model, cfg):
     for d in range(cfg.decode_context_parallel_size - 1, 1, -1):
-        c = ParallelConfig(cfg.tensor_parallel_size, d, cfg.pipeline_parallel_size, cfg.dcp_kv_cache_interleave_size,
-                           cfg.block_size)
+        c = ParallelConfig(
+            cfg.tensor_parallel_size, d, cfg.pipeline_parallel_size, cfg.dcp_kv_cache_interleave_size, cfg.block_size
+        )
         if ref_of(model, c) is None:
             return d
     return None
@@ -221,8 +251,10 @@ def test_fix_is_the_honest_one_on_grid():
         v = check_parallel_config(model, cfg)
         if v.valid or v.rule == "positive_sizes" or v.fix.also:
             continue
-        if v.rule in ("dcp_tp_gt_kv_heads", "heads_divisible_by_tp", "kv_heads_split") and \
-                v.fix.flag == "--tensor-parallel-size":
+        if (
+            v.rule in ("dcp_tp_gt_kv_heads", "heads_divisible_by_tp", "kv_heads_split")
+            and v.fix.flag == "--tensor-parallel-size"
+        ):
             if v.fix.value >= cfg.tensor_parallel_size:
                 assert v.fix.value == brute_smallest_tp(model, cfg), (model, cfg, v.fix)
                 checked += 1
@@ -243,6 +275,7 @@ def test_fix_is_the_honest_one_on_grid():
 # Specific cases: the TP 8 x DCP 2 example, each message, order
 # --------------------------------------------------------------------------------------------------------------
 
+
 def test_example_tp8_dcp2_8kv_heads():
     # Example: "before (8 KV heads) --tensor-parallel-size 8 --decode-context-parallel-size 2; after: TP 16".
     model = ModelParallelInfo(num_attention_heads=32, num_kv_heads=8)
@@ -255,7 +288,8 @@ def test_example_tp8_dcp2_8kv_heads():
         "`--decode-context-parallel-size 1`."
     )
     assert v.fix == Fix(
-        flag="--tensor-parallel-size", value=16,
+        flag="--tensor-parallel-size",
+        value=16,
         text="Use `--tensor-parallel-size 16` (the smallest valid value at or above the requested 8).",
     )
     assert check_parallel_config(model, v.fix.apply(cfg)).valid
@@ -346,8 +380,13 @@ def test_positive_sizes():
     v = check_parallel_config(m, ParallelConfig(tensor_parallel_size=2.0))
     assert v.message == "`--tensor-parallel-size` must be a positive integer (>= 1), got 2.0."
     # Several bad fields: first reported in order, fix repairs all of them.
-    cfg = ParallelConfig(tensor_parallel_size=0, decode_context_parallel_size=0, pipeline_parallel_size=0,
-                         dcp_kv_cache_interleave_size=0, block_size=0)
+    cfg = ParallelConfig(
+        tensor_parallel_size=0,
+        decode_context_parallel_size=0,
+        pipeline_parallel_size=0,
+        dcp_kv_cache_interleave_size=0,
+        block_size=0,
+    )
     v = check_parallel_config(m, cfg)
     assert v.message.startswith("`--pipeline-parallel-size`")
     assert check_parallel_config(m, v.fix.apply(cfg)).valid
@@ -357,15 +396,14 @@ def test_positive_sizes():
 def test_order_first_failing_rule_wins():
     m = ModelParallelInfo(32, 8, sliding_window=128)
     # tp%dcp and heads%tp and dcp rules and sliding window all fail -> tp%dcp (ParallelConfig) first.
-    assert check_parallel_config(m, ParallelConfig(6, 4, dcp_kv_cache_interleave_size=64)).rule == \
-        "tp_divisible_by_dcp"
+    assert check_parallel_config(m, ParallelConfig(6, 4, dcp_kv_cache_interleave_size=64)).rule == "tp_divisible_by_dcp"
     # heads%tp before the DCP GQA rules.
     assert check_parallel_config(m, ParallelConfig(12, 2)).rule == "heads_divisible_by_tp"
     # GQA rules before interleave, interleave before sliding window.
-    assert check_parallel_config(m, ParallelConfig(8, 2, dcp_kv_cache_interleave_size=64)).rule == \
-        "dcp_tp_gt_kv_heads"
-    assert check_parallel_config(m, ParallelConfig(16, 2, dcp_kv_cache_interleave_size=64)).rule == \
-        "interleave_block_size"
+    assert check_parallel_config(m, ParallelConfig(8, 2, dcp_kv_cache_interleave_size=64)).rule == "dcp_tp_gt_kv_heads"
+    assert (
+        check_parallel_config(m, ParallelConfig(16, 2, dcp_kv_cache_interleave_size=64)).rule == "interleave_block_size"
+    )
 
 
 def test_kv_heads_split_rule():
@@ -442,6 +480,7 @@ def test_property_matches_reference_and_fix_works(H_per_kv, kv, mla, sw, tp, dcp
 # ModelParallelInfo from HF configs
 # --------------------------------------------------------------------------------------------------------------
 
+
 def test_from_hf_config_variants():
     llama = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 32, "num_key_value_heads": 8}
     assert ModelParallelInfo.from_hf_config(llama) == ModelParallelInfo(32, 8, False, None)
@@ -449,13 +488,17 @@ def test_from_hf_config_variants():
     mha = {"num_attention_heads": 12}  # no num_key_value_heads -> MHA
     assert ModelParallelInfo.from_hf_config(mha) == ModelParallelInfo(12, 12)
     assert ModelParallelInfo.from_hf_config({"num_attention_heads": 12, "num_key_value_heads": None}).kind == "MHA"
-    deepseek = {"model_type": "deepseek_v2", "num_attention_heads": 16, "num_key_value_heads": 16,
-                "kv_lora_rank": 512, "q_lora_rank": None}
+    deepseek = {
+        "model_type": "deepseek_v2",
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+    }
     ds = ModelParallelInfo.from_hf_config(deepseek)
     assert ds.use_mla and ds.kind == "MLA"
     assert not ModelParallelInfo.from_hf_config({"num_attention_heads": 8, "kv_lora_rank": None}).use_mla
-    qwen2 = {"num_attention_heads": 28, "num_key_value_heads": 4, "sliding_window": 131072,
-             "use_sliding_window": False}
+    qwen2 = {"num_attention_heads": 28, "num_key_value_heads": 4, "sliding_window": 131072, "use_sliding_window": False}
     assert ModelParallelInfo.from_hf_config(qwen2).sliding_window is None
     qwen2_on = dict(qwen2, use_sliding_window=True)
     assert ModelParallelInfo.from_hf_config(qwen2_on).sliding_window == 131072
@@ -490,6 +533,7 @@ def test_from_model_path(tmp_path):
 # --------------------------------------------------------------------------------------------------------------
 # Layout helpers
 # --------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dcp", [1, 2, 3, 4])
 @pytest.mark.parametrize("interleave", [1, 2, 3, 5, 16])
@@ -553,8 +597,12 @@ def test_head_layout_consistent_with_every_valid_grid_config():
     for model, cfg in GRID:
         if model.use_mla or not check_parallel_config(model, cfg).valid:
             continue
-        H, kv, tp, dcp = model.num_attention_heads, model.num_kv_heads, cfg.tensor_parallel_size, \
-            cfg.decode_context_parallel_size
+        H, kv, tp, dcp = (
+            model.num_attention_heads,
+            model.num_kv_heads,
+            cfg.tensor_parallel_size,
+            cfg.decode_context_parallel_size,
+        )
         group = H // kv
         covered_q, covered_kv = [], set()
         for r in range(tp):

@@ -1,6 +1,7 @@
 """Parallel sampling (n > 1) in the engine: the prompt is computed once and its KV shared by the n sequences through
 a forked block table (full blocks reference-counted, the partly filled last block copied); each sequence equals the
 single request with its child seed; cancelling frees every block. Prompt logprobs equal transformers' log-softmax."""
+
 from __future__ import annotations
 
 import pytest
@@ -85,8 +86,7 @@ PROMPT = [5, 17, 99, 3, 42, 8, 61, 200, 13, 77]  # 10 tokens: two full blocks of
 
 def test_n_seeded_equals_single_requests_with_child_seeds_and_prefills_once(path):
     sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
-    with LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64,
-                                enable_prefix_caching=False)) as eng:
+    with LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64, enable_prefix_caching=False)) as eng:
         singles = [eng.generate([PROMPT], child_params(sp, i))[0]["token_ids"] for i in range(4)]
         before = eng.num_prompt_tokens_computed
         (res,) = eng.generate([PROMPT], sp, n=4)
@@ -143,8 +143,9 @@ def test_prompt_logprobs_equal_transformers_log_softmax(path):
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
     # chunks of 3 and prefix caching on: prompt logprobs still cover every position, computed in full
-    with LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64, prefill_chunk_size=3,
-                                max_num_batched_tokens=3)) as eng:
+    with LLMEngine(
+        EngineConfig(model=str(path), block_size=4, num_kv_blocks=64, prefill_chunk_size=3, max_num_batched_tokens=3)
+    ) as eng:
         eng.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1))  # warms the prefix cache
         res = eng.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2), prompt_logprobs=3)[0]
     got = res["prompt_logprobs"]
@@ -160,8 +161,16 @@ def test_fork_copies_each_dcp_ranks_partial_block_on_a_real_cache(tiny_factory):
     path = tiny_factory("llama", num_heads=8, num_kv_heads=1)
     sp = SamplingParams(temperature=1.0, seed=99, max_tokens=8, ignore_eos=True)
     # TP 2 with DCP 2: each rank holds 5 of the 10 prompt tokens, so each rank's last block is copied at the fork
-    with LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64, tensor_parallel_size=2,
-                                decode_context_parallel_size=2, enable_prefix_caching=False)) as eng:
+    with LLMEngine(
+        EngineConfig(
+            model=str(path),
+            block_size=4,
+            num_kv_blocks=64,
+            tensor_parallel_size=2,
+            decode_context_parallel_size=2,
+            enable_prefix_caching=False,
+        )
+    ) as eng:
         singles = [eng.generate([PROMPT], child_params(sp, i))[0]["token_ids"] for i in range(3)]
         (res,) = eng.generate([PROMPT], sp, n=3)
         assert [c["token_ids"] for c in res["choices"]] == singles

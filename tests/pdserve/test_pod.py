@@ -1,4 +1,5 @@
 """pdserve/pod: the sampling check every service shares, the proto conversions both pods use, id checks."""
+
 from __future__ import annotations
 
 import re
@@ -75,22 +76,51 @@ def test_neutral_values_are_accepted_everywhere():
 
 
 def test_kv_handle_round_trip():
-    layout = KVLayout(num_layers=3, num_kv_heads=4, head_dim=8, dtype="float32", block_size=16, tp_size=2,
-                      dcp_size=1, interleave=1, num_blocks=64)
-    h = KVHandoff("lease-1", "req-1", 20, layout, [[1, 2], [3, 4]],
-                  [Endpoint.parse("127.0.0.1:7001"), Endpoint.parse("127.0.0.1:7002")], "tcp")
+    layout = KVLayout(
+        num_layers=3,
+        num_kv_heads=4,
+        head_dim=8,
+        dtype="float32",
+        block_size=16,
+        tp_size=2,
+        dcp_size=1,
+        interleave=1,
+        num_blocks=64,
+    )
+    h = KVHandoff(
+        "lease-1",
+        "req-1",
+        20,
+        layout,
+        [[1, 2], [3, 4]],
+        [Endpoint.parse("127.0.0.1:7001"), Endpoint.parse("127.0.0.1:7002")],
+        "tcp",
+    )
     kh = handoff_to_kv_handle(h, "p0", ttl_s=5.0)
     assert kh.kv_transfer_address == "127.0.0.1:7001,127.0.0.1:7002" and kh.transfer_mode == pb.TRANSFER_MODE_GRPC
     back = kv_handle_to_handoff(kh, "req-1")
-    assert (back.lease_id, back.num_tokens, back.block_tables, back.transport) == ("lease-1", 20, [[1, 2], [3, 4]],
-                                                                                   "tcp")
+    assert (back.lease_id, back.num_tokens, back.block_tables, back.transport) == (
+        "lease-1",
+        20,
+        [[1, 2], [3, 4]],
+        "tcp",
+    )
     assert [str(e) for e in back.endpoints] == ["127.0.0.1:7001", "127.0.0.1:7002"]
     assert layout_from_proto(layout_to_proto(layout)) == layout
 
 
 def test_kv_handle_with_wrong_endpoint_count_is_refused():
-    layout = KVLayout(num_layers=1, num_kv_heads=3, head_dim=8, dtype="float32", block_size=16, tp_size=3,
-                      dcp_size=1, interleave=1, num_blocks=8)
+    layout = KVLayout(
+        num_layers=1,
+        num_kv_heads=3,
+        head_dim=8,
+        dtype="float32",
+        block_size=16,
+        tp_size=3,
+        dcp_size=1,
+        interleave=1,
+        num_blocks=8,
+    )
     kh = pb.KVHandle(kv_transfer_address="h:1,h:2", layout=layout_to_proto(layout))
     with pytest.raises(ValueError, match="names 2 endpoints for a tp_size 3 pod"):
         kv_handle_to_handoff(kh, "r")
@@ -118,16 +148,22 @@ def test_mla_pod_layout_and_shape_reach_the_router_as_mla(tiny_factory):
     proto = layout_to_proto(lay)
     assert proto.use_mla and proto.num_kv_heads_per_rank == 1 and layout_from_proto(proto) == lay
     shape = model_shape_to_proto(mc, 4096, "float32")
-    assert (shape.use_mla, shape.kv_lora_rank, shape.qk_rope_head_dim) == (True, mc.mla.kv_lora_rank,
-                                                                           mc.mla.qk_rope_head_dim)
+    assert (shape.use_mla, shape.kv_lora_rank, shape.qk_rope_head_dim) == (
+        True,
+        mc.mla.kv_lora_rank,
+        mc.mla.qk_rope_head_dim,
+    )
     facts = facts_from_shape(shape)
-    cfg = ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=8, dcp_kv_cache_interleave_size=4,
-                         block_size=16)
+    cfg = ParallelConfig(
+        tensor_parallel_size=8, decode_context_parallel_size=8, dcp_kv_cache_interleave_size=4, block_size=16
+    )
     assert check_for_role(facts.info, cfg, pb.ROLE_DECODE).valid
     routed = kv_layout_for(facts, cfg, pb.ROLE_DECODE)
     for name in ("num_kv_heads", "head_dim", "use_mla", "num_kv_heads_per_rank", "dcp_size"):
         assert getattr(routed, name) == getattr(proto, name), name
     gqa = pb.KVLayout(num_layers=mc.num_layers, num_kv_heads=8, head_dim=mc.mla.latent_dim, dtype="float32")
     assert "MLA" in (_layout_mismatch(gqa, proto) or "")
-    assert _layout_mismatch(layout_to_proto(kv_layout_for_model(mc, "float32", 16, tp_size=2, num_blocks=8)),
-                            proto) is None
+    assert (
+        _layout_mismatch(layout_to_proto(kv_layout_for_model(mc, "float32", 16, tp_size=2, num_blocks=8)), proto)
+        is None
+    )

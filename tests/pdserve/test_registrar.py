@@ -1,5 +1,6 @@
 """The pod's Registrar against in-process fake routers: one registration + heartbeat per router address, a DNS
 name expanded to all its addresses and re-resolved, deregistration from each on close."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,14 @@ async def _start(n: int) -> tuple[list[grpc.aio.Server], list[FakeRouter], list[
 
 
 def _registrar(addresses, **kw) -> Registrar:
-    return Registrar(addresses, "", 0.05, lambda: registry_pb2.RegisterWorkerRequest(pod_id="p0"),
-                     lambda: registry_pb2.HeartbeatRequest(pod_id="p0"), **kw)
+    return Registrar(
+        addresses,
+        "",
+        0.05,
+        lambda: registry_pb2.RegisterWorkerRequest(pod_id="p0"),
+        lambda: registry_pb2.HeartbeatRequest(pod_id="p0"),
+        **kw,
+    )
 
 
 async def _until(pred, timeout: float = 10.0) -> None:

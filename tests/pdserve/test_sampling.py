@@ -1,4 +1,5 @@
 """Sampling: seeded runs reproduce, top-k/top-p restrict the support, stops end generation, logprobs are real."""
+
 from __future__ import annotations
 
 import math
@@ -21,9 +22,11 @@ def test_top_k_and_top_p_restrict_support():
 
 def test_seeded_sampling_reproduces_and_differs_by_seed():
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0))
+
     def draw(seed):
         s = Sampler()
         return [s.sample(logits, [SamplingParams(temperature=1.0, seed=seed)], ["a"])[0][0] for _ in range(20)]
+
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
 
@@ -40,21 +43,26 @@ def _chat(engine, text):
 
 
 def test_stop_string_truncates_text_and_finishes(engine):
-    out = engine.generate([_chat(engine, "What is the capital of France?")],
-                          SamplingParams(temperature=0, max_tokens=32, stop=[" is"]))[0]
+    out = engine.generate(
+        [_chat(engine, "What is the capital of France?")], SamplingParams(temperature=0, max_tokens=32, stop=[" is"])
+    )[0]
     assert out["text"] == "The capital of France"
     assert out["finish_reason"].value == "stop"
 
 
 def test_stop_token_id_and_max_tokens(engine):
-    full = engine.generate([_chat(engine, "What is the capital of France?")],
-                           SamplingParams(temperature=0, max_tokens=32))[0]
+    full = engine.generate(
+        [_chat(engine, "What is the capital of France?")], SamplingParams(temperature=0, max_tokens=32)
+    )[0]
     stop_tok = full["token_ids"][2]
-    out = engine.generate([_chat(engine, "What is the capital of France?")],
-                          SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_tok]))[0]
+    out = engine.generate(
+        [_chat(engine, "What is the capital of France?")],
+        SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_tok]),
+    )[0]
     assert out["token_ids"] == full["token_ids"][:3] and out["finish_reason"].value == "stop"
-    short = engine.generate([_chat(engine, "What is the capital of France?")],
-                            SamplingParams(temperature=0, max_tokens=4))[0]
+    short = engine.generate(
+        [_chat(engine, "What is the capital of France?")], SamplingParams(temperature=0, max_tokens=4)
+    )[0]
     assert len(short["token_ids"]) == 4 and short["finish_reason"].value == "length"
 
 
@@ -87,8 +95,11 @@ def test_prefix_cache_hit_gives_identical_output_and_skips_compute(engine):
 def test_chunked_prefill_equals_unchunked(smollm2_path):
     text = " ".join(f"item {i}" for i in range(120))
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLMEngine(EngineConfig(model=str(smollm2_path), prefill_chunk_size=64, max_num_batched_tokens=128,
-                                enable_prefix_caching=False)) as eng:
+    with LLMEngine(
+        EngineConfig(
+            model=str(smollm2_path), prefill_chunk_size=64, max_num_batched_tokens=128, enable_prefix_caching=False
+        )
+    ) as eng:
         chunked = eng.generate([text], sp)[0]["token_ids"]
     with LLMEngine(EngineConfig(model=str(smollm2_path), enable_prefix_caching=False)) as eng:
         whole = eng.generate([text], sp)[0]["token_ids"]
@@ -96,6 +107,7 @@ def test_chunked_prefill_equals_unchunked(smollm2_path):
 
 
 # --- penalties, min_tokens, min_p, logit_bias, top logprobs (vLLM's definitions) --------------------------------
+
 
 def vllm_penalties(logits, prompts, outputs, presence, frequency, repetition):
     """vLLM's apply_penalties (model_executor/layers/utils.py), written out on its own as the reference."""
@@ -123,8 +135,10 @@ def test_penalties_match_vllms_definition_on_a_mixed_batch():
     prompts = [torch.randint(0, vocab, (7,), generator=g).tolist() for _ in range(n)]
     outputs = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in (0, 3, 9, 1, 4)]
     pres, freq, rep = [0.5, 0.0, -1.0, 0.0, 2.0], [0.0, 1.5, 0.3, 0.0, -2.0], [1.0, 1.3, 0.7, 1.0, 2.0]
-    params = [SamplingParams(temperature=0, presence_penalty=p, frequency_penalty=f, repetition_penalty=r)
-              for p, f, r in zip(pres, freq, rep)]
+    params = [
+        SamplingParams(temperature=0, presence_penalty=p, frequency_penalty=f, repetition_penalty=r)
+        for p, f, r in zip(pres, freq, rep)
+    ]
     rids = [f"r{i}" for i in range(n)]
     got = Sampler()._process(logits.clone(), params, rids, prompts, outputs)
     want = vllm_penalties(logits, prompts, outputs, pres, freq, rep)
@@ -153,9 +167,11 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     logits[:, 2] = 10.0  # EOS is by far the most likely
     logits[:, 5] = 9.0  # then a stop token
     s = Sampler(eos_token_ids=[2])
-    params = [SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5]),
-              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5]),
-              SamplingParams(temperature=0, min_tokens=3, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5]),
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5]),
+        SamplingParams(temperature=0, min_tokens=3, ignore_eos=True),
+    ]
     toks, _, _ = s.sample(logits, params, ["a", "b", "c"], [[1]] * 3, [[7, 7], [7, 7, 7], [7]])
     assert toks[0] not in (2, 5)  # 2 outputs < 3: both masked
     assert toks[1] == 2  # min_tokens reached: EOS allowed again
@@ -194,15 +210,18 @@ def test_top_logprobs_are_the_k_most_likely_of_the_raw_logits():
         assert ids == want.indices.tolist() and lps == pytest.approx(want.values.tolist(), abs=1e-6)
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5."),
-    (dict(frequency_penalty=float("nan")), "frequency_penalty must be in [-2, 2], got nan."),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
-    (dict(min_p=-0.1), "min_p must be in [0, 1], got -0.1."),
-    (dict(top_logprobs=21), "Requested sample logprobs of 21, which is greater than max allowed: 20"),
-    (dict(min_tokens=-1), "min_tokens must be greater than or equal to 0, got -1."),
-    (dict(logit_bias={-1: 1.0}), "logit_bias keys must be non-negative token ids"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5."),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty must be in [-2, 2], got nan."),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
+        (dict(min_p=-0.1), "min_p must be in [0, 1], got -0.1."),
+        (dict(top_logprobs=21), "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+        (dict(min_tokens=-1), "min_tokens must be greater than or equal to 0, got -1."),
+        (dict(logit_bias={-1: 1.0}), "logit_bias keys must be non-negative token ids"),
+    ],
+)
 def test_out_of_range_params_are_refused_with_vllms_message(kw, msg):
     from pdserve.sampling import SamplingParamsError
 
@@ -213,8 +232,10 @@ def test_out_of_range_params_are_refused_with_vllms_message(kw, msg):
 
 def test_extreme_penalties_keep_sampling_finite():
     logits = torch.randn(2, 32)
-    params = [SamplingParams(temperature=0.7, repetition_penalty=1e-30, seed=1),
-              SamplingParams(temperature=1.0, repetition_penalty=3e38, frequency_penalty=2.0, seed=2)]
+    params = [
+        SamplingParams(temperature=0.7, repetition_penalty=1e-30, seed=1),
+        SamplingParams(temperature=1.0, repetition_penalty=3e38, frequency_penalty=2.0, seed=2),
+    ]
     toks, lps, _ = Sampler().sample(logits, params, ["a", "b"], [list(range(16))] * 2, [[1, 2, 3]] * 2)
     assert all(0 <= t < 32 for t in toks) and all(math.isfinite(lp) for lp in lps)
 
@@ -226,5 +247,5 @@ def test_engine_min_tokens_holds_stops_back(engine):
     n = len(free["token_ids"])
     out = engine.generate([p], SamplingParams(temperature=0, max_tokens=n + 5, min_tokens=n + 3))[0]
     assert len(out["token_ids"]) >= n + 3
-    assert not set(out["token_ids"][:n + 2]) & engine.eos_ids  # EOS masked until min_tokens
-    assert out["token_ids"][:n - 1] == free["token_ids"][:n - 1]
+    assert not set(out["token_ids"][: n + 2]) & engine.eos_ids  # EOS masked until min_tokens
+    assert out["token_ids"][: n - 1] == free["token_ids"][: n - 1]

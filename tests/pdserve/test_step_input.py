@@ -1,4 +1,5 @@
 """StepInput's flat encoding (how a step reaches ranks over shared memory) gives back every field exactly."""
+
 from __future__ import annotations
 
 import torch
@@ -11,12 +12,18 @@ def _step(dcp: int, extra, prefill: bool) -> StepInput:
     g = torch.Generator().manual_seed(dcp)
     t, b = (11, 3) if prefill else (3, 3)
     return StepInput(
-        is_prefill=prefill, input_ids=torch.randint(0, 50_000, (t,), generator=g),
-        positions=torch.arange(t), cu_seqlens_q=[0, 4, 9, t] if prefill else [0, 1, 2, 3],
-        query_start_pos=[0, 17, 2], logits_indices=torch.tensor([3, t - 1]), sample_rows=[0, 2],
+        is_prefill=prefill,
+        input_ids=torch.randint(0, 50_000, (t,), generator=g),
+        positions=torch.arange(t),
+        cu_seqlens_q=[0, 4, 9, t] if prefill else [0, 1, 2, 3],
+        query_start_pos=[0, 17, 2],
+        logits_indices=torch.tensor([3, t - 1]),
+        sample_rows=[0, 2],
         slot_mappings=[torch.randint(-1, 900, (t,), generator=g) for _ in range(dcp)],
         context_lens=[torch.randint(0, 99, (b,), generator=g) for _ in range(dcp)],
-        block_tables=[torch.randint(0, 900, (b, w + 1), generator=g) for w in range(dcp)], kv_meta=extra)
+        block_tables=[torch.randint(0, 900, (b, w + 1), generator=g) for w in range(dcp)],
+        kv_meta=extra,
+    )
 
 
 def _same(a: StepInput, b: StepInput) -> None:

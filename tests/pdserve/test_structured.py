@@ -1,6 +1,7 @@
 """Structured output on the sampler: xgrammar's token bitmask keeps every sampled token inside the request's grammar
 (JSON schema, any JSON object, regex, choice, EBNF), a matcher rebuilt from the spec and the tokens so far continues
 exactly where another sampler left off (the prefill -> decode handoff), and invalid specs are refused by name."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,16 @@ from pdserve.sampling import Sampler, SamplingParams
 from pdserve.structured import GrammarBackend, StructuredOutputError, StructuredSpec, check_spec
 from pdserve.tokenizer import Tokenizer
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
-                                           "ok": {"type": "boolean"}},
-          "required": ["name", "age", "ok"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +36,9 @@ def backend(tok):
     return GrammarBackend.for_tokenizer(tok.hf_tokenizer, tok.vocab_size, [tok.eos_token_id])
 
 
-def run(backend, tok, spec: StructuredSpec, seed: int, n: int = 80, handoff_at: int | None = None,
-        temperature: float = 1.0) -> tuple[list[int], bool]:
+def run(
+    backend, tok, spec: StructuredSpec, seed: int, n: int = 80, handoff_at: int | None = None, temperature: float = 1.0
+) -> tuple[list[int], bool]:
     """Sample with random logits until EOS; with handoff_at, a fresh sampler (a decode pod) takes over from there.
     Returns the tokens and whether EOS ended them."""
     g = torch.Generator().manual_seed(seed)
@@ -58,7 +66,7 @@ def test_json_schema_rows_sample_only_valid_json(backend, tok, seed):
 def test_regex_choice_grammar_and_json_object_hold(backend, tok):
     text = tok.decode(run(backend, tok, StructuredSpec("regex", r"[a-c]{2,4}-\d{3}"), 3)[0])
     assert re.fullmatch(r"[a-c]{2,4}-\d{3}", text), text
-    choices = ("red apple", "green \"pear\"", "plum")
+    choices = ("red apple", 'green "pear"', "plum")
     for seed in range(4):
         assert tok.decode(run(backend, tok, StructuredSpec("choice", choices), seed)[0]) in choices
     ebnf = 'root ::= "(" digit ("+" digit)* ")"\ndigit ::= [0-9]'
@@ -74,16 +82,22 @@ def test_regex_choice_grammar_and_json_object_hold(backend, tok):
 def test_handoff_replays_the_first_token_into_a_fresh_matcher(backend, tok):
     spec = StructuredSpec.json_schema(SCHEMA)
     # Greedy over the same logits: one sampler all the way equals prefill's first token + a decode sampler after it.
-    assert run(backend, tok, spec, 7, handoff_at=None, temperature=0) == run(backend, tok, spec, 7, handoff_at=1,
-                                                                             temperature=0)
+    assert run(backend, tok, spec, 7, handoff_at=None, temperature=0) == run(
+        backend, tok, spec, 7, handoff_at=1, temperature=0
+    )
 
 
 def test_unconstrained_rows_in_the_batch_are_untouched(backend, tok):
     s = Sampler([tok.eos_token_id], lambda: backend)
     logits = torch.randn(2, tok.vocab_size, generator=torch.Generator().manual_seed(0))
     plain = SamplingParams(temperature=0)
-    out = s.sample(logits, [SamplingParams(temperature=0, structured=StructuredSpec("choice", ("yes",))), plain],
-                   ["a", "b"], [[1], [1]], [[], []])
+    out = s.sample(
+        logits,
+        [SamplingParams(temperature=0, structured=StructuredSpec("choice", ("yes",))), plain],
+        ["a", "b"],
+        [[1], [1]],
+        [[], []],
+    )
     assert out.token_ids[1] == int(logits[1].argmax())
     assert tok.decode([out.token_ids[0]]) in ("y", "yes", "ye")
     assert out.logprobs[1] == pytest.approx(float(torch.log_softmax(logits[1], -1).max()), abs=1e-5)
@@ -99,21 +113,30 @@ def test_min_tokens_never_leaves_a_row_without_a_token(backend, tok):
     assert tok.decode(out[:1]) == "a" and out[1] == tok.eos_token_id  # the grammar's end beats min_tokens
 
 
-@pytest.mark.parametrize("spec, needle", [
-    (StructuredSpec("json_schema", '{"type": "objec"}'), "Unsupported type"),
-    (StructuredSpec("regex", "a(b"), "parenthesis"),
-    (StructuredSpec("grammar", "root ::= foo"), "foo"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        (StructuredSpec("json_schema", '{"type": "objec"}'), "Unsupported type"),
+        (StructuredSpec("regex", "a(b"), "parenthesis"),
+        (StructuredSpec("grammar", "root ::= foo"), "foo"),
+    ],
+)
 def test_invalid_specs_are_refused_by_name(backend, spec, needle):
     for check in (check_spec, backend.compile):
         with pytest.raises(StructuredOutputError, match=needle):
             check(spec)
 
 
-@pytest.mark.parametrize("kind, value, needle", [
-    ("json_schema", "{not json", "not valid JSON"), ("json_schema", "[1]", "JSON object"),
-    ("choice", (), "non-empty"), ("regex", "", "non-empty"), ("xml", "x", "kind must be one of"),
-])
+@pytest.mark.parametrize(
+    "kind, value, needle",
+    [
+        ("json_schema", "{not json", "not valid JSON"),
+        ("json_schema", "[1]", "JSON object"),
+        ("choice", (), "non-empty"),
+        ("regex", "", "non-empty"),
+        ("xml", "x", "kind must be one of"),
+    ],
+)
 def test_malformed_specs_fail_at_construction(kind, value, needle):
     with pytest.raises(StructuredOutputError, match=needle):
         StructuredSpec(kind, value)

@@ -1,5 +1,6 @@
 """pdserve/pod/vllm_metrics.py without a pod: the re-exported older histogram name, the generation counter following
 the engine's running total, KV usage as vLLM's 0..1 fraction."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -9,8 +10,11 @@ from pdserve.pod.vllm_metrics import DecodeVllmMetrics, kv_usage
 
 
 def _samples(registry: CollectorRegistry) -> dict[str, float]:
-    return {s.name + ("" if "le" not in s.labels else f"@{s.labels['le']}"): s.value
-            for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples}
+    return {
+        s.name + ("" if "le" not in s.labels else f"@{s.labels['le']}"): s.value
+        for fam in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in fam.samples
+    }
 
 
 def test_older_itl_name_carries_the_same_samples_and_counter_follows_the_total():

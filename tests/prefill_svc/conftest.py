@@ -1,4 +1,5 @@
 """Fixtures of the prefill service tests: a tiny random checkpoint with room for 4k+ token prompts."""
+
 from __future__ import annotations
 
 import json

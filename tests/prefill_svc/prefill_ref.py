@@ -1,4 +1,5 @@
 """Helpers of the prefill tests: transformers' own prefill (first token + KV) and reading a pod's cached KV."""
+
 from __future__ import annotations
 
 import asyncio
@@ -57,10 +58,16 @@ def hf_greedy(model_path: Path, ids: list[int], new_tokens: int) -> list[int]:
     """transformers' own greedy generate (no EOS stop): the tokens after the prompt."""
     model = _hf_model(str(model_path))
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 class Proc:
@@ -73,8 +80,9 @@ class Proc:
 
         repo = Path(__file__).resolve().parents[2]
         self.log = open(log_path, "w+")
-        self.proc = subprocess.Popen(cmd, cwd=repo, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd, cwd=repo, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         deadline = time.monotonic() + timeout
         while not ready(self):
             if self.proc.poll() is not None or time.monotonic() > deadline:

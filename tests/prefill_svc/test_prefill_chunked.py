@@ -1,4 +1,5 @@
 """Chunked prefill and the prefix cache, through the prefill engine loop: first token and KV equal to transformers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,14 +38,24 @@ def prefill_and_read(w: PrefillWorker, ids: list[int], rid: str):
 def test_4096_prompt_in_chunks_of_512_equals_unchunked_and_transformers(tiny_model):
     ids = random_prompt(4096, seed=1)
     blocks = 4096 // 16 + 8
-    with worker(tiny_model, prefill_chunk_size=512, max_num_batched_tokens=4096, num_kv_blocks=blocks,
-                enable_prefix_caching=False) as w:
+    with worker(
+        tiny_model,
+        prefill_chunk_size=512,
+        max_num_batched_tokens=4096,
+        num_kv_blocks=blocks,
+        enable_prefix_caching=False,
+    ) as w:
         chunked, kc, vc = prefill_and_read(w, ids, "chunked")
         assert w.stats.num_steps == 8  # 4096 / 512: really chunked
         assert w.stats.kv_held_blocks == 256 and w.stats.num_leases == 1  # KV held after the first token
         assert w.engine.num_prompt_tokens_computed == 4096
-    with worker(tiny_model, prefill_chunk_size=4096, max_num_batched_tokens=4096, num_kv_blocks=blocks,
-                enable_prefix_caching=False) as w:
+    with worker(
+        tiny_model,
+        prefill_chunk_size=4096,
+        max_num_batched_tokens=4096,
+        num_kv_blocks=blocks,
+        enable_prefix_caching=False,
+    ) as w:
         whole, ku, vu = prefill_and_read(w, ids, "whole")
         assert w.stats.num_steps == 1
     hf_tok, hk, hv = hf_prefill(tiny_model, ids)
@@ -71,8 +82,9 @@ def test_prefix_cache_hit_same_output_and_fewer_tokens_computed(tiny_model):
     assert rb.num_cached_tokens == len(shared) == hits
     assert computed_b == len(b) - len(shared)  # the shared prefix was not recomputed
     # The same prompt on a pod without the cache: same first token, same KV; and both equal transformers.
-    with worker(tiny_model, prefill_chunk_size=256, max_num_batched_tokens=1024, num_kv_blocks=256,
-                enable_prefix_caching=False) as w:
+    with worker(
+        tiny_model, prefill_chunk_size=256, max_num_batched_tokens=1024, num_kv_blocks=256, enable_prefix_caching=False
+    ) as w:
         cold, kcold, vcold = prefill_and_read(w, b, "b")
         assert cold.num_cached_tokens == 0 and w.engine.num_prompt_tokens_computed == len(b)
     hf_tok, hk, hv = hf_prefill(tiny_model, b)

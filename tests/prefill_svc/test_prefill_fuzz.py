@@ -10,6 +10,7 @@ transport):
 - CancelPrefill / ReleaseKV of ids the pod does not know: found / released = false, nothing changes;
 - a ~70 MB message is refused (RESOURCE_EXHAUSTED / INVALID_ARGUMENT), and valid prefills still work afterwards.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,11 +22,21 @@ from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc
-from fuzz_helpers import (FUZZ_SETTINGS, MAX_MODEL_LEN, NON_FINITE, POD_BAD_SAMPLING,
-                                 VOCAB, assert_refused, idle, ok_ids, settled_snapshot, tiny_cluster)
+from fuzz_helpers import (
+    FUZZ_SETTINGS,
+    MAX_MODEL_LEN,
+    NON_FINITE,
+    POD_BAD_SAMPLING,
+    VOCAB,
+    assert_refused,
+    idle,
+    ok_ids,
+    settled_snapshot,
+    tiny_cluster,
+)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
-NEG32 = st.integers(-2**31, -1)
+NEG32 = st.integers(-(2**31), -1)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +64,11 @@ _n = iter(range(10**9))
 
 def good(**kw) -> prefill_pb2.PrefillRequest:
     """A valid request (fresh id, greedy, 4 tokens) with kw's fields replaced."""
-    req = prefill_pb2.PrefillRequest(request_id=f"fz-{next(_n)}", prompt_token_ids=[5, 6, 7, 8, 9],
-                                     sampling_params=pb.SamplingParams(temperature=0, max_tokens=4))
+    req = prefill_pb2.PrefillRequest(
+        request_id=f"fz-{next(_n)}",
+        prompt_token_ids=[5, 6, 7, 8, 9],
+        sampling_params=pb.SamplingParams(temperature=0, max_tokens=4),
+    )
     for k, v in kw.items():
         if k == "sampling_params":
             req.sampling_params.CopyFrom(v)
@@ -68,35 +82,47 @@ def good(**kw) -> prefill_pb2.PrefillRequest:
 
 
 def _layout(**kw) -> pb.KVLayout:
-    base = dict(num_layers=2, block_size=16, num_kv_heads=1, head_dim=16, dtype="float32", tp_size=1, dcp_size=1,
-                num_blocks=64)
+    base = dict(
+        num_layers=2, block_size=16, num_kv_heads=1, head_dim=16, dtype="float32", tp_size=1, dcp_size=1, num_blocks=64
+    )
     base.update(kw)
     return pb.KVLayout(**base)
 
 
-BAD_IDS = st.one_of(st.text(min_size=257, max_size=400, alphabet="xyz"),
-                    st.builds(lambda c: f"id{c}", st.sampled_from(["\n", "\x00", "\t", "\x1b"])))
+BAD_IDS = st.one_of(
+    st.text(min_size=257, max_size=400, alphabet="xyz"),
+    st.builds(lambda c: f"id{c}", st.sampled_from(["\n", "\x00", "\t", "\x1b"])),
+)
 
 BAD_PREFILLS = st.one_of(
     st.just(good(request_id="")),
     st.builds(lambda rid: good(request_id=rid), BAD_IDS),
     st.builds(lambda lid: good(lease_id=lid), BAD_IDS),
     st.just(good(prompt_token_ids=[])),
-    st.builds(lambda pre, bad: good(prompt_token_ids=pre + [bad]), ok_ids(0, 5),
-              st.one_of(NEG32, st.integers(VOCAB, 2**31 - 1))),
+    st.builds(
+        lambda pre, bad: good(prompt_token_ids=pre + [bad]),
+        ok_ids(0, 5),
+        st.one_of(NEG32, st.integers(VOCAB, 2**31 - 1)),
+    ),
     st.builds(lambda n: good(prompt_token_ids=[7] * n), st.integers(MAX_MODEL_LEN, 4 * MAX_MODEL_LEN)),
     st.builds(lambda sp: good(sampling_params=sp), POD_BAD_SAMPLING),
     st.builds(lambda m: good(transfer_mode=m), st.one_of(st.integers(4, 2**31 - 1), NEG32)),
     # modes this TCP pod does not serve
     st.sampled_from([good(transfer_mode=pb.TRANSFER_MODE_NIXL_PUSH), good(transfer_mode=pb.TRANSFER_MODE_NIXL_PULL)]),
-    st.builds(lambda m: good(decode_target=prefill_pb2.DecodeTarget(transfer_modes=[pb.TRANSFER_MODE_GRPC, m])),
-              st.one_of(st.just(0), st.integers(4, 2**31 - 1), NEG32)),
+    st.builds(
+        lambda m: good(decode_target=prefill_pb2.DecodeTarget(transfer_modes=[pb.TRANSFER_MODE_GRPC, m])),
+        st.one_of(st.just(0), st.integers(4, 2**31 - 1), NEG32),
+    ),
     # a decode layout of another model, or one that cannot exist
-    st.builds(lambda name, v: good(decode_target=prefill_pb2.DecodeTarget(layout=_layout(**{name: v}))),
-              st.sampled_from(["num_layers", "num_kv_heads", "head_dim"]),
-              st.one_of(NEG32, st.integers(3, 2**31 - 1))),
-    st.builds(lambda d: good(decode_target=prefill_pb2.DecodeTarget(layout=_layout(dtype=d))),
-              st.sampled_from(["float16", "bfloat16", "int8", "nonsense", "float32\n"])),
+    st.builds(
+        lambda name, v: good(decode_target=prefill_pb2.DecodeTarget(layout=_layout(**{name: v}))),
+        st.sampled_from(["num_layers", "num_kv_heads", "head_dim"]),
+        st.one_of(NEG32, st.integers(3, 2**31 - 1)),
+    ),
+    st.builds(
+        lambda d: good(decode_target=prefill_pb2.DecodeTarget(layout=_layout(dtype=d))),
+        st.sampled_from(["float16", "bfloat16", "int8", "nonsense", "float32\n"]),
+    ),
     st.builds(lambda t: good(lease_ttl_s=t), st.one_of(st.floats(max_value=-1e-9), NON_FINITE)),
 )
 
@@ -104,8 +130,10 @@ BAD_PREFILLS = st.one_of(
 def assert_nothing_held(prefill, req: prefill_pb2.PrefillRequest) -> None:
     """The refused request is not queued or running, and no lease exists under its lease id."""
     if req.request_id:
-        assert prefill.CancelPrefill(prefill_pb2.CancelPrefillRequest(request_id=req.request_id),
-                                     timeout=30).found is False
+        assert (
+            prefill.CancelPrefill(prefill_pb2.CancelPrefillRequest(request_id=req.request_id), timeout=30).found
+            is False
+        )
     if req.lease_id:
         assert prefill.ReleaseKV(prefill_pb2.ReleaseKVRequest(lease_id=req.lease_id), timeout=30).released is False
 

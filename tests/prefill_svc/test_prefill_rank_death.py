@@ -1,5 +1,6 @@
 """A prefill pod with TP 2 (rank 1 a process of its own) loses a rank: real processes (``python -m router`` and
 ``python -m prefill_svc -tp 2``, tiny random checkpoint), the rank SIGKILLed."""
+
 from __future__ import annotations
 
 import signal
@@ -22,10 +23,10 @@ BOUND_S = 60.0  # "within a bounded time", generous for a loaded 2-core machine
 def cluster(tmp_path_factory, smollm2):
     from pdserve.testing import write_tiny_checkpoint
 
-    model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-rank"), "llama", num_kv_heads=2,
-                                  tokenizer_from=smollm2)
-    c = e2e_cluster(tmp_path_factory.mktemp("prefill-rank"), model, num_prefill=1, num_decode=0, prefill_tp=2,
-                    num_kv_blocks=64)
+    model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-rank"), "llama", num_kv_heads=2, tokenizer_from=smollm2)
+    c = e2e_cluster(
+        tmp_path_factory.mktemp("prefill-rank"), model, num_prefill=1, num_decode=0, prefill_tp=2, num_kv_blocks=64
+    )
     c.start()
     try:
         yield c
@@ -34,8 +35,9 @@ def cluster(tmp_path_factory, smollm2):
 
 
 def _greedy_one(ids: list[int]) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
-                                      sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=1))
+    return router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=ids), sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=1)
+    )
 
 
 def _poll(what: str, fn, timeout: float = BOUND_S):
@@ -72,16 +74,23 @@ def test_prefill_rank_killed_turns_the_pod_unhealthy(cluster):
 
         _poll("p0 UNHEALTHY in ClusterStatus", unhealthy)
         with grpc.insecure_channel(address) as pch:
+
             def not_serving():
                 health = health_pb2_grpc.HealthStub(pch).Check(
-                    health_pb2.HealthCheckRequest(service="pdserve.v1.PrefillWorker"), timeout=10)
+                    health_pb2.HealthCheckRequest(service="pdserve.v1.PrefillWorker"), timeout=10
+                )
                 return health.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
             _poll("p0 NOT_SERVING on grpc.health.v1", not_serving)
             with pytest.raises(grpc.RpcError) as err:
-                prefill_pb2_grpc.PrefillWorkerStub(pch).Prefill(prefill_pb2.PrefillRequest(
-                    request_id="after-kill", prompt_token_ids=prompt,
-                    sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=1)), timeout=60)
+                prefill_pb2_grpc.PrefillWorkerStub(pch).Prefill(
+                    prefill_pb2.PrefillRequest(
+                        request_id="after-kill",
+                        prompt_token_ids=prompt,
+                        sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=1),
+                    ),
+                    timeout=60,
+                )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
             assert "rank" in err.value.details()
 

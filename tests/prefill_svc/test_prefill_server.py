@@ -2,6 +2,7 @@
 KV lease, ReleaseKV frees the blocks, grpc.health.v1 SERVING, Prometheus metrics (also under vLLM's names),
 registration + heartbeats with a router's Registry, and SIGTERM drains (held work finishes, new work gets
 UNAVAILABLE)."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,9 @@ class RecordingRegistry(registry_pb2_grpc.RegistryServicer):
 
     def RegisterWorker(self, request, context):
         self._log("register", request)
-        return registry_pb2.RegisterWorkerResponse(accepted=True, message="hi", heartbeat_interval_s=0.2,
-                                                   router_id="test")
+        return registry_pb2.RegisterWorkerResponse(
+            accepted=True, message="hi", heartbeat_interval_s=0.2, router_id="test"
+        )
 
     def Heartbeat(self, request, context):
         self._log("heartbeat", request)
@@ -62,13 +64,39 @@ class RecordingRegistry(registry_pb2_grpc.RegistryServicer):
 class Pod:
     def __init__(self, model: Path, tmp: Path, router: str) -> None:
         self.ready_file = tmp / "ready.json"
-        cmd = [sys.executable, "-m", "prefill_svc", "--model", str(model), "--port", "0", "--metrics-port", "0",
-               "--router", router, "--cluster-token", "s3cret", "--pod-id", "prefill-test-0",
-               "--kv-transport", "tcp", "--num-kv-blocks", str(NUM_BLOCKS), "--prefill-chunk-size", "32",
-               "--max-num-batched-tokens", "256", "--ready-file", str(self.ready_file), "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefill_svc",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--router",
+            router,
+            "--cluster-token",
+            "s3cret",
+            "--pod-id",
+            "prefill-test-0",
+            "--kv-transport",
+            "tcp",
+            "--num-kv-blocks",
+            str(NUM_BLOCKS),
+            "--prefill-chunk-size",
+            "32",
+            "--max-num-batched-tokens",
+            "256",
+            "--ready-file",
+            str(self.ready_file),
+            "--log-level",
+            "WARNING",
+        ]
         self.log = open(tmp / "pod.log", "w+")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         deadline = time.monotonic() + 240
         while not self.ready_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -129,8 +157,9 @@ def pod(tiny_model, tmp_path_factory, registry):
 
 
 def greedy_request(rid: str, ids: list[int], **kw) -> prefill_pb2.PrefillRequest:
-    return prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
-                                      sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=32), **kw)
+    return prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=ids, sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=32), **kw
+    )
 
 
 def test_prefill_returns_first_token_and_lease(pod, tiny_model):
@@ -165,17 +194,23 @@ def test_errors_map_to_status_codes(pod):
         pod.stub.Prefill(greedy_request("bad", []), timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as e:
-        pod.stub.Prefill(prefill_pb2.PrefillRequest(request_id="bad2", prompt_token_ids=[5, 6],
-                                                    sampling_params=pb.SamplingParams(min_tokens=3, max_tokens=2)),
-                         timeout=30)
+        pod.stub.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id="bad2",
+                prompt_token_ids=[5, 6],
+                sampling_params=pb.SamplingParams(min_tokens=3, max_tokens=2),
+            ),
+            timeout=30,
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         pod.stub.Prefill(greedy_request("bad3", [5, 6], transfer_mode=pb.TRANSFER_MODE_NIXL_PUSH), timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     wrong = pb.KVLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32", tp_size=1)
     with pytest.raises(grpc.RpcError) as e:
-        pod.stub.Prefill(greedy_request("bad4", [5, 6], decode_target=prefill_pb2.DecodeTarget(layout=wrong)),
-                         timeout=30)
+        pod.stub.Prefill(
+            greedy_request("bad4", [5, 6], decode_target=prefill_pb2.DecodeTarget(layout=wrong)), timeout=30
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not match" in e.value.details()
     # CancelPrefill of a long prompt in flight: its Prefill fails with CANCELLED
     call = pod.stub.Prefill.future(greedy_request("long", random_prompt(3000, seed=12)), timeout=60)
@@ -190,16 +225,24 @@ def test_errors_map_to_status_codes(pod):
 
 def test_health_serving(pod):
     for svc in ("", "pdserve.v1.PrefillWorker"):
-        assert pod.health.Check(health_pb2.HealthCheckRequest(service=svc)).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert (
+            pod.health.Check(health_pb2.HealthCheckRequest(service=svc)).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
 
 
 def test_metrics_exposed(pod):
     m = pod.metrics()
-    for name in ("pdserve_prefill_queued_prompt_tokens", "pdserve_prefill_tokens_per_second",
-                 "pdserve_prefill_prompt_tokens_computed_total", "pdserve_prefill_prefix_cache_hit_tokens_total",
-                 "pdserve_prefill_prefix_cache_hit_rate", "pdserve_prefill_kv_held_blocks",
-                 "pdserve_prefill_kv_leases", "pdserve_kv_leases_active"):
+    for name in (
+        "pdserve_prefill_queued_prompt_tokens",
+        "pdserve_prefill_tokens_per_second",
+        "pdserve_prefill_prompt_tokens_computed_total",
+        "pdserve_prefill_prefix_cache_hit_tokens_total",
+        "pdserve_prefill_prefix_cache_hit_rate",
+        "pdserve_prefill_kv_held_blocks",
+        "pdserve_prefill_kv_leases",
+        "pdserve_kv_leases_active",
+    ):
         assert name in m, name
     assert m["pdserve_prefill_prefix_cache_hit_tokens_total"] == 192
     assert m["pdserve_prefill_prompt_tokens_computed_total"] >= 200 + 3
@@ -272,8 +315,7 @@ def test_sigterm_drains(pod, registry):
     pod.wait_metric("pdserve_prefill_queued_prompt_tokens", lambda v: v > 0)
     pod.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
-    while pod.health.Check(health_pb2.HealthCheckRequest(service="")).status == \
-            health_pb2.HealthCheckResponse.SERVING:
+    while pod.health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     with pytest.raises(grpc.RpcError) as e:

@@ -1,5 +1,6 @@
 """SmolLM2-135M (the real default model): a 4,096-token prompt in chunks of 512 gives the same first token and KV as
 unchunked and as transformers; and prefill -> decode in separate processes is token-identical to transformers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +18,17 @@ pytestmark = pytest.mark.slow
 
 
 def _prefill(model, ids, chunk):
-    w = PrefillWorker(build(PrefillConfig, model=str(model), kv_transport="none", prefill_chunk_size=chunk,
-                            max_num_batched_tokens=4096, num_kv_blocks=4096 // 16 + 8,
-                            enable_prefix_caching=False))
+    w = PrefillWorker(
+        build(
+            PrefillConfig,
+            model=str(model),
+            kv_transport="none",
+            prefill_chunk_size=chunk,
+            max_num_batched_tokens=4096,
+            num_kv_blocks=4096 // 16 + 8,
+            enable_prefix_caching=False,
+        )
+    )
     w.start()
     try:
         params, client = greedy()
@@ -53,14 +62,56 @@ def test_smollm2_prefill_to_decode_processes_token_identical(smollm2, tmp_path):
     from test_prefill_to_decode import generate
 
     ready_file = tmp_path / "prefill.json"
-    prefill = Proc([sys.executable, "-m", "prefill_svc", "--model", str(smollm2), "--port", "0", "--metrics-port",
-                    "0", "--kv-transport", "tcp", "--num-kv-blocks", "256", "--prefill-chunk-size", "256",
-                    "--max-num-batched-tokens", "1024", "--ready-file", str(ready_file), "--log-level", "WARNING"],
-                   tmp_path / "prefill.log", lambda p: ready_file.exists())
-    decode = Proc([sys.executable, "-m", "decode_svc", "--kv-transfer-backend", "tcp",
-                   "--kv-transfer-timeout-s", "60", "--model", str(smollm2), "--port", "0",
-                   "--num-kv-blocks", "256", "--pod-id", "decode-e2e", "--log-level", "WARNING"],
-                  tmp_path / "decode.log", lambda p: "decode_svc ready" in p.output())
+    prefill = Proc(
+        [
+            sys.executable,
+            "-m",
+            "prefill_svc",
+            "--model",
+            str(smollm2),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--kv-transport",
+            "tcp",
+            "--num-kv-blocks",
+            "256",
+            "--prefill-chunk-size",
+            "256",
+            "--max-num-batched-tokens",
+            "1024",
+            "--ready-file",
+            str(ready_file),
+            "--log-level",
+            "WARNING",
+        ],
+        tmp_path / "prefill.log",
+        lambda p: ready_file.exists(),
+    )
+    decode = Proc(
+        [
+            sys.executable,
+            "-m",
+            "decode_svc",
+            "--kv-transfer-backend",
+            "tcp",
+            "--kv-transfer-timeout-s",
+            "60",
+            "--model",
+            str(smollm2),
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "256",
+            "--pod-id",
+            "decode-e2e",
+            "--log-level",
+            "WARNING",
+        ],
+        tmp_path / "decode.log",
+        lambda p: "decode_svc ready" in p.output(),
+    )
     try:
         info = json.loads(ready_file.read_text())
         port = int(re.search(r"DecodeWorker on [^:]+:(\d+)", decode.output()).group(1))

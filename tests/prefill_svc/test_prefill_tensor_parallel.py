@@ -1,5 +1,6 @@
 """A TP=2 prefill pod: both ranks publish their half of the kv heads layer by layer; a decode rank (TP 1) pulls from
 both endpoints and gets transformers' KV; the blocks go back only once both ranks' publishers let go."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,17 @@ def _wait(pred, timeout=20.0):
 
 def test_tp2_prefill_publishes_both_ranks_and_frees_after_both(tiny_model):
     ids = random_prompt(700, seed=41)
-    w = PrefillWorker(build(PrefillConfig, model=str(tiny_model), tensor_parallel_size=2, kv_transport="tcp",
-                            prefill_chunk_size=256, max_num_batched_tokens=512, num_kv_blocks=128))
+    w = PrefillWorker(
+        build(
+            PrefillConfig,
+            model=str(tiny_model),
+            tensor_parallel_size=2,
+            kv_transport="tcp",
+            prefill_chunk_size=256,
+            max_num_batched_tokens=512,
+            num_kv_blocks=128,
+        )
+    )
     w.start()
     try:
         params, client = greedy()
@@ -39,8 +49,9 @@ def test_tp2_prefill_publishes_both_ranks_and_frees_after_both(tiny_model):
         hf_tok, hk, hv = hf_prefill(tiny_model, ids)
         assert res.first_token_id == hf_tok
 
-        dst = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_size=16, tp_size=1,
-                       num_blocks=60)
+        dst = KVLayout(
+            num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_size=16, tp_size=1, num_blocks=60
+        )
         region = torch.full(dst.region_shape(), float("nan"))
         table = list(range(10, 10 + 44))
         with make_puller(dst, 0, region, backend="tcp") as puller:

@@ -3,6 +3,7 @@
 (python -m decode_svc, pulling over the same TCP path), which streams the rest.
 Covered: a prompt in one chunk, a 4,096-token prompt in 8 chunks of 512, and a prefix-cache hit (fewer tokens
 computed, same tokens out)."""
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,62 @@ NEW_TOKENS = 12
 def pods(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("p2d")
     ready_file = tmp / "prefill.json"
-    prefill = Proc([sys.executable, "-m", "prefill_svc", "--model", str(tiny_model), "--port", "0",
-                    "--metrics-port", "0", "--kv-transport", "tcp", "--num-kv-blocks", "800",
-                    "--prefill-chunk-size", "512", "--max-num-batched-tokens", "4096", "--pod-id", "prefill-e2e",
-                    "--kv-checksum",
-                    "--ready-file", str(ready_file), "--log-level", "WARNING"],
-                   tmp / "prefill.log", lambda p: ready_file.exists())
+    prefill = Proc(
+        [
+            sys.executable,
+            "-m",
+            "prefill_svc",
+            "--model",
+            str(tiny_model),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--kv-transport",
+            "tcp",
+            "--num-kv-blocks",
+            "800",
+            "--prefill-chunk-size",
+            "512",
+            "--max-num-batched-tokens",
+            "4096",
+            "--pod-id",
+            "prefill-e2e",
+            "--kv-checksum",
+            "--ready-file",
+            str(ready_file),
+            "--log-level",
+            "WARNING",
+        ],
+        tmp / "prefill.log",
+        lambda p: ready_file.exists(),
+    )
     decode_metrics = free_port()
-    decode = Proc([sys.executable, "-m", "decode_svc", "--kv-transfer-backend", "tcp", "--metrics-port",
-                   str(decode_metrics),
-                   "--kv-transfer-timeout-s", "60", "--model", str(tiny_model),
-                   "--port", "0", "--num-kv-blocks", "800", "--pod-id", "decode-e2e", "--log-level", "WARNING"],
-                  tmp / "decode.log", lambda p: "decode_svc ready" in p.output())
+    decode = Proc(
+        [
+            sys.executable,
+            "-m",
+            "decode_svc",
+            "--kv-transfer-backend",
+            "tcp",
+            "--metrics-port",
+            str(decode_metrics),
+            "--kv-transfer-timeout-s",
+            "60",
+            "--model",
+            str(tiny_model),
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "800",
+            "--pod-id",
+            "decode-e2e",
+            "--log-level",
+            "WARNING",
+        ],
+        tmp / "decode.log",
+        lambda p: "decode_svc ready" in p.output(),
+    )
     info = json.loads(ready_file.read_text())
     info["decode_metrics_port"] = decode_metrics
     port = int(re.search(r"DecodeWorker on [^:]+:(\d+)", decode.output()).group(1))
@@ -59,16 +104,33 @@ def generate(pstub, dstub, rid: str, ids: list[int]) -> tuple[list[int], prefill
     """The router's journey: AllocateKV on decode -> Prefill -> Decode stream."""
     sp = pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     alloc = dstub.AllocateKV(decode_pb2.AllocateKVRequest(request_id=rid, num_tokens=len(ids)), timeout=30)
-    pre = pstub.Prefill(prefill_pb2.PrefillRequest(
-        request_id=rid, prompt_token_ids=ids, sampling_params=sp,
-        decode_target=prefill_pb2.DecodeTarget(decode_pod_id="decode-e2e", layout=alloc.layout,
-                                               block_tables=alloc.block_tables,
-                                               transfer_modes=alloc.transfer_modes)), timeout=120)
+    pre = pstub.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling_params=sp,
+            decode_target=prefill_pb2.DecodeTarget(
+                decode_pod_id="decode-e2e",
+                layout=alloc.layout,
+                block_tables=alloc.block_tables,
+                transfer_modes=alloc.transfer_modes,
+            ),
+        ),
+        timeout=120,
+    )
     tokens = [pre.first_token_id]
-    for chunk in dstub.Decode(decode_pb2.DecodeRequest(
-            request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
-            first_token_logprob=pre.first_token_logprob, sampling_params=sp, kv_handle=pre.kv_handle,
-            num_cached_tokens=pre.num_cached_tokens), timeout=120):
+    for chunk in dstub.Decode(
+        decode_pb2.DecodeRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            first_token_id=pre.first_token_id,
+            first_token_logprob=pre.first_token_logprob,
+            sampling_params=sp,
+            kv_handle=pre.kv_handle,
+            num_cached_tokens=pre.num_cached_tokens,
+        ),
+        timeout=120,
+    ):
         tokens += list(chunk.token_ids)
     return tokens, pre
 
@@ -118,20 +180,37 @@ def test_kv_read_in_the_wrong_order_is_refused_with_data_loss(pods, tiny_model):
     free_before = metric(info, "pdserve_decode_kv_blocks_free", "decode_metrics_port")
     ids = random_prompt(40, seed=51)
     alloc = dstub.AllocateKV(decode_pb2.AllocateKVRequest(request_id="victim", num_tokens=len(ids)), timeout=30)
-    pre = pstub.Prefill(prefill_pb2.PrefillRequest(
-        request_id="victim", prompt_token_ids=ids, sampling_params=sp,
-        decode_target=prefill_pb2.DecodeTarget(decode_pod_id="decode-e2e", layout=alloc.layout,
-                                               block_tables=alloc.block_tables,
-                                               transfer_modes=alloc.transfer_modes)), timeout=120)
+    pre = pstub.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id="victim",
+            prompt_token_ids=ids,
+            sampling_params=sp,
+            decode_target=prefill_pb2.DecodeTarget(
+                decode_pod_id="decode-e2e",
+                layout=alloc.layout,
+                block_tables=alloc.block_tables,
+                transfer_modes=alloc.transfer_modes,
+            ),
+        ),
+        timeout=120,
+    )
     handle = pb.KVHandle()
     handle.CopyFrom(pre.kv_handle)
     assert len(handle.block_checksums) == 3  # 40 tokens in blocks of 16
     for t in handle.block_tables:
         t.block_ids.reverse()
     with pytest.raises(grpc.RpcError) as err:
-        for _ in dstub.Decode(decode_pb2.DecodeRequest(
-                request_id="victim", prompt_token_ids=ids, first_token_id=pre.first_token_id,
-                first_token_logprob=pre.first_token_logprob, sampling_params=sp, kv_handle=handle), timeout=60):
+        for _ in dstub.Decode(
+            decode_pb2.DecodeRequest(
+                request_id="victim",
+                prompt_token_ids=ids,
+                first_token_id=pre.first_token_id,
+                first_token_logprob=pre.first_token_logprob,
+                sampling_params=sp,
+                kv_handle=handle,
+            ),
+            timeout=60,
+        ):
             pass
     assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.details()
     assert "prefill pod prefill-e2e failed its checksum at block 0 (tokens 0..15)" in err.value.details()

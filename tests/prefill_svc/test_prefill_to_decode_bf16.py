@@ -1,6 +1,7 @@
 """A bfloat16 checkpoint end to end through kv_transfer: both pods follow its dtype (EngineConfig.dtype "auto"), the
 prefill pod publishes bf16 KV, a decode engine pulls those bytes into its bf16 cache over TCP and continues; the tokens
 equal one bf16 engine generating alone. A pod whose KV dtype differs is refused, naming both dtypes and the flag."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,16 @@ def test_bf16_prefill_then_decode_identical_to_one_engine(tiny_bf16):
     with LLMEngine(EngineConfig(model=str(tiny_bf16), num_kv_blocks=64)) as alone:
         assert alone.dtype == "bfloat16"
         want = alone.generate([ids], sp)[0]["token_ids"]
-    w = PrefillWorker(build(PrefillConfig, model=str(tiny_bf16), kv_transport="tcp", prefill_chunk_size=128,
-                            max_num_batched_tokens=512, num_kv_blocks=64))
+    w = PrefillWorker(
+        build(
+            PrefillConfig,
+            model=str(tiny_bf16),
+            kv_transport="tcp",
+            prefill_chunk_size=128,
+            max_num_batched_tokens=512,
+            num_kv_blocks=64,
+        )
+    )
     w.start()
     try:
         assert w.layout.dtype == "bfloat16" and w.engine.executor.kv_cache.dtype == torch.bfloat16
@@ -53,8 +62,14 @@ def test_bf16_prefill_then_decode_identical_to_one_engine(tiny_bf16):
             cache = dec.executor.kv_cache
             assert cache.dtype == torch.bfloat16
             mc = dec.model_config
-            dst = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                           dtype=str(cache.dtype), block_size=dec.config.block_size, num_blocks=cache.shape[2])
+            dst = KVLayout(
+                num_layers=mc.num_layers,
+                num_kv_heads=mc.num_kv_heads,
+                head_dim=mc.head_dim,
+                dtype=str(cache.dtype),
+                block_size=dec.config.block_size,
+                num_blocks=cache.shape[2],
+            )
             assert dst.same_model(h.layout) and dst.token_nbytes == mc.num_kv_heads * mc.head_dim * 2
             seq = dec.add_awaiting_kv(ids, sp, "r")
             assert seq is not None

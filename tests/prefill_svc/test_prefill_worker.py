@@ -1,4 +1,5 @@
 """The prefill engine loop: batching order, KV hand-off to kv_transfer layer by layer, cancel / release / errors."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,12 +32,15 @@ async def _long_and_short(w: PrefillWorker, long_len: int, short_len: int) -> li
     events: list[tuple[str, str]] = []
     w.on_event = lambda kind, rid: events.append((kind, rid))
     params, client = greedy()
-    longs = [asyncio.ensure_future(w.prefill(f"long{i}", random_prompt(long_len, 10 + i), params, client))
-             for i in range(2)]
+    longs = [
+        asyncio.ensure_future(w.prefill(f"long{i}", random_prompt(long_len, 10 + i), params, client)) for i in range(2)
+    ]
     while sum(1 for k, _ in events if k == "queued") < 2:  # both long prompts are admitted first
         await asyncio.sleep(0.001)
-    shorts = [asyncio.ensure_future(w.prefill(f"short{i}", random_prompt(short_len, 20 + i), params, client))
-              for i in range(10)]
+    shorts = [
+        asyncio.ensure_future(w.prefill(f"short{i}", random_prompt(short_len, 20 + i), params, client))
+        for i in range(10)
+    ]
     results = await asyncio.gather(*longs, *shorts)
     assert all(not r.finished for r in results)
     return [(k, rid) for k, rid in events if k == "first_token"]
@@ -60,14 +64,16 @@ def test_without_chunking_short_prompts_wait(tiny_model):
 
 
 def _decode_region(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    return torch.full((layout.num_layers, 2, num_blocks, layout.block_size, layout.kv_heads_per_rank,
-                       layout.head_dim), float("nan"))
+    return torch.full(
+        (layout.num_layers, 2, num_blocks, layout.block_size, layout.kv_heads_per_rank, layout.head_dim), float("nan")
+    )
 
 
 def test_kv_published_layer_by_layer_and_pulled_by_kv_transfer(tiny_model):
     ids = random_prompt(300, seed=7)
-    with worker(tiny_model, kv_transport="tcp", prefill_chunk_size=128, max_num_batched_tokens=512,
-                num_kv_blocks=64) as w:
+    with worker(
+        tiny_model, kv_transport="tcp", prefill_chunk_size=128, max_num_batched_tokens=512, num_kv_blocks=64
+    ) as w:
         pub = w.engine.executor.runner.kv_connector.publisher
         calls = []
         real_publish, real_ready = pub.publish, pub.set_layers_ready
@@ -81,8 +87,15 @@ def test_kv_published_layer_by_layer_and_pulled_by_kv_transfer(tiny_model):
         assert h is not None and h.num_tokens == 300 and h.block_tables == [res.block_table]
         assert w.stats.num_leases == 1 and w.stats.kv_held_blocks == len(res.block_table)
 
-        dst = KVLayout(num_layers=h.layout.num_layers, num_kv_heads=h.layout.num_kv_heads,
-                       head_dim=h.layout.head_dim, dtype="float32", block_size=16, tp_size=1, num_blocks=40)
+        dst = KVLayout(
+            num_layers=h.layout.num_layers,
+            num_kv_heads=h.layout.num_kv_heads,
+            head_dim=h.layout.head_dim,
+            dtype="float32",
+            block_size=16,
+            tp_size=1,
+            num_blocks=40,
+        )
         region = _decode_region(dst, 40)
         table = list(range(39, 39 - 19, -1))  # 19 blocks, reversed: any placement works
         with make_puller(dst, 0, region, backend="tcp") as puller:
@@ -104,8 +117,9 @@ def test_kv_published_layer_by_layer_and_pulled_by_kv_transfer(tiny_model):
 
 
 def test_release_and_cancel_free_the_lease(tiny_model):
-    with worker(tiny_model, kv_transport="tcp", prefill_chunk_size=64, max_num_batched_tokens=256,
-                num_kv_blocks=64) as w:
+    with worker(
+        tiny_model, kv_transport="tcp", prefill_chunk_size=64, max_num_batched_tokens=256, num_kv_blocks=64
+    ) as w:
         params, client = greedy()
 
         async def scenario():
@@ -162,8 +176,9 @@ def test_release_and_cancel_free_the_lease(tiny_model):
 
 
 def test_request_errors(tiny_model):
-    with worker(tiny_model, prefill_chunk_size=64, max_num_batched_tokens=256, num_kv_blocks=16, max_leases=2,
-                max_model_len=512) as w:
+    with worker(
+        tiny_model, prefill_chunk_size=64, max_num_batched_tokens=256, num_kv_blocks=16, max_leases=2, max_model_len=512
+    ) as w:
         params, client = greedy()
 
         async def scenario():
@@ -195,8 +210,9 @@ def test_finished_at_first_token_keeps_no_kv(tiny_model):
     from pdserve_api.v1 import common_pb2 as pb
     from prefill_svc.sampling import sampling_from_proto
 
-    with worker(tiny_model, kv_transport="tcp", prefill_chunk_size=64, max_num_batched_tokens=256,
-                num_kv_blocks=32) as w:
+    with worker(
+        tiny_model, kv_transport="tcp", prefill_chunk_size=64, max_num_batched_tokens=256, num_kv_blocks=32
+    ) as w:
         params, client = sampling_from_proto(pb.SamplingParams(temperature=0.0, max_tokens=1))
         r = asyncio.run(w.prefill("one", random_prompt(50, 4), params, client))
         assert r.finished and r.finish_reason == "length" and r.lease_id is None and r.handoff is None

@@ -1,4 +1,5 @@
 """Helpers for router tests: an in-process router on an ephemeral loopback port, registration messages."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,21 +43,50 @@ def stubs(channel):
     return router_pb2_grpc.RouterStub(channel), registry_pb2_grpc.RegistryStub(channel)
 
 
-def register_request(pod_id: str, role: int = common_pb2.ROLE_DECODE, tp: int = 1, dcp: int = 1, heads: int = 8,
-                     kv_heads: int = 2, num_blocks: int = 100, free: list[int] | None = None,
-                     model: str = "SmolLM2-135M-Instruct", block_size: int = 16, max_model_len: int = 2048,
-                     address: str | None = None, **extra) -> registry_pb2.RegisterWorkerRequest:
+def register_request(
+    pod_id: str,
+    role: int = common_pb2.ROLE_DECODE,
+    tp: int = 1,
+    dcp: int = 1,
+    heads: int = 8,
+    kv_heads: int = 2,
+    num_blocks: int = 100,
+    free: list[int] | None = None,
+    model: str = "SmolLM2-135M-Instruct",
+    block_size: int = 16,
+    max_model_len: int = 2048,
+    address: str | None = None,
+    **extra,
+) -> registry_pb2.RegisterWorkerRequest:
     free = free if free is not None else [num_blocks] * tp
     req = registry_pb2.RegisterWorkerRequest(
-        pod_id=pod_id, role=role, address=address or f"127.0.0.1:1{abs(hash(pod_id)) % 1000:03d}",
+        pod_id=pod_id,
+        role=role,
+        address=address or f"127.0.0.1:1{abs(hash(pod_id)) % 1000:03d}",
         kv_transfer_address="127.0.0.1:9" if role == common_pb2.ROLE_PREFILL else "",
         model=model,
-        model_shape=common_pb2.ModelShape(architecture="LlamaForCausalLM", num_layers=2, hidden_size=64,
-                                          num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=16,
-                                          vocab_size=256, max_model_len=max_model_len, dtype="float32"),
+        model_shape=common_pb2.ModelShape(
+            architecture="LlamaForCausalLM",
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=16,
+            vocab_size=256,
+            max_model_len=max_model_len,
+            dtype="float32",
+        ),
         parallel=common_pb2.ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp),
-        kv_layout=common_pb2.KVLayout(num_layers=2, block_size=block_size, num_kv_heads=kv_heads, head_dim=16,
-                                      dtype="float32", tp_size=tp, dcp_size=dcp, num_blocks=num_blocks),
+        kv_layout=common_pb2.KVLayout(
+            num_layers=2,
+            block_size=block_size,
+            num_kv_heads=kv_heads,
+            head_dim=16,
+            dtype="float32",
+            tp_size=tp,
+            dcp_size=dcp,
+            num_blocks=num_blocks,
+        ),
         capacity=common_pb2.WorkerCapacity(max_num_seqs=32, max_model_len=max_model_len),
         kv=[common_pb2.RankKVStats(rank=r, free_blocks=f, total_blocks=num_blocks) for r, f in enumerate(free)],
     )

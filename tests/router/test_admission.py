@@ -1,4 +1,5 @@
 """Admission queue (pure asyncio over a real Registry): fit, FIFO wake-up, bound, timeouts, cancellation."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,15 +20,20 @@ DECODE = common_pb2.ROLE_DECODE
 def make(free=(10,), total=10, tp=1, dcp=1, kv_heads=1, **cfg):
     config = RouterConfig(**cfg)
     reg = Registry(config, "SmolLM2-135M-Instruct")
-    r = reg.register(register_request("d0", DECODE, tp=tp, dcp=dcp, kv_heads=kv_heads, num_blocks=total,
-                                        free=list(free)))
+    r = reg.register(
+        register_request("d0", DECODE, tp=tp, dcp=dcp, kv_heads=kv_heads, num_blocks=total, free=list(free))
+    )
     assert r.accepted, r.message
     return reg, Admission(reg, config)
 
 
 def heartbeat(reg, free, total=10):
-    reg.heartbeat(registry_pb2.HeartbeatRequest(pod_id="d0", kv=[
-        common_pb2.RankKVStats(rank=r, free_blocks=f, total_blocks=total) for r, f in enumerate(free)]))
+    reg.heartbeat(
+        registry_pb2.HeartbeatRequest(
+            pod_id="d0",
+            kv=[common_pb2.RankKVStats(rank=r, free_blocks=f, total_blocks=total) for r, f in enumerate(free)],
+        )
+    )
 
 
 def test_admits_at_once_and_books_blocks():
@@ -38,6 +44,7 @@ def test_admits_at_once_and_books_blocks():
         assert reg.pods["d0"].effective_free() == [8, 8]
         adm.release(a)
         assert reg.pods["d0"].effective_free() == [10, 10]
+
     asyncio.run(body())
 
 
@@ -60,6 +67,7 @@ def test_waits_then_wakes_in_fifo_order_on_heartbeat():
         assert adm.depth == 0
         for t in tasks:
             adm.release(t.result())
+
     asyncio.run(body())
 
 
@@ -73,6 +81,7 @@ def test_release_wakes_the_queue_without_a_heartbeat():
         adm.release(a)
         await asyncio.sleep(0.01)
         assert t.done() and t.result().pod_id == "d0"
+
     asyncio.run(body())
 
 
@@ -88,6 +97,7 @@ def test_queue_bound_gives_resource_exhausted():
         with pytest.raises(asyncio.CancelledError):
             await t
         assert adm.depth == 0
+
     asyncio.run(body())
 
 
@@ -101,6 +111,7 @@ def test_wait_bound_and_deadline():
             await adm.admit(16, 0.02)
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert adm.depth == 0
+
     asyncio.run(body())
 
 
@@ -114,6 +125,7 @@ def test_never_fits_and_no_pods():
         with pytest.raises(ServiceError) as e:
             await adm.admit(16, None)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
     asyncio.run(body())
 
 
@@ -129,6 +141,7 @@ def test_cancelling_the_waiter_future_leaves_the_queue():
         assert adm.depth == 0
         heartbeat(reg, [5])
         assert reg.pods["d0"].effective_free() == [5]  # nothing booked for the cancelled request
+
     asyncio.run(body())
 
 
@@ -142,4 +155,5 @@ def test_max_inflight_requests_queues():
         adm.release(a)
         await asyncio.sleep(0.01)
         assert t.done()
+
     asyncio.run(body())

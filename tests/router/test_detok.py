@@ -1,4 +1,5 @@
 """Router-side detokenizing and stop strings, against the real default tokenizer."""
+
 from __future__ import annotations
 
 import random
@@ -16,8 +17,12 @@ def tok(smollm2_path):
 
 def test_incremental_deltas_concatenate_to_the_full_decode(tok):
     rng = random.Random(0)
-    texts = ["Hello world, this is a test.", "naïve café — 東京 🚀 emoji", "  leading spaces\n\nnew lines\t tab",
-             "<|im_start|>user special<|im_end|>"]
+    texts = [
+        "Hello world, this is a test.",
+        "naïve café — 東京 🚀 emoji",
+        "  leading spaces\n\nnew lines\t tab",
+        "<|im_start|>user special<|im_end|>",
+    ]
     for text in texts:
         ids = tok.encode(text, add_special_tokens=False)
         d = Detokenizer(tok)
@@ -50,7 +55,7 @@ def assemble(tok, ids, chunk=1, **kw):
     a = OutputAssembler(tok, **kw)
     pieces = []
     for i in range(0, len(ids), chunk):
-        part = ids[i:i + chunk]
+        part = ids[i : i + chunk]
         final = i + chunk >= len(ids)
         pieces.append(a.add(part, final=final))
         if a.finished:

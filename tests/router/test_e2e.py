@@ -10,6 +10,7 @@ from pdserve's own LLMEngine run offline on the same checkpoint.
 - Failures: a decode pod killed mid-stream ends its streams with UNAVAILABLE after the tokens already sent (none
   repeated); a prefill pod killed is retried on the other one.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,17 +33,17 @@ DECODE_REGISTERS = supports_flag("decode_svc", "--router")
 NEEDS_DECODE = pytest.mark.skipif(
     not DECODE_REGISTERS,
     reason="`python -m decode_svc` has no --router flag: decode pods cannot register with the router (no Heartbeat "
-           "load or free KV per rank), so the decode journey and ClusterStatus KV checks cannot run")
-
-
+    "load or free KV per rank), so the decode journey and ClusterStatus KV checks cannot run",
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, smollm2_path):
     from pdserve.testing import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-e2e"), "llama", num_kv_heads=1,
-                                 tokenizer_from=smollm2_path)
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-e2e"), "llama", num_kv_heads=1, tokenizer_from=smollm2_path
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +54,16 @@ def metrics_port():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model, metrics_port):
-    c = e2e_cluster(tmp_path_factory.mktemp("cluster"), tiny_model, num_prefill=2, num_decode=2, decode_tp=2,
-                    decode_dcp=2, num_kv_blocks=256,
-                    router_args=["--metrics-port", str(metrics_port), "--affinity-max-imbalance-tokens", "64"])
+    c = e2e_cluster(
+        tmp_path_factory.mktemp("cluster"),
+        tiny_model,
+        num_prefill=2,
+        num_decode=2,
+        decode_tp=2,
+        decode_dcp=2,
+        num_kv_blocks=256,
+        router_args=["--metrics-port", str(metrics_port), "--affinity-max-imbalance-tokens", "64"],
+    )
     c.start()
     try:
         yield c
@@ -94,9 +102,11 @@ async def collect(stub, req, timeout=120.0, on_message=None):
 
 
 def greedy(ids: list[int], max_tokens: int, rid: str = "") -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(request_id=rid, token_ids=common_pb2.TokenIds(ids=ids),
-                                      sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                                ignore_eos=True))
+    return router_pb2.GenerateRequest(
+        request_id=rid,
+        token_ids=common_pb2.TokenIds(ids=ids),
+        sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def metric(port: int, name: str) -> float:
@@ -155,8 +165,9 @@ def test_stop_string_in_the_first_token_ends_at_once_and_frees_the_lease(cluster
     tok = Tokenizer(tiny_model)
     ps = prompts(40, seed=6)
     firsts = reference(tiny_model, ps, 1)
-    pick = [(p, f[0]) for p, f in zip(ps, firsts)
-            if tok.decode([f[0]]).strip() and "\ufffd" not in tok.decode([f[0]])][:4]
+    pick = [(p, f[0]) for p, f in zip(ps, firsts) if tok.decode([f[0]]).strip() and "\ufffd" not in tok.decode([f[0]])][
+        :4
+    ]
     assert pick
 
     async def body():
@@ -166,8 +177,12 @@ def test_stop_string_in_the_first_token_ends_at_once_and_frees_the_lease(cluster
             out = []
             for p, first in pick:
                 text = tok.decode([first])
-                req = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=p), sampling_params=(
-                    common_pb2.SamplingParams(temperature=0, max_tokens=50, stop=[text.strip()], ignore_eos=True)))
+                req = router_pb2.GenerateRequest(
+                    token_ids=common_pb2.TokenIds(ids=p),
+                    sampling_params=(
+                        common_pb2.SamplingParams(temperature=0, max_tokens=50, stop=[text.strip()], ignore_eos=True)
+                    ),
+                )
                 out.append(await collect(stub, req))
             return out, baseline, await settled_kv(stub, cluster, baseline)
 
@@ -178,7 +193,7 @@ def test_stop_string_in_the_first_token_ends_at_once_and_frees_the_lease(cluster
         final = msgs[-1]
         assert final.finish_reason == common_pb2.FINISH_REASON_STOP and final.stop_reason
         assert tok.decode([first]).strip() == final.stop_reason
-        assert "".join(m.text for m in msgs) == tok.decode([first])[:tok.decode([first]).find(final.stop_reason)]
+        assert "".join(m.text for m in msgs) == tok.decode([first])[: tok.decode([first]).find(final.stop_reason)]
     assert after == baseline, (baseline, after)  # the prefill lease was released (ReleaseKV), blocks free again
 
 
@@ -218,10 +233,13 @@ def test_generate_32_concurrent_spread_then_cancel_half_frees_all_kv(cluster, ti
                 async def cb(call, m, msgs):
                     if sum(len(x.token_ids) for x in msgs) >= 2:
                         started[i].set()
+
                 return cb
 
-            tasks = [asyncio.create_task(collect(stub, greedy(p, 400, rid=f"long-{i}"), on_message=await on_message(i)))
-                     for i, p in enumerate(long_ps)]
+            tasks = [
+                asyncio.create_task(collect(stub, greedy(p, 400, rid=f"long-{i}"), on_message=await on_message(i)))
+                for i, p in enumerate(long_ps)
+            ]
             for i in range(NUM_REQUESTS // 2):
                 await asyncio.wait_for(started[i].wait(), 120)
             for i in range(0, NUM_REQUESTS // 2, 2):

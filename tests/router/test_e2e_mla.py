@@ -6,6 +6,7 @@ decode pod through kv_transfer; the greedy tokens must equal transformers' own g
 One cluster per data path. The TCP fallback cluster runs DCP interleave 1 on (2,2), (4,4) and 4 on (4,2), (8,8); the
 NIXL cluster the other way round, so every pair meets both interleaves. Requests go in concurrent waves until every
 (prefill pod, decode pod) pair of the cluster has served one (RoutingInfo says which pair did)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,35 +36,54 @@ DECODE_PODS = {
 PREFILL_TPS = (1, 2)
 
 _NIXL_OK, _NIXL_WHY = nixl_available()
-TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not _NIXL_OK,
-                                                                    reason=f"NIXL unusable: {_NIXL_WHY}"))]
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not _NIXL_OK, reason=f"NIXL unusable: {_NIXL_WHY}"))]
 
 
 @pytest.fixture(scope="module")
 def mla_model(tmp_path_factory, smollm2_path) -> Path:
     from pdserve.testing import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-mla"), "deepseek_v3", num_heads=8,
-                                 tokenizer_from=smollm2_path)
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-mla"), "deepseek_v3", num_heads=8, tokenizer_from=smollm2_path
+    )
 
 
 def _cluster(workdir: Path, model: Path, transport: str) -> LocalCluster:
     interval = ["--heartbeat-interval-s", str(HEARTBEAT_S)]
     topo = Topology(
-        model=str(model), router_port=0, http_port=None,
+        model=str(model),
+        router_port=0,
+        http_port=None,
         router_args=[*interval, "--eviction-timeout-s", "10", "--missed-heartbeats-unhealthy", "8"],
-        prefill=[PodSpec("prefill", tp, num_kv_blocks=128, name=f"p{tp}",
-                         extra_args=[*interval, "--kv-transport", transport]) for tp in PREFILL_TPS],
-        decode=[PodSpec("decode", tp, dcp, dcp_kv_cache_interleave_size=i, num_kv_blocks=64, name=f"d{tp}x{dcp}i{i}",
-                        extra_args=["--kv-transfer-backend", transport]) for tp, dcp, i in DECODE_PODS[transport]])
+        prefill=[
+            PodSpec(
+                "prefill", tp, num_kv_blocks=128, name=f"p{tp}", extra_args=[*interval, "--kv-transport", transport]
+            )
+            for tp in PREFILL_TPS
+        ],
+        decode=[
+            PodSpec(
+                "decode",
+                tp,
+                dcp,
+                dcp_kv_cache_interleave_size=i,
+                num_kv_blocks=64,
+                name=f"d{tp}x{dcp}i{i}",
+                extra_args=["--kv-transfer-backend", transport],
+            )
+            for tp, dcp, i in DECODE_PODS[transport]
+        ],
+    )
     topo.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     return LocalCluster(topo, log_dir=workdir, env=service_env())
 
 
 def _greedy(ids: list[int]) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), sampling_params=common_pb2.SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=ids),
+        sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
 
 
 async def _generate(stub, ids: list[int]) -> tuple[list[int], tuple[str, str], common_pb2.TransferMode.ValueType]:
@@ -84,6 +104,7 @@ def test_mla_decode_pods_match_transformers(tmp_path, mla_model, transport):
     want_mode = {"tcp": common_pb2.TRANSFER_MODE_GRPC, "nixl": common_pb2.TRANSFER_MODE_NIXL_PULL}[transport]
     cluster.start(timeout=900)
     try:
+
         async def wave(prompts: list[list[int]]):
             async with grpc.aio.insecure_channel(cluster.router_address) as ch:
                 stub = router_pb2_grpc.RouterStub(ch)

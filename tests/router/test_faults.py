@@ -8,6 +8,7 @@ READY before it starts): router restart, stalled transfer, then a decode rank ki
 prefill pod killed (p1 gone). Timeouts are set short on the pods (prefill lease TTL, decode KV-transfer timeout) and
 every wait is a poll with a generous deadline: "within N seconds, no hang", never a speed check.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,15 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, \
-    router_pb2_grpc
+from pdserve_api.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
 from e2e_helpers import e2e_cluster
 from pdserve.net import free_port
 
@@ -37,14 +45,13 @@ KV_TRANSFER_TIMEOUT_S = 4.0  # decode pods give up a KV pull after this
 BOUND_S = 60.0  # "within a bounded time": generous for a loaded 2-core machine
 
 
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, smollm2_path):
     from pdserve.testing import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-faults"), "llama", num_kv_heads=1,
-                                 tokenizer_from=smollm2_path)
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-faults"), "llama", num_kv_heads=1, tokenizer_from=smollm2_path
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +62,18 @@ def metrics_port():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model, metrics_port):
-    c = e2e_cluster(tmp_path_factory.mktemp("faults"), tiny_model, num_prefill=2, num_decode=2, decode_tp=2,
-                    decode_dcp=2, num_kv_blocks=256,
-                    router_args=["--metrics-port", str(metrics_port)],
-                    prefill_args=["--lease-ttl-s", str(LEASE_TTL_S), "--no-prefix-caching"],
-                    decode_args=["--kv-transfer-timeout-s", str(KV_TRANSFER_TIMEOUT_S)])
+    c = e2e_cluster(
+        tmp_path_factory.mktemp("faults"),
+        tiny_model,
+        num_prefill=2,
+        num_decode=2,
+        decode_tp=2,
+        decode_dcp=2,
+        num_kv_blocks=256,
+        router_args=["--metrics-port", str(metrics_port)],
+        prefill_args=["--lease-ttl-s", str(LEASE_TTL_S), "--no-prefix-caching"],
+        decode_args=["--kv-transfer-timeout-s", str(KV_TRANSFER_TIMEOUT_S)],
+    )
     c.start()
     try:
         yield c
@@ -87,9 +101,11 @@ def reference(model, ps: list[list[int]], max_tokens: int) -> list[list[int]]:
 
 
 def greedy(ids: list[int], max_tokens: int, rid: str = "") -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(request_id=rid, token_ids=common_pb2.TokenIds(ids=ids),
-                                      sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                                ignore_eos=True))
+    return router_pb2.GenerateRequest(
+        request_id=rid,
+        token_ids=common_pb2.TokenIds(ids=ids),
+        sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 async def collect(stub, req, timeout: float = 180.0, on_message=None):
@@ -138,6 +154,7 @@ def kv_free(st: dict[str, router_pb2.PodStatus], pod: str) -> list[int]:
 
 async def wait_kv(stub, cluster, want: dict[str, list[int]], what: str, timeout: float = BOUND_S):
     """Free KV per rank of the pods in ``want`` (as the pods themselves report it in heartbeats) equals ``want``."""
+
     async def check():
         st = await pods(stub)
         now = {p: kv_free(st, p) if p in st else None for p in want}  # a stopped pod may be evicted meanwhile
@@ -179,7 +196,8 @@ def rank_processes(c, pod: str) -> list[psutil.Process]:
 async def health(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as ch:
         r = await health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service="pdserve.v1.DecodeWorker"), timeout=5)
+            health_pb2.HealthCheckRequest(service="pdserve.v1.DecodeWorker"), timeout=5
+        )
         return r.status
 
 
@@ -246,16 +264,32 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
             pstub, dstub = prefill_pb2_grpc.PrefillWorkerStub(pch), decode_pb2_grpc.DecodeWorkerStub(dch)
 
             async def allocate_and_prefill(rid: str, prompt: list[int], ttl_s: float = 0.0):
-                alloc = await dstub.AllocateKV(decode_pb2.AllocateKVRequest(
-                    request_id=rid, num_tokens=len(prompt), num_reserved_output_tokens=8,
-                    prefill_layout=st["p0"].kv_layout, ttl_s=ttl_s), timeout=30)
+                alloc = await dstub.AllocateKV(
+                    decode_pb2.AllocateKVRequest(
+                        request_id=rid,
+                        num_tokens=len(prompt),
+                        num_reserved_output_tokens=8,
+                        prefill_layout=st["p0"].kv_layout,
+                        ttl_s=ttl_s,
+                    ),
+                    timeout=30,
+                )
                 params = common_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-                pre = await pstub.Prefill(prefill_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=prompt, sampling_params=params,
-                    decode_target=prefill_pb2.DecodeTarget(decode_pod_id="d0", layout=alloc.layout,
-                                                           block_tables=alloc.block_tables,
-                                                           agent_name=alloc.agent_name,
-                                                           transfer_modes=alloc.transfer_modes)), timeout=60)
+                pre = await pstub.Prefill(
+                    prefill_pb2.PrefillRequest(
+                        request_id=rid,
+                        prompt_token_ids=prompt,
+                        sampling_params=params,
+                        decode_target=prefill_pb2.DecodeTarget(
+                            decode_pod_id="d0",
+                            layout=alloc.layout,
+                            block_tables=alloc.block_tables,
+                            agent_name=alloc.agent_name,
+                            transfer_modes=alloc.transfer_modes,
+                        ),
+                    ),
+                    timeout=60,
+                )
                 assert pre.kv_handle.lease_id, pre
                 return params, pre
 
@@ -264,19 +298,30 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
                 params, pre = await allocate_and_prefill("stall-a", ps[0])
                 cluster.kill("p0", signal.SIGSTOP)
                 t0 = time.monotonic()
-                call = dstub.Decode(decode_pb2.DecodeRequest(
-                    request_id="stall-a", prompt_token_ids=ps[0], first_token_id=pre.first_token_id,
-                    first_token_logprob=pre.first_token_logprob, sampling_params=params, kv_handle=pre.kv_handle,
-                    num_cached_tokens=pre.num_cached_tokens), timeout=BOUND_S)
+                call = dstub.Decode(
+                    decode_pb2.DecodeRequest(
+                        request_id="stall-a",
+                        prompt_token_ids=ps[0],
+                        first_token_id=pre.first_token_id,
+                        first_token_logprob=pre.first_token_logprob,
+                        sampling_params=params,
+                        kv_handle=pre.kv_handle,
+                        num_cached_tokens=pre.num_cached_tokens,
+                    ),
+                    timeout=BOUND_S,
+                )
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     async for _ in call:
                         pass
                 took = time.monotonic() - t0
-                assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), \
-                    (err.value.code(), err.value.details())
+                assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), (
+                    err.value.code(),
+                    err.value.details(),
+                )
                 assert took < BOUND_S - 5, f"the pod's KV-transfer timeout did not fire ({took:.1f}s)"
-                assert "transfer" in err.value.details().lower() or "kv" in err.value.details().lower(), \
+                assert "transfer" in err.value.details().lower() or "kv" in err.value.details().lower(), (
                     err.value.details()
+                )
                 await wait_kv(stub, cluster, {"d0": baseline["d0"]}, "d0's KV freed after the failed pull")
             finally:
                 cluster.kill("p0", signal.SIGCONT)
@@ -284,8 +329,9 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
 
             # (b) a decode side that reserves and never pulls.
             await allocate_and_prefill("stall-b", ps[1], ttl_s=3.0)
-            await wait_kv(stub, cluster, baseline, "d0's reservation and p0's lease both expired",
-                          timeout=BOUND_S + LEASE_TTL_S)
+            await wait_kv(
+                stub, cluster, baseline, "d0's reservation and p0's lease both expired", timeout=BOUND_S + LEASE_TTL_S
+            )
             await pch.close()
             await dch.close()
 
@@ -319,10 +365,13 @@ def test_decode_rank_killed_mid_stream(cluster, tiny_model):
             def counter(i):
                 def on_message(m, msgs):
                     got[i] += len(m.token_ids)
+
                 return on_message
 
-            tasks = [asyncio.ensure_future(collect(stub, greedy(p, max_tokens, rid=f"rank-{i}"),
-                                                   on_message=counter(i))) for i, p in enumerate(ps)]
+            tasks = [
+                asyncio.ensure_future(collect(stub, greedy(p, max_tokens, rid=f"rank-{i}"), on_message=counter(i)))
+                for i, p in enumerate(ps)
+            ]
 
             async def all_streaming_and_d1_busy():  # every stream is past its first token: all are decoding
                 st = await pods(stub)
@@ -334,12 +383,15 @@ def test_decode_rank_killed_mid_stream(cluster, tiny_model):
 
             async def d1_unhealthy():
                 st = await pods(stub)
-                return st["d1"].state == UNHEALTHY and \
-                    await health(d1_address) == health_pb2.HealthCheckResponse.NOT_SERVING
+                return (
+                    st["d1"].state == UNHEALTHY
+                    and await health(d1_address) == health_pb2.HealthCheckResponse.NOT_SERVING
+                )
 
             await wait_for("d1 NOT_SERVING and UNHEALTHY in ClusterStatus", d1_unhealthy)
-            newer = await asyncio.gather(*(collect(stub, greedy(p, 16, rid=f"after-rank-{i}"))
-                                           for i, p in enumerate(later)))
+            newer = await asyncio.gather(
+                *(collect(stub, greedy(p, 16, rid=f"after-rank-{i}")) for i, p in enumerate(later))
+            )
             st = await pods(stub)
             return results, newer, st
 
@@ -352,7 +404,7 @@ def test_decode_rank_killed_mid_stream(cluster, tiny_model):
             assert "decode" in details, details
             assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_ERROR and msgs[-1].error_message
             got = tokens(msgs)
-            assert 2 <= len(got) < len(w) and got == w[:len(got)]  # mid-stream, nothing repeated or wrong
+            assert 2 <= len(got) < len(w) and got == w[: len(got)]  # mid-stream, nothing repeated or wrong
             assert msgs[-1].usage.completion_tokens == len(got)
         else:
             assert code == grpc.StatusCode.OK, (code, details)

@@ -1,4 +1,5 @@
 """Flight: the Cancel RPC and pod eviction interrupt whatever pod call a journey is awaiting (unary or stream)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,10 +19,13 @@ async def _slow_server():
         yield b"x"
         await asyncio.sleep(30)
 
-    handler = grpc.method_handlers_generic_handler("test.Slow", {
-        "Unary": grpc.unary_unary_rpc_method_handler(sleep_unary),
-        "Stream": grpc.unary_stream_rpc_method_handler(sleep_stream),
-    })
+    handler = grpc.method_handlers_generic_handler(
+        "test.Slow",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(sleep_unary),
+            "Stream": grpc.unary_stream_rpc_method_handler(sleep_stream),
+        },
+    )
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")

@@ -1,5 +1,6 @@
 """Generate's refusals and queueing through real gRPC, before any pod is contacted (or with pods registered at
 addresses where nothing listens, which is a real connection failure, not a fake pod)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,9 @@ PREFILL, DECODE = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE
 
 
 def gen(ids=(1, 2, 3), **sp):
-    return router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=list(ids)),
-                                      sampling_params=common_pb2.SamplingParams(**sp))
+    return router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=list(ids)), sampling_params=common_pb2.SamplingParams(**sp)
+    )
 
 
 async def status_of(router, req, timeout=None):
@@ -39,36 +41,52 @@ def test_no_pods_is_unavailable():
         async with running_router() as (server, ch):
             router, _ = stubs(ch)
             return await status_of(router, gen())
+
     code, details, msgs = run(body())
     assert code == grpc.StatusCode.UNAVAILABLE and "no READY prefill pod" in details and not msgs
 
 
-@pytest.mark.parametrize("req,code,needle", [
-    (router_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "set exactly one prompt"),
-    (gen(ids=()), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
-    (router_pb2.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty"),
-    (gen(ids=(1, 300)), grpc.StatusCode.INVALID_ARGUMENT, "out of range for the model's vocabulary [0, 256)"),
-    (gen(ids=range(1, 200)), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len is 128"),
-    (gen(temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
-    (gen(top_p=0), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
-    (gen(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1"),
-    (gen(stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop strings must be non-empty"),
-    (gen(max_tokens=2, min_tokens=3), grpc.StatusCode.INVALID_ARGUMENT,
-     "min_tokens must be less than or equal to max_tokens=2, got 3."),
-    (gen(top_logprobs=21), grpc.StatusCode.INVALID_ARGUMENT,
-     "Requested sample logprobs of 21, which is greater than max allowed: 20"),
-    (gen(presence_penalty=3), grpc.StatusCode.INVALID_ARGUMENT, "presence_penalty must be in [-2, 2], got 3.0."),
-    (gen(repetition_penalty=0), grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty must be greater than zero"),
-    (gen(min_p=2), grpc.StatusCode.INVALID_ARGUMENT, "min_p must be in [0, 1], got 2.0."),
-    (gen(top_k=-2), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
-    (router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1]), model="nope"), grpc.StatusCode.NOT_FOUND,
-     "is not served here"),
-    (router_pb2.GenerateRequest(chat=router_pb2.ChatPrompt()), grpc.StatusCode.INVALID_ARGUMENT, "no messages"),
-    (router_pb2.GenerateRequest(chat=router_pb2.ChatPrompt(messages=[router_pb2.ChatMessage(role="x")])),
-     grpc.StatusCode.INVALID_ARGUMENT, "role 'x'"),
-    # Text is tokenized with the real tokenizer: its ids exceed the tiny registered vocabulary.
-    (router_pb2.GenerateRequest(text="hello world"), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
-])
+@pytest.mark.parametrize(
+    "req,code,needle",
+    [
+        (router_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "set exactly one prompt"),
+        (gen(ids=()), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (router_pb2.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty"),
+        (gen(ids=(1, 300)), grpc.StatusCode.INVALID_ARGUMENT, "out of range for the model's vocabulary [0, 256)"),
+        (gen(ids=range(1, 200)), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len is 128"),
+        (gen(temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
+        (gen(top_p=0), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+        (gen(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1"),
+        (gen(stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop strings must be non-empty"),
+        (
+            gen(max_tokens=2, min_tokens=3),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "min_tokens must be less than or equal to max_tokens=2, got 3.",
+        ),
+        (
+            gen(top_logprobs=21),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "Requested sample logprobs of 21, which is greater than max allowed: 20",
+        ),
+        (gen(presence_penalty=3), grpc.StatusCode.INVALID_ARGUMENT, "presence_penalty must be in [-2, 2], got 3.0."),
+        (gen(repetition_penalty=0), grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty must be greater than zero"),
+        (gen(min_p=2), grpc.StatusCode.INVALID_ARGUMENT, "min_p must be in [0, 1], got 2.0."),
+        (gen(top_k=-2), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+        (
+            router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1]), model="nope"),
+            grpc.StatusCode.NOT_FOUND,
+            "is not served here",
+        ),
+        (router_pb2.GenerateRequest(chat=router_pb2.ChatPrompt()), grpc.StatusCode.INVALID_ARGUMENT, "no messages"),
+        (
+            router_pb2.GenerateRequest(chat=router_pb2.ChatPrompt(messages=[router_pb2.ChatMessage(role="x")])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "role 'x'",
+        ),
+        # Text is tokenized with the real tokenizer: its ids exceed the tiny registered vocabulary.
+        (router_pb2.GenerateRequest(text="hello world"), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    ],
+)
 def test_bad_requests_are_invalid_argument(req, code, needle):
     async def body():
         async with running_router() as (server, ch):
@@ -76,6 +94,7 @@ def test_bad_requests_are_invalid_argument(req, code, needle):
             await registry.RegisterWorker(register_request("p0", PREFILL, max_model_len=128))
             await registry.RegisterWorker(register_request("d0", DECODE, max_model_len=128))
             return await status_of(router, req)
+
     got, details, msgs = run(body())
     assert got == code and needle in details, details
     assert not msgs
@@ -92,6 +111,7 @@ def test_dead_decode_pods_give_unavailable_naming_them():
             core = server.core
             await asyncio.sleep(0.1)  # background clean-up of the refused reservations
             return res, core.admission.inflight, [e.effective_free() for e in core.registry.pods.values()]
+
     (code, details, msgs), inflight, free = run(body())
     assert code == grpc.StatusCode.UNAVAILABLE
     assert "d0" in details and "d1" in details, details
@@ -99,8 +119,10 @@ def test_dead_decode_pods_give_unavailable_naming_them():
 
 
 def _full_cluster():
-    return [register_request("p0", PREFILL, address=dead_address()),
-            register_request("d0", DECODE, address=dead_address(), num_blocks=10, free=[0])]
+    return [
+        register_request("p0", PREFILL, address=dead_address()),
+        register_request("d0", DECODE, address=dead_address(), num_blocks=10, free=[0]),
+    ]
 
 
 def test_queue_bound_deadline_cancel_and_duplicate_ids():
@@ -121,8 +143,9 @@ def test_queue_bound_deadline_cancel_and_duplicate_ids():
             st = await router.ClusterStatus(router_pb2.ClusterStatusRequest())
             assert st.router_queue_depth == 2 and st.num_inflight_requests == 0
             # Same id again: ALREADY_EXISTS. Third distinct request: the queue is full.
-            dup = await status_of(router, router_pb2.GenerateRequest(request_id="a",
-                                                                     token_ids=common_pb2.TokenIds(ids=[1])))
+            dup = await status_of(
+                router, router_pb2.GenerateRequest(request_id="a", token_ids=common_pb2.TokenIds(ids=[1]))
+            )
             full = await status_of(router, gen())
             # Cancel RPC: the waiting stream ends with a CANCELLED final message.
             assert (await router.Cancel(router_pb2.CancelRequest(request_id="a"))).found
@@ -138,6 +161,7 @@ def test_queue_bound_deadline_cancel_and_duplicate_ids():
             # A deadline while queued.
             dl = await status_of(router, gen(), timeout=0.3)
             return dup, full, msgs_a, depth_after, dl, server.core.flights
+
     dup, full, msgs_a, depth_after, dl, flights = run(body())
     assert dup[0] == grpc.StatusCode.ALREADY_EXISTS
     assert full[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in full[1]
@@ -154,5 +178,6 @@ def test_draining_router_refuses_new_requests():
             router, _ = stubs(ch)
             server.core.draining = True
             return await status_of(router, gen())
+
     code, details, _ = run(body())
     assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details

@@ -2,6 +2,7 @@
 spread requests over both with the same greedy tokens as one router gives, and SIGKILL of one router under load
 loses only the requests that were streaming from it: the rest complete through the other, no KV block leaks on any
 pod, and the restarted router sees every pod again. Real processes on loopback, tiny random checkpoint."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,15 +30,24 @@ PODS = {"p0", "p1", "d0", "d1"}
 def tiny_model(tmp_path_factory, smollm2_path):
     from pdserve.testing import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-routers"), "llama", num_kv_heads=1,
-                                 tokenizer_from=smollm2_path)
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-routers"), "llama", num_kv_heads=1, tokenizer_from=smollm2_path
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    c = e2e_cluster(tmp_path_factory.mktemp("routers"), tiny_model, num_prefill=2, num_decode=2, decode_tp=1,
-                    decode_dcp=1, num_kv_blocks=256, num_routers=2,
-                    prefill_args=["--lease-ttl-s", str(LEASE_TTL_S), "--no-prefix-caching"])
+    c = e2e_cluster(
+        tmp_path_factory.mktemp("routers"),
+        tiny_model,
+        num_prefill=2,
+        num_decode=2,
+        decode_tp=1,
+        decode_dcp=1,
+        num_kv_blocks=256,
+        num_routers=2,
+        prefill_args=["--lease-ttl-s", str(LEASE_TTL_S), "--no-prefix-caching"],
+    )
     c.start()
     try:
         yield c
@@ -113,19 +123,31 @@ def test_every_router_lists_every_pod_heartbeated_within_two_intervals(cluster):
 
 def test_pdserve_status_lists_each_router_and_what_it_sees(cluster):
     routers = ",".join(cluster.router_addresses)
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", routers], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--router", routers],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     for a in cluster.router_addresses:
         assert f"router {a}: 4 pods (4 ready)" in out.stdout, out.stdout
     assert "does not list" not in out.stdout
-    js = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", routers, "--json"],
-                        capture_output=True, text=True, timeout=120)
+    js = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--router", routers, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert js.returncode == 0, js.stderr
     seen = {r["address"]: {p["pod_id"] for p in r["pods"]} for r in json.loads(js.stdout)["routers"]}
     assert seen == {a: PODS for a in cluster.router_addresses}
-    dead = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", f"{routers},127.0.0.1:1",
-                           "--timeout", "2"], capture_output=True, text=True, timeout=120)
+    dead = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--router", f"{routers},127.0.0.1:1", "--timeout", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert dead.returncode == 1 and "router 127.0.0.1:1: error: UNAVAILABLE" in dead.stdout, dead.stdout
 
 
@@ -183,6 +205,7 @@ def test_sigkill_one_router_under_load(cluster, tiny_model):
         killed = asyncio.Event()
 
         async with AsyncClient([r0, r1], timeout=120) as c:
+
             async def one(i: int, p: list[int]):
                 if i >= 24:  # the second half starts around the kill: no token before it
                     await killed.wait()
@@ -212,7 +235,7 @@ def test_sigkill_one_router_under_load(cluster, tiny_model):
         assert failed, "no request was streaming from router-1 when it was killed"
         for i, e in failed:  # only router-1's streams, each after a token, each naming the dead router
             assert e.code.name == "UNAVAILABLE" and f"router {r1}" in e.message, e.message
-            assert e.partial.token_ids and list(e.partial.token_ids) == want[i][:len(e.partial.token_ids)]
+            assert e.partial.token_ids and list(e.partial.token_ids) == want[i][: len(e.partial.token_ids)]
         for i, r in ok:
             assert list(r.token_ids) == want[i], (i, r.finish_reason)
         assert all(i in dict(ok) for i in range(24, 48))  # started without a token: all completed

@@ -8,6 +8,7 @@ separate processes, the OpenAI HTTP front) with the official `openai` client, on
 - cancelling an n = 4 stream (the client goes away) gives every KV block back on the decode pod;
 - echo with logprobs returns the prompt tokens' logprobs (None first), equal to transformers' fp32 log-softmax.
 """
+
 from __future__ import annotations
 
 import re
@@ -39,9 +40,18 @@ def ports():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny, ports):
-    c = e2e_cluster(tmp_path_factory.mktemp("nseq"), tiny, num_prefill=1, num_decode=1, decode_tp=1, decode_dcp=1,
-                    num_kv_blocks=BLOCKS, http=True, prefill_args=["--metrics-port", str(ports["prefill"])],
-                    decode_args=["--metrics-port", str(ports["decode"])])
+    c = e2e_cluster(
+        tmp_path_factory.mktemp("nseq"),
+        tiny,
+        num_prefill=1,
+        num_decode=1,
+        decode_tp=1,
+        decode_dcp=1,
+        num_kv_blocks=BLOCKS,
+        http=True,
+        prefill_args=["--metrics-port", str(ports["prefill"])],
+        decode_args=["--metrics-port", str(ports["decode"])],
+    )
     endpoints = c.start()
     try:
         yield endpoints
@@ -65,9 +75,17 @@ def ids_of(tokens: list[str]) -> list[int]:
 
 
 def sample(oai, seed: int | None, n: int = 1, max_tokens: int = 10, **kw):
-    return oai.completions.create(model="", prompt=PROMPT, max_tokens=max_tokens, temperature=1.0, seed=seed, n=n,
-                                  logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-                                  **kw)
+    return oai.completions.create(
+        model="",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+        n=n,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        **kw,
+    )
 
 
 def test_n_seeded_equals_single_requests_with_child_seeds_and_prefills_once(oai, ports):
@@ -84,20 +102,23 @@ def test_n_seeded_equals_single_requests_with_child_seeds_and_prefills_once(oai,
 
 
 def test_greedy_n_gives_identical_choices_and_streams_indexed_chunks(oai):
-    r = oai.completions.create(model="", prompt=PROMPT, max_tokens=8, temperature=0, n=2,
-                               extra_body={"ignore_eos": True})
+    r = oai.completions.create(
+        model="", prompt=PROMPT, max_tokens=8, temperature=0, n=2, extra_body={"ignore_eos": True}
+    )
     assert len(r.choices) == 2 and r.choices[0].text == r.choices[1].text
     texts = {0: "", 1: ""}
     ends = {}
-    for c in oai.completions.create(model="", prompt=PROMPT, max_tokens=8, temperature=0, n=2, stream=True,
-                                    extra_body={"ignore_eos": True}):
+    for c in oai.completions.create(
+        model="", prompt=PROMPT, max_tokens=8, temperature=0, n=2, stream=True, extra_body={"ignore_eos": True}
+    ):
         for ch in c.choices:
             texts[ch.index] += ch.text
             if ch.finish_reason:
                 ends[ch.index] = ch.finish_reason
     assert texts == {0: r.choices[0].text, 1: r.choices[0].text} and ends == {0: "length", 1: "length"}
-    chat = oai.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                       temperature=0, n=3)
+    chat = oai.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, n=3
+    )
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert len({c.message.content for c in chat.choices}) == 1
 
@@ -107,12 +128,21 @@ def test_best_of_returns_the_n_highest_cumulative_logprobs(oai):
     cum = [sum(c.logprobs.token_logprobs) for c in cands.choices]
     best = sample(oai, 77, n=2, best_of=5)
     order = sorted(range(5), key=lambda k: -cum[k])[:2]
-    assert [ids_of(c.logprobs.tokens) for c in best.choices] == [ids_of(cands.choices[k].logprobs.tokens)
-                                                                  for k in order]
+    assert [ids_of(c.logprobs.tokens) for c in best.choices] == [
+        ids_of(cands.choices[k].logprobs.tokens) for k in order
+    ]
     assert [c.index for c in best.choices] == [0, 1]
     # without logprobs asked for, the choice is the same and no logprobs come back
-    plain = oai.completions.create(model="", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=77, n=2, best_of=5,
-                                   extra_body={"ignore_eos": True})
+    plain = oai.completions.create(
+        model="",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=1.0,
+        seed=77,
+        n=2,
+        best_of=5,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.text for c in plain.choices] == [c.text for c in best.choices]
     assert all(c.logprobs is None for c in plain.choices)
 
@@ -122,8 +152,16 @@ def test_cancelling_an_n4_stream_frees_every_kv_block(oai, ports):
         return metric(ports["decode"], "pdserve_decode_kv_blocks_free")
 
     assert free() == BLOCKS
-    stream = oai.completions.create(model="", prompt=PROMPT, max_tokens=2000, temperature=1.0, seed=1, n=4,
-                                    stream=True, extra_body={"ignore_eos": True})
+    stream = oai.completions.create(
+        model="",
+        prompt=PROMPT,
+        max_tokens=2000,
+        temperature=1.0,
+        seed=1,
+        n=4,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     seen = set()
     for c in stream:
         seen.update(ch.index for ch in c.choices if ch.text)
@@ -142,8 +180,15 @@ def test_echo_logprobs_equal_transformers_log_softmax(oai, tiny):
     import transformers
 
     prompt = "The quick brown fox jumps over"
-    r = oai.completions.create(model="", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
-                               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    r = oai.completions.create(
+        model="",
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
     lp = r.choices[0].logprobs
     tok = transformers.AutoTokenizer.from_pretrained(tiny)
     ids = tok(prompt)["input_ids"]
@@ -161,8 +206,14 @@ def test_echo_logprobs_equal_transformers_log_softmax(oai, tiny):
         for v, i in zip(vals.tolist(), idx.tolist()):
             assert abs(alts[i] - v) < 1e-4
     # the completion's own tokens follow, as without echo
-    plain = oai.completions.create(model="", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
-                                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    plain = oai.completions.create(
+        model="",
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
     assert lp.tokens[n:] == plain.choices[0].logprobs.tokens
     assert lp.text_offset[n] == len(prompt)
 
@@ -178,8 +229,9 @@ def test_sdk_returns_the_n_choices_and_prompt_logprobs(cluster, oai):
     from pdserve.client import Client
 
     with Client(cluster.router) as client:
-        c = client.generate(PROMPT, max_tokens=5, temperature=1.0, seed=9, n=3, ignore_eos=True, logprobs=True,
-                            prompt_logprobs=1)
+        c = client.generate(
+            PROMPT, max_tokens=5, temperature=1.0, seed=9, n=3, ignore_eos=True, logprobs=True, prompt_logprobs=1
+        )
     http = sample(oai, 9, n=3, max_tokens=5)
     assert [ch.index for ch in c.choices] == [0, 1, 2]
     assert [ch.token_ids for ch in c.choices] == [ids_of(h.logprobs.tokens) for h in http.choices]

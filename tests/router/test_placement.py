@@ -1,4 +1,5 @@
 """Placement policies (pure): decode fit across ranks under DCP, decode choice, prefill load + prefix affinity."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,9 @@ def test_blocks_needed_without_dcp_is_ceil_on_every_rank():
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 100, 1000])
-@pytest.mark.parametrize("tp,dcp,inter,bs", [(2, 2, 1, 16), (4, 2, 1, 16), (4, 4, 4, 16), (8, 2, 8, 16),
-                                             (2, 2, 16, 16), (4, 4, 1, 4)])
+@pytest.mark.parametrize(
+    "tp,dcp,inter,bs", [(2, 2, 1, 16), (4, 2, 1, 16), (4, 4, 4, 16), (8, 2, 8, 16), (2, 2, 16, 16), (4, 4, 1, 4)]
+)
 def test_blocks_needed_matches_the_dcp_token_placement(n, tp, dcp, inter, bs):
     need = blocks_needed(n, tp, dcp, inter, bs)
     for r in range(tp):

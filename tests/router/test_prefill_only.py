@@ -1,5 +1,6 @@
 """max_tokens=1 is served by the prefill pod alone (real processes: ``python -m router`` + one ``python -m
 prefill_svc``, no decode pod at all; tiny random checkpoint)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,9 @@ pytestmark = pytest.mark.slow
 def prefill_only_cluster(tmp_path_factory, smollm2_path):
     from pdserve.testing import write_tiny_checkpoint
 
-    model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-prefill-only"), "llama", num_kv_heads=1,
-                                  tokenizer_from=smollm2_path)
+    model = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-prefill-only"), "llama", num_kv_heads=1, tokenizer_from=smollm2_path
+    )
     c = e2e_cluster(tmp_path_factory.mktemp("cluster"), model, num_prefill=1, num_decode=0, num_kv_blocks=64)
     c.start()
     try:
@@ -29,9 +31,10 @@ def prefill_only_cluster(tmp_path_factory, smollm2_path):
 
 
 def _req(ids: list[int], max_tokens: int) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
-                                      sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                                ignore_eos=True))
+    return router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=ids),
+        sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 async def _free_blocks(stub) -> list[int]:

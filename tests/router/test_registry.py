@@ -1,5 +1,6 @@
 """Registry over real gRPC (in-process router on loopback): registration with config validation, heartbeats,
 health and eviction, ClusterStatus."""
+
 from __future__ import annotations
 
 import grpc
@@ -32,19 +33,25 @@ def test_valid_pods_register_and_show_in_cluster_status():
             assert [p.pod_id for p in only.pods] == ["d0"]
             none = await router.ClusterStatus(router_pb2.ClusterStatusRequest(model="other"))
             assert not none.pods
+
     run(body())
 
 
-@pytest.mark.parametrize("req_kw,needle", [
-    # vLLM's rule, with its message and the fix (8 KV heads, TP 8, DCP 2 -> TP 16).
-    (dict(role=DECODE, tp=8, dcp=2, heads=32, kv_heads=8),
-     "Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (8) to be greater than the model's "
-     "total number of KV heads (8)"),
-    (dict(role=DECODE, tp=3, heads=8, kv_heads=2), "Total number of attention heads (8) must be divisible by"),
-    (dict(role=DECODE, tp=4, dcp=3), "tp_size=4 must be divisible by dcp_size=3"),
-    (dict(role=PREFILL, tp=4, dcp=2), "decode context parallelism is for decode pods only"),
-    (dict(role=DECODE, model="another-model"), "is not served by this router"),
-])
+@pytest.mark.parametrize(
+    "req_kw,needle",
+    [
+        # vLLM's rule, with its message and the fix (8 KV heads, TP 8, DCP 2 -> TP 16).
+        (
+            dict(role=DECODE, tp=8, dcp=2, heads=32, kv_heads=8),
+            "Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (8) to be greater than "
+            "the model's total number of KV heads (8)",
+        ),
+        (dict(role=DECODE, tp=3, heads=8, kv_heads=2), "Total number of attention heads (8) must be divisible by"),
+        (dict(role=DECODE, tp=4, dcp=3), "tp_size=4 must be divisible by dcp_size=3"),
+        (dict(role=PREFILL, tp=4, dcp=2), "decode context parallelism is for decode pods only"),
+        (dict(role=DECODE, model="another-model"), "is not served by this router"),
+    ],
+)
 def test_invalid_pods_are_refused_with_the_rule_and_fix(req_kw, needle):
     async def body():
         async with running_router() as (server, ch):
@@ -54,16 +61,21 @@ def test_invalid_pods_are_refused_with_the_rule_and_fix(req_kw, needle):
             assert needle in r.message, r.message
             st = await router.ClusterStatus(router_pb2.ClusterStatusRequest())
             assert not st.pods
+
     run(body())
 
 
-@pytest.mark.parametrize("req_kw, needle", [
-    (dict(role=common_pb2.ROLE_UNSPECIFIED), "role must be"),
-    (dict(role=DECODE, address="no-port"), "is not host:port"),
-])
+@pytest.mark.parametrize(
+    "req_kw, needle",
+    [
+        (dict(role=common_pb2.ROLE_UNSPECIFIED), "role must be"),
+        (dict(role=DECODE, address="no-port"), "is not host:port"),
+    ],
+)
 def test_malformed_registrations_are_invalid_argument(req_kw, needle):
     """A registration no pod could mean (unknown role, an address that is not host:port) is INVALID_ARGUMENT with a
     message naming the field, and nothing is registered."""
+
     async def body():
         async with running_router() as (server, ch):
             router, registry = stubs(ch)
@@ -73,6 +85,7 @@ def test_malformed_registrations_are_invalid_argument(req_kw, needle):
             assert needle in ei.value.details(), ei.value.details()
             st = await router.ClusterStatus(router_pb2.ClusterStatusRequest())
             assert not st.pods
+
     run(body())
 
 
@@ -82,6 +95,7 @@ def test_refusal_carries_the_fix():
             _, registry = stubs(ch)
             r = await registry.RegisterWorker(register_request("bad", DECODE, tp=8, dcp=2, heads=32, kv_heads=8))
             assert "Fix:" in r.message and "--tensor-parallel-size 16" in r.message, r.message
+
     run(body())
 
 
@@ -92,6 +106,7 @@ def test_shape_mismatch_with_registered_pods_is_refused():
             assert (await registry.RegisterWorker(register_request("p0", PREFILL))).accepted
             r = await registry.RegisterWorker(register_request("d0", DECODE, tp=2, kv_heads=4))
             assert not r.accepted and "num_kv_heads" in r.message
+
     run(body())
 
 
@@ -104,9 +119,12 @@ def test_kv_dtype_mismatch_between_prefill_and_decode_is_refused():
             assert (await registry.RegisterWorker(pre)).accepted
             r = await registry.RegisterWorker(register_request("d0", DECODE))
             assert not r.accepted
-            assert r.message == ("KV dtype mismatch: prefill pod 'p0' runs bfloat16, decode pod 'd0' runs float32, and "
-                                 "KV moves between them as raw bytes: start both with the same --dtype (e.g. --dtype "
-                                 "bfloat16 on decode pod 'd0')"), r.message
+            assert r.message == (
+                "KV dtype mismatch: prefill pod 'p0' runs bfloat16, decode pod 'd0' runs float32, and "
+                "KV moves between them as raw bytes: start both with the same --dtype (e.g. --dtype "
+                "bfloat16 on decode pod 'd0')"
+            ), r.message
+
     run(body())
 
 
@@ -133,6 +151,7 @@ def test_cluster_token_is_checked():
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await registry.Heartbeat(registry_pb2.HeartbeatRequest(pod_id="p0"))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
     run(body())
 
 
@@ -145,8 +164,10 @@ def test_heartbeats_update_load_and_kv_then_silence_marks_unhealthy_then_evicts(
             reg = server.core.registry
             assert (await registry.RegisterWorker(register_request("d0", DECODE, tp=2, num_blocks=50))).accepted
             hb = registry_pb2.HeartbeatRequest(
-                pod_id="d0", load=common_pb2.LoadStats(num_running_seqs=3),
-                kv=[common_pb2.RankKVStats(rank=r, free_blocks=40 - r, total_blocks=50) for r in range(2)])
+                pod_id="d0",
+                load=common_pb2.LoadStats(num_running_seqs=3),
+                kv=[common_pb2.RankKVStats(rank=r, free_blocks=40 - r, total_blocks=50) for r in range(2)],
+            )
             clock.t += 0.9
             r = await registry.Heartbeat(hb)
             assert r.known
@@ -165,6 +186,7 @@ def test_heartbeats_update_load_and_kv_then_silence_marks_unhealthy_then_evicts(
             assert reg.tick() == ["d0"]
             assert not (await router.ClusterStatus(router_pb2.ClusterStatusRequest())).pods
             assert not (await registry.Heartbeat(hb)).known
+
     run(body())
 
 
@@ -178,6 +200,7 @@ def test_draining_pod_gets_no_traffic_and_deregister():
             assert reg.pods["d0"].state == common_pb2.POD_STATE_DRAINING and not reg.decode_views()
             assert (await registry.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(pod_id="d0"))).found
             assert not (await registry.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(pod_id="d0"))).found
+
     run(body())
 
 
@@ -190,6 +213,7 @@ def test_reregistration_replaces_the_entry():
             e = server.core.registry.pods["d0"]
             assert e.kv_total == [20]
             assert len(server.core.registry.pods) == 1
+
     run(body())
 
 
@@ -198,14 +222,17 @@ def test_watchdog_runs_on_its_own():
     import asyncio
 
     async def body():
-        async with running_router(heartbeat_interval_s=0.1, missed_heartbeats_unhealthy=2,
-                                  eviction_timeout_s=0.6) as (server, ch):
+        async with running_router(heartbeat_interval_s=0.1, missed_heartbeats_unhealthy=2, eviction_timeout_s=0.6) as (
+            server,
+            ch,
+        ):
             _, registry = stubs(ch)
             await registry.RegisterWorker(register_request("d0", DECODE))
             await asyncio.sleep(0.35)
             assert server.core.registry.pods["d0"].state == common_pb2.POD_STATE_UNHEALTHY
             await asyncio.sleep(0.6)
             assert "d0" not in server.core.registry.pods
+
     run(body())
 
 
@@ -213,6 +240,7 @@ def test_prefix_affinity_and_load_through_the_core():
     """Through RouterCore: a request sharing its first blocks with an earlier one goes to the same prefill pod; one
     without a full block goes to the less loaded pod; an unseen prefix goes to its rendezvous pod; the affinity pod
     loses once it is overloaded."""
+
     async def body():
         async with running_router(affinity_max_imbalance_tokens=100) as (server, ch):
             _, registry = stubs(ch)
@@ -237,4 +265,5 @@ def test_prefix_affinity_and_load_through_the_core():
             core.registry.start_prefill(first, 500)
             d = await prep(shared + [9])
             assert core.pick_prefill(d, set()) == other
+
     run(body())

@@ -11,6 +11,7 @@ ClusterStatus is byte-for-byte comparable):
   INVALID_ARGUMENT with a message, and the pod's entry keeps its last good report;
 - afterwards ClusterStatus is exactly what it was, and valid registrations and heartbeats still work.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,8 @@ from router.server import RouterServer
 from router_helpers import FakeClock, register_request
 
 PREFILL, DECODE = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE
-INT32 = st.integers(-2**31, 2**31 - 1)
-NEG32 = st.integers(-2**31, -1)
+INT32 = st.integers(-(2**31), 2**31 - 1)
+NEG32 = st.integers(-(2**31), -1)
 
 
 class RouterThread:
@@ -115,8 +116,19 @@ def _with(_pid: str, _role: int, **kw) -> registry_pb2.RegisterWorkerRequest:
 POD_IDS = st.sampled_from(["d0", "p0", "new-pod"])  # a refused re-registration must not touch d0 / p0
 ROLES = st.sampled_from([PREFILL, DECODE])
 BAD_ADDRESSES = st.one_of(
-    st.sampled_from(["127.0.0.1", "127.0.0.1:", ":50051", "127.0.0.1:0", "127.0.0.1:65536", "host:port",
-                     "127.0.0.1:-1", "a b:1", "h:1\n"]),
+    st.sampled_from(
+        [
+            "127.0.0.1",
+            "127.0.0.1:",
+            ":50051",
+            "127.0.0.1:0",
+            "127.0.0.1:65536",
+            "host:port",
+            "127.0.0.1:-1",
+            "a b:1",
+            "h:1\n",
+        ]
+    ),
     st.builds(lambda n: f"127.0.0.1:{n}", st.integers(65536, 10**12)),
 )
 
@@ -126,44 +138,103 @@ def _layout_field(name):
 
 
 BAD_REGISTRATIONS = st.one_of(
-    st.builds(lambda pid, role: _with(pid, role, pod_id=pid), st.one_of(
-        st.text(min_size=254, max_size=400, alphabet="abc"),
-        st.builds(lambda c: f"pod{c}x", st.sampled_from(["\n", "\x00", "\t", "\x1b"])),
-        st.sampled_from([" d0", "d0 "])), ROLES),
+    st.builds(
+        lambda pid, role: _with(pid, role, pod_id=pid),
+        st.one_of(
+            st.text(min_size=254, max_size=400, alphabet="abc"),
+            st.builds(lambda c: f"pod{c}x", st.sampled_from(["\n", "\x00", "\t", "\x1b"])),
+            st.sampled_from([" d0", "d0 "]),
+        ),
+        ROLES,
+    ),
     st.builds(lambda pid, role: _with(pid, 0, role=role), POD_IDS, st.one_of(st.integers(3, 2**31 - 1), NEG32)),
     st.builds(lambda pid, role, a: _with(pid, role, address=a), POD_IDS, ROLES, BAD_ADDRESSES),
-    st.builds(lambda pid, a: _with(pid, PREFILL, kv_transfer_address=a), POD_IDS,
-              st.one_of(BAD_ADDRESSES, st.builds(lambda a: "127.0.0.1:5000," + a, BAD_ADDRESSES))),
-    st.builds(lambda pid, role, s: _with(pid, role, state=s), POD_IDS, ROLES,
-              st.one_of(st.sampled_from([common_pb2.POD_STATE_DRAINING, common_pb2.POD_STATE_UNHEALTHY]),
-                        st.integers(5, 2**31 - 1), NEG32)),
-    st.builds(lambda pid, role, name, v: _with(pid, role, **{f"model_shape__{name}": v}), POD_IDS, ROLES,
-              st.sampled_from(["num_layers", "hidden_size", "num_kv_heads", "head_dim", "vocab_size", "max_model_len",
-                               "sliding_window"]), NEG32),
-    st.builds(lambda pid, role, v: _with(pid, role, model_shape__num_attention_heads=v), POD_IDS, ROLES,
-              st.integers(-2**31, 0)),
-    st.builds(lambda pid, role, v: _with(pid, role, parallel__tensor_parallel_size=v, kv_layout__tp_size=0, kv=[]),
-              POD_IDS, ROLES, st.one_of(NEG32, st.integers(3, 7), st.integers(9, 2**31 - 1))),
-    st.builds(lambda pid, v: _with(pid, PREFILL, parallel__decode_context_parallel_size=v), POD_IDS,
-              st.integers(2, 64)),
-    st.builds(lambda pid, role, v: _with(pid, role, parallel__data_parallel_size=v), POD_IDS, ROLES,
-              st.one_of(NEG32, st.integers(2, 2**31 - 1))),
+    st.builds(
+        lambda pid, a: _with(pid, PREFILL, kv_transfer_address=a),
+        POD_IDS,
+        st.one_of(BAD_ADDRESSES, st.builds(lambda a: "127.0.0.1:5000," + a, BAD_ADDRESSES)),
+    ),
+    st.builds(
+        lambda pid, role, s: _with(pid, role, state=s),
+        POD_IDS,
+        ROLES,
+        st.one_of(
+            st.sampled_from([common_pb2.POD_STATE_DRAINING, common_pb2.POD_STATE_UNHEALTHY]),
+            st.integers(5, 2**31 - 1),
+            NEG32,
+        ),
+    ),
+    st.builds(
+        lambda pid, role, name, v: _with(pid, role, **{f"model_shape__{name}": v}),
+        POD_IDS,
+        ROLES,
+        st.sampled_from(
+            ["num_layers", "hidden_size", "num_kv_heads", "head_dim", "vocab_size", "max_model_len", "sliding_window"]
+        ),
+        NEG32,
+    ),
+    st.builds(
+        lambda pid, role, v: _with(pid, role, model_shape__num_attention_heads=v),
+        POD_IDS,
+        ROLES,
+        st.integers(-(2**31), 0),
+    ),
+    st.builds(
+        lambda pid, role, v: _with(pid, role, parallel__tensor_parallel_size=v, kv_layout__tp_size=0, kv=[]),
+        POD_IDS,
+        ROLES,
+        st.one_of(NEG32, st.integers(3, 7), st.integers(9, 2**31 - 1)),
+    ),
+    st.builds(
+        lambda pid, v: _with(pid, PREFILL, parallel__decode_context_parallel_size=v), POD_IDS, st.integers(2, 64)
+    ),
+    st.builds(
+        lambda pid, role, v: _with(pid, role, parallel__data_parallel_size=v),
+        POD_IDS,
+        ROLES,
+        st.one_of(NEG32, st.integers(2, 2**31 - 1)),
+    ),
     *[_layout_field(n) for n in ("num_layers", "block_size", "num_blocks", "head_dim", "num_kv_heads", "element_size")],
-    st.builds(lambda pid, role, name, v: _with(pid, role, **{f"capacity__{name}": v}), POD_IDS, ROLES,
-              st.sampled_from(["max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                               "max_concurrent_transfers"]), NEG32),
-    st.builds(lambda pid, role, m: _with(pid, role, capacity__transfer_modes=[common_pb2.TRANSFER_MODE_GRPC, m]),
-              POD_IDS, ROLES, st.one_of(st.just(0), st.integers(4, 2**31 - 1), NEG32)),
+    st.builds(
+        lambda pid, role, name, v: _with(pid, role, **{f"capacity__{name}": v}),
+        POD_IDS,
+        ROLES,
+        st.sampled_from(["max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_concurrent_transfers"]),
+        NEG32,
+    ),
+    st.builds(
+        lambda pid, role, m: _with(pid, role, capacity__transfer_modes=[common_pb2.TRANSFER_MODE_GRPC, m]),
+        POD_IDS,
+        ROLES,
+        st.one_of(st.just(0), st.integers(4, 2**31 - 1), NEG32),
+    ),
     # impossible per-rank KV stats (decode pods have 2 ranks here)
-    st.builds(lambda pid, free, total: _with(pid, DECODE, kv=[
-        common_pb2.RankKVStats(rank=0, free_blocks=free, total_blocks=total),
-        common_pb2.RankKVStats(rank=1, free_blocks=1, total_blocks=100)]), POD_IDS, INT32, INT32
+    st.builds(
+        lambda pid, free, total: _with(
+            pid,
+            DECODE,
+            kv=[
+                common_pb2.RankKVStats(rank=0, free_blocks=free, total_blocks=total),
+                common_pb2.RankKVStats(rank=1, free_blocks=1, total_blocks=100),
+            ],
+        ),
+        POD_IDS,
+        INT32,
+        INT32,
     ).filter(lambda r: not 0 <= r.kv[0].free_blocks <= r.kv[0].total_blocks),
-    st.builds(lambda pid, ranks: _with(pid, DECODE, kv=[
-        common_pb2.RankKVStats(rank=r, free_blocks=1, total_blocks=100) for r in ranks]), POD_IDS,
-        st.lists(st.integers(-3, 5), min_size=1, max_size=4).filter(lambda rs: sorted(rs) != [0, 1])),
-    st.builds(lambda pid, role, m: _with(pid, role, model=m), POD_IDS, ROLES,
-              st.text(min_size=1, max_size=30).filter(lambda m: m not in ("SmolLM2-135M-Instruct",))),
+    st.builds(
+        lambda pid, ranks: _with(
+            pid, DECODE, kv=[common_pb2.RankKVStats(rank=r, free_blocks=1, total_blocks=100) for r in ranks]
+        ),
+        POD_IDS,
+        st.lists(st.integers(-3, 5), min_size=1, max_size=4).filter(lambda rs: sorted(rs) != [0, 1]),
+    ),
+    st.builds(
+        lambda pid, role, m: _with(pid, role, model=m),
+        POD_IDS,
+        ROLES,
+        st.text(min_size=1, max_size=30).filter(lambda m: m not in ("SmolLM2-135M-Instruct",)),
+    ),
 )
 
 
@@ -187,28 +258,42 @@ def test_bad_registrations_are_refused_and_change_nothing(router, baseline, req)
 
 
 BAD_LOAD = st.one_of(
-    st.builds(lambda name, v: common_pb2.LoadStats(**{name: v}),
-              st.sampled_from(["num_running_seqs", "num_waiting_seqs", "num_active_leases"]), NEG32),
-    st.builds(lambda v: common_pb2.LoadStats(queued_prompt_tokens=v), st.integers(-2**63, -1)),
-    st.builds(lambda name, v: common_pb2.LoadStats(**{name: v}),
-              st.sampled_from(["generation_tokens_per_s", "prompt_tokens_per_s"]),
-              st.one_of(st.floats(max_value=-1e-9), st.sampled_from([math.nan, math.inf, -math.inf]))),
+    st.builds(
+        lambda name, v: common_pb2.LoadStats(**{name: v}),
+        st.sampled_from(["num_running_seqs", "num_waiting_seqs", "num_active_leases"]),
+        NEG32,
+    ),
+    st.builds(lambda v: common_pb2.LoadStats(queued_prompt_tokens=v), st.integers(-(2**63), -1)),
+    st.builds(
+        lambda name, v: common_pb2.LoadStats(**{name: v}),
+        st.sampled_from(["generation_tokens_per_s", "prompt_tokens_per_s"]),
+        st.one_of(st.floats(max_value=-1e-9), st.sampled_from([math.nan, math.inf, -math.inf])),
+    ),
 )
 BAD_KV = st.one_of(
-    st.builds(lambda free, total: [common_pb2.RankKVStats(rank=0, free_blocks=free, total_blocks=total),
-                                   common_pb2.RankKVStats(rank=1, free_blocks=5, total_blocks=100)], INT32, INT32
-              ).filter(lambda kv: not 0 <= kv[0].free_blocks <= kv[0].total_blocks),
-    st.builds(lambda ranks: [common_pb2.RankKVStats(rank=r, free_blocks=1, total_blocks=100) for r in ranks],
-              st.lists(st.integers(-3, 5), min_size=1, max_size=4).filter(lambda rs: sorted(rs) != [0, 1])),
+    st.builds(
+        lambda free, total: [
+            common_pb2.RankKVStats(rank=0, free_blocks=free, total_blocks=total),
+            common_pb2.RankKVStats(rank=1, free_blocks=5, total_blocks=100),
+        ],
+        INT32,
+        INT32,
+    ).filter(lambda kv: not 0 <= kv[0].free_blocks <= kv[0].total_blocks),
+    st.builds(
+        lambda ranks: [common_pb2.RankKVStats(rank=r, free_blocks=1, total_blocks=100) for r in ranks],
+        st.lists(st.integers(-3, 5), min_size=1, max_size=4).filter(lambda rs: sorted(rs) != [0, 1]),
+    ),
 )
 
 
 @FUZZ_SETTINGS
-@given(data=st.one_of(
-    st.builds(lambda s: {"state": s}, st.one_of(st.integers(5, 2**31 - 1), NEG32)),
-    st.builds(lambda load: {"load": load}, BAD_LOAD),
-    st.builds(lambda kv: {"kv": kv}, BAD_KV),
-))
+@given(
+    data=st.one_of(
+        st.builds(lambda s: {"state": s}, st.one_of(st.integers(5, 2**31 - 1), NEG32)),
+        st.builds(lambda load: {"load": load}, BAD_LOAD),
+        st.builds(lambda kv: {"kv": kv}, BAD_KV),
+    )
+)
 def test_bad_heartbeats_are_invalid_argument_and_change_nothing(router, baseline, data):
     """A heartbeat of a registered pod with an unknown PodState, negative / NaN load or impossible KV stats:
     INVALID_ARGUMENT naming the field; the pod's entry (state, load, free KV, heartbeat age) is unchanged."""
@@ -221,8 +306,10 @@ def test_bad_heartbeats_are_invalid_argument_and_change_nothing(router, baseline
 
 
 @FUZZ_SETTINGS
-@given(pod_id=st.text(max_size=300).filter(lambda p: p not in ("d0", "p0")),
-       state=st.one_of(INT32, st.just(common_pb2.POD_STATE_DRAINING)))
+@given(
+    pod_id=st.text(max_size=300).filter(lambda p: p not in ("d0", "p0")),
+    state=st.one_of(INT32, st.just(common_pb2.POD_STATE_DRAINING)),
+)
 def test_unknown_pods_heartbeat_and_deregister_change_nothing(router, baseline, pod_id, state):
     """Heartbeat / DeregisterWorker of a pod the router does not know: known = false / found = false, nothing
     else (an unknown pod's heartbeat is not parsed into anybody's entry)."""
@@ -236,9 +323,17 @@ def test_registry_still_works_after_the_barrage(router, baseline):
     """Valid calls after the barrage: a good heartbeat is taken, a new pod registers and deregisters."""
     reg, rt = router
     assert status(router) == baseline
-    ok = reg.Heartbeat(registry_pb2.HeartbeatRequest(pod_id="d0", state=common_pb2.POD_STATE_READY, kv=[
-        common_pb2.RankKVStats(rank=0, free_blocks=70, total_blocks=100),
-        common_pb2.RankKVStats(rank=1, free_blocks=60, total_blocks=100)]), timeout=10)
+    ok = reg.Heartbeat(
+        registry_pb2.HeartbeatRequest(
+            pod_id="d0",
+            state=common_pb2.POD_STATE_READY,
+            kv=[
+                common_pb2.RankKVStats(rank=0, free_blocks=70, total_blocks=100),
+                common_pb2.RankKVStats(rank=1, free_blocks=60, total_blocks=100),
+            ],
+        ),
+        timeout=10,
+    )
     assert ok.known
     d0 = next(p for p in rt.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=10).pods if p.pod_id == "d0")
     assert [k.free_blocks for k in d0.kv] == [70, 60]

@@ -1,4 +1,5 @@
 """RouterConfig: validated at construction, with messages that name the field."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,20 +13,23 @@ def test_defaults_are_valid():
     assert c.unhealthy_after_s == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({"port": -1}, "port"),
-    ({"port": 70000}, "port"),
-    ({"port": True}, "port"),
-    ({"host": ""}, "host"),
-    ({"heartbeat_interval_s": 0}, "heartbeat_interval_s"),
-    ({"heartbeat_interval_s": float("nan")}, "heartbeat_interval_s"),
-    ({"max_queue_len": -1}, "max_queue_len"),
-    ({"prefix_block_size": 0}, "prefix_block_size"),
-    ({"eviction_timeout_s": 2.0}, "eviction_timeout_s"),
-    ({"lease_ttl_s": -1}, "lease_ttl_s"),
-    ({"model": "/nonexistent/model"}, "tokenizer.json"),
-    ({"served_model_name": ""}, "served_model_name"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"port": -1}, "port"),
+        ({"port": 70000}, "port"),
+        ({"port": True}, "port"),
+        ({"host": ""}, "host"),
+        ({"heartbeat_interval_s": 0}, "heartbeat_interval_s"),
+        ({"heartbeat_interval_s": float("nan")}, "heartbeat_interval_s"),
+        ({"max_queue_len": -1}, "max_queue_len"),
+        ({"prefix_block_size": 0}, "prefix_block_size"),
+        ({"eviction_timeout_s": 2.0}, "eviction_timeout_s"),
+        ({"lease_ttl_s": -1}, "lease_ttl_s"),
+        ({"model": "/nonexistent/model"}, "tokenizer.json"),
+        ({"served_model_name": ""}, "served_model_name"),
+    ],
+)
 def test_bad_values_are_refused_with_the_field_name(kw, needle):
     with pytest.raises(ValueError, match=needle):
         RouterConfig(**kw)

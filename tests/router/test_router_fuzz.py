@@ -7,6 +7,7 @@ a real cluster (router + one prefill pod + one decode pod as processes, tiny che
   what each pod reports of itself (free KV blocks per rank, leases / reservations, queued work);
 - the cluster is not wedged: a valid request still completes.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,11 +18,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from fuzz_helpers import (BAD_SAMPLING, FUZZ_SETTINGS, MAX_MODEL_LEN, OVER_LIMIT_SAMPLING, VOCAB,
-                                 assert_refused, cluster_snapshot, idle, ok_ids, settled_snapshot, tiny_cluster)
+from fuzz_helpers import (
+    BAD_SAMPLING,
+    FUZZ_SETTINGS,
+    MAX_MODEL_LEN,
+    OVER_LIMIT_SAMPLING,
+    VOCAB,
+    assert_refused,
+    cluster_snapshot,
+    idle,
+    ok_ids,
+    settled_snapshot,
+    tiny_cluster,
+)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
-INT32 = st.integers(-2**31, 2**31 - 1)
+INT32 = st.integers(-(2**31), 2**31 - 1)
 
 
 @pytest.fixture(scope="module")
@@ -64,27 +76,41 @@ BAD_PROMPTS = st.one_of(
     st.just(_tok([])),
     st.just(router_pb2.GenerateRequest(chat=router_pb2.ChatPrompt())),
     # out-of-vocabulary ids, anywhere in the prompt
-    st.builds(lambda pre, bad, post: _tok(pre + [bad] + post), ok_ids(0, 5),
-              st.one_of(st.integers(-2**31, -1), st.integers(VOCAB, 2**31 - 1)), ok_ids(0, 5)),
+    st.builds(
+        lambda pre, bad, post: _tok(pre + [bad] + post),
+        ok_ids(0, 5),
+        st.one_of(st.integers(-(2**31), -1), st.integers(VOCAB, 2**31 - 1)),
+        ok_ids(0, 5),
+    ),
     # at or over the context length
     st.builds(lambda n: _tok([7] * n), st.integers(MAX_MODEL_LEN, 4 * MAX_MODEL_LEN)),
     st.builds(lambda n: router_pb2.GenerateRequest(text="hello " * n), st.integers(MAX_MODEL_LEN, 2000)),
     # chat roles that do not exist
-    st.builds(lambda role: router_pb2.GenerateRequest(chat=router_pb2.ChatPrompt(
-        messages=[router_pb2.ChatMessage(role=role, content="hi")])),
-        st.text(max_size=12).filter(lambda r: r not in ("system", "user", "assistant", "tool"))),
+    st.builds(
+        lambda role: router_pb2.GenerateRequest(
+            chat=router_pb2.ChatPrompt(messages=[router_pb2.ChatMessage(role=role, content="hi")])
+        ),
+        st.text(max_size=12).filter(lambda r: r not in ("system", "user", "assistant", "tool")),
+    ),
 )
 
 BAD_REQUEST_IDS = st.one_of(
     st.text(min_size=257, max_size=600, alphabet=st.characters(min_codepoint=33, max_codepoint=126)),
-    st.builds(lambda a, c, b: a + c + b, st.text(max_size=5, alphabet="abc"),
-              st.sampled_from(["\n", "\r", "\x00", "\t", "\x1b", "\x7f"]), st.text(max_size=5, alphabet="abc")),
+    st.builds(
+        lambda a, c, b: a + c + b,
+        st.text(max_size=5, alphabet="abc"),
+        st.sampled_from(["\n", "\r", "\x00", "\t", "\x1b", "\x7f"]),
+        st.text(max_size=5, alphabet="abc"),
+    ),
 )
 
 
 def _router_view(snap):
-    return (snap.router_queue_depth, snap.num_inflight_requests,
-            {k: (p.role, p.address, p.state, p.inflight) for k, p in snap.pods.items()})
+    return (
+        snap.router_queue_depth,
+        snap.num_inflight_requests,
+        {k: (p.role, p.address, p.state, p.inflight) for k, p in snap.pods.items()},
+    )
 
 
 def check_untouched(cluster, baseline, what="", settle_s: float = 0.0):
@@ -107,9 +133,13 @@ def check_settled(cluster, baseline):
 
 
 def assert_still_serves(router):
-    err, msgs = generate(router, router_pb2.GenerateRequest(
-        token_ids=common_pb2.TokenIds(ids=[5, 6, 7, 8]),
-        sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
+    err, msgs = generate(
+        router,
+        router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=[5, 6, 7, 8]),
+            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        ),
+    )
     assert err is None, err
     assert sum(len(m.token_ids) for m in msgs) == 3 and msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
@@ -118,8 +148,7 @@ def assert_still_serves(router):
 @given(sp=BAD_SAMPLING, ids=ok_ids())
 def test_generate_bad_sampling_params_are_invalid_argument(cluster, router, baseline, sp, ids):
     """Negative / NaN / inf / out-of-range sampling values: INVALID_ARGUMENT naming the field, no pod touched."""
-    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
-                                                            sampling_params=sp))
+    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), sampling_params=sp))
     assert err is not None and not msgs, (sp, msgs)
     assert_refused(err, (INVALID,), str(sp))
     assert "sampling_params" in err.details(), err.details()
@@ -135,8 +164,7 @@ def test_generate_over_limit_sampling_params_are_refused_before_any_token(cluste
     sp.ignore_eos = True
     if not sp.HasField("max_tokens"):
         sp.max_tokens = 3
-    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
-                                                            sampling_params=sp))
+    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), sampling_params=sp))
     assert err is not None and not msgs, (sp, msgs)
     assert_refused(err, (INVALID,), str(sp))
     check_untouched(cluster, baseline, str(sp))
@@ -157,8 +185,14 @@ def test_generate_bad_prompts_are_invalid_argument(cluster, router, baseline, re
 @given(rid=BAD_REQUEST_IDS)
 def test_generate_bad_request_ids_are_invalid_argument(cluster, router, baseline, rid):
     """Request ids that are too long or carry control characters (they go into logs and to every pod) are refused."""
-    err, msgs = generate(router, router_pb2.GenerateRequest(request_id=rid, token_ids=common_pb2.TokenIds(ids=[5, 6]),
-                                                            sampling_params=common_pb2.SamplingParams(max_tokens=2)))
+    err, msgs = generate(
+        router,
+        router_pb2.GenerateRequest(
+            request_id=rid,
+            token_ids=common_pb2.TokenIds(ids=[5, 6]),
+            sampling_params=common_pb2.SamplingParams(max_tokens=2),
+        ),
+    )
     assert err is not None and not msgs, msgs
     assert_refused(err, (INVALID,), repr(rid))
     assert "request_id" in err.details()
@@ -175,28 +209,63 @@ def test_generate_unknown_model_is_not_found(cluster, router, baseline, model):
     check_untouched(cluster, baseline, repr(model))
 
 
-SHAPE = st.builds(common_pb2.ModelShape, num_layers=INT32, hidden_size=INT32, num_attention_heads=INT32,
-                  num_kv_heads=INT32, head_dim=INT32, vocab_size=INT32, max_model_len=INT32, use_mla=st.booleans(),
-                  kv_lora_rank=INT32, qk_rope_head_dim=INT32, sliding_window=INT32,
-                  dtype=st.sampled_from(["", "float32", "bfloat16", "nonsense"]))
-PARALLEL = st.builds(common_pb2.ParallelConfig, tensor_parallel_size=INT32, pipeline_parallel_size=INT32,
-                     decode_context_parallel_size=INT32, dcp_kv_cache_interleave_size=INT32,
-                     data_parallel_size=INT32)
+SHAPE = st.builds(
+    common_pb2.ModelShape,
+    num_layers=INT32,
+    hidden_size=INT32,
+    num_attention_heads=INT32,
+    num_kv_heads=INT32,
+    head_dim=INT32,
+    vocab_size=INT32,
+    max_model_len=INT32,
+    use_mla=st.booleans(),
+    kv_lora_rank=INT32,
+    qk_rope_head_dim=INT32,
+    sliding_window=INT32,
+    dtype=st.sampled_from(["", "float32", "bfloat16", "nonsense"]),
+)
+PARALLEL = st.builds(
+    common_pb2.ParallelConfig,
+    tensor_parallel_size=INT32,
+    pipeline_parallel_size=INT32,
+    decode_context_parallel_size=INT32,
+    dcp_kv_cache_interleave_size=INT32,
+    data_parallel_size=INT32,
+)
 
 
 # Shapes that pass the head rules (so the KV layout gets computed), with the other numbers anywhere in int32.
 VALID_HEADS_SHAPE = st.builds(
     lambda heads, kv, mla, rank, rope, layers, head_dim: common_pb2.ModelShape(
-        num_attention_heads=heads, num_kv_heads=kv, use_mla=mla, kv_lora_rank=rank, qk_rope_head_dim=rope,
-        num_layers=layers, head_dim=head_dim, dtype="float32"),
-    st.just(8), st.sampled_from([1, 2, 8]), st.booleans(), INT32, INT32, INT32, INT32)
+        num_attention_heads=heads,
+        num_kv_heads=kv,
+        use_mla=mla,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+        num_layers=layers,
+        head_dim=head_dim,
+        dtype="float32",
+    ),
+    st.just(8),
+    st.sampled_from([1, 2, 8]),
+    st.booleans(),
+    INT32,
+    INT32,
+    INT32,
+    INT32,
+)
 
 
 @FUZZ_SETTINGS
-@given(shape=st.one_of(SHAPE, VALID_HEADS_SHAPE), parallel=st.one_of(st.just(common_pb2.ParallelConfig()), PARALLEL),
-       block=st.one_of(st.just(0), INT32), role=st.sampled_from([0, 1, 2]))
-def test_validate_config_any_numbers_give_a_verdict_or_invalid_argument(cluster, router, baseline, shape, parallel,
-                                                                        block, role):
+@given(
+    shape=st.one_of(SHAPE, VALID_HEADS_SHAPE),
+    parallel=st.one_of(st.just(common_pb2.ParallelConfig()), PARALLEL),
+    block=st.one_of(st.just(0), INT32),
+    role=st.sampled_from([0, 1, 2]),
+)
+def test_validate_config_any_numbers_give_a_verdict_or_invalid_argument(
+    cluster, router, baseline, shape, parallel, block, role
+):
     """Arbitrary int32 shapes and parallel sizes: a verdict (valid or not, with a message) or INVALID_ARGUMENT with
     a message; never UNKNOWN / INTERNAL."""
     req = router_pb2.ValidateConfigRequest(shape=shape, parallel=parallel, block_size=block, role=role)
@@ -211,7 +280,7 @@ def test_validate_config_any_numbers_give_a_verdict_or_invalid_argument(cluster,
 
 
 @FUZZ_SETTINGS
-@given(role=st.one_of(st.integers(max(common_pb2.Role.values()) + 1, 2**31 - 1), st.integers(-2**31, -1)))
+@given(role=st.one_of(st.integers(max(common_pb2.Role.values()) + 1, 2**31 - 1), st.integers(-(2**31), -1)))
 def test_unknown_role_enum_values_are_invalid_argument(cluster, router, baseline, role):
     """proto3 open enums let any int through: ValidateConfig and ClusterStatus refuse unknown Role values."""
     shape = common_pb2.ModelShape(num_attention_heads=8, num_kv_heads=2, head_dim=16, num_layers=2)
@@ -227,12 +296,15 @@ def test_unknown_role_enum_values_are_invalid_argument(cluster, router, baseline
 
 
 @FUZZ_SETTINGS
-@given(req=st.one_of(
-    st.just(router_pb2.ValidateConfigRequest()),
-    st.just(router_pb2.ValidateConfigRequest(model_path="")),
-    st.builds(lambda p: router_pb2.ValidateConfigRequest(model_path="/nonexistent/" + p),
-              st.text(min_size=1, max_size=30)),
-))
+@given(
+    req=st.one_of(
+        st.just(router_pb2.ValidateConfigRequest()),
+        st.just(router_pb2.ValidateConfigRequest(model_path="")),
+        st.builds(
+            lambda p: router_pb2.ValidateConfigRequest(model_path="/nonexistent/" + p), st.text(min_size=1, max_size=30)
+        ),
+    )
+)
 def test_validate_config_malformed_requests(cluster, router, baseline, req):
     """No model source, an empty or unreadable model_path: INVALID_ARGUMENT / NOT_FOUND with a message."""
     with pytest.raises(grpc.RpcError) as ei:
@@ -252,8 +324,7 @@ def test_cancel_unknown_ids_find_nothing_and_change_nothing(cluster, router, bas
 def test_oversized_messages_are_refused_and_the_router_keeps_serving(cluster, router, baseline):
     """A ~70 MB prompt (text, and token ids) is over the router's message limit: RESOURCE_EXHAUSTED (or
     INVALID_ARGUMENT), the router keeps serving and no pod's state changes."""
-    for req in (router_pb2.GenerateRequest(text="a" * (70 << 20)),
-                _tok([200] * (35 << 20))):  # 2-byte varints: ~73 MB
+    for req in (router_pb2.GenerateRequest(text="a" * (70 << 20)), _tok([200] * (35 << 20))):  # 2-byte varints: ~73 MB
         assert req.ByteSize() > 64 << 20
         err, msgs = generate(router, req, timeout=120)
         assert err is not None and not msgs
@@ -266,14 +337,22 @@ def test_oversized_messages_are_refused_and_the_router_keeps_serving(cluster, ro
 ANY_FLOAT = st.one_of(st.floats(width=32), st.sampled_from([1e-30, 1e-8, 1e-45, 3.4e38, -0.0]))
 ANY_SAMPLING = st.builds(
     common_pb2.SamplingParams,
-    temperature=st.one_of(st.none(), ANY_FLOAT), top_k=st.one_of(st.just(0), INT32),
+    temperature=st.one_of(st.none(), ANY_FLOAT),
+    top_k=st.one_of(st.just(0), INT32),
     top_p=st.one_of(st.none(), ANY_FLOAT),
-    seed=st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)), max_tokens=st.one_of(st.integers(1, 4), INT32),
-    stop=st.lists(st.text(max_size=4), max_size=3), stop_token_ids=st.lists(INT32, max_size=3),
-    logprobs=st.booleans(), ignore_eos=st.booleans(), top_logprobs=st.one_of(st.just(0), INT32),
-    min_tokens=st.one_of(st.just(0), INT32), repetition_penalty=st.one_of(st.none(), ANY_FLOAT),
-    presence_penalty=st.one_of(st.none(), ANY_FLOAT), frequency_penalty=st.one_of(st.none(), ANY_FLOAT),
-    skip_special_tokens=st.one_of(st.none(), st.booleans()))
+    seed=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+    max_tokens=st.one_of(st.integers(1, 4), INT32),
+    stop=st.lists(st.text(max_size=4), max_size=3),
+    stop_token_ids=st.lists(INT32, max_size=3),
+    logprobs=st.booleans(),
+    ignore_eos=st.booleans(),
+    top_logprobs=st.one_of(st.just(0), INT32),
+    min_tokens=st.one_of(st.just(0), INT32),
+    repetition_penalty=st.one_of(st.none(), ANY_FLOAT),
+    presence_penalty=st.one_of(st.none(), ANY_FLOAT),
+    frequency_penalty=st.one_of(st.none(), ANY_FLOAT),
+    skip_special_tokens=st.one_of(st.none(), st.booleans()),
+)
 
 
 @FUZZ_SETTINGS
@@ -284,22 +363,26 @@ def test_generate_any_sampling_params_completes_or_is_invalid_argument(cluster, 
     UNKNOWN / INTERNAL, never an error after tokens were sent."""
     if sp.max_tokens > 4:
         sp.max_tokens = 4  # keep generation short; out-of-range values below 1 stay
-    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
-                                                            sampling_params=sp))
+    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), sampling_params=sp))
     if err is not None:
         assert not msgs, (sp, msgs)
         assert_refused(err, (INVALID,), str(sp))
     else:
-        assert msgs and msgs[-1].finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH), \
-            (sp, msgs[-1])
+        assert msgs and msgs[-1].finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH), (
+            sp,
+            msgs[-1],
+        )
     check_untouched(cluster, baseline, str(sp), settle_s=0.0 if err is not None else 30.0)
 
 
 @FUZZ_SETTINGS
-@given(t=st.one_of(st.floats(min_value=2**-149, max_value=2**-10, width=32), st.floats(1024.0, 2.0**127, width=32)),
-       p=st.one_of(st.none(), st.floats(min_value=2**-149, max_value=1.0, width=32)),
-       k=st.one_of(st.just(-1), st.integers(1, 2**31 - 1)), seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
-       ids=ok_ids())
+@given(
+    t=st.one_of(st.floats(min_value=2**-149, max_value=2**-10, width=32), st.floats(1024.0, 2.0**127, width=32)),
+    p=st.one_of(st.none(), st.floats(min_value=2**-149, max_value=1.0, width=32)),
+    k=st.one_of(st.just(-1), st.integers(1, 2**31 - 1)),
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    ids=ok_ids(),
+)
 def test_generate_extreme_but_valid_sampling_values_complete(cluster, router, baseline, t, p, k, seed, ids):
     """Valid but extreme sampling values (temperatures near 0 or huge, tiny top_p, top_k beyond the vocabulary,
     the largest seeds) complete normally: the pods' samplers do not turn them into NaN probabilities or errors."""
@@ -308,29 +391,49 @@ def test_generate_extreme_but_valid_sampling_values_complete(cluster, router, ba
         sp.top_p = p
     if seed is not None:
         sp.seed = seed
-    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
-                                                            sampling_params=sp))
+    err, msgs = generate(router, router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), sampling_params=sp))
     assert err is None, (sp, err)
     assert sum(len(m.token_ids) for m in msgs) == 3 and msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert all(0 <= t < VOCAB for m in msgs for t in m.token_ids)
     check_untouched(cluster, baseline, str(sp), settle_s=30.0)
 
-JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False),
-                         st.text(max_size=8))
-CONFIG_KEYS = ["num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim", "num_hidden_layers",
-               "torch_dtype", "kv_lora_rank", "qk_rope_head_dim", "sliding_window", "text_config", "architectures",
-               "model_type", "use_mla"]
+
+JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=8)
+)
+CONFIG_KEYS = [
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "head_dim",
+    "num_hidden_layers",
+    "torch_dtype",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "sliding_window",
+    "text_config",
+    "architectures",
+    "model_type",
+    "use_mla",
+]
 CONFIG_JSON = st.one_of(
-    st.dictionaries(st.sampled_from(CONFIG_KEYS), st.one_of(JSON_SCALARS, st.lists(JSON_SCALARS, max_size=3),
-                                                            st.dictionaries(st.sampled_from(CONFIG_KEYS), JSON_SCALARS,
-                                                                            max_size=4)), max_size=8),
-    st.lists(JSON_SCALARS, max_size=3), JSON_SCALARS)
+    st.dictionaries(
+        st.sampled_from(CONFIG_KEYS),
+        st.one_of(
+            JSON_SCALARS,
+            st.lists(JSON_SCALARS, max_size=3),
+            st.dictionaries(st.sampled_from(CONFIG_KEYS), JSON_SCALARS, max_size=4),
+        ),
+        max_size=8,
+    ),
+    st.lists(JSON_SCALARS, max_size=3),
+    JSON_SCALARS,
+)
 
 
 @FUZZ_SETTINGS
 @given(cfg=CONFIG_JSON, raw=st.one_of(st.none(), st.binary(max_size=40)))
-def test_validate_config_model_paths_with_garbage_config_json(cluster, router, baseline, tmp_path_factory, cfg,
-                                                               raw):
+def test_validate_config_model_paths_with_garbage_config_json(cluster, router, baseline, tmp_path_factory, cfg, raw):
     """model_path pointing at a directory whose config.json holds arbitrary JSON (wrong types, nested garbage, not
     an object) or arbitrary bytes: a verdict, or INVALID_ARGUMENT / NOT_FOUND with a message; never UNKNOWN."""
     import json
@@ -344,6 +447,7 @@ def test_validate_config_model_paths_with_garbage_config_json(cluster, router, b
     else:
         assert resp.message, cfg
     check_untouched(cluster, baseline)
+
 
 def test_after_the_barrage_pods_are_unchanged_and_the_cluster_serves(cluster, router, baseline):
     """Runs after the property tests of this module: every pod's own report (free KV blocks per rank, leases /

@@ -1,4 +1,5 @@
 """The router process: python -m router, grpc.health.v1, Prometheus /metrics, graceful drain on SIGTERM."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,13 +19,16 @@ from e2e_helpers import REPO, service_env
 from router_helpers import register_request, run, running_router, stubs
 
 
-
-
 def test_python_m_router_serves_health_and_metrics_then_drains_on_sigterm(smollm2_path):
     mport = free_port()
-    p = subprocess.Popen([sys.executable, "-u", "-m", "router", "--port", "0", "--metrics-port", str(mport),
-                          "--drain-timeout-s", "5"], cwd=REPO, env=service_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-u", "-m", "router", "--port", "0", "--metrics-port", str(mport), "--drain-timeout-s", "5"],
+        cwd=REPO,
+        env=service_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = ""
         t0 = time.monotonic()
@@ -36,8 +40,10 @@ def test_python_m_router_serves_health_and_metrics_then_drains_on_sigterm(smollm
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             health = health_pb2_grpc.HealthStub(ch)
             for svc in ("", "pdserve.v1.Router", "pdserve.v1.Registry"):
-                assert health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status == \
-                    health_pb2.HealthCheckResponse.SERVING
+                assert (
+                    health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                )
         text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
         assert "pdserve_router_ttft_seconds" in text and "pdserve_router_queue_depth" in text
         p.send_signal(signal.SIGTERM)
@@ -49,8 +55,14 @@ def test_python_m_router_serves_health_and_metrics_then_drains_on_sigterm(smollm
 
 
 def test_bad_config_exits_2_with_the_field():
-    r = subprocess.run([sys.executable, "-m", "router", "--port", "-5"], cwd=REPO, env=service_env(),
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "router", "--port", "-5"],
+        cwd=REPO,
+        env=service_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "RouterConfig.port" in r.stderr
 
 
@@ -85,6 +97,7 @@ def test_drain_refuses_new_requests_waits_for_inflight_then_stops():
             except grpc.aio.AioRpcError as e:
                 code = e.code()
             return st.status, refused, took, code
+
     status, refused, took, code = run(body())
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert refused[0] == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused[1]
@@ -99,8 +112,14 @@ def test_python_m_router_runs_on_the_chosen_event_loop(smollm2_path):
 
     pytest.importorskip("uvloop")
     for flag, want in ((["--event-loop", "asyncio"], "asyncio"), ([], "uvloop")):
-        p = subprocess.Popen([sys.executable, "-u", "-m", "router", "--port", "0", "--log-level", "INFO", *flag],
-                             cwd=REPO, env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-u", "-m", "router", "--port", "0", "--log-level", "INFO", *flag],
+            cwd=REPO,
+            env=service_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             seen, t0 = [], time.monotonic()
             while not any("pdserve router listening" in s for s in seen):

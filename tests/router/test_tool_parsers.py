@@ -1,6 +1,7 @@
 """Tool calls back from text: the hermes parser (content before the first call, every <tool_call> block, malformed
 calls left as text), the required-choice array, and the OpenAI front's reading of tools / tool_choice into the
 template's tools and the constraint."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,21 @@ import pytest
 from router.openai_http import ApiError, parse_chat
 from router.tool_parsers import HermesToolParser, calls_from_required, required_schema, tool_parser
 
-FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-    "x": {"type": "integer"}}, "required": ["x"]}}}
+FN = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+    },
+}
 G = {"type": "function", "function": {"name": "g"}}
 
 
 def test_hermes_parses_every_call_and_keeps_the_text_before():
-    text = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n' \
-           '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    )
     content, calls = HermesToolParser().parse(text)
     assert content == "Let me check."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}), ("g", {})]
@@ -25,8 +33,9 @@ def test_hermes_parses_every_call_and_keeps_the_text_before():
     assert HermesToolParser().parse('<tool_call>{"name": "f", "arguments": {"x": 2}}')[1][0].name == "f"
 
 
-@pytest.mark.parametrize("text", ["no calls here", "<tool_call>{not json}</tool_call>",
-                                  '<tool_call>{"arguments": {}}</tool_call>'])
+@pytest.mark.parametrize(
+    "text", ["no calls here", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>']
+)
 def test_hermes_leaves_text_without_a_wellformed_call_alone(text):
     assert HermesToolParser().parse(text) == (text, [])
 
@@ -63,14 +72,19 @@ def test_front_reads_tool_choice_into_tools_and_constraint():
     assert p.sampling["structured_output"] == {"choice": ["a", "b"]}
 
 
-@pytest.mark.parametrize("kw, needle", [
-    (dict(tools=[FN], tool_choice={"type": "function", "function": {"name": "h"}}), "not in tools"),
-    (dict(tools=[FN], tool_choice="required", response_format={"type": "json_object"}), "cannot be combined"),
-    (dict(tool_choice="sometimes", tools=[FN]), "is not one of"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "parameters"),
-    (dict(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]),
-     "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(tools=[FN], tool_choice={"type": "function", "function": {"name": "h"}}), "not in tools"),
+        (dict(tools=[FN], tool_choice="required", response_format={"type": "json_object"}), "cannot be combined"),
+        (dict(tool_choice="sometimes", tools=[FN]), "is not one of"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "parameters"),
+        (
+            dict(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]),
+            "not valid JSON",
+        ),
+    ],
+)
 def test_front_refuses_bad_tool_requests(kw, needle):
     with pytest.raises(ApiError, match=needle):
         parse_chat(body(**kw))

@@ -1,6 +1,7 @@
 """A unified (colocated) pod behind the router: one engine that computes its own prompts (chunked prefill steps
 between decode steps) and decodes them, registered as ROLE_UNIFIED, with no prefill pod and no KV transfer. Real
 processes on loopback (router, OpenAI front, the pod); the expected tokens are transformers' own greedy output."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,9 +31,17 @@ def tiny(tiny_factory):
 def cluster(tmp_path_factory, tiny):
     interval = ["--heartbeat-interval-s", str(HEARTBEAT_S)]
     # Chunks of 16 prompt tokens: the longer prompts take several prefill steps, interleaved with others' decoding.
-    topo = Topology(model=str(tiny), router_port=0, http_port=0, prefill=[], decode=[], router_args=interval,
-                    unified=[PodSpec("unified", num_kv_blocks=128, name="u0",
-                                     extra_args=[*interval, "--prefill-chunk-size", "16"])]).resolve()
+    topo = Topology(
+        model=str(tiny),
+        router_port=0,
+        http_port=0,
+        prefill=[],
+        decode=[],
+        router_args=interval,
+        unified=[
+            PodSpec("unified", num_kv_blocks=128, name="u0", extra_args=[*interval, "--prefill-chunk-size", "16"])
+        ],
+    ).resolve()
     c = LocalCluster(topo, log_dir=tmp_path_factory.mktemp("unified"), env=service_env())
     c.start()
     try:
@@ -51,9 +60,10 @@ def test_greedy_tokens_match_transformers_through_the_router(cluster, tiny):
     want = hf_greedy(tiny, ps, NEW_TOKENS)
 
     async def one(stub, ids):
-        req = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
-                                         sampling_params=common_pb2.SamplingParams(
-                                             temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        req = router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=ids),
+            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        )
         return [m async for m in stub.Generate(req, timeout=120)]
 
     async def body():
@@ -77,24 +87,42 @@ def test_greedy_tokens_match_transformers_through_the_router(cluster, tiny):
 def test_openai_front_serves_the_unified_pod(cluster, tiny):
     p = prompts(1)[0]
     client = openai.OpenAI(base_url=cluster.endpoints.http + "/v1", api_key="none")
-    stream = client.completions.create(model=cluster.endpoints.model, prompt=p, max_tokens=NEW_TOKENS, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    stream = client.completions.create(
+        model=cluster.endpoints.model,
+        prompt=p,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == NEW_TOKENS
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == client.completions.create(model=cluster.endpoints.model, prompt=p, max_tokens=NEW_TOKENS,
-                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    assert (
+        text
+        == client.completions.create(
+            model=cluster.endpoints.model,
+            prompt=p,
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
 
 
 def test_a_client_that_goes_away_gets_every_block_back(cluster):
     """Closing the stream mid-decode cancels the request on the pod: its free KV returns to the total."""
+
     async def body():
         async with grpc.aio.insecure_channel(cluster.router_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            req = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=list(range(10, 60))),
-                                             sampling_params=common_pb2.SamplingParams(
-                                                 temperature=0, max_tokens=100, ignore_eos=True))
+            req = router_pb2.GenerateRequest(
+                token_ids=common_pb2.TokenIds(ids=list(range(10, 60))),
+                sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+            )
             call = stub.Generate(req, timeout=120)
             got = 0
             async for m in call:

@@ -5,6 +5,7 @@ it against an independent restatement) plus the two role rules stated plainly he
 one data-parallel replica per pod. The RPC must agree on valid / message / fix for every row, its fixes must make
 the config valid, and a valid row must come with the KV layout.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +22,26 @@ from router_helpers import run, running_router, stubs
 DECODE, PREFILL = common_pb2.ROLE_DECODE, common_pb2.ROLE_PREFILL
 
 # (heads, kv heads, mla, sliding window): GQA, MHA, MQA, odd GQA, MLA, and a windowed GQA model.
-MODELS = [(32, 8, False, 0), (32, 32, False, 0), (32, 1, False, 0), (40, 8, False, 0), (24, 2, False, 0),
-          (16, 16, True, 0), (32, 8, False, 4096)]
+MODELS = [
+    (32, 8, False, 0),
+    (32, 32, False, 0),
+    (32, 1, False, 0),
+    (40, 8, False, 0),
+    (24, 2, False, 0),
+    (16, 16, True, 0),
+    (32, 8, False, 4096),
+]
 TPS = [0, 1, 2, 3, 4, 8, 16, 32, -1]  # 0 = unset -> 1 (proto convention); -1 -> the positive-size rule
 DCPS = [0, 1, 2, 3, 4, 8]
 EXTRA = [  # (pp, interleave, block)
-    (0, 0, 0), (2, 1, 16), (1, 4, 16), (1, 32, 16), (1, 16, 64), (1, 3, 16), (1, 1, -16)]
+    (0, 0, 0),
+    (2, 1, 16),
+    (1, 4, 16),
+    (1, 32, 16),
+    (1, 16, 64),
+    (1, 3, 16),
+    (1, 1, -16),
+]
 ROLES = [DECODE, PREFILL, common_pb2.ROLE_UNSPECIFIED]
 
 
@@ -49,11 +64,14 @@ def expected(h, kv, mla, sw, tp, dcp, pp, inter, bs, role):
     model = ModelParallelInfo(h, kv, mla, sw or None)
     cfg = ParallelConfig(d(tp), d(dcp), d(pp), d(inter), d(bs, 16))
     if role == PREFILL and cfg.decode_context_parallel_size != 1:
-        rest = check_parallel_config(model, ParallelConfig(cfg.tensor_parallel_size, 1, cfg.pipeline_parallel_size,
-                                                           1, cfg.block_size))
+        rest = check_parallel_config(
+            model, ParallelConfig(cfg.tensor_parallel_size, 1, cfg.pipeline_parallel_size, 1, cfg.block_size)
+        )
         fix = {"--decode-context-parallel-size": 1, **({} if rest.valid else rest.fix.changes)}
-        msg = (f"decode context parallelism is for decode pods only, but this prefill pod has "
-               f"`--decode-context-parallel-size` ({cfg.decode_context_parallel_size}).")
+        msg = (
+            f"decode context parallelism is for decode pods only, but this prefill pod has "
+            f"`--decode-context-parallel-size` ({cfg.decode_context_parallel_size})."
+        )
         return False, msg, fix, cfg
     v = check_parallel_config(model, cfg)
     return v.valid, v.message, ({} if v.valid else v.fix.changes), cfg
@@ -61,12 +79,26 @@ def expected(h, kv, mla, sw, tp, dcp, pp, inter, bs, role):
 
 def request(h, kv, mla, sw, tp, dcp, pp, inter, bs, role):
     return router_pb2.ValidateConfigRequest(
-        shape=common_pb2.ModelShape(num_attention_heads=h, num_kv_heads=kv, use_mla=mla, sliding_window=sw,
-                                    num_layers=4, head_dim=64, dtype="bfloat16",
-                                    kv_lora_rank=448 if mla else 0, qk_rope_head_dim=64 if mla else 0),
-        parallel=common_pb2.ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                                           pipeline_parallel_size=pp, dcp_kv_cache_interleave_size=inter),
-        block_size=bs, role=role)
+        shape=common_pb2.ModelShape(
+            num_attention_heads=h,
+            num_kv_heads=kv,
+            use_mla=mla,
+            sliding_window=sw,
+            num_layers=4,
+            head_dim=64,
+            dtype="bfloat16",
+            kv_lora_rank=448 if mla else 0,
+            qk_rope_head_dim=64 if mla else 0,
+        ),
+        parallel=common_pb2.ParallelConfig(
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            pipeline_parallel_size=pp,
+            dcp_kv_cache_interleave_size=inter,
+        ),
+        block_size=bs,
+        role=role,
+    )
 
 
 def test_grid_over_rpc():
@@ -75,7 +107,7 @@ def test_grid_over_rpc():
             router, _ = stubs(ch)
             results = []
             for i in range(0, len(ROWS), 64):
-                batch = ROWS[i:i + 64]
+                batch = ROWS[i : i + 64]
                 results += await asyncio.gather(*(router.ValidateConfig(request(*r)) for r in batch))
             return results
 
@@ -110,9 +142,13 @@ def test_grid_over_rpc():
             assert got == fix, row
             assert all(f.text for f in resp.fixes)
             # The fix, applied through the RPC's own structured fields, makes the row valid.
-            names = {"--tensor-parallel-size": "tp", "--decode-context-parallel-size": "dcp",
-                     "--pipeline-parallel-size": "pp", "--dcp-kv-cache-interleave-size": "inter",
-                     "--block-size": "bs"}
+            names = {
+                "--tensor-parallel-size": "tp",
+                "--decode-context-parallel-size": "dcp",
+                "--pipeline-parallel-size": "pp",
+                "--dcp-kv-cache-interleave-size": "inter",
+                "--block-size": "bs",
+            }
             fixed = dict(zip(("h", "kv", "mla", "sw", "tp", "dcp", "pp", "inter", "bs", "role"), row))
             for flag, value in got.items():
                 fixed[names[flag]] = value
@@ -135,28 +171,44 @@ def test_fix_text_and_structured_field_for_the_seed_example():
 
 
 def test_model_path_is_read_and_errors_are_grpc_codes(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "num_attention_heads": 8, "num_key_value_heads": 2,
-        "hidden_size": 128, "num_hidden_layers": 3, "torch_dtype": "float32"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 128,
+                "num_hidden_layers": 3,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")
 
     async def body():
         async with running_router() as (server, ch):
             router, _ = stubs(ch)
-            ok = await router.ValidateConfig(router_pb2.ValidateConfigRequest(
-                model_path=str(tmp_path), parallel=common_pb2.ParallelConfig(tensor_parallel_size=4,
-                                                                             decode_context_parallel_size=2)))
-            bad = await router.ValidateConfig(router_pb2.ValidateConfigRequest(
-                model_path=str(tmp_path), parallel=common_pb2.ParallelConfig(tensor_parallel_size=2,
-                                                                             decode_context_parallel_size=2)))
+            ok = await router.ValidateConfig(
+                router_pb2.ValidateConfigRequest(
+                    model_path=str(tmp_path),
+                    parallel=common_pb2.ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=2),
+                )
+            )
+            bad = await router.ValidateConfig(
+                router_pb2.ValidateConfigRequest(
+                    model_path=str(tmp_path),
+                    parallel=common_pb2.ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2),
+                )
+            )
             codes = []
-            for req in (router_pb2.ValidateConfigRequest(),
-                        router_pb2.ValidateConfigRequest(model_path=str(tmp_path / "missing")),
-                        router_pb2.ValidateConfigRequest(model_path=str(tmp_path / "broken")),
-                        router_pb2.ValidateConfigRequest(shape=common_pb2.ModelShape(num_attention_heads=0)),
-                        router_pb2.ValidateConfigRequest(shape=common_pb2.ModelShape(num_attention_heads=8,
-                                                                                     num_kv_heads=3))):
+            for req in (
+                router_pb2.ValidateConfigRequest(),
+                router_pb2.ValidateConfigRequest(model_path=str(tmp_path / "missing")),
+                router_pb2.ValidateConfigRequest(model_path=str(tmp_path / "broken")),
+                router_pb2.ValidateConfigRequest(shape=common_pb2.ModelShape(num_attention_heads=0)),
+                router_pb2.ValidateConfigRequest(shape=common_pb2.ModelShape(num_attention_heads=8, num_kv_heads=3)),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await router.ValidateConfig(req)
                 codes.append(e.value.code())
@@ -166,8 +218,13 @@ def test_model_path_is_read_and_errors_are_grpc_codes(tmp_path):
     assert ok.valid and ok.kv_layout.num_layers == 3 and ok.kv_layout.head_dim == 16
     assert ok.kv_layout.dcp_size == 2 and ok.kv_layout.num_kv_heads_per_rank == 1
     assert not bad.valid and bad.fixes[0].flag == "--tensor-parallel-size" and bad.fixes[0].suggested_value == "4"
-    assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.NOT_FOUND,
-                     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT]
+    assert codes == [
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ]
 
 
 def test_data_parallel_is_refused_with_a_fix():
@@ -192,14 +249,17 @@ def test_rpc_agrees_with_the_cli(tmp_path, capsys):
     async def body():
         async with running_router() as (server, ch):
             router, _ = stubs(ch)
-            return [await router.ValidateConfig(request(h, kv, False, 0, tp, dcp, 0, 0, 0, DECODE))
-                    for h, kv, tp, dcp in cases]
+            return [
+                await router.ValidateConfig(request(h, kv, False, 0, tp, dcp, 0, 0, 0, DECODE))
+                for h, kv, tp, dcp in cases
+            ]
 
     rpc = run(body())
     for (h, kv, tp, dcp), r in zip(cases, rpc):
         capsys.readouterr()
-        code = main_validate(["--num-attention-heads", str(h), "--num-kv-heads", str(kv), "-tp", str(tp),
-                              "-dcp", str(dcp), "--json"])
+        code = main_validate(
+            ["--num-attention-heads", str(h), "--num-kv-heads", str(kv), "-tp", str(tp), "-dcp", str(dcp), "--json"]
+        )
         cli = json.loads(capsys.readouterr().out)
         assert cli["valid"] == r.valid and (code == 0) == r.valid
         assert r.message.startswith(cli["message"])

@@ -3,6 +3,7 @@ control channel), a cluster token
 and an API key: a TLS client with the key gets the right tokens end to end; a pod with the wrong token is refused by
 the Registry and never listed; a KV handshake without the cluster token is refused by the prefill pod's publisher;
 oversized messages to the pods are refused while they keep serving."""
+
 from __future__ import annotations
 
 import subprocess
@@ -42,14 +43,16 @@ def pki(tmp_path_factory) -> Pki:
 def tiny_model(tmp_path_factory, smollm2_path):
     from pdserve.testing import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-sec"), "llama", num_kv_heads=1,
-                                 tokenizer_from=smollm2_path)
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-sec"), "llama", num_kv_heads=1, tokenizer_from=smollm2_path
+    )
 
 
 def service_tls(pki: Pki) -> TLSConfig:
     """What every service serves (mutual TLS); the supervisor presents the same certificate when it checks them."""
-    return TLSConfig(cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca),
-                     require_client_cert=True)
+    return TLSConfig(
+        cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca), require_client_cert=True
+    )
 
 
 def client_tls(pki: Pki) -> TLSConfig:
@@ -58,10 +61,20 @@ def client_tls(pki: Pki) -> TLSConfig:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model, pki):
-    c = e2e_cluster(tmp_path_factory.mktemp("cluster"), tiny_model, num_prefill=1, num_decode=1, decode_tp=1,
-                    decode_dcp=1, num_kv_blocks=128, prefill_args=["--kv-transport", "tcp"],
-                    decode_args=["--kv-transfer-backend", "tcp"], tls=service_tls(pki), cluster_token=TOKEN,
-                    api_key=KEY)
+    c = e2e_cluster(
+        tmp_path_factory.mktemp("cluster"),
+        tiny_model,
+        num_prefill=1,
+        num_decode=1,
+        decode_tp=1,
+        decode_dcp=1,
+        num_kv_blocks=128,
+        prefill_args=["--kv-transport", "tcp"],
+        decode_args=["--kv-transfer-backend", "tcp"],
+        tls=service_tls(pki),
+        cluster_token=TOKEN,
+        api_key=KEY,
+    )
     c.start()
     try:
         yield c
@@ -70,8 +83,14 @@ def cluster(tmp_path_factory, tiny_model, pki):
 
 
 def sdk(c: LocalCluster, pki: Pki) -> Client:
-    return Client(c.router_address, root_ca=str(pki.ca), client_cert=str(pki.client_cert),
-                  client_key=str(pki.client_key), api_key=KEY, timeout=120)
+    return Client(
+        c.router_address,
+        root_ca=str(pki.ca),
+        client_cert=str(pki.client_cert),
+        client_key=str(pki.client_key),
+        api_key=KEY,
+        timeout=120,
+    )
 
 
 def test_mtls_client_with_key_gets_the_reference_tokens(cluster, tiny_model, pki):
@@ -92,14 +111,30 @@ def test_pod_with_wrong_token_is_refused_and_never_listed(cluster, tiny_model, p
     """A prefill pod (valid certificate) presenting the wrong cluster token: the Registry answers UNAUTHENTICATED
     (the pod logs it) and the pod never appears in ClusterStatus."""
     tls = service_tls(pki)
-    argv = argv_for(PrefillConfig, model=str(tiny_model), port=0, pod_id="intruder",
-                    router_address=cluster.router_address, cluster_token="guess", kv_transport="none",
-                    heartbeat_interval_s=0.25, tls_cert_file=tls.cert_file, tls_key_file=tls.key_file,
-                    tls_ca_file=tls.ca_file, tls_require_client_cert=True)
+    argv = argv_for(
+        PrefillConfig,
+        model=str(tiny_model),
+        port=0,
+        pod_id="intruder",
+        router_address=cluster.router_address,
+        cluster_token="guess",
+        kv_transport="none",
+        heartbeat_interval_s=0.25,
+        tls_cert_file=tls.cert_file,
+        tls_key_file=tls.key_file,
+        tls_ca_file=tls.ca_file,
+        tls_require_client_cert=True,
+    )
     log = cluster.log_dir / "intruder.log"
     with open(log, "wb") as out:  # a pod outside the cluster: started by hand, not by the supervisor
-        bad = subprocess.Popen([sys.executable, "-m", "prefill_svc", *argv], cwd=REPO, env=service_env(),
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        bad = subprocess.Popen(
+            [sys.executable, "-m", "prefill_svc", *argv],
+            cwd=REPO,
+            env=service_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_for_log(bad, log, r"UNAUTHENTICATED", timeout=300)
         with sdk(cluster, pki) as c:
@@ -162,10 +197,20 @@ def test_oversized_messages_to_pods_are_refused_and_pods_keep_serving(cluster, p
     pods = _pods(cluster, pki)
     big = "x" * (MAX_MESSAGE_BYTES + 1024)
     tls = client_tls(pki)
-    _refused_then_healthy(pods[common_pb2.ROLE_PREFILL].address, tls, lambda ch: prefill_pb2_grpc.PrefillWorkerStub(
-        ch).Prefill(prefill_pb2.PrefillRequest(request_id=big), timeout=60))
-    _refused_then_healthy(pods[common_pb2.ROLE_DECODE].address, tls, lambda ch: decode_pb2_grpc.DecodeWorkerStub(
-        ch).AllocateKV(decode_pb2.AllocateKVRequest(request_id=big, num_tokens=1), timeout=60))
+    _refused_then_healthy(
+        pods[common_pb2.ROLE_PREFILL].address,
+        tls,
+        lambda ch: prefill_pb2_grpc.PrefillWorkerStub(ch).Prefill(
+            prefill_pb2.PrefillRequest(request_id=big), timeout=60
+        ),
+    )
+    _refused_then_healthy(
+        pods[common_pb2.ROLE_DECODE].address,
+        tls,
+        lambda ch: decode_pb2_grpc.DecodeWorkerStub(ch).AllocateKV(
+            decode_pb2.AllocateKVRequest(request_id=big, num_tokens=1), timeout=60
+        ),
+    )
     with sdk(cluster, pki) as c:
         assert len(c.generate([5, 6, 7], max_tokens=2, temperature=0, ignore_eos=True).token_ids) == 2
 

@@ -2,6 +2,7 @@
 ``python -m router.openai_http``) over a real in-process router, a pod registered in it so /v1/models has something
 to list; who gets in and who is refused; bad certificate settings fail at startup naming the --http-tls-* flag; and
 the plan / health check of ``pdserve up`` under --tls-*. Certificates are made per run."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,20 +45,30 @@ def pki(tmp_path_factory) -> Pki:
 
 def service_tls(pki: Pki, mtls: bool = False) -> TLSConfig:
     """What every service of a cluster serves (and, as a client of the others, presents)."""
-    return TLSConfig(cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca),
-                     require_client_cert=mtls)
+    return TLSConfig(
+        cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca), require_client_cert=mtls
+    )
 
 
 @contextlib.asynccontextmanager
 async def router_with_a_pod(tls: TLSConfig | None = None) -> AsyncIterator[str]:
-    kw = {} if tls is None else dict(tls_cert_file=tls.cert_file, tls_key_file=tls.key_file,
-                                     tls_ca_file=tls.ca_file, tls_require_client_cert=tls.require_client_cert)
+    kw = (
+        {}
+        if tls is None
+        else dict(
+            tls_cert_file=tls.cert_file,
+            tls_key_file=tls.key_file,
+            tls_ca_file=tls.ca_file,
+            tls_require_client_cert=tls.require_client_cert,
+        )
+    )
     server = RouterServer(RouterConfig(port=0, **kw))
     port = await server.start()
     addr = f"127.0.0.1:{port}"
     try:
-        ch = (grpc.aio.insecure_channel(addr) if tls is None else
-              grpc.aio.secure_channel(addr, tls.channel_credentials()))
+        ch = (
+            grpc.aio.insecure_channel(addr) if tls is None else grpc.aio.secure_channel(addr, tls.channel_credentials())
+        )
         async with ch:
             r = await registry_pb2_grpc.RegistryStub(ch).RegisterWorker(register_request("d0"), timeout=10)
             assert r.accepted, r.message
@@ -85,6 +96,7 @@ async def models(url: str, ssl_ctx: ssl.SSLContext | bool | None = None) -> list
 def test_without_a_certificate_the_front_stays_plain_http():
     """The default is unchanged: no TLS config, plain HTTP (``url`` says http), /v1/models answers, and the
     supervisor's health check of a plain front passes."""
+
     async def body():
         async with router_with_a_pod() as addr:
             front = await start_openai_http(addr, "127.0.0.1", 0)
@@ -102,10 +114,12 @@ def test_https_front_serves_a_client_that_trusts_our_ca(pki):
     """With a server certificate the front serves HTTPS (``url`` says https): a client trusting our CA gets a real
     /v1/models answer, which went through the front's gRPC client to the router (it lists the registered pod's
     model), and /health answers too."""
+
     async def body():
         async with router_with_a_pod() as addr:
-            front = await start_openai_http(addr, "127.0.0.1", 0, tls=http_server_tls(str(pki.server_cert),
-                                                                                        str(pki.server_key)))
+            front = await start_openai_http(
+                addr, "127.0.0.1", 0, tls=http_server_tls(str(pki.server_cert), str(pki.server_key))
+            )
             try:
                 assert front.url == f"https://127.0.0.1:{front.port}"
                 assert await models(front.url, client_ctx(pki.ca)) == [MODEL]
@@ -121,10 +135,12 @@ def test_https_front_serves_a_client_that_trusts_our_ca(pki):
 def test_https_front_refuses_plain_http_and_a_client_trusting_another_ca(pki):
     """The HTTPS port answers no plain-HTTP request (the connection is dropped, no response), and a client that
     trusts another CA rejects the front's certificate at the handshake; neither gets the model list."""
+
     async def body():
         async with router_with_a_pod() as addr:
-            front = await start_openai_http(addr, "127.0.0.1", 0, tls=http_server_tls(str(pki.server_cert),
-                                                                                        str(pki.server_key)))
+            front = await start_openai_http(
+                addr, "127.0.0.1", 0, tls=http_server_tls(str(pki.server_cert), str(pki.server_key))
+            )
             try:
                 with pytest.raises(aiohttp.ClientError):
                     await models(f"http://127.0.0.1:{front.port}")
@@ -144,6 +160,7 @@ def test_mtls_front_requires_a_client_certificate_from_our_ca(pki):
     it with the service certificate and serves HTTPS with the same one): a client without a certificate, or with
     one signed by another CA, is refused; a client certificate signed by our CA gets /v1/models. The supervisor's
     health check (_http_ok with the cluster's TLSConfig) passes; without the CA and certificate it does not."""
+
     async def body():
         tls = service_tls(pki, mtls=True)
         async with router_with_a_pod(tls) as addr:
@@ -167,14 +184,30 @@ def test_mtls_front_requires_a_client_certificate_from_our_ca(pki):
 def test_cli_serves_https_from_its_http_tls_flags(pki):
     """`python -m router.openai_http --http-tls-cert-file ... --http-tls-key-file ... --http-tls-ca-file ...
     --http-tls-require-client-cert` (a real process) prints an https URL and serves mutual TLS on it."""
+
     async def body():
         async with router_with_a_pod() as addr:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "router.openai_http", "--router", addr, "--port", "0", "--log-level", "WARNING",
-                "--http-tls-cert-file", str(pki.server_cert), "--http-tls-key-file", str(pki.server_key),
-                "--http-tls-ca-file", str(pki.ca), "--http-tls-require-client-cert",
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                cwd=str(Path(__file__).resolve().parents[2]))
+                sys.executable,
+                "-m",
+                "router.openai_http",
+                "--router",
+                addr,
+                "--port",
+                "0",
+                "--log-level",
+                "WARNING",
+                "--http-tls-cert-file",
+                str(pki.server_cert),
+                "--http-tls-key-file",
+                str(pki.server_key),
+                "--http-tls-ca-file",
+                str(pki.ca),
+                "--http-tls-require-client-cert",
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=str(Path(__file__).resolve().parents[2]),
+            )
             try:
                 line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
                 assert "https://127.0.0.1:" in line, (line, (await proc.stderr.read()).decode())
@@ -198,13 +231,19 @@ def test_bad_https_settings_fail_at_startup_naming_the_http_tls_flag(pki, tmp_pa
     cases = [
         (["--http-tls-cert-file", missing, "--http-tls-key-file", key], r"--http-tls-cert-file .*cannot read"),
         (["--http-tls-cert-file", cert], r"--http-tls-key-file"),
-        (["--http-tls-cert-file", cert, "--http-tls-key-file", str(pki.client_key)],
-         r"--http-tls-cert-file .* / --http-tls-key-file .*not a PEM certificate and its matching private key"),
+        (
+            ["--http-tls-cert-file", cert, "--http-tls-key-file", str(pki.client_key)],
+            r"--http-tls-cert-file .* / --http-tls-key-file .*not a PEM certificate and its matching private key",
+        ),
         (["--http-tls-ca-file", ca], r"--http-tls-ca-file .*needs --http-tls-cert-file and --http-tls-key-file"),
-        (["--http-tls-cert-file", cert, "--http-tls-key-file", key, "--http-tls-require-client-cert"],
-         r"--http-tls-require-client-cert .*needs --http-tls-ca-file"),
-        (["--http-tls-cert-file", cert, "--http-tls-key-file", key, "--http-tls-ca-file", missing],
-         r"--http-tls-ca-file \(PDSERVE_HTTP_TLS_CA_FILE\): cannot read"),
+        (
+            ["--http-tls-cert-file", cert, "--http-tls-key-file", key, "--http-tls-require-client-cert"],
+            r"--http-tls-require-client-cert .*needs --http-tls-ca-file",
+        ),
+        (
+            ["--http-tls-cert-file", cert, "--http-tls-key-file", key, "--http-tls-ca-file", missing],
+            r"--http-tls-ca-file \(PDSERVE_HTTP_TLS_CA_FILE\): cannot read",
+        ),
         (["--tls-ca-file", missing], r"^python -m router.openai_http: error: --tls-ca-file \(PDSERVE_TLS_CA_FILE\)"),
     ]
     for argv, pattern in cases:
@@ -224,16 +263,25 @@ def test_bad_https_settings_fail_at_startup_naming_the_http_tls_flag(pki, tmp_pa
 def _ckpt(tmp_path: Path) -> Path:
     d = tmp_path / "ckpt"
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 8,
-                                               "num_key_value_heads": 1, "hidden_size": 64}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "num_attention_heads": 8,
+                "num_key_value_heads": 1,
+                "hidden_size": 64,
+            }
+        )
+    )
     (d / "tokenizer.json").write_text("{}")
     return d
 
 
 def _front_args(cluster: LocalCluster):
     (front,) = [s for s in cluster._plan() if s.kind == "http"]
-    return from_args(OpenAIHttpConfig,
-                     front_parser().parse_args(front.argv[front.argv.index("router.openai_http") + 1:]))
+    return from_args(
+        OpenAIHttpConfig, front_parser().parse_args(front.argv[front.argv.index("router.openai_http") + 1 :])
+    )
 
 
 @pytest.mark.parametrize("mtls", [False, True])

@@ -1,6 +1,7 @@
 """kv_transfer.control with TLS and the cluster token, on a real loopback socket: a mutual-TLS client holding the
 token is served (and an idle TLS connection reads as alive until the server goes away); plaintext clients, clients
 trusting another CA and clients without a certificate are refused before any request is handled."""
+
 from __future__ import annotations
 
 import sys
@@ -27,8 +28,9 @@ def test_tls_control_channel(tmp_path):
         handled.append(msg["op"])
         conn.send({"ok": True, "echo": msg["op"]}, bytes(payload))
 
-    server_tls = TLSConfig(cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca),
-                           require_client_cert=True)
+    server_tls = TLSConfig(
+        cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca), require_client_cert=True
+    )
     srv = ControlServer(handler, auth_token="tok", tls=server_tls).start()
     try:
         good = TLSConfig(cert_file=str(pki.client_cert), key_file=str(pki.client_key), ca_file=str(pki.ca))

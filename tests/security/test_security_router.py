@@ -1,5 +1,6 @@
 """A real router (in-process gRPC server on loopback) with TLS, mutual TLS, an API key and the cluster token:
 who gets in and who is refused, over gRPC and the OpenAI HTTP front. Certificates are made per run."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,23 +45,30 @@ async def router(**kw) -> AsyncIterator[str]:
 
 
 def server_tls(pki: Pki, mtls: bool = False) -> dict:
-    return dict(tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key), tls_ca_file=str(pki.ca),
-                tls_require_client_cert=mtls)
+    return dict(
+        tls_cert_file=str(pki.server_cert),
+        tls_key_file=str(pki.server_key),
+        tls_ca_file=str(pki.ca),
+        tls_require_client_cert=mtls,
+    )
 
 
 async def status(channel: grpc.aio.Channel, metadata=None, timeout: float = 10.0) -> router_pb2.ClusterStatusResponse:
-    return await router_pb2_grpc.RouterStub(channel).ClusterStatus(router_pb2.ClusterStatusRequest(),
-                                                                   timeout=timeout, metadata=metadata)
+    return await router_pb2_grpc.RouterStub(channel).ClusterStatus(
+        router_pb2.ClusterStatusRequest(), timeout=timeout, metadata=metadata
+    )
 
 
 def creds(ca: Path, cert: Path | None = None, key: Path | None = None) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes() if key else None,
-                                        cert.read_bytes() if cert else None)
+    return grpc.ssl_channel_credentials(
+        ca.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None
+    )
 
 
 def test_tls_router_serves_right_ca_and_refuses_plaintext_and_wrong_ca(pki):
     """TLS only (no client certs): a client trusting our CA is served, through the SDK too; a plaintext client and a
     client trusting another CA never reach a servicer."""
+
     async def body():
         async with router(**server_tls(pki)) as addr:
             async with grpc.aio.secure_channel(addr, creds(pki.ca)) as ch:
@@ -79,14 +87,17 @@ def test_tls_router_serves_right_ca_and_refuses_plaintext_and_wrong_ca(pki):
 
 def test_sdk_speaks_tls_with_root_ca(pki):
     """pdserve.client.Client(root_ca=...) reaches a TLS router; without it the SDK reports UNAVAILABLE."""
+
     async def body():
         async with router(**server_tls(pki)) as addr:
+
             def sdk() -> None:
                 with Client(addr, root_ca=str(pki.ca), timeout=10) as c:
                     assert c.health()
                     assert c.cluster_status().router_queue_depth == 0
                 with Client(addr, timeout=3, retry=None) as c:
                     assert not c.health()
+
             await asyncio.to_thread(sdk)
 
     asyncio.run(body())
@@ -95,6 +106,7 @@ def test_sdk_speaks_tls_with_root_ca(pki):
 def test_mtls_router_requires_a_client_certificate_from_our_ca(pki):
     """Mutual TLS: no client certificate, or one signed by another CA, is refused at the handshake; our client
     certificate is served (also through the SDK's client_cert / client_key)."""
+
     async def body():
         async with router(**server_tls(pki, mtls=True)) as addr:
             async with grpc.aio.secure_channel(addr, creds(pki.ca, pki.client_cert, pki.client_key)) as ch:
@@ -106,9 +118,15 @@ def test_mtls_router_requires_a_client_certificate_from_our_ca(pki):
                     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
             def sdk() -> None:
-                with Client(addr, root_ca=str(pki.ca), client_cert=str(pki.client_cert),
-                            client_key=str(pki.client_key), timeout=10) as c:
+                with Client(
+                    addr,
+                    root_ca=str(pki.ca),
+                    client_cert=str(pki.client_cert),
+                    client_key=str(pki.client_key),
+                    timeout=10,
+                ) as c:
                     assert c.cluster_status().router_queue_depth == 0
+
             await asyncio.to_thread(sdk)
 
     asyncio.run(body())
@@ -118,6 +136,7 @@ def test_api_key_guards_the_router_api_not_health_or_registry():
     """--api-key: Router RPCs without the key or with a wrong one get UNAUTHENTICATED saying how to send it;
     'authorization: Bearer KEY' and 'x-api-key: KEY' both work, and so does the SDK's api_key=. Health checks and
     the pods' Registry (guarded by the cluster token instead) do not need the key."""
+
     async def body():
         async with router(api_key="k3y", cluster_token="t0ken") as addr:
             async with grpc.aio.insecure_channel(addr) as ch:
@@ -145,6 +164,7 @@ def test_api_key_guards_the_router_api_not_health_or_registry():
                     assert [p.pod_id for p in c.cluster_status().pods] == ["d0"]
                 with Client(addr, timeout=10) as c, pytest.raises(UnauthenticatedError):
                     c.cluster_status()
+
             await asyncio.to_thread(sdk)
 
     asyncio.run(body())
@@ -153,6 +173,7 @@ def test_api_key_guards_the_router_api_not_health_or_registry():
 def test_http_front_uses_the_same_key_as_the_router():
     """The OpenAI HTTP front started with the router's key: 401 without / with a wrong bearer token; with the right
     one the request goes through to the key-protected router (the front forwards the same key)."""
+
     async def body():
         async with router(api_key="k3y") as addr:
             front = await start_openai_http(addr, "127.0.0.1", 0, api_key="k3y")
@@ -173,6 +194,7 @@ def test_http_front_uses_the_same_key_as_the_router():
 def test_oversized_message_is_refused_and_the_router_keeps_serving():
     """A request above the shared limit (pdserve.security.MAX_MESSAGE_BYTES) gets RESOURCE_EXHAUSTED; the next
     normal call on the same server succeeds."""
+
     async def body():
         async with router() as addr:
             opts = [("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)]

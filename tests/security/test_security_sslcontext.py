@@ -1,5 +1,6 @@
 """pdserve.security's ssl.SSLContexts for plain sockets: a real TLS socket pair on loopback with mutual TLS; a
 client without a certificate, and one trusting another CA, fail the handshake."""
+
 from __future__ import annotations
 
 import socket
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_mtls_socket_contexts(tmp_path):
     pki = make_pki(tmp_path)
-    server = TLSConfig(cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca),
-                       require_client_cert=True).ssl_server_context()
+    server = TLSConfig(
+        cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca), require_client_cert=True
+    ).ssl_server_context()
     lsock = socket.create_server(("127.0.0.1", 0))
     port = lsock.getsockname()[1]
     results: list[str] = []

@@ -1,6 +1,7 @@
 """`pdserve up` with mutual TLS and an API key, as a user runs it (a subprocess): every service serves mTLS, the pods
 register and hand KV over with the (random) cluster token, and only a client with our CA, a client certificate and
 the key is served, by the SDK, `pdserve status` and the OpenAI HTTP front alike."""
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,33 @@ def pki(tmp_path_factory) -> Pki:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, tiny_factory, pki):
     tiny = tiny_factory("llama", num_heads=8, num_kv_heads=1, vocab_size=49152)
-    u = UpProcess(["--model", str(tiny), "--port", "0", "--http-port", "0", "--decode-tp", "2", "--decode-dcp", "2",
-                   "--num-kv-blocks", "64", "--api-key", KEY, "--tls-cert-file", str(pki.server_cert),
-                   "--tls-key-file", str(pki.server_key), "--tls-ca-file", str(pki.ca), "--tls-require-client-cert"],
-                  log_dir=tmp_path_factory.mktemp("up-sec"), startup_timeout=600)
+    u = UpProcess(
+        [
+            "--model",
+            str(tiny),
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--decode-tp",
+            "2",
+            "--decode-dcp",
+            "2",
+            "--num-kv-blocks",
+            "64",
+            "--api-key",
+            KEY,
+            "--tls-cert-file",
+            str(pki.server_cert),
+            "--tls-key-file",
+            str(pki.server_key),
+            "--tls-ca-file",
+            str(pki.ca),
+            "--tls-require-client-cert",
+        ],
+        log_dir=tmp_path_factory.mktemp("up-sec"),
+        startup_timeout=600,
+    )
     u.start()
     try:
         yield u
@@ -43,20 +67,36 @@ def up(tmp_path_factory, tiny_factory, pki):
 
 
 def client_flags(pki: Pki) -> list[str]:
-    return ["--tls-ca-file", str(pki.ca), "--tls-cert-file", str(pki.client_cert), "--tls-key-file",
-            str(pki.client_key)]
+    return [
+        "--tls-ca-file",
+        str(pki.ca),
+        "--tls-cert-file",
+        str(pki.client_cert),
+        "--tls-key-file",
+        str(pki.client_key),
+    ]
 
 
 def status(up: UpProcess, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", up.router, "--json", *flags],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--router", up.router, "--json", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_sdk_with_cert_and_key_generates_through_the_mtls_cluster(up, pki):
     """Greedy generation through router, prefill and a TP 2 x DCP 2 decode pod, all over mutual TLS; the pods
     found each other with the cluster token `pdserve up` made up (no secret given)."""
-    with Client(up.router, root_ca=str(pki.ca), client_cert=str(pki.client_cert), client_key=str(pki.client_key),
-                api_key=KEY, timeout=300) as c:
+    with Client(
+        up.router,
+        root_ca=str(pki.ca),
+        client_cert=str(pki.client_cert),
+        client_key=str(pki.client_key),
+        api_key=KEY,
+        timeout=300,
+    ) as c:
         a = c.generate("The capital of France is", max_tokens=6, temperature=0, ignore_eos=True)
         b = c.generate("The capital of France is", max_tokens=6, temperature=0, ignore_eos=True)
     assert len(a.token_ids) == 6 and a.token_ids == b.token_ids
@@ -81,8 +121,9 @@ def test_http_front_serves_mtls_requires_the_key_and_reaches_the_mtls_router(up,
     forwards the same key)."""
     assert up.http.startswith("https://")
     body = json.dumps({"prompt": "Hello", "max_tokens": 3, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{up.http}/v1/completions", body, {"Content-Type": "application/json",
-                                                                     "Authorization": f"Bearer {KEY}"})
+    req = urllib.request.Request(
+        f"{up.http}/v1/completions", body, {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    )
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)) as refused:
         urllib.request.urlopen(req, timeout=120, context=ssl.create_default_context(cafile=str(pki.ca)))
     assert not isinstance(refused.value, urllib.error.HTTPError)  # no HTTP answer at all: refused at the handshake

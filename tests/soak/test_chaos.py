@@ -2,6 +2,7 @@
 TP 2 x DCP 2 decode pod, restart policy on-failure) while a seeded nemesis SIGKILLs and SIGSTOPs/SIGCONTs prefill
 pods, a decode rank, a router, and kills a prefill pod holding KV that the decode pod has not read yet; and the
 checker's pieces on made-up data."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,10 @@ def test_chaos_soak_heals_and_every_request_ends_once_with_right_tokens(tmp_path
     READY again afterwards with all its KV free within the lease TTL; the token rate is back within 20% of the
     fault-free rate within 30 s of the last fault."""
     rep = run_chaos(QUICK, tmp_path)
-    summary = (f"requests {rep['requests']}, completed {rep['completed']}, failed {rep['failed']}, faults "
-               f"{rep['faults']}, restarts {rep['restarts']}, recovery {rep['recovery_s']}, logs {rep['log_dir']}")
+    summary = (
+        f"requests {rep['requests']}, completed {rep['completed']}, failed {rep['failed']}, faults "
+        f"{rep['faults']}, restarts {rep['restarts']}, recovery {rep['recovery_s']}, logs {rep['log_dir']}"
+    )
     print(summary)
     assert rep["ok"], "chaos soak found problems:\n" + "\n".join(rep["problems"][:30]) + "\n" + summary
     assert rep["lost"] == 0 and rep["ended_twice"] == 0 and rep["hung"] == 0, summary

@@ -5,6 +5,7 @@ small shared machine): 1000 streamed greedy requests, 24 at a time, mixed prompt
 mid-stream, against router + prefill pod + decode pod (TP 2 x DCP 2) whose decode KV holds far fewer requests than
 are in flight.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,10 @@ def test_soak_against_local_cluster(tmp_path):
     router's queue is empty (no block leaked); no process's peak RSS grows from the first half to the second beyond
     10% + 16 MiB."""
     rep = run_soak(SoakConfig(), tmp_path)
-    summary = (f"counts {rep['counts']}, queued {rep['queued_in_router']}, preemptions {rep['decode_preemptions']}, "
-               f"leaked {rep['kv_blocks_leaked']}, timing {rep['timing_s']}, logs {rep['log_dir']}")
+    summary = (
+        f"counts {rep['counts']}, queued {rep['queued_in_router']}, preemptions {rep['decode_preemptions']}, "
+        f"leaked {rep['kv_blocks_leaked']}, timing {rep['timing_s']}, logs {rep['log_dir']}"
+    )
     print(summary)
     assert rep["ok"], "soak found problems:\n" + "\n".join(rep["problems"][:30]) + "\n" + summary
     # The same verdicts, spelled out:
@@ -36,18 +39,38 @@ def test_soak_against_local_cluster(tmp_path):
 
 
 def _clean_run(cfg: SoakConfig):
-    plan = [Planned(0, [5, 6, 7], 4), Planned(1, [8, 9], 3, cancel="close", cancel_after=1),
-            Planned(2, [10, 11, 12, 13], 2)]
-    ref = {p.key: [20 + p.index, 30, 40, 50][:p.max_tokens] for p in plan}
-    outcomes = [Outcome(0, "completed", tokens=list(ref[plan[0].key]), usage_tokens=4, finish_reason="length",
-                        queue_s=0.5),
-                Outcome(1, "CANCELLED", "cancelled by the client", tokens=ref[plan[1].key][:1]),
-                Outcome(2, "RESOURCE_EXHAUSTED", "router queue is full (16 requests waiting ...)")]
-    idle = {"kv_free": {"decode-0": [20, 20]}, "kv_total": {"decode-0": [20, 20]}, "pod_inflight": {"decode-0": 0},
-            "pod_waiting": {"decode-0": 0}, "router_queue_depth": 0, "router_inflight": 0}
+    plan = [
+        Planned(0, [5, 6, 7], 4),
+        Planned(1, [8, 9], 3, cancel="close", cancel_after=1),
+        Planned(2, [10, 11, 12, 13], 2),
+    ]
+    ref = {p.key: [20 + p.index, 30, 40, 50][: p.max_tokens] for p in plan}
+    outcomes = [
+        Outcome(0, "completed", tokens=list(ref[plan[0].key]), usage_tokens=4, finish_reason="length", queue_s=0.5),
+        Outcome(1, "CANCELLED", "cancelled by the client", tokens=ref[plan[1].key][:1]),
+        Outcome(2, "RESOURCE_EXHAUSTED", "router queue is full (16 requests waiting ...)"),
+    ]
+    idle = {
+        "kv_free": {"decode-0": [20, 20]},
+        "kv_total": {"decode-0": [20, 20]},
+        "pod_inflight": {"decode-0": 0},
+        "pod_waiting": {"decode-0": 0},
+        "router_queue_depth": 0,
+        "router_inflight": 0,
+    }
     rss = {"router": {"peak_mib": 80.0, "first_half_peak_mib": 80.0, "second_half_peak_mib": 80.0}}
-    return dict(cfg=cfg, plan=plan, outcomes=outcomes, ref_of=ref, alone={plan[0].key: ref[plan[0].key]},
-                base=idle, after=dict(idle), preemptions=3.0, rss=rss, dead=[])
+    return dict(
+        cfg=cfg,
+        plan=plan,
+        outcomes=outcomes,
+        ref_of=ref,
+        alone={plan[0].key: ref[plan[0].key]},
+        base=idle,
+        after=dict(idle),
+        preemptions=3.0,
+        rss=rss,
+        dead=[],
+    )
 
 
 def test_soak_checker_flags_every_kind_of_failure():
@@ -71,6 +94,7 @@ def test_soak_checker_flags_every_kind_of_failure():
         def m(run):
             for k, v in kw.items():
                 setattr(run["outcomes"][i], k, v)
+
         return m
 
     assert "tokens:" in problems(setattr_(0, tokens=[20, 30, 50], usage_tokens=3))[0]  # a lost token
@@ -85,31 +109,37 @@ def test_soak_checker_flags_every_kind_of_failure():
 
     def leak(run):
         run["after"] = {**run["after"], "kv_free": {"decode-0": [19, 20]}}
+
     assert "baseline:" in problems(leak)[0]
     leaked = _evaluate(**{**_clean_run(cfg), "after": {**_clean_run(cfg)["after"], "kv_free": {"decode-0": [19, 20]}}})
     assert leaked["kv_blocks_leaked_total"] == 1
 
     def queue_left(run):
         run["after"] = {**run["after"], "router_queue_depth": 1}
+
     assert "baseline:" in problems(queue_left)[0]
 
     def rss_growth(run):
         run["rss"] = {"router": {"peak_mib": 110.0, "first_half_peak_mib": 80.0, "second_half_peak_mib": 110.0}}
+
     assert "rss: router" in problems(rss_growth)[0]
 
     def alone_differs(run):
         key = run["plan"][0].key
         run["alone"] = {key: [21, 30, 40, 50]}
+
     assert "reference:" in problems(alone_differs)[0]
 
     def no_overload(run):
         run["preemptions"] = 0.0
         run["outcomes"][0].queue_s = 0.0
         run["outcomes"][2] = Outcome(2, "completed", tokens=[22, 30], usage_tokens=2, finish_reason="length")
+
     assert "overload:" in problems(no_overload)[0]
 
     def died(run):
         run["dead"] = ["decode-0"]
+
     assert "services died" in problems(died)[0]
 
 

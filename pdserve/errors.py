@@ -76,6 +76,9 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     engine = sys.modules.get("pdserve.engine.llm_engine")  # loaded wherever one can be raised (not in the router)
     if engine is not None and isinstance(exc, engine.RequestError):  # the engine's "change the request" error
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    shm = sys.modules.get("pdserve.engine.shm")
+    if shm is not None and isinstance(exc, shm.RankFailure):  # this pod lost a rank; another pod may serve it
+        return grpc.StatusCode.UNAVAILABLE, f"a TP rank of this pod failed: {exc}"
     return None
 
 

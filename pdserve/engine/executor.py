@@ -234,7 +234,13 @@ class _ShmChannel:
 
     def gather(self, obj: Any) -> list[Any] | None:
         parts = self.world.gather_bytes(pickle.dumps(obj), "gathering rank results")
-        return None if parts is None else [pickle.loads(p) for p in parts]
+        if parts is None:
+            return None
+        for rank, p in enumerate(parts):
+            if not p:  # every rank sends a pickle: an empty slot is a rank that died in the gather
+                self.world.barrier.check_peers("gathering rank results")
+                raise RankFailure(f"TP rank {rank} sent no result: it died while the ranks gathered", rank)
+        return [pickle.loads(p) for p in parts]
 
     def started(self, timeout_s: float) -> None:
         """Every rank, once its slice is built: the pod is up when all are (as gloo's rendezvous)."""
@@ -309,6 +315,8 @@ class Executor:
         try:
             self.runner, self.channel = _build_rank(spec, 0)
             if isinstance(self.channel, _ShmChannel):
+                for rank, proc in enumerate(self.procs, start=1):
+                    self.channel.world.barrier.expect(rank, proc.pid or 0)
                 self.channel.started(spec.init_timeout_s)
         except BaseException:
             self._stop_procs(kill=True)

@@ -112,8 +112,9 @@ class Barrier:
     Phase s uses semaphore s % 2. Every rank posts it and reads its value; whoever reads n stores s in the futex
     word and wakes the sleepers (several may: the store is idempotent). After passing, each rank takes one count
     back, so the semaphore is at zero again before anyone can post it for phase s + 2 (which needs every rank to
-    have arrived at s + 1, after its take-back). A waiting rank sleeps on the futex word in slices; between slices
-    it checks the abort word and its peers' processes (dead, or stopped longer than ``stall_s``)."""
+    have arrived at s + 1, after its take-back); a count left by a rank killed in between is caught by the ranks'
+    arrival words. A waiting rank sleeps on the futex word in slices; between slices it checks the abort word and
+    its peers' processes (dead, or stopped longer than ``stall_s``)."""
 
     SLICE_S = 0.25
 
@@ -155,6 +156,10 @@ class Barrier:
         """Each rank, once at start: its pid lets peers tell a dead or stopped rank from a slow one."""
         self._pids[self.rank] = os.getpid()
 
+    def expect(self, index: int, pid: int) -> None:
+        """The spawner names a peer's pid before it registers, so a peer that dies while starting is noticed."""
+        self._pids[index] = pid
+
     def abort(self) -> None:
         self._abort.value = 1
         self._wake()
@@ -177,14 +182,19 @@ class Barrier:
         self._seq += 1
         seq = self._seq & 0xFFFFFFFF
         sem = self._sems[self._seq & 1]
-        self._arrived[self.rank] = self._seq  # only to name the late ranks on a timeout
+        self._arrived[self.rank] = self._seq
         self._lib.sem_post(sem)
-        self._lib.sem_getvalue(sem, self._val_ref)
-        if self._val.value >= self.n:
+        if self._complete(sem):
             self._release(seq)
         elif self._gen.value != seq:
-            self._sleep_until(seq, timeout_s, what, watch)
+            self._sleep_until(seq, sem, timeout_s, what, watch)
         self._lib.sem_trywait(sem)
+
+    def _complete(self, sem: int) -> bool:
+        """n posts, and every rank's own arrival word says this phase: a rank killed between its post and its
+        take-back leaves a count behind, which must not release a later phase it never reached."""
+        self._lib.sem_getvalue(sem, self._val_ref)
+        return self._val.value >= self.n and min(self._arrived[:]) >= self._seq
 
     def _release(self, seq: int) -> None:
         self._gen.value = seq
@@ -195,7 +205,9 @@ class Barrier:
         if self._val.value:
             self._wake()
 
-    def _sleep_until(self, seq: int, timeout_s: float | None, what: str, watch: tuple[int, ...] | None) -> None:
+    def _sleep_until(
+        self, seq: int, sem: int, timeout_s: float | None, what: str, watch: tuple[int, ...] | None
+    ) -> None:
         gen = self._gen
         for _ in range(self.spin):
             if gen.value == seq:
@@ -208,6 +220,9 @@ class Barrier:
                 self._lib.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAIT, cur, self._slice_ref, None, 0)
             self._lib.sem_trywait(self._sleepers)
             if gen.value == seq:
+                return
+            if self._complete(sem):  # the last arrival read a stale arrival word (weak memory order): release now
+                self._release(seq)
                 return
             if self._abort.value:
                 raise RankFailure(f"{what} was aborted: the pod is stopping its ranks")

@@ -11,6 +11,7 @@ import pytest
 
 from decode_svc.kv_source import KVDeliveryError
 from pdserve.engine.llm_engine import RequestError
+from pdserve.engine.shm import RankFailure
 from pdserve.errors import AlreadyExists, InvalidArgument, ServiceError, Unavailable, grpc_errors, status_of
 from pdserve.sampling import SamplingParamsError
 from prefill_svc.worker import Exhausted
@@ -60,6 +61,10 @@ async def _stream(svc: Servicer, ctx: FakeContext) -> list[int]:
         (Exhausted("full"), (grpc.StatusCode.RESOURCE_EXHAUSTED, "full")),
         (RequestError("prompt is empty"), (grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")),
         (SamplingParamsError("top_p"), (grpc.StatusCode.INVALID_ARGUMENT, "top_p")),
+        (
+            RankFailure("TP rank 1 exited", 1),
+            (grpc.StatusCode.UNAVAILABLE, "a TP rank of this pod failed: TP rank 1 exited"),
+        ),
     ],
 )
 def test_handlers_answer_service_errors_with_their_status(error, status):

@@ -3,6 +3,7 @@ after the 120 s collective timeout), and a SIGKILLed driver takes its ranks and 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import signal
@@ -135,3 +136,23 @@ def test_shutdown_gives_the_driver_thread_back_its_cores_and_threads(tiny_factor
     assert os.sched_getaffinity(0) != cpus or len(cpus) == 1
     eng.shutdown()
     assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads
+
+
+def test_a_rank_that_dies_while_starting_is_named_at_once(tiny_factory, monkeypatch):
+    """A rank process that fails before it joins the shared-memory group (here: it cannot be pinned to its core)
+    ends the pod's start with a RankFailure naming it within seconds, not after the rendezvous timeout (600 s)."""
+    from pdserve.engine.executor import Executor
+
+    model = tiny_factory("llama", num_heads=6, num_kv_heads=3, hidden_size=96)
+    start = Executor.__init__
+
+    def rank_1_unpinnable(self, spec):
+        start(self, dataclasses.replace(spec, cpus=(min(os.sched_getaffinity(0)), 1 << 20)))
+
+    monkeypatch.setattr(Executor, "__init__", rank_1_unpinnable)
+    driver_cpus = os.sched_getaffinity(0)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"TP rank 1 \(pid \d+\) exited during the ranks' start-up"):
+        LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=3, num_kv_blocks=32, max_model_len=128))
+    assert time.monotonic() - t0 < NOTICE_S
+    assert os.sched_getaffinity(0) == driver_cpus  # the failed start gave the driver its cores back

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.cluster.supervisor import _PRCTL, PR_SET_PDEATHSIG
+from pdserve.cluster.supervisor import child_argv
 
 
 class UpProcess:
@@ -51,35 +51,27 @@ class UpProcess:
         self.ready_file.unlink(missing_ok=True)
         out = open(self.output, "ab")
         # its own session: the test's SIGINT goes to `pdserve up` alone, as Ctrl-C in its terminal would
-        parent = os.getpid()
-
-        def preexec() -> None:
-            if _PRCTL is not None:
-                _PRCTL(PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0)
-            if os.getppid() != parent:
-                os._exit(1)
-
         main_thread = threading.current_thread() is threading.main_thread()
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            *self.args,
+            "--ready-file",
+            str(self.ready_file),
+            "--log-dir",
+            str(self.log_dir),
+            "--startup-timeout",
+            str(self.startup_timeout),
+        ]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "up",
-                *self.args,
-                "--ready-file",
-                str(self.ready_file),
-                "--log-dir",
-                str(self.log_dir),
-                "--startup-timeout",
-                str(self.startup_timeout),
-            ],
+            child_argv(cmd, os.getpid() if main_thread else None, deathsig="INT"),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=self.env,
             start_new_session=True,
-            preexec_fn=preexec if main_thread else None,
         )
         out.close()
         if wait:

@@ -3,7 +3,8 @@
 Every service runs in its own session / process group (so the TP-rank processes it spawns share the group and a
 signal to the group reaches all of them); stop() sends SIGTERM to each group, waits, then SIGKILLs what is left.
 If the supervisor itself dies without stopping them (even by SIGKILL), two things make sure nothing survives it:
-- each service's direct process gets PR_SET_PDEATHSIG (SIGKILL when the supervisor goes away), and
+- each service's direct process gets PR_SET_PDEATHSIG (SIGKILL when the supervisor goes away; set by
+  exec_child.py before it execs the service), and
 - a small watchdog process (pdserve.cluster.reaper) holds a pipe from the supervisor; at EOF it kills every group.
 Under a restart policy (pdserve.cluster.restart) ``heal()`` restarts services that exited or failed their liveness
 probe, with exponential back-off; ``supervise_in_background()`` runs it on a thread.
@@ -15,7 +16,6 @@ probe, with exponential back-off; ``supervise_in_background()`` runs it on a thr
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     from pdserve.security import TLSConfig
 
 log = logging.getLogger("pdserve.cluster")
-
-PR_SET_PDEATHSIG = 1
 
 
 class ClusterError(RuntimeError):
@@ -90,31 +88,21 @@ class Endpoints:
         return dataclasses.asdict(self)
 
 
-def _libc_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl
-    except (OSError, AttributeError):  # pragma: no cover - exotic libc
-        return None
+EXEC_CHILD = str(Path(__file__).with_name("exec_child.py"))
+_WHY = {"liveness": " (liveness probe failed)", "startup": " (not serving within the startup timeout)"}
 
 
-_PRCTL = _libc_prctl()
-
-
-def _child_preexec(parent_pid: int, cpus: tuple[int, ...] | None = None, deathsig: bool = True) -> Callable[[], None]:
-    prctl = _PRCTL
-
-    def setup() -> None:  # runs in the forked child, before exec
-        if cpus is not None:  # before exec: the pod and every rank it spawns inherit the placement
-            os.sched_setaffinity(0, cpus)
-        if deathsig and prctl is not None:
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if deathsig and os.getppid() != parent_pid:  # the supervisor died between fork and prctl
-            os._exit(1)
-
-    return setup
+def child_argv(
+    argv: list[str], parent_pid: int | None, cpus: tuple[int, ...] | None = None, deathsig: str = "KILL"
+) -> list[str]:
+    """argv run through exec_child.py: the child pins itself to ``cpus`` (the pod and every rank it spawns inherit
+    the placement) and, given ``parent_pid``, dies with that parent, then execs argv in the same process."""
+    opts: list[str] = []
+    if cpus is not None:
+        opts += ["--cpus", ",".join(map(str, cpus))]
+    if parent_pid is not None:
+        opts += ["--parent", str(parent_pid), "--deathsig", deathsig]
+    return [sys.executable, EXEC_CHILD, *opts, "--", *argv]
 
 
 def _group_alive(pgid: int) -> bool:
@@ -425,17 +413,17 @@ class LocalCluster:
         self._critical += 1  # a Ctrl-C now must not leave a started child unrecorded
         try:
             s.proc = subprocess.Popen(
-                s.argv,
+                child_argv(
+                    s.argv,
+                    # a restart on the healing thread: no death signal, which follows the thread, not the process
+                    os.getpid() if threading.current_thread() is threading.main_thread() else None,
+                    s.spec.cpus if s.spec is not None else None,
+                ),
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env=env,
-                preexec_fn=_child_preexec(
-                    os.getpid(),
-                    s.spec.cpus if s.spec is not None else None,
-                    deathsig=threading.current_thread() is threading.main_thread(),
-                ),
             )
             self._tell_reaper(str(s.proc.pid))  # its own session: pgid == pid
         finally:
@@ -613,6 +601,10 @@ class LocalCluster:
                             self._announce(f"{s.name} failed {h.probe_failures} liveness probes in a row: killing it")
                             self._kill_group(s)
                             rc, reason = s.proc.wait(), "liveness"
+                    elif now - h.started_at > pol.startup_timeout_s:
+                        self._announce(f"{s.name} is not serving {now - h.started_at:.0f}s after its start: killing it")
+                        self._kill_group(s)
+                        rc, reason = s.proc.wait(), "startup"
                 if rc is None:
                     continue
                 if h.restart_at is None:
@@ -625,7 +617,7 @@ class LocalCluster:
                     h.restart_at, h.exit_code, h.reason, h.delay_s = now + delay, rc, reason, delay
                     self._announce(
                         f"{s.name} exited with status {rc}"
-                        f"{' (liveness probe failed)' if reason == 'liveness' else ''}; restarting it in "
+                        f"{_WHY.get(reason, '')}; restarting it in "
                         f"{delay:g}s (restart {h.consecutive} in a row, policy {pol.mode})"
                     )
                 if time.monotonic() >= h.restart_at:

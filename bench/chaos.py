@@ -579,6 +579,7 @@ def run_chaos(cfg: ChaosConfig, work_dir: str | os.PathLike[str] | None = None) 
         liveness_period_s=1.0,
         liveness_timeout_s=2.0,
         liveness_failures=3,
+        startup_timeout_s=60.0,
     )
     restarts: list[str] = []
     cluster = LocalCluster(topo, log_dir=work / "logs", num_routers=2, restart_policy=policy, echo=restarts.append)

@@ -9,7 +9,8 @@ Restarts are delayed by an exponential back-off (Kubernetes' CrashLoopBackOff: 1
 10 min of running; a local cluster starts in seconds, so the defaults here are scaled down), so a service that
 crashes at startup does not spin. Under a policy other than ``never`` a liveness probe also runs: a service that was
 serving and then fails ``liveness_failures`` health checks in a row (a pod whose TP rank died reports NOT_SERVING; a
-frozen one does not answer) is killed, which counts as a failure and so restarts it.
+frozen one does not answer) is killed, which counts as a failure and so restarts it; so is a restarted service that
+does not serve within ``startup_timeout_s`` (stuck while starting).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ class RestartPolicy:
     liveness_period_s: float = 2.0
     liveness_timeout_s: float = 2.0
     liveness_failures: int = 3  # consecutive failed probes (after the service first served) that get it killed
+    startup_timeout_s: float = 180.0  # a restarted service not SERVING by then is killed (Kubernetes' startupProbe)
 
     def __post_init__(self) -> None:
         if self.mode not in RESTART_MODES:
             raise ValueError(f"restart policy must be one of {', '.join(RESTART_MODES)}, got {self.mode!r}")
         if not 0 <= self.backoff_s <= self.backoff_max_s:
             raise ValueError(f"need 0 <= backoff_s ({self.backoff_s}) <= backoff_max_s ({self.backoff_max_s})")
-        for name in ("reset_after_s", "liveness_period_s", "liveness_timeout_s"):
+        for name in ("reset_after_s", "liveness_period_s", "liveness_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.liveness_failures < 1:
@@ -61,7 +63,7 @@ class ServiceHealth:
     consecutive: int = 0  # restarts in the current crash loop (reset once a run lasts reset_after_s)
     restart_at: float | None = None  # when the pending restart is due
     exit_code: int | None = None  # the exit that the pending restart follows
-    reason: str = "exited"  # why: "exited", or "liveness" (killed after failed probes)
+    reason: str = "exited"  # why: "exited", "liveness" (killed after failed probes) or "startup" (never served)
     delay_s: float = 0.0  # the back-off of the pending restart
     serving: bool = False  # has answered SERVING since it was (re)started: liveness probes count from then
     probe_failures: int = 0
@@ -72,7 +74,7 @@ class ServiceHealth:
 class RestartEvent:
     service: str
     exit_code: int
-    reason: str  # "exited" or "liveness"
+    reason: str  # "exited", "liveness" or "startup"
     delay_s: float
     at: float  # time.monotonic() of the restart
     pid: int

@@ -188,6 +188,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help=f"longest delay between restarts (default {d.backoff_max_s:g})",
     )
+    p.add_argument(
+        "--restart-startup-timeout",
+        type=float,
+        default=d.startup_timeout_s,
+        metavar="S",
+        help=f"a restarted service not serving within S seconds is killed (default {d.startup_timeout_s:g})",
+    )
     add_security_arguments(p)
     p.set_defaults(func=run_up)
     return p
@@ -268,7 +275,12 @@ def run_up(args: argparse.Namespace) -> int:
     from pdserve.cluster.restart import RestartPolicy
 
     try:
-        policy = RestartPolicy(args.restart, backoff_s=args.restart_backoff, backoff_max_s=args.restart_backoff_max)
+        policy = RestartPolicy(
+            args.restart,
+            backoff_s=args.restart_backoff,
+            backoff_max_s=args.restart_backoff_max,
+            startup_timeout_s=args.restart_startup_timeout,
+        )
     except ValueError as e:
         _err(str(e))
         return 2

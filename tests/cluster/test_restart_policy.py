@@ -60,6 +60,7 @@ def cluster(tmp_path_factory, tiny):
         liveness_period_s=1.0,
         liveness_timeout_s=2.0,
         liveness_failures=2,
+        startup_timeout_s=30.0,
     )
     lines: list[str] = []
     c = e2e_cluster(
@@ -159,6 +160,22 @@ def test_killed_router_restarts_and_the_pods_register_with_it_again(cluster):
     with Client(cluster.router_addresses[1], timeout=60) as client:
         client.wait_ready(60)
         assert list(client.generate(PROMPT, max_tokens=6, temperature=0, ignore_eos=True).token_ids) == before
+
+
+def test_a_restarted_service_stuck_while_starting_is_killed_and_started_again(cluster):
+    """A router that is restarted and then hangs before it serves (SIGSTOPped at once) is killed after the startup
+    timeout, as Kubernetes' startupProbe would, and started again; the next start serves."""
+    svc = cluster.service("router-1")
+    before = sum(e.service == "router-1" for e in cluster.restart_events)
+    os.killpg(svc.pid, signal.SIGKILL)
+    _wait_restarted(cluster, "router-1", before + 1)
+    os.killpg(svc.pid, signal.SIGSTOP)
+    _wait_restarted(cluster, "router-1", before + 2, timeout=120)
+    assert any(e.service == "router-1" and e.reason == "startup" for e in cluster.restart_events)
+    assert any("router-1 is not serving" in line for line in cluster.lines)
+    for name in ("p0", "d0"):
+        _wait_ready_everywhere(cluster, name)
+    assert len(_answer(cluster)) == 6
 
 
 def test_policy_never_leaves_a_dead_service_down(tmp_path, tiny):

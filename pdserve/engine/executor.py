@@ -323,6 +323,7 @@ class Executor:
             self._restore_driver()
             raise
         self._last_broadcast = time.monotonic()
+        self._broken = False
 
     @classmethod
     def create(
@@ -409,10 +410,14 @@ class Executor:
         return self.runner.kv_cache
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        if self.channel is not None:
-            self.channel.send(step)
-            self._last_broadcast = time.monotonic()
-        logits = self.runner.execute(step)
+        try:
+            if self.channel is not None:
+                self.channel.send(step)
+                self._last_broadcast = time.monotonic()
+            logits = self.runner.execute(step)
+        except RankFailure:
+            self._broken = True  # the ranks are out of step: shutdown stops them without a last broadcast
+            raise
         assert logits is not None
         return logits
 
@@ -424,9 +429,13 @@ class Executor:
             mine = e
         if self.channel is None:
             return [mine]
-        self.channel.send(RankCall(fn, args))
-        self._last_broadcast = time.monotonic()
-        out = self.channel.gather(mine)
+        try:
+            self.channel.send(RankCall(fn, args))
+            self._last_broadcast = time.monotonic()
+            out = self.channel.gather(mine)
+        except RankFailure:
+            self._broken = True
+            raise
         assert out is not None
         return out
 
@@ -473,7 +482,7 @@ class Executor:
                     self.channel.close()
             elif isinstance(self.channel, _ShmChannel):
                 try:
-                    if self.workers_alive():
+                    if self.workers_alive() and not self._broken:
                         self.channel.send(None, timeout_s=10.0)
                 except RankFailure as e:
                     log.warning("stopping the TP ranks: %s", e)

@@ -39,6 +39,7 @@ def test_which_exits_restart():
         (dict(backoff_s=5, backoff_max_s=1), "backoff_max_s"),
         (dict(liveness_failures=0), "liveness_failures"),
         (dict(liveness_period_s=0), "liveness_period_s"),
+        (dict(startup_timeout_s=0), "startup_timeout_s"),
     ],
 )
 def test_bad_policy_is_refused_with_the_field_named(bad, says):
@@ -60,7 +61,7 @@ def cluster(tmp_path_factory, tiny):
         liveness_period_s=1.0,
         liveness_timeout_s=2.0,
         liveness_failures=2,
-        startup_timeout_s=30.0,
+        startup_timeout_s=20.0,
     )
     lines: list[str] = []
     c = e2e_cluster(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.chaos import FAULT_KINDS, QUICK, ChaosConfig, Nemesis, _replayed, recovery_time, run_chaos
+from bench.chaos import FAULT_KINDS, FULL, ChaosConfig, Nemesis, _replayed, recovery_time, run_chaos
 from bench.soak import Outcome
 
 
@@ -17,7 +17,7 @@ def test_chaos_soak_heals_and_every_request_ends_once_with_right_tokens(tmp_path
     accepted status and a message before its deadline, after a prefix of those tokens; none hangs; every pod is
     READY again afterwards with all its KV free within the lease TTL; the token rate is back within 20% of the
     fault-free rate within 30 s of the last fault."""
-    rep = run_chaos(QUICK, tmp_path)
+    rep = run_chaos(FULL, tmp_path)
     summary = (
         f"requests {rep['requests']}, completed {rep['completed']}, failed {rep['failed']}, faults "
         f"{rep['faults']}, restarts {rep['restarts']}, recovery {rep['recovery_s']}, logs {rep['log_dir']}"

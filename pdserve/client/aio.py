@@ -98,6 +98,11 @@ class AsyncGenerateStream:
         return self._done
 
     @property
+    def router(self) -> str:
+        """Address of the router the current (or last) attempt went to."""
+        return self._client.addresses[self._on]
+
+    @property
     def client_ttft_s(self) -> float | None:
         return None if self._t_first is None else self._t_first - self._t0
 

@@ -108,6 +108,11 @@ class GenerateStream:
         return self._done
 
     @property
+    def router(self) -> str:
+        """Address of the router the current (or last) attempt went to ("" for a stream on a bare stub)."""
+        return self._addresses[self._on]
+
+    @property
     def client_ttft_s(self) -> float | None:
         """Seconds from the call to the first token, measured here (None before it arrives)."""
         return None if self._t_first is None else self._t_first - self._t0

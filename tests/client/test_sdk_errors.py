@@ -326,17 +326,21 @@ def test_failover_to_the_next_router_before_the_first_token(srv, servicer):
         assert c.address == DEAD and c.addresses == [DEAD, srv.address]
         for _ in range(4):  # whichever router round robin starts with, every call completes
             assert c.generate("hi").text == "ok"
+            stream = c.generate_stream("hi")
+            assert "".join(stream.text_chunks()) == "ok" and stream.router == srv.address  # where it was answered
         assert c.cluster_status() is not None
-    assert len(servicer.calls) == 4
+    assert len(servicer.calls) == 8
 
     async def run():
         async with AsyncClient(f"{DEAD},{srv.address}", retry=FAST_RETRY) as ac:
             for _ in range(4):
                 assert (await ac.generate("hi")).text == "ok"
+                stream = ac.generate_stream("hi")
+                assert (await stream.until_done()).text == "ok" and stream.router == srv.address
             await ac.cluster_status()
 
     asyncio.run(run())
-    assert len(servicer.calls) == 8
+    assert len(servicer.calls) == 16
 
 
 def test_calls_spread_over_the_routers(srv):

@@ -201,7 +201,7 @@ def test_sigkill_one_router_under_load(cluster, tiny_model):
 
     async def main():
         await wait_for("pods idle with all KV free", lambda: kv_all_free(r0))
-        streaming = 0
+        streaming = {r0: 0, r1: 0}  # requests that have a token, by the router they stream from
         killed = asyncio.Event()
 
         async with AsyncClient([r0, r1], timeout=120) as c:
@@ -209,23 +209,26 @@ def test_sigkill_one_router_under_load(cluster, tiny_model):
             async def one(i: int, p: list[int]):
                 if i >= 24:  # the second half starts around the kill: no token before it
                     await killed.wait()
-                nonlocal streaming
                 s = c.generate_stream(p, max_tokens=max_tokens, temperature=0, ignore_eos=True)
-                got = False
+                on = None
                 try:
                     async for chunk in s:
-                        if chunk.token_ids and not got:
-                            got = True
-                            streaming += 1
+                        if chunk.token_ids and on is None:
+                            on = s.router
+                            streaming[on] += 1
                     return s.completion
                 except GenerationFailedError as e:
                     return e
                 finally:
-                    if got:
-                        streaming -= 1
+                    if on is not None:
+                        streaming[on] -= 1
 
             tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(ps)]
-            await wait_for("8 requests streaming", lambda: asyncio.sleep(0, streaming >= 8), every=0.005)
+            await wait_for(
+                "8 requests streaming, 2 of them from router-1",
+                lambda: asyncio.sleep(0, sum(streaming.values()) >= 8 and streaming[r1] >= 2),
+                every=0.005,
+            )
             cluster.kill("router-1")
             killed.set()
             results = await asyncio.gather(*tasks)

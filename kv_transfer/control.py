@@ -164,7 +164,9 @@ class ControlClient:
         self._lock = threading.Lock()
 
     def connect(self, timeout_s: float) -> None:
-        """Connect, retrying refused connections until ``timeout_s`` (the peer may still be starting)."""
+        """Connect within ``timeout_s``, retrying transient failures. A refused connection is not retried: a
+        publisher listens before its pod hands out any lease, so nobody listening means the prefill pod that held
+        the KV is gone (or restarted on another port), and waiting would only hold up the decode pod."""
         deadline = time.monotonic() + timeout_s
         delay = 0.02
         while True:
@@ -176,6 +178,10 @@ class ControlClient:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except (socket.timeout, TimeoutError):
                 continue
+            except ConnectionRefusedError:
+                raise TransferUnavailable(
+                    f"kv publisher at {self.endpoint} refused the connection: the prefill pod holding this KV is gone"
+                ) from None
             except OSError:
                 time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
                 delay = min(delay * 2, 0.5)
@@ -376,6 +382,10 @@ class ControlServer:
                 sock, addr = self._lsock.accept()
             except (socket.timeout, TimeoutError):
                 continue
+            except ConnectionRefusedError:
+                raise TransferUnavailable(
+                    f"kv publisher at {self.endpoint} refused the connection: the prefill pod holding this KV is gone"
+                ) from None
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -126,6 +126,18 @@ def _memcpy_gbps(nbytes: int, repeat: int, huge: bool = False) -> float:
     return nbytes / best / 1e9
 
 
+def _stop_child(conn: Any, proc: Any, answer_s: float = 10) -> None:
+    """Ask a bench child process (a prefill side) to exit, wait a bounded time for it, then kill what is left."""
+    try:
+        conn.send(("exit", None))
+        conn.poll(answer_s)
+    except (OSError, EOFError):
+        pass
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
 def _ucx_tcp_main(conn: Any, token_counts: list[int], repeat: int) -> None:
     """NIXL with both sides' UCX held to TCP (as between nodes without RDMA), decode TP 1, in a process of its own:
     UCX takes its transports per process, so they must not reach the other rows' pullers."""
@@ -154,14 +166,7 @@ def _ucx_tcp_main(conn: Any, token_counts: list[int], repeat: int) -> None:
     except BaseException as e:  # reported in the result
         conn.send(("err", f"{type(e).__name__}: {e}"))
     finally:
-        try:
-            pconn.send(("exit", None))
-            pconn.poll(10)
-        except (OSError, EOFError):
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        _stop_child(pconn, proc)
 
 
 def _ucx_tcp_rows(token_counts: list[int], repeat: int, raw: dict[str, Any]) -> tuple[list[dict], dict[str, float]]:
@@ -407,14 +412,7 @@ def _streaming(
     finally:
         if puller is not None:
             puller.close()
-        try:
-            conn.send(("exit", None))
-            conn.poll(30)
-        except (OSError, EOFError):
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        _stop_child(conn, proc, answer_s=30)
     return rows, raw, ratios
 
 
@@ -573,14 +571,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             if a and b:
                 ratios[f"nixl_vs_tcp_{tokens}"] = a["GBps"] / b["GBps"]
     finally:
-        try:
-            conn.send(("exit", None))
-            conn.poll(10)
-        except (OSError, EOFError):
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        _stop_child(conn, proc)
     if nixl_ok:  # NIXL between nodes without RDMA: UCX held to TCP, beside CMA and the TCP fallback above
         u_rows, u_ratios = _ucx_tcp_rows(token_counts if not quick else token_counts[:1], repeat, raw)
         rows += u_rows

@@ -33,14 +33,17 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
-def _wait_descendants(root: psutil.Process, at_least: int, timeout: float = 60) -> list[int]:
+def _wait_descendants(root: psutil.Process, at_least: int, before: set[int], timeout: float = 60) -> list[int]:
+    """root's descendants that were not there ``before`` (earlier tests' helpers, such as multiprocessing's resource
+    tracker, live on in this process), once there are ``at_least`` of them."""
     end = time.monotonic() + timeout
+    kids: list[int] = []
     while time.monotonic() < end:
-        kids = root.children(recursive=True)
+        kids = [k.pid for k in root.children(recursive=True) if k.pid not in before]
         if len(kids) >= at_least:
-            return [k.pid for k in kids]
+            return kids
         time.sleep(0.1)
-    raise AssertionError(f"only {len(root.children(recursive=True))} descendants after {timeout}s")
+    raise AssertionError(f"only {len(kids)} new descendants after {timeout}s")
 
 
 def _gone(pids: list[int], timeout: float) -> list[int]:
@@ -65,11 +68,12 @@ def test_stop_kills_every_group_member_including_stubborn_ones(tmp_path):
         )
         for i in range(3)
     ]
+    before = {k.pid for k in psutil.Process().children(recursive=True)}
     c._start_reaper()
     for s in c.services:
         c._spawn(s)
     # 3 services x (1 + 2 ranks + 1 subprocess + the spawn resource tracker) + the reaper
-    pids = _wait_descendants(psutil.Process(), at_least=3 * 4 + 1)
+    pids = _wait_descendants(psutil.Process(), at_least=3 * 4 + 1, before=before)
     t = time.monotonic()
     c.stop(grace=1.0)
     assert time.monotonic() - t < 20
@@ -87,7 +91,7 @@ def test_sigkilled_supervisor_takes_its_services_with_it(tmp_path):
     try:
         line = sup.stdout.readline()
         assert line.startswith("pids"), line
-        pids = _wait_descendants(psutil.Process(sup.pid), at_least=2 * 4 + 1)
+        pids = _wait_descendants(psutil.Process(sup.pid), at_least=2 * 4 + 1, before=set())
         sup.kill()
         sup.wait(10)
         left = _gone(pids, 15)

@@ -24,7 +24,7 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 def _engine_request(engine, prompt: str, new_tokens: int) -> tuple[float, float]:
     """(ttft_s, s per token after the first) of one request on the in-process engine."""
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))

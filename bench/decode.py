@@ -46,7 +46,7 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 def _pod_decode_tok_s(pod, prefill, prompts: list[list[int]], new_tokens: int) -> float:
     """Submit every request (KV pulled from prefill's publisher), then time the decode steps until all finished."""
     from decode_svc.kv_source import PullerFactory, TransferKVSource
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     factory = PullerFactory.for_engine(pod.engine, backend="tcp")
@@ -80,7 +80,7 @@ def _hf_decode_tok_s(model, prompts: list[list[int]], new_tokens: int, repeat: i
 
 def _engine_decode_tok_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
     """The in-process engine: prefill every prompt, then time the decode steps (tokens after the first)."""
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     ids = {engine.add_request(p, sp) for p in prompts}
@@ -393,7 +393,7 @@ def _sampling_cost(quick: bool) -> tuple[list[dict], dict[str, float], dict[str,
     headline is the fastest step of each (robust to other load on the machine); medians are in the JSON too."""
     from pdserve.default_model import ensure_default_model
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
     from pdserve.structured import StructuredSpec
 
     bs, new_tokens, rounds = 8, (8 if quick else 16), (10 if quick else 20)  # short rounds: more quiet windows

@@ -15,7 +15,7 @@ import torch
 from bench.common import timed
 from pdserve.default_model import ensure_default_model
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 
 def _prompt_ids(tok, n: int, salt: int) -> list[int]:

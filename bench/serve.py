@@ -190,7 +190,7 @@ def step_times(
     import torch
 
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     was = (os.sched_getaffinity(0), torch.get_num_threads())
     os.sched_setaffinity(0, cores)

@@ -525,7 +525,7 @@ def offline_reference(
     import torch
 
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     out = {}
     threads = torch.get_num_threads()

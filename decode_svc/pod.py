@@ -29,7 +29,7 @@ from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import AlreadyExists
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 
 log = logging.getLogger("decode_svc.pod")

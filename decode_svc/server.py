@@ -26,6 +26,7 @@ from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, grpc_errors
+from pdserve.heap import freeze_startup_heap
 from pdserve.parallel_config import kv_dtype_mismatch
 from pdserve.pod.convert import (
     kv_handle_to_handoff,
@@ -37,7 +38,7 @@ from pdserve.pod.convert import (
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
 from pdserve.pod.registrar import Registrar
 from pdserve.pod.sampling import engine_params, num_sequences, refuse_unsupported
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 from pdserve.security import bind, grpc_options
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
 
@@ -598,6 +599,7 @@ async def serve(config: DecodeConfig, ready: Callable[[DecodeServer], None] | No
         await server.stop()
 
     on_stop_signals(_shutdown)
+    freeze_startup_heap("decode pod")
     if ready is not None:
         ready(server)
     await server.wait_stopped()

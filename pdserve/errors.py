@@ -11,7 +11,7 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
-from pdserve.sampling import SamplingParamsError
+from pdserve.sampling_params import SamplingParamsError
 
 
 class ServiceError(Exception):

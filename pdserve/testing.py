@@ -161,7 +161,7 @@ class EnginePrefill:
 
     def prefill(self, prompt: list[int]) -> tuple[int, float]:
         """Greedy first token and its logprob; the prompt's KV stays in this engine's blocks."""
-        from pdserve.sampling import SamplingParams
+        from pdserve.sampling_params import SamplingParams
 
         key = tuple(prompt)
         if key not in self._done:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.pod.sampling import engine_params, num_sequences, refuse_unsupported
-from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve_api.v1 import common_pb2 as pb
 
 

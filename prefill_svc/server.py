@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.errors import InvalidArgument, ServiceError, Unavailable, grpc_errors
+from pdserve.heap import freeze_startup_heap
 from pdserve.parallel_config import kv_dtype_mismatch
 from pdserve.pod.convert import (
     endpoints_address,
@@ -27,7 +28,7 @@ from pdserve.pod.convert import (
 )
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, run_loop, set_health, version
 from pdserve.pod.registrar import Registrar
-from pdserve.sampling import SamplingParamsError
+from pdserve.sampling_params import SamplingParamsError
 from pdserve.security import bind, grpc_options
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2
@@ -391,6 +392,7 @@ async def serve(config: PrefillConfig, on_ready=None) -> None:
     server = PrefillServer(config)
     await server.start()
     on_stop_signals(lambda _name: server.begin_drain())
+    freeze_startup_heap("prefill pod")
     if on_ready is not None:
         on_ready(server)
     await server.wait_stopped()

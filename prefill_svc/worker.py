@@ -31,7 +31,7 @@ from pdserve.engine.shm import RankFailure
 from pdserve.errors import ServiceError
 from pdserve.pod.convert import kv_layout_for_model
 from pdserve.pod.engine_thread import EngineThread
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 from prefill_svc.config import PrefillConfig
 from prefill_svc.sampling import ClientParams
 from prefill_svc.kv import KVHost, LeaseStart

@@ -19,7 +19,7 @@ import grpc
 from pdserve.engine.config import MAX_N
 from pdserve.errors import ServiceError
 from pdserve.pod.sampling import structured_spec, unsupported_fields
-from pdserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParamsError
+from pdserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParamsError
 from pdserve.structured import StructuredOutputError, check_spec
 from pdserve.security import aio_channel
 from pdserve.tokenizer import Tokenizer

@@ -44,6 +44,7 @@ from aiohttp import web
 
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.engine.config import MAX_N
+from pdserve.heap import freeze_startup_heap
 from pdserve.client.aio import AsyncGenerateStream
 from pdserve.client.types import GenerateChunk
 from pdserve.security import TLSConfig, check_https_serving, secrets_match
@@ -1167,6 +1168,7 @@ def main(argv: list[str] | None = None) -> int:
             tool_call_parser=cfg.tool_call_parser,
         )
         print(f"pdserve OpenAI-compatible API on {server.url}/v1 (router {cfg.router})", flush=True)
+        freeze_startup_heap("OpenAI front")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

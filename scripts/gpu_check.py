@@ -409,7 +409,7 @@ def check_mla_decode_flashinfer(ctx: Ctx) -> dict[str, Any]:
 def check_engine_fp32(ctx: Ctx) -> dict[str, Any]:
     """LLMEngine on the device, greedy, token-identical to transformers on the same device (fp32)."""
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     prompts = _prompts(ctx)
     sp = SamplingParams(temperature=0, max_tokens=ctx.new_tokens, ignore_eos=True)
@@ -438,7 +438,7 @@ def check_engine_bf16(ctx: Ctx) -> dict[str, Any]:
     if not ctx.cuda:
         raise Skip("CUDA only: bf16 on CPU is covered by tests/pdserve/test_model_reference_bf16.py")
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     prompts = _prompts(ctx)
     sp = SamplingParams(temperature=0, max_tokens=ctx.new_tokens, ignore_eos=True)
@@ -467,7 +467,7 @@ def check_engine_mla(ctx: Ctx) -> dict[str, Any]:
     """A tiny random DeepSeek-V3 checkpoint (MLA + MoE) through LLMEngine on the device, greedy, token-identical to
     transformers on the same device (fp32): expanded MLA prefill, absorbed decode over the paged latent cache."""
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
     from pdserve.testing import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(

@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_offline(args: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     with LLMEngine(
         EngineConfig(

@@ -23,7 +23,8 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.model.config import ModelConfig
 from pdserve.parallel_config import ModelParallelInfo, validate_parallel_config
-from pdserve.sampling import MAX_LOGPROBS, Sampler, SamplingParams
+from pdserve.sampling import Sampler
+from pdserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.structured import GrammarBackend, StructuredOutputError
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -5,7 +5,7 @@ INVALID_ARGUMENT whichever service it talks to."""
 
 from __future__ import annotations
 
-from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.structured import StructuredOutputError, StructuredSpec
 from pdserve_api.v1 import common_pb2 as pb
 

@@ -52,7 +52,7 @@ class Handed(collections.abc.Sequence):
 
 
 def greedy(max_tokens: int):
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 

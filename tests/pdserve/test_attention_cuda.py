@@ -14,7 +14,7 @@ import torch
 from pdserve.attention import select_backend
 from pdserve.attention.torch_backend import attend
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from pdserve.model.config import ModelConfig, ModelConfigError
-from pdserve.sampling import SamplingParams, SamplingParamsError
+from pdserve.sampling_params import SamplingParams, SamplingParamsError
 
 
 @pytest.fixture()

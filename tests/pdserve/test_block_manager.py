@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.engine.block_manager import BlockManager, dcp_local_count, dcp_slot
 from pdserve.engine.sequence import Sequence
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 
 def _seq(i: int, n: int) -> Sequence:

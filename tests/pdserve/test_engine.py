@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

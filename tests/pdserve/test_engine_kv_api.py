@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine, RequestError
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 8, 61, 12]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -13,7 +13,7 @@ from decode_svc.kv_source import KVDeliveryError
 from pdserve.engine.llm_engine import RequestError
 from pdserve.engine.shm import RankFailure
 from pdserve.errors import AlreadyExists, InvalidArgument, ServiceError, Unavailable, grpc_errors, status_of
-from pdserve.sampling import SamplingParamsError
+from pdserve.sampling_params import SamplingParamsError
 from prefill_svc.worker import Exhausted
 
 

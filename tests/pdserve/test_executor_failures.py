@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.shm import RankFailure, proc_state, shm_supported
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.slow,

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVConnectorSpec, KVSaveRequest
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 from pdserve.testing import RecordingKVConnector
 
 

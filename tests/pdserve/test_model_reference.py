@@ -12,7 +12,7 @@ from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.model_runner import ModelRunner, StepInput
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 from hf_helpers import hf_greedy
 
 TINY_SHAPES = {

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 from tests.pdserve.test_model_reference import full_logits
 
 pytestmark = pytest.mark.timeout(600)

@@ -10,7 +10,7 @@ import torch
 from pdserve.engine.kv_cache import KVCacheLayout
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.model.config import ModelConfig, ModelConfigError
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 from hf_helpers import hf_greedy
 from tests.pdserve.test_model_reference import PROMPTS, full_logits, hf_logits
 

@@ -10,7 +10,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager, dcp_local_count
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine, RequestError, child_params
 from pdserve.engine.sequence import Sequence
-from pdserve.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 
 def _seq(rid: str, n: int) -> Sequence:

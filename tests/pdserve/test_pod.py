@@ -13,7 +13,7 @@ from pdserve.pod.convert import handoff_to_kv_handle, kv_handle_to_handoff, layo
 from pdserve.pod.lifecycle import MAX_ID_LEN, id_problem
 from pdserve.errors import ServiceError
 from pdserve.pod.sampling import unsupported_fields
-from pdserve.sampling import SamplingParamsError
+from pdserve.sampling_params import SamplingParamsError
 from pdserve_api.v1 import common_pb2 as pb
 from prefill_svc.sampling import sampling_from_proto
 from router.core import _check_sampling

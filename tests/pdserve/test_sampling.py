@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.sampling import Sampler, SamplingParams, _filtered_probs
+from pdserve.sampling import Sampler, _filtered_probs
+from pdserve.sampling_params import SamplingParams
 
 
 def test_top_k_and_top_p_restrict_support():
@@ -223,7 +224,7 @@ def test_top_logprobs_are_the_k_most_likely_of_the_raw_logits():
     ],
 )
 def test_out_of_range_params_are_refused_with_vllms_message(kw, msg):
-    from pdserve.sampling import SamplingParamsError
+    from pdserve.sampling_params import SamplingParamsError
 
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kw)

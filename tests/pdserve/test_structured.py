@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from pdserve.sampling import Sampler, SamplingParams
+from pdserve.sampling import Sampler
+from pdserve.sampling_params import SamplingParams
 from pdserve.structured import GrammarBackend, StructuredOutputError, StructuredSpec, check_spec
 from pdserve.tokenizer import Tokenizer
 

@@ -78,7 +78,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def reference(model, ps: list[list[int]], max_tokens: int) -> list[list[int]]:
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     with LLMEngine(EngineConfig(model=str(model), num_kv_blocks=512, enable_prefix_caching=False)) as eng:
         outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))

@@ -107,7 +107,8 @@ def test_drain_refuses_new_requests_waits_for_inflight_then_stops():
 
 def test_python_m_router_runs_on_the_chosen_event_loop(smollm2_path):
     """`--event-loop asyncio` runs the router on asyncio's own loop and the default on uvloop (a dev dependency,
-    installed here): the process says which loop serves it once it listens."""
+    installed here): the process says which loop serves it once it listens, and that it froze its startup heap out
+    of garbage collection (pdserve/heap.py) before it did."""
     import pytest
 
     pytest.importorskip("uvloop")
@@ -128,9 +129,25 @@ def test_python_m_router_runs_on_the_chosen_event_loop(smollm2_path):
                 seen.append(line)
                 assert time.monotonic() - t0 < 60
             assert any(f"event loop: {want}" in s for s in seen), seen
+            frozen = [int(m.group(1)) for s in seen if (m := re.search(r"router: (\d+) startup objects frozen", s))]
+            assert frozen and frozen[0] > 10_000, seen  # torch, grpc and protobuf alone leave ~10^5
             p.send_signal(signal.SIGTERM)
             assert p.wait(timeout=30) == 0
         finally:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_router_and_openai_front_start_without_importing_torch():
+    """The router validates requests with the torch-free pdserve.sampling_params: its process stays small (no
+    torch heap to hold or collect) and starts in a fraction of a second of imports."""
+    code = (
+        "import sys, router.server, router.openai_http, router.__main__\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -66,7 +66,7 @@ def engine(tiny):
 
 def engine_logits(engine, ids: list[int]) -> torch.Tensor:
     """The raw logits pdserve's engine computes for the token after ``ids`` (captured at its sampler)."""
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     seen: list[torch.Tensor] = []
     real = engine.sampler.sample

@@ -97,7 +97,7 @@ def test_mtls_client_with_key_gets_the_reference_tokens(cluster, tiny_model, pki
     """Client -> router -> prefill -> (KV over the authenticated control channel) -> decode -> client, all over
     mutual TLS: greedy tokens equal the engine's own greedy output."""
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     prompt = [5, 17, 99, 42, 7, 3, 250, 11, 64, 128, 200, 31, 9]
     with LLMEngine(EngineConfig(model=str(tiny_model), num_kv_blocks=64, enable_prefix_caching=False)) as eng:

@@ -10,7 +10,9 @@ Sides, one after the other on the same two cores (never two at once):
 
 Workload (fixed seed): chat-like, prompt tokens lognormal (median `prompt`, sigma 0.5, clipped to [16, 4 x median]),
 output tokens lognormal (median `output`, sigma 0.5, clipped to [4, 4 x median]), random token ids, greedy,
-ignore_eos. Arrivals Poisson at a sweep of rates; every side gets the same requests at the same offsets.
+ignore_eos. Arrivals Poisson at a sweep of rates; every side gets the same requests at the same offsets. Each rate
+(and the warm-up) gets prompts of its own, with the same lengths: a prompt sent again would be served from the prefix
+cache (vLLM's and pdserve's), and the sweep would measure cache hits instead of prefills.
 
 SLOs (vLLM's --goodput, settable with `--goodput ttft:MS tpot:MS`): by default scaled from this machine's measured
 step times (a shared CPU's speed varies from run to run; DistServe scales SLOs the same way): TTFT <= 5 x the
@@ -59,6 +61,12 @@ def workload(n: int, prompt: int, output: int, vocab: int, seed: int = SEED) -> 
         o = int(min(4 * output, max(4, rng.lognormvariate(math.log(output), 0.5))))
         out.append(([rng.randrange(100, vocab - 100) for _ in range(p)], o))
     return out
+
+
+def fresh_prompts(requests: Sequence[tuple[list[int], int]], vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """The same prompt and output lengths with new random token ids (no prefix shared with ``requests``)."""
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab - 100) for _ in ids], o) for ids, o in requests]
 
 
 def arrivals(n: int, rate: float, seed: int = SEED) -> list[float]:
@@ -164,11 +172,15 @@ def sweep(
     rates: Sequence[float],
     slo: SLO,
     timeout_s: float,
+    vocab: int,
 ) -> list[tuple[float, dict[str, Any]]]:
+    """``requests`` at each rate, with fresh prompts per rate (the same on every side: seeded by the rate's index)."""
     out = []
-    asyncio.run(run_load(base_url, model, requests[:2], 1e3, timeout_s))  # warm-up (first calls allocate)
-    for rate in rates:
-        recs, dur = asyncio.run(run_load(base_url, model, requests, rate, timeout_s))
+    warm = fresh_prompts(requests[:2], vocab, SEED - 1)
+    asyncio.run(run_load(base_url, model, warm, 1e3, timeout_s))  # warm-up (first calls allocate)
+    for i, rate in enumerate(rates):
+        reqs = fresh_prompts(requests, vocab, SEED + 1000 + i)
+        recs, dur = asyncio.run(run_load(base_url, model, reqs, rate, timeout_s))
         out.append((rate, summarize(recs, dur, slo)))
         print(
             f"  {rate:.3f} req/s: SLO attainment {out[-1][1]['slo_attainment']:.0%}, "
@@ -424,7 +436,7 @@ def run(
     rates = (
         list(rates)
         if rates
-        else [round(f * ceiling, 3) for f in ((0.15, 0.3, 0.5) if quick else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6))]
+        else [round(f * ceiling, 3) for f in ((0.15, 0.3, 0.5) if quick else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8))]
     )
     timeout_s = 120.0 if quick else 300.0
 
@@ -434,13 +446,13 @@ def run(
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-serve-") as tmp:
         logs = Path(tmp)
         if endpoint is not None:
-            results["endpoint"] = sweep(endpoint, model, reqs, rates, slo, timeout_s)
+            results["endpoint"] = sweep(endpoint, model, reqs, rates, slo, timeout_s, vocab)
         else:
             for kind in ("unified", "disaggregated"):
                 print(f"bench serve: {kind}", file=sys.stderr, flush=True)
                 cluster, http, served = _pdserve_side(kind, model, cores, logs)
                 try:
-                    results[kind] = sweep(http, served, reqs, rates, slo, timeout_s)
+                    results[kind] = sweep(http, served, reqs, rates, slo, timeout_s, vocab)
                 finally:
                     cluster.stop(grace=10.0)
             print("bench serve: vllm", file=sys.stderr, flush=True)
@@ -451,7 +463,7 @@ def run(
             else:
                 try:
                     vllm_info = {"settings": vllm.settings, "api": "vllm.entrypoints.openai.api_server"}
-                    results["vllm"] = sweep(vllm.url, model, reqs, rates, slo, timeout_s)
+                    results["vllm"] = sweep(vllm.url, model, reqs, rates, slo, timeout_s, vocab)
                 finally:
                     vllm.close()
 
@@ -523,6 +535,7 @@ def run(
             "output_median": output_med,
             "distribution": "lognormal sigma 0.5, clipped [16, 4x] / [4, 4x]",
             "seed": SEED,
+            "prompts": "fresh random token ids per rate (seed + 1000 + rate index), the lengths the same at every rate",
         },
         "ratios_are_lower_bounds": lower_bounds,
         "rates_rps": rates,

@@ -32,3 +32,15 @@ def test_poisson_arrivals_have_the_asked_rate():
     gaps = [b - a for a, b in zip([0.0, *t], t)]
     assert t == sorted(t) and statistics.mean(gaps) == pytest.approx(0.5, rel=0.05)
     assert statistics.pstdev(gaps) == pytest.approx(0.5, rel=0.1)  # exponential: sd = mean
+
+
+def test_fresh_prompts_keep_the_lengths_and_share_no_prefix():
+    """Each rate of a sweep sends prompts of its own: a repeated prompt would be a prefix-cache hit on every server."""
+    from bench.serve import fresh_prompts
+
+    base = workload(50, 64, 12, vocab=49152)
+    a, b = fresh_prompts(base, 49152, seed=1), fresh_prompts(base, 49152, seed=2)
+    assert [(len(p), o) for p, o in a] == [(len(p), o) for p, o in base] == [(len(p), o) for p, o in b]
+    assert a == fresh_prompts(base, 49152, seed=1)  # seeded: every side gets the same prompts at a rate
+    blocks = {tuple(p[:16]) for p, _ in base + a + b}  # first blocks (16 tokens): nothing shared across the sets
+    assert len(blocks) == 3 * len(base)

@@ -382,10 +382,6 @@ class ControlServer:
                 sock, addr = self._lsock.accept()
             except (socket.timeout, TimeoutError):
                 continue
-            except ConnectionRefusedError:
-                raise TransferUnavailable(
-                    f"kv publisher at {self.endpoint} refused the connection: the prefill pod holding this KV is gone"
-                ) from None
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -5,7 +5,7 @@ Decode Context Parallelism rests on."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 import torch
@@ -29,6 +29,8 @@ class AttentionMetadata:
     dcp_size: int = 1
     dcp_rank: int = 0
     dcp_interleave: int = 1
+    # A prefill step's leading sequences that decode one token each (vLLM's decode-first order in mixed batches).
+    num_decodes: int = 0
     # Tensors derived from the fields above, built once per step by the backend and reused by every layer.
     derived: dict = field(default_factory=dict, repr=False)
 
@@ -51,6 +53,36 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.cu_seqlens_q) - 1
+
+    def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """A mixed step as (its decode rows, one query each; its prompt chunks), built once and asked by every
+        layer: a backend runs the decodes as one batched decode instead of as one-token prefills."""
+        got = self.derived.get("split")
+        if got is None:
+            d, cu = self.num_decodes, self.cu_seqlens_q
+            dec = replace(
+                self,
+                is_prefill=False,
+                num_decodes=0,
+                slot_mapping=self.slot_mapping[: cu[d]],
+                cu_seqlens_q=cu[: d + 1],
+                query_start_pos=self.query_start_pos[:d],
+                context_lens=self.context_lens[:d],
+                block_tables=self.block_tables[:d],
+                derived={},
+            )
+            pre = replace(
+                self,
+                num_decodes=0,
+                slot_mapping=self.slot_mapping[cu[d] :],
+                cu_seqlens_q=[c - cu[d] for c in cu[d:]],
+                query_start_pos=self.query_start_pos[d:],
+                context_lens=self.context_lens[d:],
+                block_tables=self.block_tables[d:],
+                derived={},
+            )
+            got = self.derived["split"] = (dec, pre)
+        return got
 
 
 class AttentionBackend(Protocol):

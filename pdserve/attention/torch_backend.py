@@ -57,9 +57,15 @@ class TorchAttentionBackend:
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if meta.is_prefill:
+        if not meta.is_prefill:
+            return self._decode(q, kv_layer, meta, scale)
+        d = meta.num_decodes
+        if d == 0:
             return self._prefill(q, kv_layer, meta, scale, new_kv)
-        return self._decode(q, kv_layer, meta, scale)
+        dec, pre = meta.split_decodes()
+        o1, lse1 = self._decode(q[:d], kv_layer, dec, scale)
+        o2, lse2 = self._prefill(q[d:], kv_layer, pre, scale, new_kv and (new_kv[0][d:], new_kv[1][d:]))
+        return torch.cat([o1, o2]), torch.cat([lse1, lse2])
 
     def _prefill(self, q, kv_layer, meta, scale, new_kv):
         # The flash kernel takes strided [1, H, L, D] views and Hkv < Hq heads natively (bit-identical to expanding

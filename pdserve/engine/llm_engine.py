@@ -372,8 +372,8 @@ class LLMEngine:
         if self.kv_scheduler is not None:
             inp.kv_meta = self.kv_scheduler.build_connector_meta(step)
         logits = self.executor.execute(inp)
-        for seq, n in zip(step.seqs, step.chunk_lens):
-            if step.is_prefill:
+        for i, (seq, n) in enumerate(zip(step.seqs, step.chunk_lens)):
+            if i >= step.num_decodes:
                 self.num_prompt_tokens_computed += n
             seq.num_computed += n
             self.blocks.register_computed(seq)

@@ -40,13 +40,15 @@ class StepInput:
     # Driver only (never broadcast; only TP rank 0 computes logits): logits rows after the sampled ones, per
     # sequence asking for prompt logprobs: (index into step.seqs, first row, rows, first position).
     prompt_rows: list[tuple[int, int, int, int]] | None = None
+    num_decodes: int = 0  # the leading sequences decode one token each (ScheduledStep.num_decodes)
 
     def encode(self) -> bytes:
-        """[is_prefill, T, B, L, dcp, meta bytes, table widths...] then every array, then the encoded kv_meta."""
+        """[is_prefill, decodes, T, B, L, dcp, meta bytes, table widths...], every array, then the encoded kv_meta."""
         dcp = len(self.slot_mappings)
         extra = b"" if self.kv_meta is None else self.kv_meta.encode()
         t, b, n_logits = self.input_ids.numel(), len(self.query_start_pos), self.logits_indices.numel()
-        head = [int(self.is_prefill), t, b, n_logits, dcp, len(extra), *(bt.shape[1] for bt in self.block_tables)]
+        head = [int(self.is_prefill), self.num_decodes, t, b, n_logits, dcp, len(extra)]
+        head += [bt.shape[1] for bt in self.block_tables]
         parts = [
             torch.tensor(head + self.cu_seqlens_q + self.query_start_pos + self.sample_rows, dtype=torch.int64),
             self.input_ids,
@@ -60,11 +62,11 @@ class StepInput:
 
     @staticmethod
     def decode(data: bytes) -> "StepInput":
-        is_prefill, t, b, n_logits, dcp, n_extra = struct.unpack_from("<6q", data)
+        is_prefill, num_decodes, t, b, n_logits, dcp, n_extra = struct.unpack_from("<7q", data)
         n_ints = (len(data) - n_extra) // 8
         a = torch.frombuffer(bytearray(data[: n_ints * 8]), dtype=torch.int64)
-        widths = a[6 : 6 + dcp].tolist()
-        at = 6 + dcp
+        widths = a[7 : 7 + dcp].tolist()
+        at = 7 + dcp
 
         def take(n: int) -> torch.Tensor:
             nonlocal at
@@ -89,6 +91,7 @@ class StepInput:
             ctx,
             tables,
             meta,
+            num_decodes=num_decodes,
         )
 
 
@@ -146,6 +149,7 @@ def build_step_input(step: ScheduledStep, block_size: int, dcp: int, interleave:
         context_lens=[torch.tensor(c, dtype=torch.int64) for c in ctx],
         block_tables=tables,
         prompt_rows=prompt_rows or None,
+        num_decodes=step.num_decodes,
     )
 
 
@@ -213,6 +217,7 @@ class ModelRunner:
             dcp_size=self.ps.dcp_size,
             dcp_rank=r,
             dcp_interleave=self.ps.dcp_interleave,
+            num_decodes=step.num_decodes,
         )
         conn, kv_meta = self.kv_connector, step.kv_meta
         hook = None

@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run this step, chunked prefill, admission by free KV, preemption.
 
-A step is either a prefill step (chunks of prompts, each capped at prefill_chunk_size, all within
-max_num_batched_tokens) or a decode step (one token for every running sequence). When both kinds of work wait the
-scheduler alternates, so a stream of prompts never stalls decoding and long prompts never stall short ones."""
+Every step first gives each decodable sequence its next token, then fills what is left of max_num_batched_tokens
+with prompt chunks (each capped at prefill_chunk_size), as vLLM's V1 scheduler does: decode rows ride along in the
+prompt's step, so a stream of prompts slows decoding by the chunk's cost only and never stalls it for a whole step.
+Decode rows come first in a step (ScheduledStep.num_decodes), so the attention backend batches them as one."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 
 @dataclass
 class ScheduledStep:
-    is_prefill: bool
+    is_prefill: bool  # some prompt chunk runs this step (else every row is a decode)
     seqs: list[Sequence]
     chunk_lens: list[int]  # new tokens computed per sequence this step
+    num_decodes: int = 0  # the leading seqs that decode one token each
 
 
 class Scheduler:
@@ -31,7 +33,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: holding blocks (prefilling or decoding)
         self.awaiting_kv: dict[str, Sequence] = {}
-        self._last_was_prefill = False
         self.num_preemptions = 0  # for metrics and tests
 
     @property
@@ -42,19 +43,15 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledStep | None:
-        decodable = [s for s in self.running if not s.prefilling]
-        want_prefill = any(s.prefilling for s in self.running) or bool(self.waiting)
-        if want_prefill and not (self._last_was_prefill and decodable):
-            step = self._schedule_prefill()
-            if step is not None:
-                self._last_was_prefill = True
-                return step
-        self._last_was_prefill = False
-        return self._schedule_decode()
+        decodes = self._schedule_decode(self.max_num_batched_tokens)
+        seqs, chunks = self._schedule_prefill(self.max_num_batched_tokens - len(decodes))
+        if not decodes and not seqs:
+            return None
+        return ScheduledStep(bool(seqs), decodes + seqs, [1] * len(decodes) + chunks, len(decodes))
 
-    def _schedule_prefill(self) -> ScheduledStep | None:
-        budget = self.max_num_batched_tokens
-        seqs, chunks = [], []
+    def _schedule_prefill(self, budget: int) -> tuple[list[Sequence], list[int]]:
+        seqs: list[Sequence] = []
+        chunks: list[int] = []
         for seq in [s for s in self.running if s.prefilling]:
             n = min(seq.num_tokens - seq.num_computed, self.prefill_chunk_size, budget)
             if n <= 0 or not self.blocks.can_allocate(seq, seq.num_computed + n):
@@ -78,10 +75,12 @@ class Scheduler:
             seqs.append(seq)
             chunks.append(n)
             budget -= n
-        return ScheduledStep(True, seqs, chunks) if seqs else None
+        return seqs, chunks
 
-    def _schedule_decode(self) -> ScheduledStep | None:
-        ready = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.arrival)
+    def _schedule_decode(self, budget: int) -> list[Sequence]:
+        """The oldest decodable sequences (at most budget), each with a block for its next token; preempts the
+        youngest sequences when blocks run out."""
+        ready = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.arrival)[:budget]
         scheduled: list[Sequence] = []
         for seq in ready:
             if seq.status is not SeqStatus.RUNNING:
@@ -98,7 +97,7 @@ class Scheduler:
                 continue
             self.blocks.allocate(seq, seq.num_tokens)
             scheduled.append(seq)
-        return ScheduledStep(False, scheduled, [1] * len(scheduled)) if scheduled else None
+        return scheduled
 
     def _youngest(self, exclude: Sequence) -> Sequence | None:
         cands = [s for s in self.running if s is not exclude]

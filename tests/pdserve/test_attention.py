@@ -1,5 +1,6 @@
 """Attention with LSE: partial attentions over disjoint key subsets merge to full attention; paged decode equals
-paged prefill; a rank with no keys contributes nothing."""
+paged prefill; a mixed step (decodes first, then prompt chunks) equals its parts run alone; a rank with no keys
+contributes nothing."""
 
 from __future__ import annotations
 
@@ -73,6 +74,33 @@ def test_paged_decode_matches_prefill_last_row():
     assert torch.allclose(out_p[-1], out_d[0], atol=1e-6) and torch.allclose(lse_p[-1], lse_d[0], atol=1e-6)
 
 
+def test_mixed_step_equals_its_decodes_and_chunks_alone():
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, bs = 4, 2, 8, 4
+    kv = torch.randn(2, 16, bs, hkv, d, generator=g)  # every slot already holds some key
+    tables = torch.tensor([[3, 7, 1, 0], [9, 2, 0, 0], [4, 5, 6, 8], [11, 12, 13, 0]])
+    # two decodes (contexts 13 and 6), a later chunk (positions 8..13) and a first chunk (positions 0..9)
+    starts, lens = [12, 5, 8, 0], [1, 1, 6, 10]
+    ctx = torch.tensor([s + n for s, n in zip(starts, lens)])
+    cu = [0, 1, 2, 8, 18]
+    slots = torch.cat(
+        [tables[i, (p := torch.arange(s, s + n)) // bs] * bs + p % bs for i, (s, n) in enumerate(zip(starts, lens))]
+    )
+    q = torch.randn(cu[-1], hq, d, generator=g)
+    be = TorchAttentionBackend()
+    mixed = AttentionMetadata(True, slots, cu, starts, ctx, tables, num_decodes=2)
+    out, lse = be.forward(q, kv, mixed, 0.3)
+    dec = AttentionMetadata(False, slots[:2], cu[:3], starts[:2], ctx[:2], tables[:2])
+    pre = AttentionMetadata(True, slots[2:], [0, 6, 16], starts[2:], ctx[2:], tables[2:])
+    out_d, lse_d = be.forward(q[:2], kv, dec, 0.3)
+    out_p, lse_p = be.forward(q[2:], kv, pre, 0.3)
+    assert torch.equal(out, torch.cat([out_d, out_p])) and torch.equal(lse, torch.cat([lse_d, lse_p]))
+    # and each decode row is what a one-token prefill of it gives
+    one = AttentionMetadata(True, slots[:1], [0, 1], starts[:1], ctx[:1], tables[:1])
+    out_1, lse_1 = be.forward(q[:1], kv, one, 0.3)
+    assert torch.allclose(out[0], out_1[0], atol=1e-6) and torch.allclose(lse[0], lse_1[0], atol=1e-6)
+
+
 def test_flashinfer_mla_page_table_covers_the_torch_decode_slots():
     """The CSR page table handed to flashinfer's MLA wrapper names, token for token, the cache slots the torch MLA
     decode reads (DCP-sharded lengths, an empty shard, scattered blocks, padded tables)."""
@@ -100,3 +128,4 @@ def test_select_mla_backend_keeps_torch_off_cuda(caplog):
     with caplog.at_level("INFO", logger="pdserve.attention"):
         mla = select_mla_backend(select_backend("cpu"))
     assert mla.name == "torch" and "MLA attention backend: torch" in caplog.text
+

@@ -54,3 +54,45 @@ def test_cancel_frees_blocks_immediately(tiny_factory):
         for rid in ids[1::2]:
             eng.abort(rid)
         assert eng.blocks.num_free() == 64 and not eng.has_unfinished()
+
+
+def test_prompt_chunks_ride_with_decodes_within_the_token_budget(tiny_factory):
+    """A prompt arriving while others decode never gets a step of its own: each step carries every decode first,
+    then prompt chunks in what is left of max_num_batched_tokens; tokens are still those of solo runs."""
+    path = tiny_factory("llama", num_heads=8, num_kv_heads=2)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = _prompts(4, 2)
+    prompts[3] = [(7 * i) % 250 + 3 for i in range(60)]  # a long one, chunked
+    with LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=256)) as eng:
+        solo = [eng.generate([p], sp)[0]["token_ids"] for p in prompts]
+    cfg = EngineConfig(
+        model=str(path), block_size=4, num_kv_blocks=256, max_num_batched_tokens=16, prefill_chunk_size=8
+    )
+    with LLMEngine(cfg) as eng:
+        steps = []
+        schedule = eng.scheduler.schedule
+
+        def recording():
+            step = schedule()
+            if step is not None:
+                steps.append((step.num_decodes, list(step.chunk_lens), step.is_prefill))
+            return step
+
+        eng.scheduler.schedule = recording
+        ids = [eng.add_request(prompts[0], sp)]
+        got: dict[str, list[int]] = {}
+        for k in range(200):
+            if k in (2, 3, 5):
+                ids.append(eng.add_request(prompts[len(ids)], sp))
+            for out in eng.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if not eng.has_unfinished():
+                break
+        assert eng.blocks.num_free() == 256
+    assert [got[i] for i in ids] == solo
+    mixed = [s for s in steps if s[0] and s[2]]
+    assert mixed, steps  # some step decoded and prefilled at once
+    for num_decodes, chunks, is_prefill in steps:
+        assert chunks[:num_decodes] == [1] * num_decodes
+        assert sum(chunks) <= 16 and all(c <= 8 for c in chunks[num_decodes:])
+        assert is_prefill == (len(chunks) > num_decodes)

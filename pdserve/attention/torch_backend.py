@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.attention import cpu_kernels
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.merge import merge_attn_states
 
@@ -48,6 +49,10 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def __init__(self) -> None:
+        # CPU decode reads the paged cache in place with pdserve's kernel where it builds (cpu_kernels.py)
+        self.cpu_decode_kernel = cpu_kernels.available()
 
     def forward(
         self,
@@ -106,6 +111,10 @@ class TorchAttentionBackend:
 
     def _decode(self, q, kv_layer, meta, scale):
         # One query per sequence: view its Hq heads as [Hkv, group] rows so GQA needs no KV copy per head.
+        if self.cpu_decode_kernel and q.device.type == "cpu":
+            return cpu_kernels.paged_decode_attention(
+                q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens, meta.sliding_window, scale
+            )
         b, hq, d = q.shape
         hkv, bs = kv_layer.shape[-2], kv_layer.shape[2]
         slots, mask, empty = meta.derived.get("decode") or self._decode_plan(meta, bs, q.dtype, q.device)

@@ -1,0 +1,119 @@
+"""pdserve's C++ CPU kernels (csrc/): built once per machine with the system compiler against the installed torch,
+cached under the pdserve cache, loaded as torch ops (``torch.ops.pdserve.*``).
+
+Built with -march=native, so the cache key holds this CPU's flags as well as the source, torch's version and the
+compiler flags. Where nothing can be built (no compiler, no headers), ``available()`` is False, the reason is logged
+once, and callers keep their pure-torch path. PDSERVE_CPU_KERNELS=0 turns the kernels off."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from pdserve.default_model import cache_dir
+
+log = logging.getLogger("pdserve.attention")
+
+_SOURCES = ("paged_decode.cpp",)
+# -ffast-math lets the compiler vectorise the float reductions; infinities stay legal (masked rows use -inf).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(out: Path) -> None:
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    lib = cpp_extension.library_paths()[0]
+    cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd += [str(Path(__file__).parent / "csrc" / s) for s in _SOURCES]
+    # libgomp by soname: the process already holds torch's copy, so both share one OpenMP runtime
+    cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+
+
+def library_path() -> Path:
+    """Where this machine's build lives (built or not)."""
+    h = hashlib.sha256()
+    for s in _SOURCES:
+        h.update((Path(__file__).parent / "csrc" / s).read_bytes())
+    h.update(" ".join([torch.__version__, platform.python_version(), *_FLAGS, _cpu_flags()]).encode())
+    return cache_dir() / "kernels" / f"pdserve_cpu_{h.hexdigest()[:16]}.so"
+
+
+def _load() -> None:
+    path = library_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine; other processes wait and load it
+            if not path.exists():
+                log.info("building pdserve's CPU kernels (once per machine and torch version) into %s", path)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+                os.close(fd)
+                try:
+                    _build(Path(tmp))
+                    os.replace(tmp, path)
+                finally:
+                    Path(tmp).unlink(missing_ok=True)
+    torch.ops.load_library(str(path))
+
+
+def available() -> bool:
+    """Whether torch.ops.pdserve's CPU kernels are loaded (building them on first use)."""
+    with _lock:
+        if "ok" not in _state:
+            if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+                _state["ok"] = False
+                log.info("pdserve's CPU kernels are off (PDSERVE_CPU_KERNELS=0)")
+            else:
+                try:
+                    _load()
+                    _state["ok"] = True
+                except Exception as e:  # no compiler, no headers, a failed build: keep the torch path
+                    _state["ok"] = False
+                    log.warning("pdserve's CPU kernels are unavailable (%s); using torch's attention kernels", e)
+        return bool(_state["ok"])
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    sliding_window: int | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query row per sequence, q [B, Hq, D], over its first context_lens[b] cached keys (the last sliding_window
+    of them when set) in k_cache / v_cache [num_blocks, block_size, Hkv, D] through block_tables [B, W]. Returns
+    (out [B, Hq, D], lse [B, Hq] float32); a row with no keys gives 0 / -inf."""
+    return torch.ops.pdserve.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, -1 if sliding_window is None else sliding_window, scale
+    )

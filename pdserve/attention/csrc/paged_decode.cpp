@@ -1,0 +1,151 @@
+// Decode attention straight from the paged KV cache, with the log-sum-exp of every query head.
+//
+// The torch path gathers each sequence's keys and values into a contiguous copy per layer, transposes it for the
+// flash kernel, and runs a kernel tiled for long query blocks on one query row per head. This reads the cache once:
+// one task per (sequence, KV head) scores its group of query heads against the sequence's keys block by block,
+// then sums the values weighted by the softmax. Built and loaded by cpu_kernels.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp), written so that the
+// compiler vectorises the loop it sits in; libm's expf is called one value at a time.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+template <typename T>
+inline float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                   const at::Tensor& ctx_lens, int64_t window, double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k.size(1), Hkv = k.size(2);
+  const int64_t G = Hq / Hkv, W = tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), s;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t ctx = cp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t n = ctx - start;
+      if (n <= 0) {  // this rank holds none of the sequence's keys: contributes nothing
+        for (int64_t g = 0; g < G; ++g) {
+          T* o = op + (b * Hq + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = T(0);
+          lp[b * Hq + h * G + g] = -std::numeric_limits<float>::infinity();
+        }
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qg = qp + (b * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qg[d]) * sc;
+      }
+      s.resize(G * n);
+      const int64_t* table = tp + b * W;
+      std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
+      for (int64_t t = start; t < ctx; ++t) {
+        const T* kt = kp + table[t / bs] * blk_stride + (t % bs) * tok_stride + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qv = qf.data() + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qv[d] * to_f(kt[d]);
+          s[g * n + (t - start)] = dot;
+          mx[g] = std::max(mx[g], dot);
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> sum(G, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s.data() + g * n;
+        const float m = mx[g];
+        float tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+        for (int64_t i = 0; i < n; ++i) {
+          sg[i] = exp_nonpositive(sg[i] - m);
+          tot += sg[i];
+        }
+        sum[g] = tot;
+      }
+      for (int64_t t = start; t < ctx; ++t) {
+        const T* vt = vp + table[t / bs] * blk_stride + (t % bs) * tok_stride + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = s[g * n + (t - start)];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vt[d]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* o = op + (b * Hq + h * G + g) * D;
+        const float inv = 1.f / sum[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv);
+        lp[b * Hq + h * G + g] = mx[g] + std::log(sum[g]);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                          const at::Tensor& context_lens, int64_t window,
+                                                          double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "q heads / head size mismatch");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "dtypes");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  auto qc = q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto ctx = context_lens.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(qc, k_cache, v_cache, tables, ctx, window, scale, out, lse);
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+      "int window, float scale) -> (Tensor, Tensor)");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}

@@ -6,7 +6,13 @@ phases use one copy packed for a small batch (figures: docs/performance.md, "Lin
 The cost: the packed kernel sums in another order than MKL, so fp32 logits differ from transformers' by rounding
 (greedy choices change only at exact ties). EngineConfig.exact_prefill keeps prefill on F.linear, whose logits are
 bit-identical to transformers' (the reference tests check both modes). The packed copy is extra memory (one more
-copy of the linear weights), paid only by CPU float32/bfloat16 runners."""
+copy of the linear weights), paid only by CPU float32/bfloat16 runners.
+
+bfloat16 on a CPU without bf16 instructions (no AVX512_BF16 / AMX): oneDNN cannot pack bf16 there and torch's
+bf16 GEMM falls back to a slow generic loop (an 8x576 step 7x slower than fp32). The packed copy is then fp32, and
+rows go through it upcast: bf16 -> fp32 is exact and so is every bf16 x bf16 product, so this is a bf16 GEMM with
+fp32 accumulation, as oneDNN's bf16 kernels compute, rounded back to bf16. A single row (batch-1 decode) stays on
+the bf16 weights, where streaming half the bytes wins (figures: docs/performance.md, "Linear layers")."""
 
 from __future__ import annotations
 
@@ -22,16 +28,18 @@ _linear_pointwise = torch.ops.mkldnn._linear_pointwise
 def packing_supported(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if weight.dtype == torch.bfloat16:  # oneDNN's bf16 kernels need AVX-512 (or AVX-NE-CONVERT); else F.linear
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return weight.dtype == torch.float32
+    return weight.dtype in (torch.float32, torch.bfloat16)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of an [out, in] weight, or None where the runtime cannot pack it."""
+    """oneDNN's blocked copy of an [out, in] weight (fp32 for a bf16 weight where the CPU has no bf16 kernels), or
+    None where the runtime cannot pack it."""
     if not packing_supported(weight):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT)
+    w = weight.detach().contiguous()
+    if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        w = w.float()
+    return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT)
 
 
 def linear(
@@ -39,5 +47,9 @@ def linear(
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), computed from the packed weight when one is given."""
     if packed is not None and x.dim() == 2:
-        return _linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
+        if packed.dtype == x.dtype:
+            return _linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
+        if x.shape[0] > 1:  # bf16 rows through the fp32 copy (module docstring)
+            b = None if bias is None else bias.float()
+            return _linear_pointwise(x.float(), packed, b, "none", [None], "").to(x.dtype)
     return F.linear(x, weight, bias)

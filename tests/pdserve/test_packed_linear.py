@@ -37,16 +37,28 @@ def test_without_packed_weight_is_f_linear():
     assert torch.equal(plinear.linear(x, w, None, b), F.linear(x, w, b))
 
 
-def test_bf16_packs_only_where_onednn_has_bf16_kernels():
-    """oneDNN's bf16 kernels need AVX-512 (or AVX-NE-CONVERT): on a CPU without them a bf16 weight is left unpacked,
-    so bf16 models run on F.linear instead of failing at load; where they exist, the packed product is F.linear's
-    up to bf16 rounding."""
-    g = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("rows", [1, 2, 9, 200])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_weights_pack_on_every_cpu(rows, with_bias):
+    """A bf16 weight is packed everywhere: in bf16 where oneDNN has bf16 kernels (AVX512_BF16, AMX), else as fp32
+    that bf16 rows are upcast to (exact), one row excepted (it stays on the bf16 weight). Either way the product is
+    a bf16 GEMM's: F.linear's on the same bf16 values with fp32 accumulation, rounded to bf16, and bf16 comes out."""
+    g = torch.Generator().manual_seed(rows)
     w = torch.randn(64, 96, generator=g).to(torch.bfloat16)
-    x = torch.randn(5, 96, generator=g).to(torch.bfloat16)
+    b = torch.randn(64, generator=g).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     packed = plinear.pack(w)
-    assert (packed is not None) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    torch.testing.assert_close(plinear.linear(x, w, packed), F.linear(x, w), rtol=2e-2, atol=2e-2)
+    assert packed is not None
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert packed.dtype == (torch.bfloat16 if native else torch.float32)
+    got = plinear.linear(x, w, packed, b)
+    assert got.dtype == torch.bfloat16
+    exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # one bf16 rounding of the output (2^-8 relative) and of the bias-free sum's order
+    torch.testing.assert_close(got.float(), exact, rtol=2**-7, atol=2e-2)
+    if not native and rows > 1:  # the fp32 packed product of the upcast values, rounded once to bf16
+        fp32 = plinear.linear(x.float(), w.float(), plinear.pack(w.float()), None if b is None else b.float())
+        assert torch.equal(got, fp32.to(torch.bfloat16))
 
 
 def test_cpu_runner_packs_every_linear(tiny_factory):

@@ -41,10 +41,11 @@ inline float to_f(T x) {
   return static_cast<float>(x);
 }
 
-template <typename T>
+// HD > 0: the head size known at compile time (fully unrolled loops); 0: read from q.
+template <typename T, int64_t HD>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                    const at::Tensor& ctx_lens, int64_t window, double scale, at::Tensor& out, at::Tensor& lse) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t B = q.size(0), Hq = q.size(1), D = HD > 0 ? HD : q.size(2);
   const int64_t bs = k.size(1), Hkv = k.size(2);
   const int64_t G = Hq / Hkv, W = tables.size(1);
   const T* qp = q.data_ptr<T>();
@@ -78,15 +79,19 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       s.resize(G * n);
       const int64_t* table = tp + b * W;
       std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
-      for (int64_t t = start; t < ctx; ++t) {
-        const T* kt = kp + table[t / bs] * blk_stride + (t % bs) * tok_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qv = qf.data() + g * D;
-          float dot = 0.f;
+      // Walk the keys block by block: no division per key (64-bit idiv costs tens of cycles).
+      for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
+        const int64_t stop = std::min(ctx, (blk + 1) * bs);
+        const T* kt = kp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        for (; t < stop; ++t, kt += tok_stride) {
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qv = qf.data() + g * D;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qv[d] * to_f(kt[d]);
-          s[g * n + (t - start)] = dot;
-          mx[g] = std::max(mx[g], dot);
+            for (int64_t d = 0; d < D; ++d) dot += qv[d] * to_f(kt[d]);
+            s[g * n + (t - start)] = dot;
+            mx[g] = std::max(mx[g], dot);
+          }
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -102,13 +107,16 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         }
         sum[g] = tot;
       }
-      for (int64_t t = start; t < ctx; ++t) {
-        const T* vt = vp + table[t / bs] * blk_stride + (t % bs) * tok_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = s[g * n + (t - start)];
-          float* a = acc.data() + g * D;
+      for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
+        const int64_t stop = std::min(ctx, (blk + 1) * bs);
+        const T* vt = vp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        for (; t < stop; ++t, vt += tok_stride) {
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * n + (t - start)];
+            float* __restrict__ a = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vt[d]);
+            for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vt[d]);
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -136,7 +144,16 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(qc, k_cache, v_cache, tables, ctx, window, scale, out, lse);
+    switch (q.size(2)) {
+      case 64:
+        decode_kernel<scalar_t, 64>(qc, k_cache, v_cache, tables, ctx, window, scale, out, lse);
+        break;
+      case 128:
+        decode_kernel<scalar_t, 128>(qc, k_cache, v_cache, tables, ctx, window, scale, out, lse);
+        break;
+      default:
+        decode_kernel<scalar_t, 0>(qc, k_cache, v_cache, tables, ctx, window, scale, out, lse);
+    }
   });
   return {out, lse};
 }

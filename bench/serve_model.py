@@ -8,9 +8,11 @@ It answers: at how many cores does a prefill/decode split reach a higher SLO cap
   split of C cores into p prefill pods and C - p decode pods.
 - Step times are the measured single-core ones, linear in the work: prefill = a + b * prompt tokens of the step,
   decode = c + d * batch size. Nothing else shares the core.
-- A unified pod schedules as pdserve's engine does: prefill steps (chunks of at most `chunk` tokens, `budget` tokens
-  per step) alternate with decode steps while both kinds of work wait. A prefill pod runs back-to-back prefill steps
-  of the waiting prompts; a decode pod decodes every running request each step, new ones joining at step bounds.
+- A unified pod schedules as pdserve's engine does: every step decodes each running request and fills what is left
+  of `budget` tokens with prompt chunks of at most `chunk` tokens. A step with prompt tokens costs their prefill
+  time plus d per decode row (the weights are read once for both; c is the decode step's own fixed cost), one
+  without costs a decode step. A prefill pod runs back-to-back prefill steps of the waiting prompts; a decode pod
+  decodes every running request each step, new ones joining at step bounds.
 - The KV transfer costs `transfer_s` (measured: the disaggregated side's TTFT minus its prefill time, median) and the
   router places on the least loaded pod (fewest requests in it). A request's first token leaves at the end of the step
   that completed its prompt.
@@ -70,7 +72,6 @@ class _Pod:
     waiting: list[_Req] = field(default_factory=list)
     running: list[_Req] = field(default_factory=list)
     busy_until: float = 0.0
-    last_prefill: bool = False
 
     @property
     def load(self) -> int:
@@ -116,25 +117,20 @@ def simulate(
     def kick(pod: _Pod, now: float) -> None:
         if pod.busy_until > now:
             return
-        decodable = [r for r in pod.running if r.done_prompt >= r.prompt]
-        wants_prefill = bool(pod.waiting) and pod.kind != "decode"
-        if wants_prefill and not (pod.kind == "unified" and pod.last_prefill and decodable):
-            left, batch = budget, []
-            for r in list(pod.waiting):
-                if left <= 0:
-                    break
-                n = min(r.prompt - r.done_prompt, chunk, left)
-                batch.append((r, n))
-                left -= n
-            dt = st.prefill(sum(n for _, n in batch))
-            pod.busy_until = now + dt
-            pod.last_prefill = True
-            push(now + dt, "prefilled", (pod, batch))
-        elif decodable:
-            dt = st.decode(len(decodable))
-            pod.busy_until = now + dt
-            pod.last_prefill = False
-            push(now + dt, "decoded", (pod, decodable))
+        decodable = list(pod.running) if pod.kind != "prefill" else []
+        left, batch = budget - len(decodable), []
+        for r in list(pod.waiting) if pod.kind != "decode" else []:
+            if left <= 0:
+                break
+            n = min(r.prompt - r.done_prompt, chunk, left)
+            batch.append((r, n))
+            left -= n
+        if not batch and not decodable:
+            return
+        tokens = sum(n for _, n in batch)
+        dt = st.prefill(tokens) + st.decode_d * len(decodable) if batch else st.decode(len(decodable))
+        pod.busy_until = now + dt
+        push(now + dt, "stepped", (pod, decodable, batch))
 
     while events:
         now, _, what, obj = heapq.heappop(events)
@@ -142,8 +138,13 @@ def simulate(
             pod = min(entry, key=lambda p: p.load)
             pod.waiting.append(obj)
             kick(pod, now)
-        elif what == "prefilled":
-            pod, batch = obj
+        elif what == "stepped":
+            pod, decoded, batch = obj
+            for r in decoded:
+                r.made += 1
+                r.last = now
+                if r.made >= r.output:
+                    pod.running.remove(r)
             for r, n in batch:
                 r.done_prompt += n
                 if r.done_prompt >= r.prompt:
@@ -162,14 +163,6 @@ def simulate(
             obj.done_prompt = obj.prompt
             dec.running.append(obj)
             kick(dec, now)
-        else:  # decoded
-            pod, batch = obj
-            for r in batch:
-                r.made += 1
-                r.last = now
-                if r.made >= r.output:
-                    pod.running.remove(r)
-            kick(pod, now)
     return reqs
 
 

@@ -25,8 +25,21 @@ from pdserve.default_model import cache_dir
 log = logging.getLogger("pdserve.attention")
 
 _SOURCES = ("paged_decode.cpp",)
-# -ffast-math lets the compiler vectorise the float reductions; infinities stay legal (masked rows use -inf).
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
+# Reassociation lets the compiler vectorise the float reductions. Not -ffast-math: linking a library with it pulls in
+# crtfastmath, which turns on flush-to-zero for the whole process when the library loads (subnormals become 0).
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-freciprocal-math",
+    "-fopenmp",
+    "-std=c++20",
+    "-shared",
+    "-fPIC",
+]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

@@ -155,3 +155,15 @@ def test_cpu_decode_kernel_matches_the_torch_path(dtype, window):
     finite = ctx > 0
     assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-4
     assert torch.isinf(lse[~finite]).all() and (out[~finite] == 0).all()
+
+
+def test_loading_the_cpu_kernels_keeps_subnormals():
+    """The kernels' library must not switch the process to flush-to-zero (what linking with -ffast-math does): a
+    subnormal float32 survives after it is loaded."""
+    import numpy as np
+
+    from pdserve.attention import cpu_kernels
+
+    assert cpu_kernels.available()
+    assert float(np.float32(2.0**-149)) == 2.0**-149
+    assert (torch.tensor([2.0**-126]) / 4).item() == 2.0**-128

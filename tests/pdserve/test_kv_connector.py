@@ -29,7 +29,8 @@ class _SaveLastChunks(KVConnectorScheduler):
         self.built: list[KVConnectorMetadata | None] = []
 
     def build_connector_meta(self, step):
-        done = [s for s, n in zip(step.seqs, step.chunk_lens) if step.is_prefill and s.num_computed + n == s.num_tokens]
+        chunks = zip(step.seqs[step.num_decodes :], step.chunk_lens[step.num_decodes :])  # decode rows lead
+        done = [s for s, n in chunks if s.num_computed + n == s.num_tokens]
         saves = tuple(
             KVSaveRequest(f"lease-{s.request_id}", s.request_id, tuple(s.block_tables[0]), s.num_tokens) for s in done
         )

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 MAX_TOKENS = 6
 WAVE = 10  # concurrent requests per wave
-MAX_WAVES = 4
+MAX_WAVES = 10  # placement picks by load, so coverage of every pair can take more waves when decoding is fast
 # transport -> decode pods (tp, dcp, interleave)
 DECODE_PODS = {
     "tcp": [(1, 1, 1), (2, 2, 1), (4, 2, 4), (4, 4, 1), (8, 8, 4)],

@@ -16,10 +16,14 @@ from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 
 @dataclass
 class ScheduledStep:
-    is_prefill: bool  # some prompt chunk runs this step (else every row is a decode)
     seqs: list[Sequence]
     chunk_lens: list[int]  # new tokens computed per sequence this step
     num_decodes: int = 0  # the leading seqs that decode one token each
+
+    @property
+    def is_prefill(self) -> bool:
+        """Some prompt chunk runs this step (else every row is a decode)."""
+        return len(self.seqs) > self.num_decodes
 
 
 class Scheduler:
@@ -47,7 +51,7 @@ class Scheduler:
         seqs, chunks = self._schedule_prefill(self.max_num_batched_tokens - len(decodes))
         if not decodes and not seqs:
             return None
-        return ScheduledStep(bool(seqs), decodes + seqs, [1] * len(decodes) + chunks, len(decodes))
+        return ScheduledStep(decodes + seqs, [1] * len(decodes) + chunks, len(decodes))
 
     def _schedule_prefill(self, budget: int) -> tuple[list[Sequence], list[int]]:
         seqs: list[Sequence] = []

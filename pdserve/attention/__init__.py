@@ -40,11 +40,11 @@ def select_backend(device: torch.device | str = "cpu", prefer: str | None = None
             )
             from pdserve.attention.torch_backend import TorchAttentionBackend
 
-            backend = TorchAttentionBackend()
+            backend = TorchAttentionBackend(device)
     else:
         from pdserve.attention.torch_backend import TorchAttentionBackend
 
-        backend = TorchAttentionBackend()
+        backend = TorchAttentionBackend(device)
     log.info("attention backend: %s on %s", backend.name, device)
     return backend
 

@@ -50,9 +50,10 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self) -> None:
-        # CPU decode reads the paged cache in place with pdserve's kernel where it builds (cpu_kernels.py)
-        self.cpu_decode_kernel = cpu_kernels.available()
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        # CPU decode reads the paged cache in place with pdserve's kernel where it builds (cpu_kernels.py); a CUDA
+        # fallback never calls it, so it builds nothing there
+        self.cpu_decode_kernel = torch.device(device).type == "cpu" and cpu_kernels.available()
 
     def forward(
         self,

@@ -7,10 +7,11 @@ Modelled on Kubernetes' pod restartPolicy and liveness probes:
 - ``always``: any exit is followed by a restart.
 Restarts are delayed by an exponential back-off (Kubernetes' CrashLoopBackOff: 10 s doubling up to 5 min, reset after
 10 min of running; a local cluster starts in seconds, so the defaults here are scaled down), so a service that
-crashes at startup does not spin. Under a policy other than ``never`` a liveness probe also runs: a service that was
-serving and then fails ``liveness_failures`` health checks in a row (a pod whose TP rank died reports NOT_SERVING; a
-frozen one does not answer) is killed, which counts as a failure and so restarts it; so is a restarted service that
-does not serve within ``startup_timeout_s`` (stuck while starting).
+crashes at startup does not spin. Under a policy other than ``never`` a liveness probe also runs: a service that
+has answered once and then fails ``liveness_failures`` health checks in a row (a pod whose TP rank died reports
+NOT_SERVING, which also counts as having answered; a frozen one does not answer) is killed, which counts as a failure
+and so restarts it; so is a restarted service that answers nothing within ``startup_timeout_s`` (stuck while
+starting).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class ServiceHealth:
     exit_code: int | None = None  # the exit that the pending restart follows
     reason: str = "exited"  # why: "exited", "liveness" (killed after failed probes) or "startup" (never served)
     delay_s: float = 0.0  # the back-off of the pending restart
-    serving: bool = False  # has answered SERVING since it was (re)started: liveness probes count from then
+    serving: bool = False  # has answered a probe since it was (re)started: liveness probes count from then
     probe_failures: int = 0
     next_probe: float = 0.0
 

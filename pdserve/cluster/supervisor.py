@@ -591,11 +591,12 @@ class LocalCluster:
                 reason = "exited"
                 rc = s.exited()
                 if rc is None and h.restart_at is None and now >= h.next_probe:
-                    ok = self._probe(s, pol.liveness_timeout_s)
+                    status = self._probe(s, pol.liveness_timeout_s)
                     h.next_probe = time.monotonic() + pol.liveness_period_s
-                    if ok:
+                    if status:
                         h.serving, h.probe_failures = True, 0
-                    elif h.serving:
+                    elif h.serving or status is False:  # NOT_SERVING is an answer: started, then failed
+                        h.serving = True
                         h.probe_failures += 1
                         if h.probe_failures >= pol.liveness_failures:
                             self._announce(f"{s.name} failed {h.probe_failures} liveness probes in a row: killing it")
@@ -644,10 +645,12 @@ class LocalCluster:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def _probe(self, s: Service, timeout: float) -> bool:
-        """One liveness probe: the HTTP front's /health answers 200, a gRPC service's health says SERVING."""
+    def _probe(self, s: Service, timeout: float) -> bool | None:
+        """One liveness probe: True when the HTTP front's /health answers 200 or a gRPC service's health says
+        SERVING, False when a gRPC service answers NOT_SERVING (it is up, and says it is unhealthy: a pod whose rank
+        died), None when nothing answers (still starting, or frozen)."""
         if s.kind == "http":
-            return _http_ok(f"{self.http_scheme}://{s.address}/health", self._front_tls())
+            return _http_ok(f"{self.http_scheme}://{s.address}/health", self._front_tls()) or None
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -659,8 +662,8 @@ class LocalCluster:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             return r.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
+        except grpc.RpcError:  # no answer, or NOT_FOUND before the server set its health
+            return None
 
     def supervise_in_background(self, period_s: float = 0.2) -> None:
         """Run heal() every ``period_s`` on a daemon thread until stop() (for callers whose main thread is busy,

@@ -9,8 +9,10 @@ import os
 import signal
 import time
 
+import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from e2e_helpers import e2e_cluster
 from pdserve.client import Client, UnavailableError
@@ -177,6 +179,56 @@ def test_a_restarted_service_stuck_while_starting_is_killed_and_started_again(cl
     for name in ("p0", "d0"):
         _wait_ready_everywhere(cluster, name)
     assert len(_answer(cluster)) == 6
+
+
+def _health(address: str) -> int | None:
+    """The pod's grpc.health.v1 status, or None while it does not answer."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+def test_a_restarted_pod_that_says_not_serving_before_any_probe_is_restarted_by_liveness(tmp_path, tiny):
+    """A restarted decode pod serves, then loses a rank before the supervisor's first probe of it: its NOT_SERVING is
+    an answer (it started, then failed), so the liveness probes restart it within seconds rather than the supervisor
+    waiting out the startup timeout for a SERVING it will never see. heal() runs only when this test calls it, so the
+    order is the same every run."""
+    policy = RestartPolicy(
+        "on-failure", backoff_s=0.2, liveness_period_s=0.5, liveness_failures=2, startup_timeout_s=600.0
+    )
+    c = e2e_cluster(tmp_path, tiny, num_prefill=0, num_decode=1, decode_tp=2, num_kv_blocks=32, restart_policy=policy)
+    c.start()
+    try:
+        svc = c.service("d0")
+        os.killpg(svc.pid, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while not c.restart_events:
+            assert time.monotonic() < end, c.log_tails(20)
+            c.heal()
+            time.sleep(0.05)
+        end = time.monotonic() + 120
+        while _health(svc.address) != health_pb2.HealthCheckResponse.SERVING:  # up again, not yet probed
+            assert time.monotonic() < end, c.log_tails(20)
+            time.sleep(0.1)
+        ranks = [
+            k
+            for k in psutil.Process(svc.pid).children(recursive=True)
+            if "resource_tracker" not in " ".join(k.cmdline())
+        ]
+        ranks[0].kill()
+        while _health(svc.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < end, c.log_tails(20)
+            time.sleep(0.1)
+        end = time.monotonic() + 30  # a few probe periods; the startup timeout is 600 s
+        while len(c.restart_events) < 2:
+            assert time.monotonic() < end, "the pod that said NOT_SERVING was not restarted:\n" + c.log_tails(20)
+            c.heal()
+            time.sleep(0.05)
+        assert c.restart_events[-1].reason == "liveness"
+    finally:
+        c.stop()
 
 
 def test_policy_never_leaves_a_dead_service_down(tmp_path, tiny):

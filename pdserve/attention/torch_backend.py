@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.attention import cpu_kernels
+from pdserve import kernels
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.merge import merge_attn_states
 
@@ -51,9 +51,9 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        # CPU decode reads the paged cache in place with pdserve's kernel where it builds (cpu_kernels.py); a CUDA
+        # CPU decode reads the paged cache in place with pdserve's kernel where it builds (pdserve.kernels); a CUDA
         # fallback never calls it, so it builds nothing there
-        self.cpu_decode_kernel = torch.device(device).type == "cpu" and cpu_kernels.available()
+        self.cpu_decode_kernel = torch.device(device).type == "cpu" and kernels.available()
 
     def forward(
         self,
@@ -113,7 +113,7 @@ class TorchAttentionBackend:
     def _decode(self, q, kv_layer, meta, scale):
         # One query per sequence: view its Hq heads as [Hkv, group] rows so GQA needs no KV copy per head.
         if self.cpu_decode_kernel and q.device.type == "cpu":
-            return cpu_kernels.paged_decode_attention(
+            return kernels.paged_decode_attention(
                 q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens, meta.sliding_window, scale
             )
         b, hq, d = q.shape

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve import kernels
 from pdserve.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.model import linear as plinear
 from pdserve.model.config import ModelConfig
@@ -28,6 +29,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' numbers (normalise in fp32, cast, then scale) in one fused kernel instead of six small ops.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """residual += delta in place (the residual stream), then its norm: one pass (pdserve.kernels)."""
+        return kernels.add_rms_norm(residual, delta, self.weight, self.eps)[1]
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -66,13 +71,18 @@ class Attention(nn.Module):
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         packed: bool,
+        fused: bool = False,
     ) -> torch.Tensor:
-        t = x.shape[0]
+        t, d = x.shape[0], self.head_dim
         qkv = plinear.linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias)
-        qk = apply_rope(cos_sin, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
-        nq = self.q_size // self.head_dim
-        q, k = qk[:, :nq], qk[:, nq:]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, -1, self.head_dim)
+        nq, qk_size = self.q_size // d, self.q_size + self.kv_size
+        if fused:  # rotated in place: no copies of q and k
+            kernels.rope_(qkv, cos_sin[0], cos_sin[1], qk_size // d, d)
+            q, k = qkv[:, : self.q_size].view(t, nq, d), qkv[:, self.q_size : qk_size].view(t, -1, d)
+        else:
+            qk = apply_rope(cos_sin, qkv[:, :qk_size].view(t, -1, d))
+            q, k = qk[:, :nq], qk[:, nq:]
+        v = qkv[:, qk_size:].view(t, -1, d)
         write_kv(kv_layer, k, v, meta.slot_mapping, meta.all_slots_local)
         out = self._attend(q, k, v, kv_layer, meta)
         out = plinear.linear(out.reshape(t, self.o_size), self.o_weight, self.o_packed if packed else None)
@@ -111,10 +121,14 @@ class MLP(nn.Module):
         self.gate_up_packed: torch.Tensor | None = None  # set by CausalLM.pack_weights()
         self.down_packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, packed: bool, fused: bool = False) -> torch.Tensor:
         gu_p, down_p = (self.gate_up_packed, self.down_packed) if packed else (None, None)
-        gate, up = plinear.linear(x, self.gate_up_weight, gu_p, self.gate_up_bias).chunk(2, dim=-1)
-        h = F.silu(gate, inplace=True).mul_(up)  # in place: the [T, 2*inter] buffer is the largest activation
+        gate_up = plinear.linear(x, self.gate_up_weight, gu_p, self.gate_up_bias)
+        if fused:
+            h = kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate, inplace=True).mul_(up)  # in place: the [T, 2*inter] buffer is the largest activation
         out = plinear.linear(h, self.down_weight, down_p)
         if not self.reduce:
             return out
@@ -133,6 +147,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos_sin, kv_layer, meta, packed: bool):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_layer, meta, packed)
         return x + self.mlp(self.post_attention_layernorm(x), packed)
+
+    def forward_fused(self, residual, delta, cos_sin, kv_layer, meta) -> torch.Tensor:
+        """The same layer with pdserve's fused CPU kernels, vLLM-style: the residual stream is updated in place and
+        each add happens inside the norm after it; returns the MLP's output, which the next norm adds."""
+        h = self.input_layernorm.add_norm(residual, delta)
+        h = self.post_attention_layernorm.add_norm(residual, self.self_attn(h, cos_sin, kv_layer, meta, True, True))
+        return self.mlp(h, True, True)
 
 
 class CausalLM(nn.Module):
@@ -178,11 +199,22 @@ class CausalLM(nn.Module):
         packed = not (meta.is_prefill and self.exact_prefill)
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, kv_cache[i], meta, packed)
-            if on_layer_done is not None:
-                on_layer_done(i)
-        if logits_indices is None:
-            return None
-        x = self.norm(x[logits_indices])
+        if packed and x.device.type == "cpu" and kernels.available():  # exact_prefill keeps torch's ops
+            delta = None
+            for i, layer in enumerate(self.layers):
+                delta = layer.forward_fused(x, delta, cos_sin, kv_cache[i], meta)
+                if on_layer_done is not None:
+                    on_layer_done(i)
+            if logits_indices is None:
+                return None
+            rows = x[logits_indices]
+            x = self.norm.add_norm(rows, None if delta is None else delta[logits_indices])
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos_sin, kv_cache[i], meta, packed)
+                if on_layer_done is not None:
+                    on_layer_done(i)
+            if logits_indices is None:
+                return None
+            x = self.norm(x[logits_indices])
         return plinear.linear(x, self.lm_head, self.lm_head_packed if packed else None).float()

@@ -135,9 +135,9 @@ def test_select_mla_backend_keeps_torch_off_cuda(caplog):
 def test_cpu_decode_kernel_matches_the_torch_path(dtype, window):
     """pdserve's C++ decode kernel (built on this machine) against the gather + flash path it replaces: scattered
     blocks, GQA groups, uneven contexts, a sliding window, and a row with no keys (a DCP rank holding none)."""
-    from pdserve.attention import cpu_kernels
+    from pdserve import kernels
 
-    assert cpu_kernels.available(), "the CPU kernels did not build here (see the log for the compiler's error)"
+    assert kernels.available(), "the CPU kernels did not build here (see the log for the compiler's error)"
     g = torch.Generator().manual_seed(6)
     b, hq, hkv, d, bs, nblk = 5, 9, 3, 64, 16, 40
     kv = torch.randn(2, nblk, bs, hkv, d, generator=g).to(dtype)
@@ -162,8 +162,8 @@ def test_loading_the_cpu_kernels_keeps_subnormals():
     subnormal float32 survives after it is loaded."""
     import numpy as np
 
-    from pdserve.attention import cpu_kernels
+    from pdserve import kernels
 
-    assert cpu_kernels.available()
+    assert kernels.available()
     assert float(np.float32(2.0**-149)) == 2.0**-149
     assert (torch.tensor([2.0**-126]) / 4).item() == 2.0**-128

@@ -1,5 +1,6 @@
 """pdserve's C++ CPU kernels (csrc/): built once per machine with the system compiler against the installed torch,
-cached under the pdserve cache, loaded as torch ops (``torch.ops.pdserve.*``).
+cached under the pdserve cache, loaded as torch ops (``torch.ops.pdserve.*``): decode attention over the paged cache
+(csrc/paged_decode.cpp) and a decoder layer's small ops fused (csrc/fused.cpp).
 
 Built with -march=native, so the cache key holds this CPU's flags as well as the source, torch's version and the
 compiler flags. Where nothing can be built (no compiler, no headers), ``available()`` is False, the reason is logged
@@ -22,9 +23,9 @@ import torch
 
 from pdserve.default_model import cache_dir
 
-log = logging.getLogger("pdserve.attention")
+log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("paged_decode.cpp",)
+_SOURCES = ("paged_decode.cpp", "fused.cpp")
 # Reassociation lets the compiler vectorise the float reductions. Not -ffast-math: linking a library with it pulls in
 # crtfastmath, which turns on flush-to-zero for the whole process when the library loads (subnormals become 0).
 _FLAGS = [
@@ -111,7 +112,7 @@ def available() -> bool:
                     _state["ok"] = True
                 except Exception as e:  # no compiler, no headers, a failed build: keep the torch path
                     _state["ok"] = False
-                    log.warning("pdserve's CPU kernels are unavailable (%s); using torch's attention kernels", e)
+                    log.warning("pdserve's CPU kernels are unavailable (%s); using torch's ops instead", e)
         return bool(_state["ok"])
 
 
@@ -130,3 +131,21 @@ def paged_decode_attention(
     return torch.ops.pdserve.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, -1 if sliding_window is None else sliding_window, scale
     )
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x += delta (in place, when given), then (x, weight * RMSNorm(x)) for a contiguous [rows, hidden] x."""
+    return torch.ops.pdserve.add_rms_norm(x, delta, weight, eps)
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotary embedding (HF's rotate_half) in place on the first ``heads`` heads of every row of qkv [rows, ...];
+    cos / sin hold one [head_dim] row per qkv row."""
+    torch.ops.pdserve.rope_(qkv, cos, sin, heads, head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2 * inter] (gate first, as the fused gate/up projection lays it out)."""
+    return torch.ops.pdserve.silu_mul(gate_up)

@@ -1,0 +1,177 @@
+// The small ops of a decoder layer, each one pass over its rows instead of several torch ops: RMSNorm (with the
+// residual add before it), rotary embedding in place on the fused q/k/v rows, SiLU(gate) * up. At batch 1 torch
+// spends more time dispatching their pieces than computing them; at prefill they read and write each activation
+// several times. Numbers as the torch path computes them (fp32 inside, rounded to the tensor's dtype where torch
+// rounds), up to the order of the sum of squares. Built and loaded by pdserve/kernels/__init__.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrainElems = 1 << 15;  // elements per parallel task: small steps stay on the calling thread
+
+template <typename T>
+inline float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+inline T from_f(float x) {
+  return static_cast<T>(x);
+}
+
+// The same Cephes-style exp as paged_decode.cpp, for x <= 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+int64_t grain_rows(int64_t row_elems) {
+  return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
+}
+
+// residual += delta (when given, rounded to T as torch's add is), then out = w * T(residual * rsqrt(mean(residual^2)
+// + eps)): transformers' LlamaRMSNorm.
+template <typename T>
+void add_rms_norm_kernel(at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t n = x.size(0), h = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* dp = delta ? delta->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, n, grain_rows(h), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(h);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * h;
+      float ss = 0.0f;
+      if (dp) {
+        const T* dr = dp + r * h;
+        for (int64_t i = 0; i < h; ++i) {
+          const T s = from_f<T>(to_f(xr[i]) + to_f(dr[i]));
+          xr[i] = s;
+          row[i] = to_f(s);
+        }
+      } else {
+        for (int64_t i = 0; i < h; ++i) row[i] = to_f(xr[i]);
+      }
+      for (int64_t i = 0; i < h; ++i) ss += row[i] * row[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + e);
+      T* orow = op + r * h;
+      for (int64_t i = 0; i < h; ++i) orow[i] = from_f<T>(to_f(wp[i]) * to_f(from_f<T>(row[i] * inv)));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [rows, hidden] tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(), "weight");
+  at::Tensor d;
+  if (delta) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == x.sizes() && d.scalar_type() == x.scalar_type(), "delta: x's shape and dtype");
+  }
+  auto w = weight.contiguous();
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_kernel<scalar_t>(x, delta ? &d : nullptr, w, out, eps);
+  });
+  return {x, out};
+}
+
+// HF's rotate_half convention on the first `heads` heads of every row of qkv (the query and key heads), in place:
+// x * cos + rotate_half(x) * sin with cos / sin [rows, head_dim].
+template <typename T>
+void rope_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t d) {
+  const int64_t n = qkv.size(0), stride = qkv.stride(0), half = d / 2;
+  T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, n, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cp + r * d;
+      const T* s = sp + r * d;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        T* x = xp + r * stride + hh * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+          x[i] = from_f<T>(x1 * to_f(c[i]) - x2 * to_f(s[i]));
+          x[i + half] = from_f<T>(x2 * to_f(c[i + half]) + x1 * to_f(s[i + half]));
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= heads * head_dim, "qkv: [rows, >= heads*D]");
+  TORCH_CHECK(head_dim % 2 == 0, "an even head size");
+  auto c = cos.reshape({qkv.size(0), head_dim}).contiguous();
+  auto s = sin.reshape({qkv.size(0), head_dim}).contiguous();
+  TORCH_CHECK(c.scalar_type() == qkv.scalar_type() && s.scalar_type() == qkv.scalar_type(), "cos / sin dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
+    rope_kernel<scalar_t>(qkv, c, s, heads, head_dim);
+  });
+}
+
+// gate_up [rows, 2 * inter] -> silu(gate) * up [rows, inter], silu rounded to T before the product as torch does.
+template <typename T>
+void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t n = gu.size(0), inter = out.size(1);
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, n, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = to_f(g[i]);
+        const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|): no overflow on either side
+        const float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        o[i] = from_f<T>(to_f(from_f<T>(x * sig)) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up: [rows, 2 * inter]");
+  auto gu = gate_up.contiguous();
+  auto out = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+    silu_mul_kernel<scalar_t>(gu, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> (Tensor(a!), Tensor)");
+  m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.impl("rope_", c10::DispatchKey::CPU, TORCH_FN(rope_));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+}

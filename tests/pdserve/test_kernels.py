@@ -1,0 +1,83 @@
+"""pdserve's fused CPU kernels (pdserve.kernels, csrc/fused.cpp) compute what the torch ops they replace compute:
+the residual add and RMSNorm, rotary embedding in place on the q/k columns of a fused qkv row, SiLU(gate) * up; in
+fp32 to rounding of the sum of squares, in bf16 to one bf16 rounding. Shapes cover a single decode row and a
+prefill block large enough to be split over threads. The tests fail, rather than skip, where the kernels do not
+build: every CPU runner builds them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve import kernels
+from pdserve.model.rope import apply_rope
+
+ROWS = [1, 7, 300]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.available(), "the CPU kernels did not build here (see the log for the compiler's error)"
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
+
+
+def _norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_rms_norm_updates_the_residual_in_place_and_returns_its_norm(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    d = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.rand(576, generator=g).to(dtype) + 0.5
+    expect_x = x + d
+    residual = x.clone()
+    out_x, h = kernels.add_rms_norm(residual, d, w, 1e-5)
+    assert out_x.data_ptr() == residual.data_ptr()
+    assert torch.equal(residual, expect_x)  # the add is one rounding, as torch's
+    torch.testing.assert_close(h, _norm_ref(expect_x, w, 1e-5), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_without_a_delta_leaves_the_input_alone(dtype):
+    x = torch.randn(5, 64).to(dtype)
+    w = torch.rand(64).to(dtype)
+    before = x.clone()
+    _, h = kernels.add_rms_norm(x, None, w, 1e-6)
+    assert torch.equal(x, before)
+    torch.testing.assert_close(h, _norm_ref(before, w, 1e-6), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rope_in_place_matches_apply_rope_on_query_and_key_heads_only(rows, dtype):
+    nq, nkv, d = 9, 3, 64
+    g = torch.Generator().manual_seed(100 + rows)
+    qkv = torch.randn(rows, (nq + 2 * nkv) * d, generator=g).to(dtype)
+    pos = torch.randint(0, 4096, (rows,), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([torch.outer(pos.float(), inv)] * 2, dim=-1)
+    cos, sin = emb.cos().unsqueeze(1).to(dtype), emb.sin().unsqueeze(1).to(dtype)
+    expect = apply_rope((cos, sin), qkv[:, : (nq + nkv) * d].view(rows, -1, d).float()).to(dtype)
+    v_before = qkv[:, (nq + nkv) * d :].clone()
+    kernels.rope_(qkv, cos, sin, nq + nkv, d)
+    torch.testing.assert_close(qkv[:, : (nq + nkv) * d].view(rows, -1, d), expect, **_tol(dtype))
+    assert torch.equal(qkv[:, (nq + nkv) * d :], v_before)  # values are not rotated
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul_matches_torch(rows, dtype):
+    g = torch.Generator().manual_seed(200 + rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -1e-30])  # saturating ends, zero and a tiny value
+    gate, up = gate_up.chunk(2, dim=-1)
+    expect = F.silu(gate.float()).to(dtype) * up
+    torch.testing.assert_close(kernels.silu_mul(gate_up), expect, **_tol(dtype))

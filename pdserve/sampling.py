@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from pdserve import kernels
 from pdserve.sampling_params import SamplingParams
 from pdserve.structured import GrammarBackend, Matcher, StructuredSpec
 
@@ -65,6 +66,9 @@ class Sampler:
         output_ids: Sequence[Sequence[int]] | None = None,
     ) -> SampleOutput:
         """prompt_ids / output_ids: each row's tokens so far (needed when a row uses penalties or min_tokens)."""
+        if _plain_greedy(logits, params):  # the common case in one pass (pdserve.kernels)
+            tokens, lps = kernels.greedy_pick(logits)
+            return SampleOutput(tokens.tolist(), lps.tolist(), [None] * len(params))
         logprobs_all = torch.log_softmax(logits.float(), dim=-1)
         x = logits
         if any(p.processed for p in params):
@@ -220,6 +224,13 @@ class Sampler:
             g = torch.Generator().manual_seed(p.seed)
             self._generators[request_id] = g
         return g
+
+
+def _plain_greedy(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
+    """Every row greedy on its raw fp32 logits with no alternatives asked for, on a CPU with pdserve's kernels."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not kernels.available():
+        return False
+    return all(p.greedy and not p.processed and p.structured is None and not p.top_logprobs for p in params)
 
 
 def _top_logprobs(

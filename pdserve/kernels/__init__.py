@@ -149,3 +149,8 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, h
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [rows, 2 * inter] (gate first, as the fused gate/up projection lays it out)."""
     return torch.ops.pdserve.silu_mul(gate_up)
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax [rows] int64, its log-probability [rows] float32) of float32 logits [rows, vocab]."""
+    return torch.ops.pdserve.greedy_pick(logits)

@@ -81,3 +81,24 @@ def test_silu_mul_matches_torch(rows, dtype):
     gate, up = gate_up.chunk(2, dim=-1)
     expect = F.silu(gate.float()).to(dtype) * up
     torch.testing.assert_close(kernels.silu_mul(gate_up), expect, **_tol(dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_greedy_pick_is_argmax_with_its_log_softmax(rows):
+    g = torch.Generator().manual_seed(300 + rows)
+    logits = torch.randn(rows, 49152, generator=g) * 8
+    logits[0, 17] = logits[0, 4000] = logits[0].max() + 1  # a tie: the first index wins, as argmax's
+    tokens, lps = kernels.greedy_pick(logits)
+    assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens[0] == 17
+    expect = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(lps, expect, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_pick_follows_argmax_on_nan_and_inf_rows():
+    logits = torch.zeros(3, 1000)
+    logits[0, 5], logits[0, 9] = float("nan"), float("nan")
+    logits[1, 7] = float("inf")
+    logits[2, 123] = 1.0
+    tokens, lps = kernels.greedy_pick(logits)
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [5, 7, 123]
+    assert lps[:2].isnan().all() and torch.isfinite(lps[2])

@@ -1,7 +1,7 @@
 // The small ops of a decoder layer, each one pass over its rows instead of several torch ops: RMSNorm (with the
 // residual add before it), rotary embedding in place on the fused q/k/v rows, SiLU(gate) * up. At batch 1 torch
 // spends more time dispatching their pieces than computing them; at prefill they read and write each activation
-// several times. Numbers as the torch path computes them (fp32 inside, rounded to the tensor's dtype where torch
+// several times. Also greedy sampling's argmax and log-probability in one pass. Numbers as the torch path computes them (fp32 inside, rounded to the tensor's dtype where torch
 // rounds), up to the order of the sum of squares. Built and loaded by pdserve/kernels/__init__.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -165,6 +166,42 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// Greedy sampling's pick: per row the first index of the maximum and its log-probability, -log(sum(exp(x - max))),
+// in two passes over the row instead of log_softmax (which writes a [rows, vocab] copy) followed by argmax.
+std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0, "float32 [rows, vocab]");
+  auto x = logits.contiguous();
+  const int64_t n = x.size(0), v = x.size(1);
+  auto tokens = at::empty({n}, x.options().dtype(at::kLong));
+  auto lps = at::empty({n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  float* lp = lps.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * v;
+      float m = row[0];
+      for (int64_t i = 1; i < v; ++i) m = row[i] > m ? row[i] : m;  // vectorised; NaNs are caught below
+      int64_t best = 0;
+      while (best < v && !(row[best] == m)) ++best;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < v; ++i) sum += exp_nonpositive(row[i] - m);
+      if (std::isnan(sum) || best == v) {  // a NaN or +inf in the row: argmax picks the first NaN, if any
+        for (int64_t i = 0; i < v; ++i) {
+          if (std::isnan(row[i])) {
+            best = i;
+            break;
+          }
+        }
+        sum = std::numeric_limits<float>::quiet_NaN();
+      }
+      tp[r] = best;
+      lp[r] = -std::log(sum);
+    }
+  });
+  return {tokens, lps};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
@@ -174,4 +211,6 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rope_", c10::DispatchKey::CPU, TORCH_FN(rope_));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.def("greedy_pick(Tensor logits) -> (Tensor, Tensor)");
+  m.impl("greedy_pick", c10::DispatchKey::CPU, TORCH_FN(greedy_pick));
 }

@@ -26,6 +26,7 @@ from pdserve.default_model import cache_dir
 log = logging.getLogger("pdserve.kernels")
 
 _SOURCES = ("paged_decode.cpp", "fused.cpp")
+_HEADERS = ("exp_nonpositive.h",)
 # Reassociation lets the compiler vectorise the float reductions. Not -ffast-math: linking a library with it pulls in
 # crtfastmath, which turns on flush-to-zero for the whole process when the library loads (subnormals become 0).
 _FLAGS = [
@@ -75,7 +76,7 @@ def _build(out: Path) -> None:
 def library_path() -> Path:
     """Where this machine's build lives (built or not)."""
     h = hashlib.sha256()
-    for s in _SOURCES:
+    for s in (*_SOURCES, *_HEADERS):
         h.update((Path(__file__).parent / "csrc" / s).read_bytes())
     h.update(" ".join([torch.__version__, platform.python_version(), *_FLAGS, _cpu_flags()]).encode())
     return cache_dir() / "kernels" / f"pdserve_cpu_{h.hexdigest()[:16]}.so"

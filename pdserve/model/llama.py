@@ -199,22 +199,19 @@ class CausalLM(nn.Module):
         packed = not (meta.is_prefill and self.exact_prefill)
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
-        if packed and x.device.type == "cpu" and kernels.available():  # exact_prefill keeps torch's ops
-            delta = None
-            for i, layer in enumerate(self.layers):
+        fused = packed and x.device.type == "cpu" and kernels.available()  # exact_prefill keeps torch's ops
+        delta = None  # fused: the last MLP output, not yet added to the residual stream x
+        for i, layer in enumerate(self.layers):
+            if fused:
                 delta = layer.forward_fused(x, delta, cos_sin, kv_cache[i], meta)
-                if on_layer_done is not None:
-                    on_layer_done(i)
-            if logits_indices is None:
-                return None
-            rows = x[logits_indices]
-            x = self.norm.add_norm(rows, None if delta is None else delta[logits_indices])
-        else:
-            for i, layer in enumerate(self.layers):
+            else:
                 x = layer(x, cos_sin, kv_cache[i], meta, packed)
-                if on_layer_done is not None:
-                    on_layer_done(i)
-            if logits_indices is None:
-                return None
+            if on_layer_done is not None:
+                on_layer_done(i)
+        if logits_indices is None:
+            return None
+        if fused:
+            x = self.norm.add_norm(x[logits_indices], None if delta is None else delta[logits_indices])
+        else:
             x = self.norm(x[logits_indices])
         return plinear.linear(x, self.lm_head, self.lm_head_packed if packed else None).float()

@@ -1,8 +1,9 @@
 // The small ops of a decoder layer, each one pass over its rows instead of several torch ops: RMSNorm (with the
-// residual add before it), rotary embedding in place on the fused q/k/v rows, SiLU(gate) * up. At batch 1 torch
-// spends more time dispatching their pieces than computing them; at prefill they read and write each activation
-// several times. Also greedy sampling's argmax and log-probability in one pass. Numbers as the torch path computes them (fp32 inside, rounded to the tensor's dtype where torch
-// rounds), up to the order of the sum of squares. Built and loaded by pdserve/kernels/__init__.py.
+// residual add before it), rotary embedding in place on the fused q/k/v rows, SiLU(gate) * up; and greedy
+// sampling's argmax with its log-probability. At batch 1 torch spends more time dispatching their pieces than
+// computing them; at prefill they read and write each activation several times. Numbers as the torch path computes
+// them (fp32 inside, rounded to the tensor's dtype where torch rounds), up to the order of the sums. Built and
+// loaded by pdserve/kernels/__init__.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,7 +15,11 @@
 #include <limits>
 #include <vector>
 
+#include "exp_nonpositive.h"
+
 namespace {
+
+using pdserve_kernels::exp_nonpositive;
 
 constexpr int64_t kGrainElems = 1 << 15;  // elements per parallel task: small steps stay on the calling thread
 
@@ -26,24 +31,6 @@ inline float to_f(T x) {
 template <typename T>
 inline T from_f(float x) {
   return static_cast<T>(x);
-}
-
-// The same Cephes-style exp as paged_decode.cpp, for x <= 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return y * two_n;
 }
 
 int64_t grain_rows(int64_t row_elems) {

@@ -66,7 +66,7 @@ class ServiceHealth:
     exit_code: int | None = None  # the exit that the pending restart follows
     reason: str = "exited"  # why: "exited", "liveness" (killed after failed probes) or "startup" (never served)
     delay_s: float = 0.0  # the back-off of the pending restart
-    serving: bool = False  # has answered a probe since it was (re)started: liveness probes count from then
+    answered: bool = False  # has answered a probe since it was (re)started: liveness probes count from then
     probe_failures: int = 0
     next_probe: float = 0.0
 

@@ -349,7 +349,7 @@ class LocalCluster:
         now = time.monotonic()
         pol = self.restart_policy
         self._health = {
-            s.name: ServiceHealth(started_at=now, serving=True, next_probe=now + pol.liveness_period_s)
+            s.name: ServiceHealth(started_at=now, answered=True, next_probe=now + pol.liveness_period_s)
             for s in self.services
         }
         t = self.topology
@@ -594,9 +594,9 @@ class LocalCluster:
                     status = self._probe(s, pol.liveness_timeout_s)
                     h.next_probe = time.monotonic() + pol.liveness_period_s
                     if status:
-                        h.serving, h.probe_failures = True, 0
-                    elif h.serving or status is False:  # NOT_SERVING is an answer: started, then failed
-                        h.serving = True
+                        h.answered, h.probe_failures = True, 0
+                    elif h.answered or status is False:  # NOT_SERVING is an answer: started, then failed
+                        h.answered = True
                         h.probe_failures += 1
                         if h.probe_failures >= pol.liveness_failures:
                             self._announce(f"{s.name} failed {h.probe_failures} liveness probes in a row: killing it")
@@ -632,7 +632,7 @@ class LocalCluster:
         self.restart_events.append(RestartEvent(s.name, h.exit_code, h.reason, h.delay_s, now, s.proc.pid))
         self._announce(f"restarted {s.name} (pid {s.proc.pid}) after exit status {h.exit_code}")
         h.started_at, h.restart_at, h.exit_code, h.reason = now, None, None, "exited"
-        h.serving, h.probe_failures, h.next_probe = False, 0, now + self.restart_policy.liveness_period_s
+        h.answered, h.probe_failures, h.next_probe = False, 0, now + self.restart_policy.liveness_period_s
 
     def _announce(self, line: str) -> None:
         log.warning("%s", line)

@@ -63,14 +63,31 @@ def _build(out: Path) -> None:
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
     lib = cpp_extension.library_paths()[0]
-    cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(Path(__file__).parent / "csrc" / s) for s in _SOURCES]
-    # libgomp by soname: the process already holds torch's copy, so both share one OpenMP runtime
-    cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+    compile_cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    compile_cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    objs = [out.with_name(f"{out.stem}.{Path(s).stem}.o") for s in _SOURCES]
+    try:
+        # one compiler per source at once: torch's headers make each a ~15 s compile
+        procs = [
+            subprocess.Popen(
+                [*compile_cmd, "-c", str(Path(__file__).parent / "csrc" / s), "-o", str(o)],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for s, o in zip(_SOURCES, objs)
+        ]
+        errors = [p.communicate()[1] for p in procs]  # wait for every compiler before raising
+        for p, err in zip(procs, errors):
+            if p.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {err.strip()[-2000:]}")
+        # libgomp by soname: the process already holds torch's copy, so both share one OpenMP runtime
+        link = [cxx, *_FLAGS, *map(str, objs), f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", str(out)]
+        done = subprocess.run(link, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+    finally:
+        for o in objs:
+            o.unlink(missing_ok=True)
 
 
 def library_path() -> Path:
@@ -102,6 +119,9 @@ def _load() -> None:
 
 def available() -> bool:
     """Whether torch.ops.pdserve's CPU kernels are loaded (building them on first use)."""
+    known = _state.get("ok")
+    if known is not None:  # decided once per process; the model and the sampler ask every step
+        return bool(known)
     with _lock:
         if "ok" not in _state:
             if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":

@@ -152,8 +152,9 @@ class DecoderLayer(nn.Module):
         """The same layer with pdserve's fused CPU kernels, vLLM-style: the residual stream is updated in place and
         each add happens inside the norm after it; returns the MLP's output, which the next norm adds."""
         h = self.input_layernorm.add_norm(residual, delta)
-        h = self.post_attention_layernorm.add_norm(residual, self.self_attn(h, cos_sin, kv_layer, meta, True, True))
-        return self.mlp(h, True, True)
+        attn = self.self_attn(h, cos_sin, kv_layer, meta, packed=True, fused=True)
+        h = self.post_attention_layernorm.add_norm(residual, attn)
+        return self.mlp(h, packed=True, fused=True)
 
 
 class CausalLM(nn.Module):

@@ -31,6 +31,8 @@ class AttentionMetadata:
     dcp_interleave: int = 1
     # A prefill step's leading sequences that decode one token each (vLLM's decode-first order in mixed batches).
     num_decodes: int = 0
+    # Prefill attention through torch's SDPA kernel, as transformers computes it (EngineConfig.exact_prefill).
+    exact: bool = False
     # Tensors derived from the fields above, built once per step by the backend and reused by every layer.
     derived: dict = field(default_factory=dict, repr=False)
 

@@ -51,9 +51,9 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        # CPU decode reads the paged cache in place with pdserve's kernel where it builds (pdserve.kernels); a CUDA
-        # fallback never calls it, so it builds nothing there
-        self.cpu_decode_kernel = torch.device(device).type == "cpu" and kernels.available()
+        # CPU decode reads the paged cache in place and CPU prefill attends GQA groups at once with pdserve's kernels
+        # where they build (pdserve.kernels); a CUDA fallback never calls them, so it builds nothing there
+        self.cpu_kernels = torch.device(device).type == "cpu" and kernels.available()
 
     def forward(
         self,
@@ -90,9 +90,19 @@ class TorchAttentionBackend:
                 # LSE is float32 in every dtype, as the kernel's
                 lses.append(torch.full((n, hq), float("-inf"), device=q.device))
                 continue
-            qb = qi.transpose(0, 1).unsqueeze(0)
             plain = meta.sliding_window is None and meta.dcp_size == 1
             whole = start == 0 and n == ctx and plain  # a whole prompt (or its first chunk)
+            if self.cpu_kernels and plain and start + n == ctx and not meta.exact and d in (64, 128):
+                # a whole prompt, or a later chunk that sees every earlier key: causal with its queries at the end
+                if whole and new_kv is not None:
+                    kc, vc = new_kv[0][a:b], new_kv[1][a:b]
+                else:
+                    kc, vc = (kv_layer[j][meta.block_tables[i, : (ctx + bs - 1) // bs]].view(-1, hkv, d) for j in (0, 1))
+                o, lse = kernels.prefill_attention(qi, kc[:ctx], vc[:ctx], scale)
+                outs.append(o)
+                lses.append(lse)
+                continue
+            qb = qi.transpose(0, 1).unsqueeze(0)
             if whole and new_kv is not None:  # its K/V are exactly this step's rows
                 kb, vb = (x[a:b].transpose(0, 1).unsqueeze(0) for x in new_kv)
             else:
@@ -112,7 +122,7 @@ class TorchAttentionBackend:
 
     def _decode(self, q, kv_layer, meta, scale):
         # One query per sequence: view its Hq heads as [Hkv, group] rows so GQA needs no KV copy per head.
-        if self.cpu_decode_kernel and q.device.type == "cpu":
+        if self.cpu_kernels and q.device.type == "cpu":
             return kernels.paged_decode_attention(
                 q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens, meta.sliding_window, scale
             )

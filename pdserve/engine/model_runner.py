@@ -218,6 +218,7 @@ class ModelRunner:
             dcp_rank=r,
             dcp_interleave=self.ps.dcp_interleave,
             num_decodes=step.num_decodes,
+            exact=self.model.exact_prefill,
         )
         conn, kv_meta = self.kv_connector, step.kv_meta
         hook = None

@@ -1,6 +1,7 @@
 """pdserve's C++ CPU kernels (csrc/): built once per machine with the system compiler against the installed torch,
 cached under the pdserve cache, loaded as torch ops (``torch.ops.pdserve.*``): decode attention over the paged cache
-(csrc/paged_decode.cpp) and a decoder layer's small ops fused (csrc/fused.cpp).
+(csrc/paged_decode.cpp), causal prefill attention (csrc/prefill_attention.cpp) and a decoder layer's small ops fused
+(csrc/fused.cpp).
 
 Built with -march=native, so the cache key holds this CPU's flags as well as the source, torch's version and the
 compiler flags. Where nothing can be built (no compiler, no headers), ``available()`` is False, the reason is logged
@@ -25,7 +26,7 @@ from pdserve.default_model import cache_dir
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("paged_decode.cpp", "fused.cpp")
+_SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "fused.cpp")
 _HEADERS = ("exp_nonpositive.h",)
 # Reassociation lets the compiler vectorise the float reductions. Not -ffast-math: linking a library with it pulls in
 # crtfastmath, which turns on flush-to-zero for the whole process when the library loads (subnormals become 0).
@@ -152,6 +153,15 @@ def paged_decode_attention(
     return torch.ops.pdserve.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, -1 if sliding_window is None else sliding_window, scale
     )
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of one sequence's n query rows q [n, Hq, D] over its ctx >= n keys k / v [ctx, Hkv, D] (any
+    row stride, each row's heads contiguous; head size 64 or 128): query i, at position ctx - n + i, sees keys
+    0..ctx - n + i. Returns (out [n, Hq, D], lse [n, Hq] float32)."""
+    return torch.ops.pdserve.prefill_attention(q, k, v, scale)
 
 
 def add_rms_norm(

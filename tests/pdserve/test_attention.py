@@ -146,7 +146,7 @@ def test_cpu_decode_kernel_matches_the_torch_path(dtype, window):
     q = torch.randn(b, hq, d, generator=g).to(dtype)
     meta = AttentionMetadata(False, torch.arange(0), list(range(b + 1)), [0] * b, ctx, tables, sliding_window=window)
     fast, slow = TorchAttentionBackend(), TorchAttentionBackend()
-    fast.cpu_decode_kernel, slow.cpu_decode_kernel = True, False
+    fast.cpu_kernels, slow.cpu_kernels = True, False
     out, lse = fast.forward(q, kv, meta, 0.125)
     ref_out, ref_lse = slow.forward(q, kv, meta, 0.125)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -167,3 +167,43 @@ def test_loading_the_cpu_kernels_keeps_subnormals():
     assert kernels.available()
     assert float(np.float32(2.0**-149)) == 2.0**-149
     assert (torch.tensor([2.0**-126]) / 4).item() == 2.0**-128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prefill_kernel_matches_the_torch_path_and_exact_keeps_torch(dtype):
+    """pdserve's C++ prefill kernel inside the backend: a whole prompt attended from the step's own K/V rows and a
+    later chunk read back from scattered cache blocks give what the flash path gives; a step marked exact (the
+    engine's exact_prefill) stays on torch's kernel, bit for bit."""
+    from pdserve import kernels
+
+    assert kernels.available(), "the CPU kernels did not build here (see the log for the compiler's error)"
+    g = torch.Generator().manual_seed(8)
+    hq, hkv, d, bs = 9, 3, 64, 16
+    kv = torch.zeros(2, 20, bs, hkv, d, dtype=dtype)
+    tables = torch.stack([torch.randperm(20, generator=g)[:6] for _ in range(2)])
+    # sequence 0: a whole 37-token prompt; sequence 1: positions 50..69 of a prompt whose first 50 keys are cached
+    starts, lens = [0, 50], [37, 20]
+    ctx = torch.tensor([s + n for s, n in zip(starts, lens)])
+    cu = [0, 37, 57]
+    all_pos = [torch.arange(0, 37), torch.arange(0, 70)]
+    k_all = [torch.randn(len(p), hkv, d, generator=g).to(dtype) for p in all_pos]
+    v_all = [torch.randn(len(p), hkv, d, generator=g).to(dtype) for p in all_pos]
+    for i, p in enumerate(all_pos):
+        write_kv(kv, k_all[i], v_all[i], tables[i, p // bs] * bs + p % bs)
+    slots = torch.cat(
+        [tables[i, (p := torch.arange(s, s + n)) // bs] * bs + p % bs for i, (s, n) in enumerate(zip(starts, lens))]
+    )
+    new_k = torch.cat([k_all[0], k_all[1][50:]])
+    new_v = torch.cat([v_all[0], v_all[1][50:]])
+    q = torch.randn(cu[-1], hq, d, generator=g).to(dtype)
+    fast, slow = TorchAttentionBackend(), TorchAttentionBackend()
+    fast.cpu_kernels, slow.cpu_kernels = True, False
+    meta = AttentionMetadata(True, slots, cu, starts, ctx, tables)
+    out, lse = fast.forward(q, kv, meta, 0.125, new_kv=(new_k, new_v))
+    ref_out, ref_lse = slow.forward(q, kv, meta, 0.125, new_kv=(new_k, new_v))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and (out.float() - ref_out.float()).abs().max() <= tol
+    assert (lse - ref_lse).abs().max() <= 1e-4
+    exact = AttentionMetadata(True, slots, cu, starts, ctx, tables, exact=True)
+    out_x, lse_x = fast.forward(q, kv, exact, 0.125, new_kv=(new_k, new_v))
+    assert torch.equal(out_x, ref_out) and torch.equal(lse_x, ref_lse)

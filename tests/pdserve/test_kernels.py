@@ -102,3 +102,36 @@ def test_greedy_pick_follows_argmax_on_nan_and_inf_rows():
     tokens, lps = kernels.greedy_pick(logits)
     assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [5, 7, 123]
     assert lps[:2].isnan().all() and torch.isfinite(lps[2])
+
+
+def _causal_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Float64 causal attention of n queries placed at the end of ctx keys, with each row's LSE."""
+    n, hq, _ = q.shape
+    ctx, hkv, _ = k.shape
+    kf, vf = (x.double().repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    s = torch.einsum("nhd,khd->hnk", q.double(), kf) * scale
+    hidden = torch.arange(ctx).unsqueeze(0) > torch.arange(ctx - n, ctx).unsqueeze(1)
+    s = s.masked_fill(hidden, float("-inf"))
+    return torch.einsum("hnk,khd->nhd", s.softmax(-1), vf), torch.logsumexp(s, -1).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n", "ctx", "hq", "hkv", "d"),
+    [(1, 1, 9, 3, 64), (7, 7, 9, 3, 64), (300, 300, 9, 3, 64), (17, 90, 8, 2, 128), (33, 33, 4, 4, 64)],
+)
+def test_prefill_attention_is_causal_attention_with_its_lse(n, ctx, hq, hkv, d, dtype):
+    """Queries and keys as strided views of one fused qkv projection (the model's layout): a whole prompt (n = ctx),
+    a later chunk that sees every earlier key (n < ctx), GQA groups of 3, 4 and 1, head sizes 64 and 128, and more
+    query rows than one task's tile (300)."""
+    g = torch.Generator().manual_seed(n + ctx)
+    qkv = torch.randn(ctx, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[ctx - n :, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(ctx, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(ctx, hkv, d)
+    out, lse = kernels.prefill_attention(q, k, v, d**-0.5)
+    want, want_lse = _causal_ref(q, k, v, d**-0.5)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == (n, hq, d)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
+    assert (out.double() - want).abs().max() <= tol
+    assert (lse.double() - want_lse).abs().max() <= 1e-5

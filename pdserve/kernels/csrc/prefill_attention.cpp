@@ -1,0 +1,253 @@
+// Causal prefill attention with the log-sum-exp of every query row, GQA-aware, for one sequence.
+//
+// torch's CPU flash kernel runs each query head on its own, so a KV head's keys and values are read once per query
+// head of its group, and it multiplies small tiles through a GEMM library call each. Here one task takes a tile of
+// query positions for every query head of one KV head's group at once (group x positions rows), packs each key
+// tile once for all of them, and multiplies in register-blocked loops the compiler keeps in vector registers; the
+// softmax is the online one of flash attention. Query i (absolute position ctx - n + i) sees keys 0..ctx - n + i,
+// so this covers a whole prompt and a later chunk whose earlier keys are all visible. Built and loaded by
+// pdserve/kernels/__init__.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "exp_nonpositive.h"
+
+namespace {
+
+using pdserve_kernels::exp_nonpositive;
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads and stores
+
+constexpr int64_t kMR = 6;   // rows per register block: 6 x 2 accumulators + 2 loads + 1 broadcast of 16 registers
+constexpr int64_t kNR = 16;  // columns per register block (two 8-float vectors)
+constexpr int64_t kQT = 16;  // query positions per task (x the group's heads = rows)
+constexpr int64_t kKT = 64;  // keys per tile
+
+inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+
+// max(init, x[0..n)); the plain loop does not vectorise (float max is not associative for the compiler)
+inline float row_max(const float* x, int64_t n, float init) {
+  v8 acc = (v8){} + init;
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const v8 y = load(x + c);
+    acc = acc > y ? acc : y;
+  }
+  float mx = init;
+  for (int i = 0; i < 8; ++i) mx = std::max(mx, acc[i]);
+  for (; c < n; ++c) mx = std::max(mx, x[c]);
+  return mx;
+}
+
+template <typename T>
+inline float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+// s[M][kKT] = q[M][D] . kt[D][kKT], M a multiple of kMR
+template <int64_t D>
+void scores(const float* __restrict__ q, const float* __restrict__ kt, float* __restrict__ s, int64_t M, int64_t nc) {
+  for (int64_t r0 = 0; r0 < M; r0 += kMR) {
+    for (int64_t c0 = 0; c0 < nc; c0 += kNR) {
+      v8 acc[kMR][2] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const v8 b0 = load(kt + d * kKT + c0), b1 = load(kt + d * kKT + c0 + 8);
+        for (int64_t r = 0; r < kMR; ++r) {
+          const float a = q[(r0 + r) * D + d];
+          acc[r][0] += a * b0;
+          acc[r][1] += a * b1;
+        }
+      }
+      for (int64_t r = 0; r < kMR; ++r) {
+        store(s + (r0 + r) * kKT + c0, acc[r][0]);
+        store(s + (r0 + r) * kKT + c0 + 8, acc[r][1]);
+      }
+    }
+  }
+}
+
+// o[M][D] += p[M][kKT] . v[kKT][D] over the first nk keys (nk a multiple of kNR's padding: zero beyond the tile)
+template <int64_t D>
+void weighted_sum(const float* __restrict__ p, const float* __restrict__ v, float* __restrict__ o, int64_t M,
+                  int64_t nk) {
+  for (int64_t r0 = 0; r0 < M; r0 += kMR) {
+    for (int64_t d0 = 0; d0 < D; d0 += kNR) {
+      v8 acc[kMR][2];
+      for (int64_t r = 0; r < kMR; ++r) {
+        acc[r][0] = load(o + (r0 + r) * D + d0);
+        acc[r][1] = load(o + (r0 + r) * D + d0 + 8);
+      }
+      for (int64_t k = 0; k < nk; ++k) {
+        const v8 b0 = load(v + k * D + d0), b1 = load(v + k * D + d0 + 8);
+        for (int64_t r = 0; r < kMR; ++r) {
+          const float a = p[(r0 + r) * kKT + k];
+          acc[r][0] += a * b0;
+          acc[r][1] += a * b1;
+        }
+      }
+      for (int64_t r = 0; r < kMR; ++r) {
+        store(o + (r0 + r) * D + d0, acc[r][0]);
+        store(o + (r0 + r) * D + d0 + 8, acc[r][1]);
+      }
+    }
+  }
+}
+
+struct Task {
+  int64_t h, t0, cost;
+};
+
+template <typename T, int64_t D>
+void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out,
+                    at::Tensor& lse) {
+  const int64_t n = q.size(0), Hq = q.size(1), ctx = k.size(0), Hkv = k.size(1);
+  const int64_t G = Hq / Hkv, off = ctx - n;
+  const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t Mmax = (kQT * G + kMR - 1) / kMR * kMR;
+
+  // Later query tiles see more keys: longest first, each to the least loaded thread, one bucket per thread.
+  std::vector<Task> tasks;
+  for (int64_t t0 = 0; t0 < n; t0 += kQT)
+    for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({h, t0, off + std::min(n, t0 + kQT)});
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  std::vector<std::vector<Task>> buckets(nb);
+  std::vector<int64_t> load_of(nb, 0);
+  for (const Task& t : tasks) {
+    const int64_t b = std::min_element(load_of.begin(), load_of.end()) - load_of.begin();
+    buckets[b].push_back(t);
+    load_of[b] += t.cost;
+  }
+
+  // Each KV head's keys transposed into [tile][D][kKT] and its values into [keys][D], once for every query tile;
+  // zeros pad the last tile, so the padded columns score 0 and add nothing.
+  const int64_t ntiles = (ctx + kKT - 1) / kKT;
+  std::vector<float> kt_all(Hkv * ntiles * D * kKT), v_all(Hkv * ntiles * kKT * D);
+  at::parallel_for(0, Hkv * ntiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / ntiles, k0 = (item % ntiles) * kKT;
+      float* kt = kt_all.data() + item * D * kKT;
+      float* vt = v_all.data() + item * kKT * D;
+      for (int64_t j = 0; j < kKT; ++j) {
+        if (k0 + j < ctx) {
+          const T* ks = kp + (k0 + j) * sk + h * D;
+          const T* vs = vp + (k0 + j) * sv + h * D;
+          for (int64_t d = 0; d < D; ++d) kt[d * kKT + j] = to_f(ks[d]);
+          for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f(vs[d]);
+        } else {
+          for (int64_t d = 0; d < D; ++d) kt[d * kKT + j] = 0.f;
+          std::fill(vt + j * D, vt + (j + 1) * D, 0.f);
+        }
+      }
+    }
+  });
+
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(Mmax * D), o(Mmax * D), s(Mmax * kKT), m(Mmax), l(Mmax);
+    for (int64_t b = begin; b < end; ++b) {
+      for (const Task& task : buckets[b]) {
+        const int64_t h = task.h, t0 = task.t0, nt = std::min(kQT, n - t0);
+        const int64_t M = (nt * G + kMR - 1) / kMR * kMR;  // rows: position-major, the group's heads inside
+        for (int64_t r = 0; r < M; ++r) {
+          float* dst = qs.data() + r * D;
+          if (r < nt * G) {
+            const T* src = qp + (t0 + r / G) * sq + (h * G + r % G) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]) * sc;
+          } else {
+            std::fill(dst, dst + D, 0.f);
+          }
+        }
+        std::fill(o.begin(), o.begin() + M * D, 0.f);
+        std::fill(m.begin(), m.begin() + M, -std::numeric_limits<float>::infinity());
+        std::fill(l.begin(), l.begin() + M, 0.f);
+        const int64_t keys = off + t0 + nt;  // the tile's last query sees keys [0, keys)
+        for (int64_t k0 = 0; k0 < keys; k0 += kKT) {
+          const int64_t nk = std::min(kKT, keys - k0);
+          const int64_t nkp = (nk + kNR - 1) / kNR * kNR;
+          const float* kt = kt_all.data() + (h * ntiles + k0 / kKT) * D * kKT;
+          const float* vt = v_all.data() + (h * ntiles + k0 / kKT) * kKT * D;
+          scores<D>(qs.data(), kt, s.data(), M, nkp);
+          for (int64_t r = 0; r < M; ++r) {
+            float* sr = s.data() + r * kKT;
+            // keys this row sees in the tile (padding rows take the tile's last position's)
+            const int64_t pos = off + t0 + std::min(r / G, nt - 1);
+            const int64_t nv = std::min(nk, pos + 1 - k0);
+            if (nv <= 0) {
+              std::fill(sr, sr + nkp, 0.f);
+              continue;
+            }
+            const float mx = row_max(sr, nv, m[r]);
+            const float alpha = exp_nonpositive(m[r] - mx);  // m = -inf: the clamp gives ~0, and o, l are 0
+            float tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+            for (int64_t c = 0; c < nv; ++c) {
+              sr[c] = exp_nonpositive(sr[c] - mx);
+              tot += sr[c];
+            }
+            for (int64_t c = nv; c < nkp; ++c) sr[c] = 0.f;
+            if (mx != m[r]) {
+              float* orow = o.data() + r * D;
+              for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
+              l[r] *= alpha;
+            }
+            l[r] += tot;
+            m[r] = mx;
+          }
+          weighted_sum<D>(s.data(), vt, o.data(), M, nkp);
+        }
+        for (int64_t r = 0; r < nt * G; ++r) {
+          const int64_t i = t0 + r / G, hq = h * G + r % G;
+          T* dst = op + (i * Hq + hq) * D;
+          const float inv = 1.f / l[r];
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
+          lp[i * Hq + hq] = m[r] + std::log(l[r]);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [n, Hq, D], k / v [ctx, Hkv, D]");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && q.size(2) == k.size(2), "q heads / head size mismatch");
+  TORCH_CHECK(q.size(0) <= k.size(0), "more queries than keys");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "dtypes");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "heads contiguous within a row");
+  const int64_t D = q.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "head size 64 or 128");
+  auto out = at::empty({q.size(0), q.size(1), D}, q.options());
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+    if (D == 64)
+      prefill_kernel<scalar_t, 64>(q, k, v, scale, out, lse);
+    else
+      prefill_kernel<scalar_t, 128>(q, k, v, scale, out, lse);
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
+  m.impl("prefill_attention", c10::DispatchKey::CPU, TORCH_FN(prefill_attention));
+}

@@ -1,7 +1,7 @@
 """pdserve's C++ CPU kernels (csrc/): built once per machine with the system compiler against the installed torch,
 cached under the pdserve cache, loaded as torch ops (``torch.ops.pdserve.*``): decode attention over the paged cache
-(csrc/paged_decode.cpp), causal prefill attention (csrc/prefill_attention.cpp) and a decoder layer's small ops fused
-(csrc/fused.cpp).
+(csrc/paged_decode.cpp), causal prefill attention (csrc/prefill_attention.cpp), a decoder layer's small ops fused
+(csrc/fused.cpp), and the local sums of the shared-memory collectives and the DCP merge (csrc/collectives.cpp).
 
 Built with -march=native, so the cache key holds this CPU's flags as well as the source, torch's version and the
 compiler flags. Where nothing can be built (no compiler, no headers), ``available()`` is False, the reason is logged
@@ -26,7 +26,7 @@ from pdserve.default_model import cache_dir
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "fused.cpp")
+_SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "fused.cpp", "collectives.cpp")
 _HEADERS = ("exp_nonpositive.h",)
 # Reassociation lets the compiler vectorise the float reductions. Not -ffast-math: linking a library with it pulls in
 # crtfastmath, which turns on flush-to-zero for the whole process when the library loads (subnormals become 0).
@@ -185,3 +185,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [rows] int64, its log-probability [rows] float32) of float32 logits [rows, vocab]."""
     return torch.ops.pdserve.greedy_pick(logits)
+
+
+def sum_in_order(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = rows[0] + rows[1] + ... left to right for rows [n, m] (each row contiguous), one rounding per addition
+    as torch's add_: bit-identical to the loop of adds."""
+    torch.ops.pdserve.sum_in_order(rows, out)
+    return out
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """merge_attn_states in one pass: float32 outs [N, T, H, D] and lses [N, T, H] (any strides, D contiguous) ->
+    (out [T, H, D], lse [T, H])."""
+    return torch.ops.pdserve.merge_partials(outs, lses)

@@ -135,3 +135,34 @@ def test_prefill_attention_is_causal_attention_with_its_lse(n, ctx, hq, hkv, d, 
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
     assert (out.double() - want).abs().max() <= tol
     assert (lse.double() - want_lse).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+@pytest.mark.parametrize(("n", "m"), [(1, 5), (3, 577), (9, 4099)])
+def test_sum_in_order_is_bit_identical_to_the_loop_of_adds(n, m, dtype):
+    """The shared-memory all-reduce's local sum: rows of a larger slot array (strided), left to right, the same bits
+    as torch's copy_ + add_ loop, which every rank must reproduce exactly."""
+    g = torch.Generator().manual_seed(n * m)
+    slots = (torch.randn(n, m + 13, generator=g, dtype=torch.float64) * 100).to(dtype)[:, :m]
+    want = slots[0].clone()
+    for r in range(1, n):
+        want.add_(slots[r])
+    got = kernels.sum_in_order(slots, torch.empty(m, dtype=dtype))
+    assert torch.equal(got, want)
+
+
+def test_merge_partials_equals_merge_attn_states():
+    """The DCP merge in one pass against the torch ops: three partials over a head slice of the gathered buffer
+    (strided), some empty (-inf LSE), and a row where every partial is empty (0 / -inf)."""
+    from pdserve.attention.merge import merge_attn_states
+
+    g = torch.Generator().manual_seed(11)
+    n, t, h, d = 3, 5, 9, 64
+    outs = torch.randn(n, t, h, d, generator=g)[:, :, 3:6]
+    lses = (torch.randn(n, t, h, generator=g) * 4)[:, :, 3:6].clone()
+    lses[1, 2, 0] = float("-inf")
+    lses[:, 4, 1] = float("-inf")
+    got, got_lse = kernels.merge_partials(outs, lses)
+    want, want_lse = merge_attn_states(outs, lses)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6) and torch.allclose(got_lse, want_lse, atol=1e-6)
+    assert (got[4, 1] == 0).all() and got_lse[4, 1] == float("-inf")

@@ -72,7 +72,9 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         packed: bool,
         fused: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """rows: only these rows' outputs are wanted (every row's K/V is still written)."""
         t, d = x.shape[0], self.head_dim
         qkv = plinear.linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias)
         nq, qk_size = self.q_size // d, self.q_size + self.kv_size
@@ -85,6 +87,8 @@ class Attention(nn.Module):
         v = qkv[:, qk_size:].view(t, -1, d)
         write_kv(kv_layer, k, v, meta.slot_mapping, meta.all_slots_local)
         out = self._attend(q, k, v, kv_layer, meta)
+        if rows is not None:
+            out, t = out[rows], rows.numel()
         out = plinear.linear(out.reshape(t, self.o_size), self.o_weight, self.o_packed if packed else None)
         out = self.ps.all_reduce(out)
         return out if self.o_bias is None else out + self.o_bias
@@ -148,13 +152,16 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_layer, meta, packed)
         return x + self.mlp(self.post_attention_layernorm(x), packed)
 
-    def forward_fused(self, residual, delta, cos_sin, kv_layer, meta) -> torch.Tensor:
+    def forward_fused(self, residual, delta, cos_sin, kv_layer, meta, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer with pdserve's fused CPU kernels, vLLM-style: the residual stream is updated in place and
-        each add happens inside the norm after it; returns the MLP's output, which the next norm adds."""
+        each add happens inside the norm after it; returns (the residual stream, the MLP's output, which the next
+        norm adds). rows: past attention, only these rows go on (the stream returned holds just them)."""
         h = self.input_layernorm.add_norm(residual, delta)
-        attn = self.self_attn(h, cos_sin, kv_layer, meta, packed=True, fused=True)
+        attn = self.self_attn(h, cos_sin, kv_layer, meta, packed=True, fused=True, rows=rows)
+        if rows is not None:
+            residual = residual[rows]
         h = self.post_attention_layernorm.add_norm(residual, attn)
-        return self.mlp(h, packed=True, fused=True)
+        return residual, self.mlp(h, packed=True, fused=True)
 
 
 class CausalLM(nn.Module):
@@ -202,16 +209,22 @@ class CausalLM(nn.Module):
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         fused = packed and x.device.type == "cpu" and kernels.available()  # exact_prefill keeps torch's ops
         delta = None  # fused: the last MLP output, not yet added to the residual stream x
+        # The last layer's K/V come from its input, so past its attention only the rows that give logits go on (a
+        # prompt's last token; none for a chunk before the last). One rank only: TP ranks reduce whole rows.
+        rows = logits_indices if fused and meta.is_prefill and self.ps.tp_size == 1 else None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if fused:
-                delta = layer.forward_fused(x, delta, cos_sin, kv_cache[i], meta)
+                x, delta = layer.forward_fused(x, delta, cos_sin, kv_cache[i], meta, rows if i == last else None)
             else:
                 x = layer(x, cos_sin, kv_cache[i], meta, packed)
             if on_layer_done is not None:
                 on_layer_done(i)
         if logits_indices is None:
             return None
-        if fused:
+        if rows is not None:  # x and delta hold just the logits rows
+            x = self.norm.add_norm(x, delta)
+        elif fused:
             x = self.norm.add_norm(x[logits_indices], None if delta is None else delta[logits_indices])
         else:
             x = self.norm(x[logits_indices])

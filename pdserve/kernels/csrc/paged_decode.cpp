@@ -15,16 +15,16 @@
 #include <limits>
 #include <vector>
 
+#include "convert.h"
 #include "exp_nonpositive.h"
 
 namespace {
 
 using pdserve_kernels::exp_nonpositive;
-
-template <typename T>
-inline float to_f(T x) {
-  return static_cast<float>(x);
-}
+using pdserve_kernels::from_f;
+using pdserve_kernels::raw;
+using pdserve_kernels::storage_t;
+using pdserve_kernels::to_f;
 
 // HD > 0: the head size known at compile time (fully unrolled loops); 0: read from q.
 template <typename T, int64_t HD>
@@ -33,12 +33,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t B = q.size(0), Hq = q.size(1), D = HD > 0 ? HD : q.size(2);
   const int64_t bs = k.size(1), Hkv = k.size(2);
   const int64_t G = Hq / Hkv, W = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  using S = storage_t<T>;
+  const S* qp = raw(q.data_ptr<T>());
+  const S* kp = raw(k.data_ptr<T>());
+  const S* vp = raw(v.data_ptr<T>());
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = ctx_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
+  S* op = raw(out.data_ptr<T>());
   float* lp = lse.data_ptr<float>();
   const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
   const float sc = static_cast<float>(scale);
@@ -51,15 +52,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       const int64_t n = ctx - start;
       if (n <= 0) {  // this rank holds none of the sequence's keys: contributes nothing
         for (int64_t g = 0; g < G; ++g) {
-          T* o = op + (b * Hq + h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = T(0);
+          S* o = op + (b * Hq + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(0.f);
           lp[b * Hq + h * G + g] = -std::numeric_limits<float>::infinity();
         }
         continue;
       }
       for (int64_t g = 0; g < G; ++g) {
-        const T* qg = qp + (b * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qg[d]) * sc;
+        const S* qg = qp + (b * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(qg[d]) * sc;
       }
       s.resize(G * n);
       const int64_t* table = tp + b * W;
@@ -67,13 +68,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       // Walk the keys block by block: no division per key (64-bit idiv costs tens of cycles).
       for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
         const int64_t stop = std::min(ctx, (blk + 1) * bs);
-        const T* kt = kp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        const S* kt = kp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
         for (; t < stop; ++t, kt += tok_stride) {
           for (int64_t g = 0; g < G; ++g) {
             const float* qv = qf.data() + g * D;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qv[d] * to_f(kt[d]);
+            for (int64_t d = 0; d < D; ++d) dot += qv[d] * to_f<T>(kt[d]);
             s[g * n + (t - start)] = dot;
             mx[g] = std::max(mx[g], dot);
           }
@@ -94,20 +95,20 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       }
       for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
         const int64_t stop = std::min(ctx, (blk + 1) * bs);
-        const T* vt = vp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        const S* vt = vp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
         for (; t < stop; ++t, vt += tok_stride) {
           for (int64_t g = 0; g < G; ++g) {
             const float p = s[g * n + (t - start)];
             float* __restrict__ a = acc.data() + g * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vt[d]);
+            for (int64_t d = 0; d < D; ++d) a[d] += p * to_f<T>(vt[d]);
           }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        T* o = op + (b * Hq + h * G + g) * D;
+        S* o = op + (b * Hq + h * G + g) * D;
         const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv);
+        for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * D + d] * inv);
         lp[b * Hq + h * G + g] = mx[g] + std::log(sum[g]);
       }
     }

@@ -19,11 +19,16 @@
 #include <numeric>
 #include <vector>
 
+#include "convert.h"
 #include "exp_nonpositive.h"
 
 namespace {
 
 using pdserve_kernels::exp_nonpositive;
+using pdserve_kernels::from_f;
+using pdserve_kernels::raw;
+using pdserve_kernels::storage_t;
+using pdserve_kernels::to_f;
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads and stores
@@ -48,11 +53,6 @@ inline float row_max(const float* x, int64_t n, float init) {
   for (int i = 0; i < 8; ++i) mx = std::max(mx, acc[i]);
   for (; c < n; ++c) mx = std::max(mx, x[c]);
   return mx;
-}
-
-template <typename T>
-inline float to_f(T x) {
-  return static_cast<float>(x);
 }
 
 // c[M][16-column blocks] (+)= a[M][inner] . b[inner][nc], M a multiple of kMR and nc of kNR: a 6 x 16 register block
@@ -94,10 +94,11 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t n = q.size(0), Hq = q.size(1), ctx = k.size(0), Hkv = k.size(1);
   const int64_t G = Hq / Hkv, off = ctx - n;
   const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  using S = storage_t<T>;
+  const S* qp = raw(q.data_ptr<T>());
+  const S* kp = raw(k.data_ptr<T>());
+  const S* vp = raw(v.data_ptr<T>());
+  S* op = raw(out.data_ptr<T>());
   float* lp = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t Mmax = (kQT * G + kMR - 1) / kMR * kMR;
@@ -127,10 +128,10 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       float* vt = v_all.data() + item * kKT * D;
       for (int64_t j = 0; j < kKT; ++j) {
         if (k0 + j < ctx) {
-          const T* ks = kp + (k0 + j) * sk + h * D;
-          const T* vs = vp + (k0 + j) * sv + h * D;
-          for (int64_t d = 0; d < D; ++d) kt[d * kKT + j] = to_f(ks[d]);
-          for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f(vs[d]);
+          const S* ks = kp + (k0 + j) * sk + h * D;
+          const S* vs = vp + (k0 + j) * sv + h * D;
+          for (int64_t d = 0; d < D; ++d) kt[d * kKT + j] = to_f<T>(ks[d]);
+          for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f<T>(vs[d]);
         } else {
           for (int64_t d = 0; d < D; ++d) kt[d * kKT + j] = 0.f;
           std::fill(vt + j * D, vt + (j + 1) * D, 0.f);
@@ -148,8 +149,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         for (int64_t r = 0; r < M; ++r) {
           float* dst = qs.data() + r * D;
           if (r < nt * G) {
-            const T* src = qp + (t0 + r / G) * sq + (h * G + r % G) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]) * sc;
+            const S* src = qp + (t0 + r / G) * sq + (h * G + r % G) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = to_f<T>(src[d]) * sc;
           } else {
             std::fill(dst, dst + D, 0.f);
           }
@@ -194,9 +195,9 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         }
         for (int64_t r = 0; r < nt * G; ++r) {
           const int64_t i = t0 + r / G, hq = h * G + r % G;
-          T* dst = op + (i * Hq + hq) * D;
+          S* dst = op + (i * Hq + hq) * D;
           const float inv = 1.f / l[r];
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
+          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(o[r * D + d] * inv);
           lp[i * Hq + hq] = m[r] + std::log(l[r]);
         }
       }

@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pdserve import kernels
 from pdserve.attention import select_backend
 from pdserve.engine.comm import ShmComm, ShmGroupSpec, TorchComm, init_groups, plan_groups
 from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
@@ -84,13 +86,20 @@ def resolve_collectives(requested: str, device: str, tp_size: int) -> tuple[str,
     return "shm", "CPU ranks on one host"
 
 
-def resolve_pinning(requested: str, device: str, tp_size: int, cores: int) -> tuple[bool, str]:
+def resolve_pinning(requested: str, device: str, tp_size: int, cores: int, threads: int = 1) -> tuple[bool, str]:
     """Pin rank r to one core when ranks outnumber cores: a rank woken by a collective otherwise tends to be queued
-    on the waker's core (wake-affine) while another core idles."""
+    on the waker's core (wake-affine) while another core idles. A single rank pins its compute threads one per core
+    (as vLLM's CPU worker does) for the same reason: two unpinned threads often share a core."""
     if requested not in CPU_PINNING:
         raise ValueError(f"cpu_pinning must be one of {', '.join(CPU_PINNING)}, got {requested!r}")
-    if device.startswith("cuda") or tp_size == 1:
-        return False, "not a multi-rank CPU pod"
+    if device.startswith("cuda"):
+        return False, "not a CPU pod"
+    if tp_size == 1:
+        if requested == "off" or threads < 2:
+            return False, "cpu_pinning=off" if requested == "off" else "one compute thread"
+        if requested == "auto" and threads > cores:
+            return False, f"{threads} threads > {cores} cores"
+        return True, f"{threads} compute threads, thread t on core t"
     if requested != "auto":
         return requested == "on", f"cpu_pinning={requested}"
     if tp_size > cores:
@@ -99,7 +108,7 @@ def resolve_pinning(requested: str, device: str, tp_size: int, cores: int) -> tu
 
 
 def _pin(spec: RankSpec, rank: int) -> None:
-    if spec.cpus:
+    if spec.cpus and spec.tp_size > 1:  # a single rank pins its thread team around each step (Executor.execute)
         os.sched_setaffinity(0, {spec.cpus[rank % len(spec.cpus)]})
 
 
@@ -324,6 +333,9 @@ class Executor:
             raise
         self._last_broadcast = time.monotonic()
         self._broken = False
+        # A single CPU rank: the thread whose OpenMP team is pinned (the one that steps; in a pod not the builder).
+        self._pin_team = spec.tp_size == 1 and spec.cpus is not None and kernels.available()
+        self._team_of: int | None = None
 
     @classmethod
     def create(
@@ -360,8 +372,11 @@ class Executor:
             dcp_groups = tuple(dcp_list)
             shm = ShmRegion(size)
             init_groups(shm, [world, *dcp_groups])
-        pin, pin_why = resolve_pinning(cpu_pinning, device, tp_size, cores)
+        pin, pin_why = resolve_pinning(cpu_pinning, device, tp_size, cores, threads)
         cpus = tuple(allowed) if pin else None
+        if tp_size == 1 and device == "cpu":
+            state = "pinned" if pin else "unpinned"
+            log.info("%d compute thread(s) on %d core(s); %s (%s)", threads, cores, state, pin_why)
         if tp_size > 1:
             log.info(
                 "TP %d x DCP %d ranks: collectives %s (%s); %d thread(s) per rank on %d core(s); %s (%s)",
@@ -410,6 +425,8 @@ class Executor:
         return self.runner.kv_cache
 
     def execute(self, step: StepInput) -> torch.Tensor:
+        # The stepping thread is pinned for the step only, so that threads it starts later are not born pinned.
+        mask = self._pin_step() if self._pin_team else None
         try:
             if self.channel is not None:
                 self.channel.send(step)
@@ -418,8 +435,21 @@ class Executor:
         except RankFailure:
             self._broken = True  # the ranks are out of step: shutdown stops them without a last broadcast
             raise
+        finally:
+            if mask is not None:
+                os.sched_setaffinity(0, mask)
         assert logits is not None
         return logits
+
+    def _pin_step(self) -> set[int]:
+        assert self.spec.cpus is not None
+        mask = os.sched_getaffinity(0)
+        if self._team_of != threading.get_ident():  # this thread's team: its threads t > 0 stay pinned
+            kernels.pin_threads(self.spec.cpus[: self.spec.threads_per_rank])
+            self._team_of = threading.get_ident()
+        else:
+            os.sched_setaffinity(0, {self.spec.cpus[0]})
+        return mask
 
     def call_all_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """fn(runner, *args) on every rank, rank 0 included; returns results in rank order (exceptions as values)."""
@@ -494,7 +524,9 @@ class Executor:
 
     def _restore_driver(self) -> None:
         cpus, threads = self._driver_was
-        if self.spec.cpus:
+        if getattr(self, "_team_of", None) == threading.get_ident():
+            kernels.pin_threads(sorted(cpus), one_each=False)
+        if self.spec.cpus and self.spec.tp_size > 1:
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
 

@@ -1,7 +1,8 @@
 """pdserve's C++ CPU kernels (csrc/): built once per machine with the system compiler against the installed torch,
 cached under the pdserve cache, loaded as torch ops (``torch.ops.pdserve.*``): decode attention over the paged cache
 (csrc/paged_decode.cpp), causal prefill attention (csrc/prefill_attention.cpp), a decoder layer's small ops fused
-(csrc/fused.cpp), and the local sums of the shared-memory collectives and the DCP merge (csrc/collectives.cpp).
+(csrc/fused.cpp), the local sums of the shared-memory collectives and the DCP merge (csrc/collectives.cpp), and the
+pinning of torch's OpenMP threads (csrc/threads.cpp).
 
 Built with -march=native, so the cache key holds this CPU's flags as well as the source, torch's version and the
 compiler flags. Where nothing can be built (no compiler, no headers), ``available()`` is False, the reason is logged
@@ -19,6 +20,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -26,7 +28,7 @@ from pdserve.default_model import cache_dir
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "fused.cpp", "collectives.cpp")
+_SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "fused.cpp", "collectives.cpp", "threads.cpp")
 _HEADERS = ("convert.h", "exp_nonpositive.h")
 # Reassociation lets the compiler vectorise the float reductions. Not -ffast-math: linking a library with it pulls in
 # crtfastmath, which turns on flush-to-zero for the whole process when the library loads (subnormals become 0).
@@ -192,6 +194,12 @@ def sum_in_order(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     as torch's add_: bit-identical to the loop of adds."""
     torch.ops.pdserve.sum_in_order(rows, out)
     return out
+
+
+def pin_threads(cpus: Sequence[int], one_each: bool = True) -> int:
+    """Pin the calling thread's OpenMP team (the threads torch's CPU ops run on): thread t to cpus[t % len(cpus)],
+    or, with one_each=False, every thread to all of cpus. Returns the team's size."""
+    return int(torch.ops.pdserve.pin_threads(list(cpus), one_each))
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

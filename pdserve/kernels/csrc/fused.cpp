@@ -134,7 +134,7 @@ void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out) {
       for (int64_t i = 0; i < inter; ++i) {
         const float x = to_f<T>(g[i]);
         const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|): no overflow on either side
-        const float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        const float sig = (x >= 0.0f ? 1.0f : e) / (1.0f + e);  // one division per value, vectorised
         o[i] = from_f<T>(to_f<T>(from_f<T>(x * sig)) * to_f<T>(u[i]));
       }
     }

@@ -59,12 +59,14 @@ class EngineConfig:
             "help": "how CPU ranks of a pod talk: shm (shared memory, the auto choice on Linux) or gloo",
         },
     )
-    # "auto" pins rank r to one core when a pod's ranks outnumber its cores; "on" / "off".
+    # "auto" pins rank r to one core when a pod's ranks outnumber its cores, and a single rank's compute threads one
+    # per core when there are at least as many cores; "on" / "off".
     cpu_pinning: str = field(
         default="auto",
         metadata={
             "choices": CPU_PINNING,
-            "help": "pin each rank to one core (auto: when the pod's ranks outnumber its cores)",
+            "help": "pin each rank to one core, or a single rank's compute threads one per core (auto: when the "
+            "pod's ranks outnumber its cores, or a single rank's threads do not)",
         },
     )
     # Norms, softmax, LSE and sampling stay in float32 whatever this is.

@@ -321,6 +321,9 @@ class Executor:
         # Rank 0 is this thread: its pinning and torch's thread count are given back at shutdown, so that whatever
         # this process runs next (another engine, a benchmark's next side) sees the machine as before.
         self._driver_was = (os.sched_getaffinity(0), torch.get_num_threads())
+        # A single CPU rank: the thread whose OpenMP team is pinned (the one that steps; in a pod not the builder).
+        self._pin_team = spec.tp_size == 1 and spec.cpus is not None and kernels.available()
+        self._team_of: int | None = None
         try:
             self.runner, self.channel = _build_rank(spec, 0)
             if isinstance(self.channel, _ShmChannel):
@@ -333,9 +336,6 @@ class Executor:
             raise
         self._last_broadcast = time.monotonic()
         self._broken = False
-        # A single CPU rank: the thread whose OpenMP team is pinned (the one that steps; in a pod not the builder).
-        self._pin_team = spec.tp_size == 1 and spec.cpus is not None and kernels.available()
-        self._team_of: int | None = None
 
     @classmethod
     def create(
@@ -524,7 +524,7 @@ class Executor:
 
     def _restore_driver(self) -> None:
         cpus, threads = self._driver_was
-        if getattr(self, "_team_of", None) == threading.get_ident():
+        if self._team_of == threading.get_ident():
             kernels.pin_threads(sorted(cpus), one_each=False)
         if self.spec.cpus and self.spec.tp_size > 1:
             os.sched_setaffinity(0, cpus)

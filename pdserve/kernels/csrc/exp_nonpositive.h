@@ -1,4 +1,4 @@
-// Shared by pdserve's CPU kernels (paged_decode.cpp, fused.cpp).
+// Shared by pdserve's CPU kernels (paged_decode.cpp, prefill_attention.cpp, fused.cpp).
 #pragma once
 
 #include <algorithm>

@@ -27,6 +27,7 @@ from pdserve.attention import select_backend
 from pdserve.engine.comm import ShmComm, ShmGroupSpec, TorchComm, init_groups, plan_groups
 from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
 from pdserve.engine.model_runner import ModelRunner, StepInput
+from pdserve.heap import freeze_startup_heap
 from pdserve.engine.shm import RankFailure, ShmRegion, shm_supported
 from pdserve.engine.config import CPU_COLLECTIVES, CPU_PINNING
 from pdserve.model.config import ModelConfig
@@ -281,6 +282,7 @@ def _worker_main(spec: RankSpec, rank: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     runner, channel = _build_rank(spec, rank)
     assert channel is not None
+    freeze_startup_heap(f"TP rank {rank}")
     try:
         if isinstance(channel, _ShmChannel):
             channel.started(spec.init_timeout_s)

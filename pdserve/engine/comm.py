@@ -37,6 +37,18 @@ class Communicator(Protocol):
         """Sum over the group, keeping this rank's 1/size slice of dim."""
         ...
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[size, *x.shape] on group rank 0 (x from every rank, in rank order); None on the others."""
+        ...
+
+    def native(self) -> list[int] | None:
+        """The group as pdserve's C++ decode step takes it (its collectives run there); None: not shared memory."""
+        ...
+
+    def set_native_seq(self, seq: int) -> None:
+        """After a native call: the barrier waits it made, returned by it."""
+        ...
+
 
 class TorchComm:
     def __init__(self, group, size: int, rank: int) -> None:
@@ -60,6 +72,21 @@ class TorchComm:
         # gloo has no reduce_scatter
         dist.all_reduce(x := x.contiguous(), group=self.group)
         return x.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        x = x.contiguous()
+        if self.rank != 0:
+            dist.gather(x, None, dst=dist.get_global_rank(self.group, 0), group=self.group)
+            return None
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.gather(x, list(out.unbind(0)), dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out
+
+    def native(self) -> list[int] | None:
+        return None
+
+    def set_native_seq(self, seq: int) -> None:
+        raise RuntimeError("a torch.distributed group has no native collectives")
 
 
 @dataclass(frozen=True)
@@ -159,6 +186,16 @@ class ShmComm:
             out[:, a : a + piece].copy_(self._exchange(flat[a : a + piece], "an all-gather"))
         return out.view(self.size, *x.shape)
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        flat = x.reshape(-1)
+        n, piece = flat.numel(), self.slot_bytes // x.dtype.itemsize
+        out = torch.empty((self.size, n), dtype=x.dtype) if self.rank == 0 else None
+        for a in range(0, max(n, 1), piece):  # one barrier even for nothing: every rank takes part
+            slots = self._exchange(flat[a : a + piece], "a gather")
+            if out is not None:
+                out[:, a : a + piece].copy_(slots)
+        return None if out is None else out.view(self.size, *x.shape)
+
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if x.shape[dim] % self.size:
             raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} does not split into {self.size}")
@@ -176,6 +213,15 @@ class ShmComm:
                     if dst == self.rank:
                         _sum_in_order(slots, out[a : a + piece])
         return out.view(rows.shape[0] // self.size, *rows.shape[1:]).movedim(0, dim).contiguous()
+
+    def native(self) -> list[int]:
+        handle = self.barrier.native()
+        handle[3:5] = [self._slots.data_ptr(), self.slot_bytes]
+        handle[7] = int(self.timeout_s * 1000)
+        return handle + list(self.barrier.ranks)
+
+    def set_native_seq(self, seq: int) -> None:
+        self.barrier.seq = seq
 
     # --- the driver's channel to the other ranks (world group only): bytes with a length header ---
     def _slot_at(self, rank: int) -> int:

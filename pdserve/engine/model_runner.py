@@ -225,7 +225,8 @@ class ModelRunner:
         if conn is not None and kv_meta is not None:
             conn.start_load_kv(kv_meta)
             hook = partial(_save_layer, conn, kv_meta)
-        logits_indices = step.logits_indices.to(dev) if self.ps.tp_rank == 0 else None
+        # every TP rank computes its shard of the LM head (ParallelState.vocab_parallel_logits); rank 0 gets logits
+        logits_indices = step.logits_indices.to(dev)
         out = self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_cache, meta, logits_indices, hook)
         if hook is not None:
             assert conn is not None and kv_meta is not None

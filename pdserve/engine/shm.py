@@ -168,6 +168,19 @@ class Barrier:
         self._lib.syscall(_SYS_FUTEX, self._gen_ptr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
     @property
+    def seq(self) -> int:
+        """Waits this rank has made; a native caller (ShmComm.native) reads it and sets it back after its own."""
+        return self._seq
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self._seq = value
+
+    def native(self) -> list[int]:
+        """[address, n, rank, -, -, spin, seq, timeout ms, stall ms] for csrc/decode_step.cpp's copy of wait()."""
+        return [self._gen_ptr.value or 0, self.n, self.rank, 0, 0, self.spin, self._seq, 0, int(self.stall_s * 1000)]
+
+    @property
     def next_phase(self) -> int:
         """0 or 1: the phase of the next wait(), which picks the slot set a collective writes."""
         return (self._seq + 1) & 1

@@ -1,8 +1,9 @@
 """pdserve's C++ CPU kernels (csrc/): built once per machine with the system compiler against the installed torch,
 cached under the pdserve cache, loaded as torch ops (``torch.ops.pdserve.*``): decode attention over the paged cache
 (csrc/paged_decode.cpp), causal prefill attention (csrc/prefill_attention.cpp), a decoder layer's small ops fused
-(csrc/fused.cpp), the local sums of the shared-memory collectives and the DCP merge (csrc/collectives.cpp), and the
-pinning of torch's OpenMP threads (csrc/threads.cpp).
+(csrc/fused.cpp), the local sums of the shared-memory collectives and the DCP merge (csrc/collectives.cpp), the
+pinning of torch's OpenMP threads (csrc/threads.cpp), one row through a linear layer (csrc/gemv.cpp), and a
+tensor-parallel decode step's layers with their shared-memory collectives in one call (csrc/decode_step.cpp).
 
 Built with -march=native, so the cache key holds this CPU's flags as well as the source, torch's version and the
 compiler flags. Where nothing can be built (no compiler, no headers), ``available()`` is False, the reason is logged
@@ -28,8 +29,16 @@ from pdserve.default_model import cache_dir
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "fused.cpp", "collectives.cpp", "threads.cpp")
-_HEADERS = ("convert.h", "exp_nonpositive.h")
+_SOURCES = (
+    "paged_decode.cpp",
+    "prefill_attention.cpp",
+    "fused.cpp",
+    "collectives.cpp",
+    "threads.cpp",
+    "decode_step.cpp",
+    "gemv.cpp",
+)
+_HEADERS = ("convert.h", "exp_nonpositive.h", "ops.h")
 # Reassociation lets the compiler vectorise the float reductions. Not -ffast-math: linking a library with it pulls in
 # crtfastmath, which turns on flush-to-zero for the whole process when the library loads (subnormals become 0).
 _FLAGS = [
@@ -206,3 +215,47 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     """merge_attn_states in one pass: float32 outs [N, T, H, D] and lses [N, T, H] (any strides, D contiguous) ->
     (out [T, H, D], lse [T, H])."""
     return torch.ops.pdserve.merge_partials(outs, lses)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for one row x [1, K] from weight [N, K] as stored, streaming the weight with
+    prefetch (csrc/gemv.cpp): for a TP rank's shard several times faster than the packed oneDNN call."""
+    return torch.ops.pdserve.gemv(x, weight, bias)
+
+
+def decode_layers(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    dims: list[int],
+    floats: list[float],
+    tp_group: list[int],
+    dcp_group: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Every decoder layer of a decode step on this TP rank, as DecoderLayer.forward_fused computes them, with the
+    TP all-reduces and the DCP merge through the shared-memory groups (ShmComm.native handles). weights: per layer
+    (input norm, qkv, o, post-attention norm, gate_up, down), the linears packed in x's dtype; biases: per layer
+    (qkv, o, gate_up, down); dims: (layers, head_dim, q_size, kv_size, window or -1, dcp_size); floats: (eps,
+    scale). Returns (the residual stream, the last MLP output, each group's barrier count after the step). A broken
+    group raises RuntimeError starting "RankFailure[rank]: " (ParallelState.native_failure)."""
+    return torch.ops.pdserve.decode_layers(
+        x,
+        cos,
+        sin,
+        kv_cache,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        weights,
+        biases,
+        dims,
+        floats,
+        tp_group,
+        dcp_group,
+    )

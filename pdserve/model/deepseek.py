@@ -195,7 +195,8 @@ class DeepseekCausalLM(nn.Module):
                 mlp.pack_weights()
             else:
                 mlp.gate_up_packed, mlp.down_packed = plinear.pack(mlp.gate_up_weight), plinear.pack(mlp.down_weight)
-        self.lm_head_packed = plinear.pack(self.lm_head)
+        first, n = self.ps.vocab_shard(self.lm_head.shape[0])
+        self.lm_head_packed = plinear.pack(self.lm_head[first : first + n])  # this rank's shard only
 
     @torch.inference_mode()
     def forward(
@@ -217,4 +218,7 @@ class DeepseekCausalLM(nn.Module):
         if logits_indices is None:
             return None
         x = self.norm(x[logits_indices])
-        return plinear.linear(x, self.lm_head, self.lm_head_packed if packed else None).float()
+        head, head_packed = self.lm_head, self.lm_head_packed if packed else None
+        return self.ps.vocab_parallel_logits(
+            x, lambda first, n: plinear.linear(x, head[first : first + n], head_packed), head.shape[0]
+        )

@@ -53,3 +53,18 @@ def linear(
             b = None if bias is None else bias.float()
             return _linear_pointwise(x.float(), packed, b, "none", [None], "").to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def rank_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None, shard: bool
+) -> torch.Tensor:
+    """linear(), except that one row on a tensor-parallel shard (shard True) goes through pdserve's gemv kernel
+    from the weight as stored: on a shard of a few hundred rows oneDNN's per-call setup costs more than streaming
+    the weight (docs/performance.md, "Shared-memory collectives"). The native decode step (kernels.decode_layers)
+    makes the same choice, so both give the same bits."""
+    if shard and packed is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype:
+        from pdserve import kernels
+
+        if kernels.available():
+            return kernels.gemv(x, weight, bias)
+    return linear(x, weight, packed, bias)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,7 +78,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """rows: only these rows' outputs are wanted (every row's K/V is still written)."""
         t, d = x.shape[0], self.head_dim
-        qkv = plinear.linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias)
+        one = self.ps.tp_size > 1  # a TP rank's one-row steps through kernels.gemv (plinear.rank_linear)
+        qkv = plinear.rank_linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias, one)
         nq, qk_size = self.q_size // d, self.q_size + self.kv_size
         if fused:  # rotated in place: no copies of q and k
             kernels.rope_(qkv, cos_sin[0], cos_sin[1], qk_size // d, d)
@@ -89,7 +92,8 @@ class Attention(nn.Module):
         out = self._attend(q, k, v, kv_layer, meta)
         if rows is not None:
             out, t = out[rows], rows.numel()
-        out = plinear.linear(out.reshape(t, self.o_size), self.o_weight, self.o_packed if packed else None)
+        o_packed = self.o_packed if packed else None
+        out = plinear.rank_linear(out.reshape(t, self.o_size), self.o_weight, o_packed, None, one)
         out = self.ps.all_reduce(out)
         return out if self.o_bias is None else out + self.o_bias
 
@@ -127,13 +131,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, packed: bool, fused: bool = False) -> torch.Tensor:
         gu_p, down_p = (self.gate_up_packed, self.down_packed) if packed else (None, None)
-        gate_up = plinear.linear(x, self.gate_up_weight, gu_p, self.gate_up_bias)
+        one = self.ps.tp_size > 1
+        gate_up = plinear.rank_linear(x, self.gate_up_weight, gu_p, self.gate_up_bias, one)
         if fused:
             h = kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate, inplace=True).mul_(up)  # in place: the [T, 2*inter] buffer is the largest activation
-        out = plinear.linear(h, self.down_weight, down_p)
+        out = plinear.rank_linear(h, self.down_weight, down_p, None, one)
         if not self.reduce:
             return out
         out = self.ps.all_reduce(out)
@@ -179,6 +184,10 @@ class CausalLM(nn.Module):
         # Prefill runs on the packed weights too unless this is set: then prefill keeps F.linear, whose logits are
         # bit-identical to transformers' (linear.py: what the packed path gains and costs).
         self.exact_prefill = False
+        # A TP decode step's layers in one C++ call with their shared-memory collectives (kernels.decode_layers);
+        # PDSERVE_NATIVE_DECODE=0 keeps them op by op.
+        self.native_decode = os.environ.get("PDSERVE_NATIVE_DECODE", "1") != "0"
+        self._native_args: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -190,7 +199,8 @@ class CausalLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             a.qkv_packed, a.o_packed = plinear.pack(a.qkv_weight), plinear.pack(a.o_weight)
             m.gate_up_packed, m.down_packed = plinear.pack(m.gate_up_weight), plinear.pack(m.down_weight)
-        self.lm_head_packed = plinear.pack(self.lm_head)
+        first, n = self.ps.vocab_shard(self.lm_head.shape[0])
+        self.lm_head_packed = plinear.pack(self.lm_head[first : first + n])  # this rank's shard only
 
     @torch.inference_mode()
     def forward(
@@ -203,7 +213,8 @@ class CausalLM(nn.Module):
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor | None:
         """on_layer_done(i), when given, runs right after layer i wrote its KV (prefill pods publish it).
-        logits_indices None: no logits (TP ranks other than the driver, which alone samples)."""
+        logits_indices None: no logits. Under TP every rank computes its shard of the LM head and TP rank 0 alone
+        returns the logits (None on the others)."""
         packed = not (meta.is_prefill and self.exact_prefill)
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
@@ -213,7 +224,10 @@ class CausalLM(nn.Module):
         # prompt's last token; none for a chunk before the last). One rank only: TP ranks reduce whole rows.
         rows = logits_indices if fused and meta.is_prefill and self.ps.tp_size == 1 else None
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        groups = self._native_groups(x) if fused and not meta.is_prefill and on_layer_done is None else None
+        if groups is not None:
+            x, delta = self._decode_native(x, cos_sin, kv_cache, meta, groups)
+        for i, layer in enumerate(self.layers if groups is None else ()):
             if fused:
                 x, delta = layer.forward_fused(x, delta, cos_sin, kv_cache[i], meta, rows if i == last else None)
             else:
@@ -228,4 +242,60 @@ class CausalLM(nn.Module):
             x = self.norm.add_norm(x[logits_indices], None if delta is None else delta[logits_indices])
         else:
             x = self.norm(x[logits_indices])
-        return plinear.linear(x, self.lm_head, self.lm_head_packed if packed else None).float()
+        head, head_packed = self.lm_head, self.lm_head_packed if packed else None
+        return self.ps.vocab_parallel_logits(
+            x, lambda first, n: plinear.linear(x, head[first : first + n], head_packed), head.shape[0]
+        )
+
+    def _native_groups(self, x: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """The groups for kernels.decode_layers, or None where this step goes op by op (one rank, gloo, no packed
+        weight in x's dtype)."""
+        if not self.native_decode or self.ps.tp_size == 1:
+            return None
+        if self._native_args is None:
+            weights: list[torch.Tensor] = []
+            biases: list[torch.Tensor | None] = []
+            for layer in self.layers:
+                a, m = layer.self_attn, layer.mlp
+                packed = [a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed]
+                if any(p is None or p.dtype != x.dtype for p in packed):
+                    self.native_decode = False
+                    return None
+                norms = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+                weights += [norms[0], a.qkv_packed, a.o_packed, norms[1], m.gate_up_packed, m.down_packed]
+                weights += [a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight]
+                biases += [a.qkv_bias, a.o_bias, m.gate_up_bias, m.down_bias]
+            self._native_args = weights, biases  # type: ignore[assignment]
+        return self.ps.native_groups()
+
+    def _decode_native(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        groups: tuple[list[int], list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._native_args is not None
+        a = self.layers[0].self_attn
+        window = -1 if meta.sliding_window is None else meta.sliding_window
+        dims = [len(self.layers), a.head_dim, a.q_size, a.kv_size, window, self.ps.dcp_size]
+        eps = self.layers[0].input_layernorm.eps
+        try:
+            x, delta, tp_seq, dcp_seq = kernels.decode_layers(
+                x,
+                cos_sin[0],
+                cos_sin[1],
+                kv_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.context_lens,
+                *self._native_args,
+                dims,
+                [eps, a.scale],
+                *groups,
+            )
+        except RuntimeError as e:
+            raise self.ps.native_failure(e) from None
+        self.ps.native_done(tp_seq, dcp_seq)
+        return x, delta

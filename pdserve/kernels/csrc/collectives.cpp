@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -85,6 +87,16 @@ std::tuple<at::Tensor, at::Tensor> merge_partials(const at::Tensor& outs, const 
 }
 
 }  // namespace
+
+namespace pdserve_kernels {  // the entry points for other kernels (ops.h)
+
+void sum_in_order(const at::Tensor& rows, at::Tensor& out) { ::sum_in_order(rows, out); }
+
+std::tuple<at::Tensor, at::Tensor> merge_partials(const at::Tensor& outs, const at::Tensor& lses) {
+  return ::merge_partials(outs, lses);
+}
+
+}  // namespace pdserve_kernels
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("sum_in_order(Tensor rows, Tensor(a!) out) -> ()");

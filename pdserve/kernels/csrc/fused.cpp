@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "ops.h"
 #include "exp_nonpositive.h"
 
 namespace {
@@ -188,6 +189,21 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
 }
 
 }  // namespace
+
+namespace pdserve_kernels {  // the entry points for other kernels (ops.h)
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta,
+                                                const at::Tensor& weight, double eps) {
+  return ::add_rms_norm(std::move(x), delta, weight, eps);
+}
+
+void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+  ::rope_(std::move(qkv), cos, sin, heads, head_dim);
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return ::silu_mul(gate_up); }
+
+}  // namespace pdserve_kernels
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> (Tensor(a!), Tensor)");

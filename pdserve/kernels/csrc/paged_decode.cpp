@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "ops.h"
 #include "exp_nonpositive.h"
 
 namespace {
@@ -145,6 +146,17 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
 }
 
 }  // namespace
+
+namespace pdserve_kernels {  // the entry points for other kernels (ops.h)
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                          const at::Tensor& context_lens, int64_t window,
+                                                          double scale) {
+  return ::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, window, scale);
+}
+
+}  // namespace pdserve_kernels
 
 TORCH_LIBRARY(pdserve, m) {
   m.def(

@@ -1,0 +1,292 @@
+// Every decoder layer of a tensor-parallel decode step in one call, collectives included. With TP 9 x DCP 3 on two
+// cores, a rank's step was ~25 torch ops and 3 shared-memory collectives per layer, each a trip through Python and
+// the dispatcher that cost far more than its arithmetic. This runs the same ops in the same order (pdserve/model/
+// llama.py, DecoderLayer.forward_fused; pdserve/engine/comm.py, ShmComm), so its results are the same bits.
+//
+// The barrier is pdserve/engine/shm.py's Barrier over the same shared words: glibc's process-shared semaphores and a
+// futex word, a waiter sleeping in slices and checking, between them, the abort word and its peers' processes.
+// Built and loaded by pdserve/kernels/__init__.py.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <linux/futex.h>
+#include <semaphore.h>
+#include <sys/syscall.h>
+#include <torch/library.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kLine = 64;  // shm.py's LINE: every shared word on a cache line of its own
+constexpr double kSliceS = 0.25;  // shm.py's Barrier.SLICE_S
+
+int64_t words(int64_t n) { return (n * 8 + kLine - 1) / kLine * kLine; }
+
+// A failure that breaks the group for good; the Python side turns it into RankFailure (pdserve/kernels/__init__.py).
+[[noreturn]] void rank_failure(int64_t rank, const std::string& message) {
+  TORCH_CHECK(false, "RankFailure[", rank, "]: ", message);
+}
+
+char proc_state(int64_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = std::fopen(path, "rb");
+  if (!f) return 0;
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* close = std::strrchr(buf, ')');  // the command name in parentheses may itself hold ")"
+  return close && close[1] && close[2] ? close[2] : 0;
+}
+
+// One ShmComm group as its Python side describes it (ShmComm.native()): [barrier address, n, rank, slots address,
+// slot bytes, spin, seq, timeout ms, stall ms, the members' TP ranks...].
+struct Group {
+  uint32_t* gen;
+  uint32_t* abort;
+  sem_t* sems[2];
+  sem_t* sleepers;
+  int64_t* pids;
+  int64_t* arrived;
+  int64_t n, rank, spin, seq, timeout_ms, stall_ms;
+  uint8_t* data;
+  int64_t slot_bytes;
+  std::vector<int64_t> tp_ranks;
+  std::unordered_map<int64_t, Clock::time_point> stopped_since;
+
+  explicit Group(at::IntArrayRef d) {
+    TORCH_CHECK(d.size() >= 9 && static_cast<int64_t>(d.size()) == 9 + d[1], "decode_layers: a bad group handle");
+    auto* base = reinterpret_cast<uint8_t*>(d[0]);
+    n = d[1], rank = d[2], spin = d[5], seq = d[6], timeout_ms = d[7], stall_ms = d[8];
+    data = reinterpret_cast<uint8_t*>(d[3]);
+    slot_bytes = d[4];
+    gen = reinterpret_cast<uint32_t*>(base);
+    abort = reinterpret_cast<uint32_t*>(base + kLine);
+    sems[0] = reinterpret_cast<sem_t*>(base + 2 * kLine);
+    sems[1] = reinterpret_cast<sem_t*>(base + 3 * kLine);
+    sleepers = reinterpret_cast<sem_t*>(base + 4 * kLine);
+    pids = reinterpret_cast<int64_t*>(base + 6 * kLine);
+    arrived = reinterpret_cast<int64_t*>(base + 6 * kLine + words(n));
+    tp_ranks.assign(d.begin() + 9, d.end());
+  }
+
+  // This rank's slot and every rank's slot of the next wait's phase (the slot sets alternate by phase).
+  uint8_t* slot(int64_t r) const { return data + (((seq + 1) & 1) * n + r) * slot_bytes; }
+
+  bool complete(sem_t* sem) const {
+    int v = 0;
+    sem_getvalue(sem, &v);
+    if (v < n) return false;
+    for (int64_t i = 0; i < n; ++i)
+      if (__atomic_load_n(arrived + i, __ATOMIC_SEQ_CST) < seq) return false;
+    return true;
+  }
+
+  void release(uint32_t s) {
+    __atomic_store_n(gen, s, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  // the store above before the load below (a sleeper mirrors it)
+    int v = 0;
+    sem_getvalue(sleepers, &v);
+    if (v) syscall(SYS_futex, gen, FUTEX_WAKE, 0x7FFFFFFF, nullptr, nullptr, 0);
+  }
+
+  void check_peers(const char* what) {
+    const auto now = Clock::now();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pid = pids[i];
+      if (i == rank || pid == 0) continue;
+      const char st = proc_state(pid);
+      if (st == 0 || st == 'Z' || st == 'X')
+        rank_failure(tp_ranks[i], "TP rank " + std::to_string(tp_ranks[i]) + " (pid " + std::to_string(pid) +
+                                      ") exited during " + what);
+      if (st == 'T' || st == 't') {
+        const auto since = stopped_since.try_emplace(pid, now).first->second;
+        const double s = std::chrono::duration<double>(now - since).count();
+        if (s * 1000 > stall_ms)
+          rank_failure(tp_ranks[i], "TP rank " + std::to_string(tp_ranks[i]) + " (pid " + std::to_string(pid) +
+                                        ") has been stopped for " + std::to_string(s) + " s during " + what);
+      } else {
+        stopped_since.erase(pid);
+      }
+    }
+  }
+
+  void wait(const char* what) {
+    ++seq;
+    const uint32_t s = static_cast<uint32_t>(seq);
+    sem_t* sem = sems[seq & 1];
+    __atomic_store_n(arrived + rank, seq, __ATOMIC_SEQ_CST);
+    sem_post(sem);
+    if (complete(sem)) {
+      release(s);
+    } else if (__atomic_load_n(gen, __ATOMIC_SEQ_CST) != s) {
+      sleep_until(s, sem, what);
+    }
+    sem_trywait(sem);
+  }
+
+  void sleep_until(uint32_t s, sem_t* sem, const char* what) {
+    for (int64_t i = 0; i < spin; ++i)
+      if (__atomic_load_n(gen, __ATOMIC_SEQ_CST) == s) return;
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    const timespec slice{0, static_cast<long>(kSliceS * 1e9)};
+    while (true) {
+      sem_post(sleepers);
+      const uint32_t cur = __atomic_load_n(gen, __ATOMIC_SEQ_CST);
+      if (cur != s) syscall(SYS_futex, gen, FUTEX_WAIT, cur, &slice, nullptr, 0);
+      sem_trywait(sleepers);
+      if (__atomic_load_n(gen, __ATOMIC_SEQ_CST) == s) return;
+      if (complete(sem)) {  // the last arrival read a stale arrival word: release now
+        release(s);
+        return;
+      }
+      if (__atomic_load_n(abort, __ATOMIC_SEQ_CST))
+        rank_failure(-1, std::string(what) + " was aborted: the pod is stopping its ranks");
+      check_peers(what);
+      if (Clock::now() > deadline) {
+        std::string late;
+        int64_t first = -1;
+        for (int64_t i = 0; i < n; ++i) {
+          if (arrived[i] >= seq) continue;
+          late += (late.empty() ? "" : ", ") + std::to_string(tp_ranks[i]);
+          if (first < 0) first = tp_ranks[i];
+        }
+        rank_failure(first, std::string(what) + " timed out after " + std::to_string(timeout_ms / 1000) +
+                                " s waiting for TP rank(s) [" + late + "]");
+      }
+    }
+  }
+
+  // [n, numel] views of every rank's slot for the next phase, as dtype.
+  at::Tensor slots(at::ScalarType dtype, int64_t numel) const {
+    const int64_t item = c10::elementSize(dtype);
+    TORCH_CHECK(numel * item <= slot_bytes, "decode_layers: a collective larger than a slot");
+    return at::from_blob(slot(0), {n, numel}, {slot_bytes / item, 1}, at::TensorOptions().dtype(dtype));
+  }
+
+  // ShmComm.all_reduce: every rank's x in its slot, one barrier, the slots summed in rank order.
+  at::Tensor all_reduce(const at::Tensor& x) {
+    auto rows = slots(x.scalar_type(), x.numel());
+    rows[rank].copy_(x.reshape(-1));
+    wait("an all-reduce");
+    auto out = at::empty_like(x);
+    auto flat = out.view(-1);
+    pdserve_kernels::sum_in_order(rows, flat);
+    return out;
+  }
+};
+
+// plinear.linear on a packed weight of x's dtype: oneDNN's matmul on the prepacked weight.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  c10::List<std::optional<at::Scalar>> scalars;
+  scalars.push_back(std::nullopt);
+  std::vector<c10::IValue> stack{x, packed, bias, std::string("none"), scalars, std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// write_kv: each new row's K and V into its slot; slot -1 rows belong to another DCP rank.
+void write_kv(const at::Tensor& kv_layer, const at::Tensor& qkv, const int64_t* slots, int64_t t, int64_t k_off,
+              int64_t kv_size) {
+  const int64_t item = kv_layer.element_size(), row_stride = qkv.stride(0) * item;
+  auto* k_dst = static_cast<uint8_t*>(kv_layer[0].data_ptr());
+  auto* v_dst = static_cast<uint8_t*>(kv_layer[1].data_ptr());
+  const auto* src = static_cast<const uint8_t*>(qkv.data_ptr());
+  const int64_t bytes = kv_size * item;
+  for (int64_t r = 0; r < t; ++r) {
+    if (slots[r] < 0) continue;
+    std::memcpy(k_dst + slots[r] * bytes, src + r * row_stride + k_off * item, bytes);
+    std::memcpy(v_dst + slots[r] * bytes, src + r * row_stride + (k_off + kv_size) * item, bytes);
+  }
+}
+
+// ParallelState.dcp_merge: the group's partial (out, LSE) through the DCP slots as fp32, then this rank's heads merged.
+at::Tensor dcp_merge(Group& dcp, const at::Tensor& out, const at::Tensor& lse) {
+  const int64_t t = out.size(0), h = out.size(1), d = out.size(2), thd = t * h * d;
+  auto parts = dcp.slots(at::kFloat, thd + t * h);
+  auto mine = parts[dcp.rank];
+  mine.narrow(0, 0, thd).copy_(out.reshape(-1));
+  mine.narrow(0, thd, t * h).copy_(lse.reshape(-1));
+  dcp.wait("an all-gather");
+  const int64_t first = dcp.rank * h / dcp.n, last = (dcp.rank + 1) * h / dcp.n;
+  auto outs = parts.narrow(1, 0, thd).view({dcp.n, t, h, d}).narrow(2, first, last - first);
+  auto lses = parts.narrow(1, thd, t * h).view({dcp.n, t, h}).narrow(2, first, last - first);
+  return std::get<0>(pdserve_kernels::merge_partials(outs, lses)).to(out.scalar_type());
+}
+
+// One step row (batch 1): the weight as stored through gemv.cpp, faster than oneDNN on a shard; else the packed one.
+at::Tensor rank_linear(const at::Tensor& x, const at::Tensor& plain, const at::Tensor& packed,
+                       const std::optional<at::Tensor>& bias) {
+  return x.size(0) == 1 ? pdserve_kernels::gemv(x, plain, bias) : packed_linear(x, packed, bias);
+}
+
+// weights: per layer [input norm, qkv packed, o packed, post-attention norm, gate_up packed, down packed, then the
+// four linears' weights as stored: qkv, o, gate_up, down];
+// biases: per layer [qkv, o, gate_up, down]; dims: [layers, head_dim, q_size, kv_size, window, dcp_size];
+// floats: [eps, scale]. Returns (the residual stream, the last MLP's output, the TP and DCP groups' barrier counts).
+std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
+    at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
+    at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims,
+    at::ArrayRef<double> floats, at::IntArrayRef tp_comm, at::IntArrayRef dcp_comm) {
+  TORCH_CHECK(dims.size() == 6 && floats.size() == 2, "decode_layers: dims / floats");
+  const int64_t layers = dims[0], hd = dims[1], q_size = dims[2], kv_size = dims[3], window = dims[4];
+  const int64_t dcp_size = dims[5];
+  const double eps = floats[0], scale = floats[1];
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers && static_cast<int64_t>(biases.size()) == 4 * layers,
+              "decode_layers: 10 weights and 4 biases per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && slot_mapping.scalar_type() == at::kLong, "decode_layers: inputs");
+  Group tp(tp_comm);
+  std::optional<Group> dcp;
+  if (dcp_size > 1) dcp.emplace(dcp_comm);
+  const int64_t t = x.size(0);
+  auto slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  std::optional<at::Tensor> delta;
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + 10 * i;
+    auto bias = [&](int64_t j) { return biases.get(4 * i + j); };
+    auto kv_layer = kv_cache[i];
+    // attention
+    auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, delta, w[0], eps));
+    auto qkv = rank_linear(h, w[6], w[1], bias(0));
+    pdserve_kernels::rope_(qkv, cos, sin, (q_size + kv_size) / hd, hd);
+    write_kv(kv_layer, qkv, sp, t, q_size, kv_size);
+    auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
+    auto [out, lse] = pdserve_kernels::paged_decode_attention(q, kv_layer[0], kv_layer[1], block_tables, context_lens,
+                                                              window, scale);
+    if (dcp) out = dcp_merge(*dcp, out, lse);
+    auto attn = tp.all_reduce(rank_linear(out.reshape({t, -1}), w[7], w[2], std::nullopt));
+    if (auto b = bias(1)) attn = attn + *b;
+    // MLP
+    h = std::get<1>(pdserve_kernels::add_rms_norm(x, attn, w[3], eps));
+    auto act = pdserve_kernels::silu_mul(rank_linear(h, w[8], w[4], bias(2)));
+    auto mlp = tp.all_reduce(rank_linear(act, w[9], w[5], std::nullopt));
+    if (auto b = bias(3)) mlp = mlp + *b;
+    delta = mlp;
+  }
+  return {x, *delta, tp.seq, dcp ? dcp->seq : 0};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def(
+      "decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor context_lens, Tensor[] weights, Tensor?[] biases, int[] dims, float[] floats, "
+      "int[] tp_comm, int[] dcp_comm) -> (Tensor, Tensor, int, int)",
+      TORCH_FN(decode_layers));  // one kernel for every key: the packed weights are MkldnnCPU tensors
+}

@@ -46,8 +46,9 @@ class Attention(nn.Module):
         super().__init__()
         self.ps, self.backend = ps, backend
         self.q_heads = q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, ps.tp_rank)
-        # Under DCP every rank of a group attends with the whole group's queries over its share of the tokens, so
-        # it projects them all itself (a few extra rows of weights) instead of gathering them from its peers.
+        # Under DCP every rank of a group attends with the whole group's queries over its share of the tokens: it
+        # projects its own heads and gathers its peers' (ParallelState.dcp_gather_heads), rather than streaming
+        # the group's query weights once per rank.
         first = ps.tp_rank - ps.dcp_rank
         self.q_group_heads = [
             h for r in range(first, first + ps.dcp_size) for h in q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, r)
@@ -56,7 +57,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
-        nq, nkv, d = len(self.q_group_heads), len(self.kv_heads), cfg.head_dim
+        nq, nkv, d = len(self.q_heads), len(self.kv_heads), cfg.head_dim
         self.q_size, self.kv_size = nq * d, nkv * d
         self.o_size = len(self.q_heads) * d
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size)
@@ -89,6 +90,8 @@ class Attention(nn.Module):
             q, k = qk[:, :nq], qk[:, nq:]
         v = qkv[:, qk_size:].view(t, -1, d)
         write_kv(kv_layer, k, v, meta.slot_mapping, meta.all_slots_local)
+        if self.ps.dcp_size > 1:
+            q = self.ps.dcp_gather_heads(q)
         out = self._attend(q, k, v, kv_layer, meta)
         if rows is not None:
             out, t = out[rows], rows.numel()

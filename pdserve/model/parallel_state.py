@@ -62,6 +62,13 @@ class ParallelState:
         base, rem = divmod(vocab, self.tp_size)
         return torch.cat([parts[r, :, : base + (1 if r < rem else 0)] for r in range(self.tp_size)], dim=1)
 
+    def dcp_gather_heads(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, h, D] of this rank's heads -> [T, dcp_size * h, D], the DCP group's heads in group-rank order."""
+        assert self.dcp_comm is not None
+        t, h, d = q.shape
+        parts = self.dcp_comm.all_gather(q.contiguous())  # [dcp, T, h, D]
+        return parts.permute(1, 0, 2, 3).reshape(t, self.dcp_size * h, d)
+
     def dcp_merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Exact attention for this rank's heads from every DCP rank's partial over its own tokens.
 

@@ -62,7 +62,7 @@ def _targets(model: CausalLM | DeepseekCausalLM) -> Targets:
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        q_rows, kv_rows, o_cols = _rows(attn.q_group_heads, d), _rows(attn.kv_heads, d), _rows(attn.q_heads, d)
+        q_rows, kv_rows, o_cols = _rows(attn.q_heads, d), _rows(attn.kv_heads, d), _rows(attn.q_heads, d)
         qs, ks = attn.q_size, attn.kv_size
         out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, (h,), whole)
         out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, (h,), whole)

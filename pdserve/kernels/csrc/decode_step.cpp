@@ -213,6 +213,15 @@ void write_kv(const at::Tensor& kv_layer, const at::Tensor& qkv, const int64_t* 
   }
 }
 
+// ParallelState.dcp_gather_heads: this rank's query heads [t, h, d] -> the group's [t, n * h, d], group-rank order.
+at::Tensor dcp_gather_heads(Group& dcp, const at::Tensor& q) {
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
+  auto parts = dcp.slots(q.scalar_type(), t * h * d);
+  parts[dcp.rank].view({t, h, d}).copy_(q);
+  dcp.wait("an all-gather");
+  return parts.view({dcp.n, t, h, d}).permute({1, 0, 2, 3}).reshape({t, dcp.n * h, d});
+}
+
 // ParallelState.dcp_merge: the group's partial (out, LSE) through the DCP slots as fp32, then this rank's heads merged.
 at::Tensor dcp_merge(Group& dcp, const at::Tensor& out, const at::Tensor& lse) {
   const int64_t t = out.size(0), h = out.size(1), d = out.size(2), thd = t * h * d;
@@ -266,6 +275,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
     pdserve_kernels::rope_(qkv, cos, sin, (q_size + kv_size) / hd, hd);
     write_kv(kv_layer, qkv, sp, t, q_size, kv_size);
     auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
+    if (dcp) q = dcp_gather_heads(*dcp, q);
     auto [out, lse] = pdserve_kernels::paged_decode_attention(q, kv_layer[0], kv_layer[1], block_tables, context_lens,
                                                               window, scale);
     if (dcp) out = dcp_merge(*dcp, out, lse);

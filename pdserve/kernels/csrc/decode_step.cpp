@@ -82,8 +82,9 @@ struct Group {
     tp_ranks.assign(d.begin() + 9, d.end());
   }
 
-  // This rank's slot and every rank's slot of the next wait's phase (the slot sets alternate by phase).
+  // Rank r's slot for the next wait's phase (the slot sets alternate by phase), and for the last wait's.
   uint8_t* slot(int64_t r) const { return data + (((seq + 1) & 1) * n + r) * slot_bytes; }
+  uint8_t* slot_of_last(int64_t r) const { return data + ((seq & 1) * n + r) * slot_bytes; }
 
   bool complete(sem_t* sem) const {
     int v = 0;
@@ -179,7 +180,8 @@ struct Group {
   // ShmComm.all_reduce: every rank's x in its slot, one barrier, the slots summed in rank order.
   at::Tensor all_reduce(const at::Tensor& x) {
     auto rows = slots(x.scalar_type(), x.numel());
-    rows[rank].copy_(x.reshape(-1));
+    auto src = x.contiguous();
+    std::memcpy(slot(rank), src.data_ptr(), src.nbytes());  // a torch copy_ costs more than this copy
     wait("an all-reduce");
     auto out = at::empty_like(x);
     auto flat = out.view(-1);
@@ -216,10 +218,18 @@ void write_kv(const at::Tensor& kv_layer, const at::Tensor& qkv, const int64_t* 
 // ParallelState.dcp_gather_heads: this rank's query heads [t, h, d] -> the group's [t, n * h, d], group-rank order.
 at::Tensor dcp_gather_heads(Group& dcp, const at::Tensor& q) {
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
-  auto parts = dcp.slots(q.scalar_type(), t * h * d);
-  parts[dcp.rank].view({t, h, d}).copy_(q);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d, "dcp_gather_heads: each row's heads contiguous");
+  const int64_t row = h * d * q.element_size(), stride = q.stride(0) * q.element_size();
+  dcp.slots(q.scalar_type(), t * h * d);  // checks the size
+  const auto* src = static_cast<const uint8_t*>(q.data_ptr());
+  uint8_t* mine = dcp.slot(dcp.rank);
+  for (int64_t i = 0; i < t; ++i) std::memcpy(mine + i * row, src + i * stride, row);
   dcp.wait("an all-gather");
-  return parts.view({dcp.n, t, h, d}).permute({1, 0, 2, 3}).reshape({t, dcp.n * h, d});
+  auto out = at::empty({t, dcp.n * h, d}, q.options());
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t r = 0; r < dcp.n; ++r) std::memcpy(dst + (i * dcp.n + r) * row, dcp.slot_of_last(r) + i * row, row);
+  return out;
 }
 
 // ParallelState.dcp_merge: the group's partial (out, LSE) through the DCP slots as fp32, then this rank's heads merged.
@@ -227,8 +237,13 @@ at::Tensor dcp_merge(Group& dcp, const at::Tensor& out, const at::Tensor& lse) {
   const int64_t t = out.size(0), h = out.size(1), d = out.size(2), thd = t * h * d;
   auto parts = dcp.slots(at::kFloat, thd + t * h);
   auto mine = parts[dcp.rank];
-  mine.narrow(0, 0, thd).copy_(out.reshape(-1));
-  mine.narrow(0, thd, t * h).copy_(lse.reshape(-1));
+  if (out.scalar_type() == at::kFloat && out.is_contiguous()) {  // plain copies: torch's copy_ costs more
+    std::memcpy(mine.data_ptr(), out.data_ptr(), thd * sizeof(float));
+  } else {
+    mine.narrow(0, 0, thd).copy_(out.reshape(-1));
+  }
+  auto l = lse.contiguous();
+  std::memcpy(static_cast<float*>(mine.data_ptr()) + thd, l.data_ptr(), t * h * sizeof(float));
   dcp.wait("an all-gather");
   const int64_t first = dcp.rank * h / dcp.n, last = (dcp.rank + 1) * h / dcp.n;
   auto outs = parts.narrow(1, 0, thd).view({dcp.n, t, h, d}).narrow(2, first, last - first);

@@ -259,3 +259,10 @@ def decode_layers(
         tp_group,
         dcp_group,
     )
+
+
+def barrier_wait(group: list[int], what: str) -> int:
+    """One wait of a shared-memory group's barrier as decode_layers waits (group: ShmComm.native or Barrier.native
+    plus the members' TP ranks); returns the barrier count after it. A broken group raises RuntimeError starting
+    "RankFailure[rank]: "."""
+    return int(torch.ops.pdserve.barrier_wait(group, what))

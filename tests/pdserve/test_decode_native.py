@@ -8,6 +8,7 @@ import pytest
 
 from pdserve import kernels
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.shm import Barrier, RankFailure, ShmRegion, shm_supported
 from pdserve.model.parallel_state import ParallelState
 from pdserve.sampling_params import SamplingParams
 
@@ -69,3 +70,75 @@ def test_tp_greedy_tokens_match_one_rank(tiny_factory, monkeypatch):
     for k in one:
         assert [t for t, _, _ in tp[k]] == [t for t, _, _ in one[k]]
         assert [lp for _, lp, _ in tp[k]] == pytest.approx([lp for _, lp, _ in one[k]], abs=1e-4)
+
+
+def _native(b: Barrier, timeout_s: float = 10.0) -> list[int]:
+    """b's handle as kernels.barrier_wait takes it (no slots), its members' TP ranks appended."""
+    handle = b.native()
+    handle[7] = int(timeout_s * 1000)
+    return handle + list(b.ranks)
+
+
+@pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}")
+def test_the_native_barrier_keeps_step_with_shm_py_s():
+    """The C++ step's barrier is a copy of pdserve/engine/shm.py's over the same words: one side waiting natively
+    and the other through Python (and both switching between the two) pass the same phases, none early."""
+    import threading
+
+    region = ShmRegion(Barrier.nbytes(2))
+    b0, b1 = Barrier(region, 0, 2, 0, [0, 1]), Barrier(region, 0, 2, 1, [0, 1])
+    b0.init()
+    b0.register()
+    b1.register()
+    phases = 300
+    seen: list[int] = []
+    shared = [0]
+
+    def wait(b: Barrier, native: bool) -> None:
+        if native:
+            b.seq = kernels.barrier_wait(_native(b), "a test")
+        else:
+            b.wait(10.0, "a test")
+
+    def other() -> None:
+        for i in range(phases):
+            wait(b1, i % 3 == 0)
+            seen.append(shared[0])  # what rank 0 wrote before the first wait of this round
+            wait(b1, i % 5 == 0)
+
+    t = threading.Thread(target=other)
+    t.start()
+    for i in range(phases):
+        shared[0] = i
+        wait(b0, i % 2 == 0)
+        wait(b0, i % 7 == 0)  # the next round's write waits until rank 1 has read this one's
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert seen == list(range(phases))
+    assert b0.seq == b1.seq == 2 * phases
+
+
+@pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}")
+def test_the_native_barrier_names_a_dead_rank_and_an_abort():
+    import subprocess
+
+    region = ShmRegion(Barrier.nbytes(2))
+    b0 = Barrier(region, 0, 2, 0, [0, 7])
+    b0.init()
+    b0.register()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    b0.expect(1, gone.pid)
+    with pytest.raises(RuntimeError) as ei:
+        kernels.barrier_wait(_native(b0), "an all-reduce")
+    e = ParallelState.native_failure(ei.value)
+    assert isinstance(e, RankFailure) and e.rank == 7
+    assert str(e) == f"TP rank 7 (pid {gone.pid}) exited during an all-reduce"
+
+    b0.expect(1, 0)  # no pid to watch: only the abort word ends the wait
+    b0.abort()
+    with pytest.raises(RuntimeError) as ei:
+        kernels.barrier_wait(_native(b0), "an all-gather")
+    e = ParallelState.native_failure(ei.value)
+    assert isinstance(e, RankFailure) and e.rank is None
+    assert str(e) == "an all-gather was aborted: the pod is stopping its ranks"

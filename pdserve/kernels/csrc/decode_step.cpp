@@ -306,9 +306,18 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
   return {x, *delta, tp.seq, dcp ? dcp->seq : 0};
 }
 
+// One wait of a group's barrier (ShmComm.native / Barrier.native handle): the protocol shared with shm.py's
+// Barrier, checked against it by the tests. Returns the group's barrier count after the wait.
+int64_t barrier_wait(at::IntArrayRef group, c10::string_view what) {
+  Group g(group);
+  g.wait(std::string(what).c_str());
+  return g.seq;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("barrier_wait(int[] group, str what) -> int", TORCH_FN(barrier_wait));
   m.def(
       "decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, Tensor[] weights, Tensor?[] biases, int[] dims, float[] floats, "

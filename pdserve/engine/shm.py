@@ -124,6 +124,7 @@ class Barrier:
         assert _libc is not None, shm_supported()
         self._lib: ctypes.CDLL = _libc
         self.n, self.rank, self.ranks, self.spin, self.stall_s = n, rank, ranks, spin, stall_s
+        self._region = region  # its words are raw addresses into the mapping: keep it mapped while this lives
         base = region.address + offset
         self._gen = ctypes.c_uint32.from_address(base)
         self._abort = ctypes.c_uint32.from_address(base + LINE)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve import kernels
+
 # The batch size oneDNN tunes the packed layout for; best for batches 1..16 (docs/performance.md).
 _PACK_HINT = 8
 
@@ -62,9 +64,7 @@ def rank_linear(
     from the weight as stored: on a shard of a few hundred rows oneDNN's per-call setup costs more than streaming
     the weight (docs/performance.md, "Shared-memory collectives"). The native decode step (kernels.decode_layers)
     makes the same choice, so both give the same bits."""
-    if shard and packed is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype:
-        from pdserve import kernels
-
-        if kernels.available():
-            return kernels.gemv(x, weight, bias)
+    one_row = x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
+    if shard and packed is not None and one_row and kernels.available():
+        return kernels.gemv(x, weight, bias)
     return linear(x, weight, packed, bias)

@@ -4,14 +4,14 @@ are the left-to-right sum in rank order, so every rank holds the same bits."""
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 import torch.multiprocessing as mp
 
+from barrier_helpers import dead_pid, two_rank_barrier
 from comm_worker import run_rank
 from pdserve.engine.comm import init_groups, plan_groups
-from pdserve.engine.shm import Barrier, RankFailure, ShmRegion, shm_supported
+from pdserve.engine.shm import RankFailure, ShmRegion, shm_supported
 from pdserve.net import free_port
 
 pytestmark = pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}")
@@ -45,13 +45,9 @@ def test_a_count_left_by_a_killed_rank_does_not_release_a_later_phase():
     """A rank killed between posting a barrier's semaphore and taking its count back leaves that count behind: the
     next phase on that semaphore must wait for the rank itself (and name it as gone), not pass on the stale count
     with the dead rank's slots unwritten."""
-    region = ShmRegion(Barrier.nbytes(2))
-    b0 = Barrier(region, 0, 2, 0, [0, 1])
-    b0.init()
-    b0.register()
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    b0.expect(1, gone.pid)  # as the executor names a spawned rank's pid
+    b0, _ = two_rank_barrier()
+    gone = dead_pid()
+    b0.expect(1, gone)  # as the executor names a spawned rank's pid
     b0._lib.sem_post(b0._sems[b0.next_phase])  # the count rank 1 left behind
-    with pytest.raises(RankFailure, match=f"TP rank 1 \\(pid {gone.pid}\\) exited during a collective"):
+    with pytest.raises(RankFailure, match=f"TP rank 1 \\(pid {gone}\\) exited during a collective"):
         b0.wait(10.0, "a collective")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from barrier_helpers import dead_pid, two_rank_barrier
 from pdserve import kernels
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.engine.shm import Barrier, RankFailure, ShmRegion, shm_supported
+from pdserve.engine.shm import Barrier, RankFailure, shm_supported
 from pdserve.model.parallel_state import ParallelState
 from pdserve.sampling_params import SamplingParams
 
@@ -85,11 +86,7 @@ def test_the_native_barrier_keeps_step_with_shm_py_s():
     and the other through Python (and both switching between the two) pass the same phases, none early."""
     import threading
 
-    region = ShmRegion(Barrier.nbytes(2))
-    b0, b1 = Barrier(region, 0, 2, 0, [0, 1]), Barrier(region, 0, 2, 1, [0, 1])
-    b0.init()
-    b0.register()
-    b1.register()
+    b0, b1 = two_rank_barrier()
     phases = 300
     seen: list[int] = []
     shared = [0]
@@ -120,20 +117,14 @@ def test_the_native_barrier_keeps_step_with_shm_py_s():
 
 @pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}")
 def test_the_native_barrier_names_a_dead_rank_and_an_abort():
-    import subprocess
-
-    region = ShmRegion(Barrier.nbytes(2))
-    b0 = Barrier(region, 0, 2, 0, [0, 7])
-    b0.init()
-    b0.register()
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    b0.expect(1, gone.pid)
+    b0, _ = two_rank_barrier((0, 7))
+    gone = dead_pid()
+    b0.expect(1, gone)
     with pytest.raises(RuntimeError) as ei:
         kernels.barrier_wait(_native(b0), "an all-reduce")
     e = ParallelState.native_failure(ei.value)
     assert isinstance(e, RankFailure) and e.rank == 7
-    assert str(e) == f"TP rank 7 (pid {gone.pid}) exited during an all-reduce"
+    assert str(e) == f"TP rank 7 (pid {gone}) exited during an all-reduce"
 
     b0.expect(1, 0)  # no pid to watch: only the abort word ends the wait
     b0.abort()

@@ -115,9 +115,12 @@ struct Group {
       if (st == 'T' || st == 't') {
         const auto since = stopped_since.try_emplace(pid, now).first->second;
         const double s = std::chrono::duration<double>(now - since).count();
-        if (s * 1000 > stall_ms)
+        if (s * 1000 > stall_ms) {
+          char secs[32];
+          std::snprintf(secs, sizeof secs, "%.1f", s);  // shm.py's message, to the same digit
           rank_failure(tp_ranks[i], "TP rank " + std::to_string(tp_ranks[i]) + " (pid " + std::to_string(pid) +
-                                        ") has been stopped for " + std::to_string(s) + " s during " + what);
+                                        ") has been stopped for " + secs + " s during " + what);
+        }
       } else {
         stopped_since.erase(pid);
       }

@@ -187,7 +187,7 @@ class CausalLM(nn.Module):
         # Prefill runs on the packed weights too unless this is set: then prefill keeps F.linear, whose logits are
         # bit-identical to transformers' (linear.py: what the packed path gains and costs).
         self.exact_prefill = False
-        # A TP decode step's layers in one C++ call with their shared-memory collectives (kernels.decode_layers);
+        # A CPU decode step's layers in one C++ call, a TP rank's shared-memory collectives too (kernels.decode_layers);
         # PDSERVE_NATIVE_DECODE=0 keeps them op by op.
         self.native_decode = os.environ.get("PDSERVE_NATIVE_DECODE", "1") != "0"
         self._native_args: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
@@ -253,7 +253,7 @@ class CausalLM(nn.Module):
     def _native_groups(self, x: torch.Tensor) -> tuple[list[int], list[int]] | None:
         """The groups for kernels.decode_layers, or None where this step goes op by op (one rank, gloo, no packed
         weight in x's dtype)."""
-        if not self.native_decode or self.ps.tp_size == 1:
+        if not self.native_decode:
             return None
         if self._native_args is None:
             weights: list[torch.Tensor] = []

@@ -88,7 +88,9 @@ class ParallelState:
 
     def native_groups(self) -> tuple[list[int], list[int]] | None:
         """The TP and DCP groups as pdserve's C++ decode step takes them, or None where one is not shared memory."""
-        if self.tp_size == 1 or self.tp_comm is None:
+        if self.tp_size == 1:
+            return [], []  # a single rank: no collectives
+        if self.tp_comm is None:
             return None
         tp = self.tp_comm.native()
         if self.dcp_size == 1:
@@ -98,6 +100,8 @@ class ParallelState:
 
     def native_done(self, tp_seq: int, dcp_seq: int) -> None:
         """The barrier counts a native step returned: the groups' Python side goes on from them."""
+        if self.tp_size == 1:
+            return
         assert self.tp_comm is not None
         self.tp_comm.set_native_seq(tp_seq)
         if self.dcp_size > 1:

@@ -1,6 +1,6 @@
-"""A tensor-parallel decode step through pdserve's C++ kernel (kernels.decode_layers: every layer and its
-shared-memory collectives in one call) gives the same bits as the op-by-op path it replaces, and the LM head split
-over the TP ranks gives the logits the single-rank head gives."""
+"""A decode step through pdserve's C++ kernel (kernels.decode_layers: every layer, and on a tensor-parallel pod its
+shared-memory collectives, in one call) gives the same bits as the op-by-op path it replaces, on one rank and on
+several, and the LM head split over the TP ranks gives the logits the single-rank head gives."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def _run(path, monkeypatch, native: bool, **kw) -> dict[str, list]:
 @pytest.mark.parametrize(
     "family,shape,parallel",
     [
+        ("llama", dict(num_heads=8, num_kv_heads=2), {}),  # one rank: the layers without collectives
+        ("llama", dict(num_heads=8, num_kv_heads=2), dict(dtype="bfloat16")),
+        ("qwen2", dict(num_heads=4, num_kv_heads=2), {}),
         ("llama", dict(num_heads=8, num_kv_heads=2, vocab_size=250), dict(tensor_parallel_size=4)),
         (
             "llama",

@@ -1,6 +1,6 @@
-// Every decoder layer of a tensor-parallel decode step in one call, collectives included. With TP 9 x DCP 3 on two
-// cores, a rank's step was ~25 torch ops and 3 shared-memory collectives per layer, each a trip through Python and
-// the dispatcher that cost far more than its arithmetic. This runs the same ops in the same order (pdserve/model/
+// Every decoder layer of a CPU decode step in one call, a tensor-parallel rank's collectives included. With TP 9 x
+// DCP 3 on two cores, a rank's step was ~25 torch ops and 3 shared-memory collectives per layer, each a trip through
+// Python and the dispatcher that cost far more than its arithmetic; a single rank pays the same trips, fewer. This runs the same ops in the same order (pdserve/model/
 // llama.py, DecoderLayer.forward_fused; pdserve/engine/comm.py, ShmComm), so its results are the same bits.
 //
 // The barrier is pdserve/engine/shm.py's Barrier over the same shared words: glibc's process-shared semaphores and a
@@ -254,10 +254,11 @@ at::Tensor dcp_merge(Group& dcp, const at::Tensor& out, const at::Tensor& lse) {
   return std::get<0>(pdserve_kernels::merge_partials(outs, lses)).to(out.scalar_type());
 }
 
-// One step row (batch 1): the weight as stored through gemv.cpp, faster than oneDNN on a shard; else the packed one.
+// One step row (batch 1) on a TP shard: the weight as stored through gemv.cpp, faster than oneDNN on a shard; else
+// the packed one (plinear.rank_linear's rule).
 at::Tensor rank_linear(const at::Tensor& x, const at::Tensor& plain, const at::Tensor& packed,
-                       const std::optional<at::Tensor>& bias) {
-  return x.size(0) == 1 ? pdserve_kernels::gemv(x, plain, bias) : packed_linear(x, packed, bias);
+                       const std::optional<at::Tensor>& bias, bool shard) {
+  return shard && x.size(0) == 1 ? pdserve_kernels::gemv(x, plain, bias) : packed_linear(x, packed, bias);
 }
 
 // weights: per layer [input norm, qkv packed, o packed, post-attention norm, gate_up packed, down packed, then the
@@ -276,7 +277,10 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers && static_cast<int64_t>(biases.size()) == 4 * layers,
               "decode_layers: 10 weights and 4 biases per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && slot_mapping.scalar_type() == at::kLong, "decode_layers: inputs");
-  Group tp(tp_comm);
+  std::optional<Group> tp;  // none: a single rank, whose step has no collectives
+  if (!tp_comm.empty()) tp.emplace(tp_comm);
+  const bool shard = tp.has_value();
+  auto all_reduce = [&](const at::Tensor& y) { return tp ? tp->all_reduce(y) : y; };
   std::optional<Group> dcp;
   if (dcp_size > 1) dcp.emplace(dcp_comm);
   const int64_t t = x.size(0);
@@ -289,7 +293,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
     auto kv_layer = kv_cache[i];
     // attention
     auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, delta, w[0], eps));
-    auto qkv = rank_linear(h, w[6], w[1], bias(0));
+    auto qkv = rank_linear(h, w[6], w[1], bias(0), shard);
     pdserve_kernels::rope_(qkv, cos, sin, (q_size + kv_size) / hd, hd);
     write_kv(kv_layer, qkv, sp, t, q_size, kv_size);
     auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
@@ -297,16 +301,16 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
     auto [out, lse] = pdserve_kernels::paged_decode_attention(q, kv_layer[0], kv_layer[1], block_tables, context_lens,
                                                               window, scale);
     if (dcp) out = dcp_merge(*dcp, out, lse);
-    auto attn = tp.all_reduce(rank_linear(out.reshape({t, -1}), w[7], w[2], std::nullopt));
+    auto attn = all_reduce(rank_linear(out.reshape({t, -1}), w[7], w[2], std::nullopt, shard));
     if (auto b = bias(1)) attn = attn + *b;
     // MLP
     h = std::get<1>(pdserve_kernels::add_rms_norm(x, attn, w[3], eps));
-    auto act = pdserve_kernels::silu_mul(rank_linear(h, w[8], w[4], bias(2)));
-    auto mlp = tp.all_reduce(rank_linear(act, w[9], w[5], std::nullopt));
+    auto act = pdserve_kernels::silu_mul(rank_linear(h, w[8], w[4], bias(2), shard));
+    auto mlp = all_reduce(rank_linear(act, w[9], w[5], std::nullopt, shard));
     if (auto b = bias(3)) mlp = mlp + *b;
     delta = mlp;
   }
-  return {x, *delta, tp.seq, dcp ? dcp->seq : 0};
+  return {x, *delta, tp ? tp->seq : 0, dcp ? dcp->seq : 0};
 }
 
 // One wait of a group's barrier (ShmComm.native / Barrier.native handle): the protocol shared with shm.py's

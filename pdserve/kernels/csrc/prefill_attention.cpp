@@ -5,8 +5,8 @@
 // query positions for every query head of one KV head's group at once (group x positions rows), packs each key
 // tile once for all of them, and multiplies in register-blocked loops the compiler keeps in vector registers; the
 // softmax is the online one of flash attention. Query i (absolute position ctx - n + i) sees keys 0..ctx - n + i,
-// so this covers a whole prompt and a later chunk whose earlier keys are all visible. Built and loaded by
-// pdserve/kernels/__init__.py.
+// so this covers a whole prompt and a later chunk whose earlier keys are all visible. bfloat16 on a CPU with
+// AVX512_BF16 multiplies bf16 pairs directly (prefill_kernel_bf16). Built and loaded by pdserve/kernels/__init__.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +21,11 @@
 
 #include "convert.h"
 #include "exp_nonpositive.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PDSERVE_BF16_DOT 1
+#endif
 
 namespace {
 
@@ -88,6 +93,24 @@ struct Task {
   int64_t h, t0, cost;
 };
 
+// One task: a tile of kQT query positions for one KV head's group. Later tiles see more keys: longest first, each
+// to the least loaded thread, one bucket per thread.
+std::vector<std::vector<Task>> balance_tasks(int64_t n, int64_t Hkv, int64_t off) {
+  std::vector<Task> tasks;
+  for (int64_t t0 = 0; t0 < n; t0 += kQT)
+    for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({h, t0, off + std::min(n, t0 + kQT)});
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  std::vector<std::vector<Task>> buckets(nb);
+  std::vector<int64_t> load_of(nb, 0);
+  for (const Task& t : tasks) {
+    const int64_t b = std::min_element(load_of.begin(), load_of.end()) - load_of.begin();
+    buckets[b].push_back(t);
+    load_of[b] += t.cost;
+  }
+  return buckets;
+}
+
 template <typename T, int64_t D>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out,
                     at::Tensor& lse) {
@@ -103,19 +126,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const float sc = static_cast<float>(scale);
   const int64_t Mmax = (kQT * G + kMR - 1) / kMR * kMR;
 
-  // Later query tiles see more keys: longest first, each to the least loaded thread, one bucket per thread.
-  std::vector<Task> tasks;
-  for (int64_t t0 = 0; t0 < n; t0 += kQT)
-    for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({h, t0, off + std::min(n, t0 + kQT)});
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
-  std::vector<std::vector<Task>> buckets(nb);
-  std::vector<int64_t> load_of(nb, 0);
-  for (const Task& t : tasks) {
-    const int64_t b = std::min_element(load_of.begin(), load_of.end()) - load_of.begin();
-    buckets[b].push_back(t);
-    load_of[b] += t.cost;
-  }
+  const auto buckets = balance_tasks(n, Hkv, off);
+  const int64_t nb = static_cast<int64_t>(buckets.size());
 
   // Each KV head's keys transposed into [tile][D][kKT] and its values into [keys][D], once for every query tile;
   // zeros pad the last tile, so the padded columns score 0 and add nothing.
@@ -205,6 +217,145 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   });
 }
 
+#ifdef PDSERVE_BF16_DOT
+// c[rows r0..r0+kMR)[16 * NV columns from c0] (+)= a . b over pairs of the inner index: a [rows][lda] bf16, b packed
+// [inner / 2][ldb][2] (each column's pair side by side). AVX512_BF16's vdpbf16ps: exact products, fp32 sums, twice
+// the multiplies of an fp32 FMA per instruction.
+template <int NV>
+inline void pair_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
+                       int64_t r0, int64_t c0, int64_t pairs, bool accumulate) {
+  __m512 acc[kMR][NV];
+  for (int64_t r = 0; r < kMR; ++r)
+    for (int j = 0; j < NV; ++j)
+      acc[r][j] = accumulate ? _mm512_loadu_ps(c + (r0 + r) * ldc + c0 + 16 * j) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + (p * ldb + c0 + 16 * j) * 2);
+    for (int64_t r = 0; r < kMR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + (r0 + r) * lda + 2 * p, sizeof pair);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
+    }
+  }
+  for (int64_t r = 0; r < kMR; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + (r0 + r) * ldc + c0 + 16 * j, acc[r][j]);
+}
+
+// block_product for bf16 operands: M a multiple of kMR, nc of 16, inner even.
+void pair_product(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c, int64_t ldc, int64_t M,
+                  int64_t nc, int64_t inner, bool accumulate) {
+  for (int64_t r0 = 0; r0 < M; r0 += kMR) {
+    int64_t c0 = 0;
+    for (; c0 + 32 <= nc; c0 += 32) pair_block<2>(a, lda, b, ldb, c, ldc, r0, c0, inner / 2, accumulate);
+    if (c0 < nc) pair_block<1>(a, lda, b, ldb, c, ldc, r0, c0, inner / 2, accumulate);
+  }
+}
+
+// prefill_kernel for bfloat16 on a CPU with AVX512_BF16: both products on bf16 operands. The scores are exact
+// products summed in fp32 and scaled after; the softmax weights are rounded to bf16 for p . v, as torch's flash
+// kernel does for reduced precision; the running max, sums and output stay fp32.
+template <int64_t D>
+void prefill_kernel_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out,
+                         at::Tensor& lse) {
+  using T = c10::BFloat16;
+  const int64_t n = q.size(0), Hq = q.size(1), ctx = k.size(0), Hkv = k.size(1);
+  const int64_t G = Hq / Hkv, off = ctx - n;
+  const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0);
+  const uint16_t* qp = raw(q.data_ptr<T>());
+  const uint16_t* kp = raw(k.data_ptr<T>());
+  const uint16_t* vp = raw(v.data_ptr<T>());
+  uint16_t* op = raw(out.data_ptr<T>());
+  float* lp = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t Mmax = (kQT * G + kMR - 1) / kMR * kMR;
+  const auto buckets = balance_tasks(n, Hkv, off);
+
+  // Per KV head and key tile: keys as [D / 2][kKT][2] and values as [kKT / 2][D][2] (pair_block's b), zero padded.
+  const int64_t ntiles = (ctx + kKT - 1) / kKT;
+  std::vector<uint16_t> kt_all(Hkv * ntiles * D * kKT), v_all(Hkv * ntiles * kKT * D);
+  at::parallel_for(0, Hkv * ntiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / ntiles, k0 = (item % ntiles) * kKT;
+      uint16_t* kt = kt_all.data() + item * D * kKT;
+      uint16_t* vt = v_all.data() + item * kKT * D;
+      for (int64_t j = 0; j < kKT; ++j) {
+        const bool in = k0 + j < ctx;
+        const uint16_t* ks = kp + (k0 + j) * sk + h * D;
+        const uint16_t* vs = vp + (k0 + j) * sv + h * D;
+        for (int64_t d = 0; d < D; ++d) kt[((d / 2) * kKT + j) * 2 + d % 2] = in ? ks[d] : 0;
+        for (int64_t d = 0; d < D; ++d) vt[((j / 2) * D + d) * 2 + j % 2] = in ? vs[d] : 0;
+      }
+    }
+  });
+
+  at::parallel_for(0, static_cast<int64_t>(buckets.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> qs(Mmax * D), pb(Mmax * kKT);
+    std::vector<float> o(Mmax * D), s(Mmax * kKT), m(Mmax), l(Mmax);
+    for (int64_t b = begin; b < end; ++b) {
+      for (const Task& task : buckets[b]) {
+        const int64_t h = task.h, t0 = task.t0, nt = std::min(kQT, n - t0);
+        const int64_t M = (nt * G + kMR - 1) / kMR * kMR;  // rows: position-major, the group's heads inside
+        for (int64_t r = 0; r < M; ++r) {
+          uint16_t* dst = qs.data() + r * D;
+          if (r < nt * G)
+            std::memcpy(dst, qp + (t0 + r / G) * sq + (h * G + r % G) * D, D * sizeof(uint16_t));
+          else
+            std::fill(dst, dst + D, 0);
+        }
+        std::fill(o.begin(), o.begin() + M * D, 0.f);
+        std::fill(m.begin(), m.begin() + M, -std::numeric_limits<float>::infinity());
+        std::fill(l.begin(), l.begin() + M, 0.f);
+        const int64_t keys = off + t0 + nt;
+        for (int64_t k0 = 0; k0 < keys; k0 += kKT) {
+          const int64_t nk = std::min(kKT, keys - k0);
+          const int64_t nkp = (nk + kNR - 1) / kNR * kNR;
+          const uint16_t* kt = kt_all.data() + (h * ntiles + k0 / kKT) * D * kKT;
+          const uint16_t* vt = v_all.data() + (h * ntiles + k0 / kKT) * kKT * D;
+          pair_product(qs.data(), D, kt, kKT, s.data(), kKT, M, nkp, D, false);  // q . k^T, unscaled
+          for (int64_t r = 0; r < M; ++r) {
+            float* sr = s.data() + r * kKT;
+            uint16_t* pr = pb.data() + r * kKT;
+            const int64_t pos = off + t0 + std::min(r / G, nt - 1);
+            const int64_t nv = std::min(nk, pos + 1 - k0);
+            if (nv <= 0) {
+              std::fill(pr, pr + nkp, 0);
+              continue;
+            }
+            for (int64_t c = 0; c < nv; ++c) sr[c] *= sc;
+            const float mx = row_max(sr, nv, m[r]);
+            const float alpha = exp_nonpositive(m[r] - mx);
+            float tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+            for (int64_t c = 0; c < nv; ++c) {
+              sr[c] = exp_nonpositive(sr[c] - mx);
+              tot += sr[c];
+            }
+            for (int64_t c = 0; c < nv; ++c) pr[c] = from_f<T>(sr[c]);  // a loop of its own: it vectorises
+            for (int64_t c = nv; c < nkp; ++c) pr[c] = 0;
+            if (mx != m[r]) {
+              float* orow = o.data() + r * D;
+              for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
+              l[r] *= alpha;
+            }
+            l[r] += tot;
+            m[r] = mx;
+          }
+          pair_product(pb.data(), kKT, vt, D, o.data(), D, M, D, nkp, true);  // o += p . v
+        }
+        for (int64_t r = 0; r < nt * G; ++r) {
+          const int64_t i = t0 + r / G, hq = h * G + r % G;
+          uint16_t* dst = op + (i * Hq + hq) * D;
+          const float inv = 1.f / l[r];
+          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(o[r * D + d] * inv);
+          lp[i * Hq + hq] = m[r] + std::log(l[r]);
+        }
+      }
+    }
+  });
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [n, Hq, D], k / v [ctx, Hkv, D]");
@@ -217,6 +368,15 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const 
   TORCH_CHECK(D == 64 || D == 128, "head size 64 or 128");
   auto out = at::empty({q.size(0), q.size(1), D}, q.options());
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+#ifdef PDSERVE_BF16_DOT
+  if (q.scalar_type() == at::kBFloat16) {
+    if (D == 64)
+      prefill_kernel_bf16<64>(q, k, v, scale, out, lse);
+    else
+      prefill_kernel_bf16<128>(q, k, v, scale, out, lse);
+    return {out, lse};
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     if (D == 64)
       prefill_kernel<scalar_t, 64>(q, k, v, scale, out, lse);

@@ -332,17 +332,19 @@ void prefill_kernel_bf16(const at::Tensor& q, const at::Tensor& k, const at::Ten
               std::fill(pr, pr + nkp, 0);
               continue;
             }
-            for (int64_t c = 0; c < nv; ++c) sr[c] *= sc;
-            const float mx = row_max(sr, nv, m[r]);
+            // the scale goes into the exponent's FMA: max over the raw scores, scaled once (sc > 0)
+            const float mx = std::max(m[r], row_max(sr, nv, -std::numeric_limits<float>::infinity()) * sc);
             const float alpha = exp_nonpositive(m[r] - mx);
             float tot = 0.f;
 #pragma omp simd reduction(+ : tot)
             for (int64_t c = 0; c < nv; ++c) {
-              sr[c] = exp_nonpositive(sr[c] - mx);
+              sr[c] = exp_nonpositive(sr[c] * sc - mx);
               tot += sr[c];
             }
-            for (int64_t c = 0; c < nv; ++c) pr[c] = from_f<T>(sr[c]);  // a loop of its own: it vectorises
-            for (int64_t c = nv; c < nkp; ++c) pr[c] = 0;
+            for (int64_t c = nv; c < nkp; ++c) sr[c] = 0.f;
+            for (int64_t c = 0; c < nkp; c += 16)  // round to nearest even, as from_f (the weights are finite)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c),
+                                  (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sr + c)));
             if (mx != m[r]) {
               float* orow = o.data() + r * D;
               for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;

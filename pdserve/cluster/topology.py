@@ -454,8 +454,11 @@ class Topology:
             seen[port] = who
 
     def assign_ports(self) -> None:
-        """Replace every port 0 by a free port of this host (so the endpoints are known before anything starts)."""
+        """Replace every port 0 by a free port of this host (so the endpoints are known before anything starts),
+        clear of the ports the services' own arguments name (``--metrics-port 9100``): those bind only later."""
         taken: set[int] = {p for p in [*self.router_ports, self.http_port or 0, *[q.port for q in self.pods]] if p}
+        for args in [self.router_args, *[q.extra_args for q in self.pods]]:
+            taken |= _ports_in_args(args)
         ports = self.router_ports
         for i, port in enumerate(ports):
             if port == 0:
@@ -469,6 +472,19 @@ class Topology:
             if p.port == 0:
                 p.port = free_port(self.host, taken)
                 taken.add(p.port)
+
+
+def _ports_in_args(args: list[str]) -> set[int]:
+    """The port numbers a service's command line names: the value after (or in) any ``--...-port`` flag."""
+    ports: set[int] = set()
+    for i, a in enumerate(args):
+        flag, eq, val = a.partition("=")
+        if not (flag.startswith("--") and flag.endswith("-port")):
+            continue
+        val = val if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if val.isdigit() and int(val) > 0:
+            ports.add(int(val))
+    return ports
 
 
 def router_name(i: int) -> str:

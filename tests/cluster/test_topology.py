@@ -243,6 +243,27 @@ def test_a_cluster_without_one_role_is_refused_unless_asked_for():
         Topology(prefill=[], decode=[]).resolve(GQA_1KV, cores=2, one_role=True)
 
 
+def test_assigned_ports_keep_clear_of_ports_named_in_service_args(monkeypatch):
+    """A --metrics-port given to a pod or the router binds only once that service runs, so assign_ports must not
+    hand the same number to another service meanwhile."""
+    import pdserve.cluster.topology as topology
+
+    named = {"--metrics-port": 41001, "--http-metrics-port": 41002, "--metrics-port=": 41003}
+    picks = iter([41001, 41002, 41003, 41004, 41005, 41006, 41007, 41008, 41009])
+    monkeypatch.setattr(topology, "free_port", lambda host, avoid: next(p for p in picks if p not in avoid))
+    t = Topology.from_dict(
+        {
+            "router": {"port": 0, "http_port": 0, "args": ["--metrics-port", str(named["--metrics-port"])]},
+            "prefill": [{"port": 0, "args": ["--http-metrics-port", str(named["--http-metrics-port"])]}],
+            "decode": [{"port": 0, "tp": 1, "dcp": 1, "args": [f"--metrics-port={named['--metrics-port=']}"]}],
+        }
+    )
+    t.assign_ports()
+    assigned = {t.router_port, t.http_port, *[p.port for p in t.pods]}
+    assert assigned == {41004, 41005, 41006, 41007}
+    assert topology._ports_in_args(["--metrics-port", "0", "--port", "x", "--max-num-seqs", "8"]) == set()
+
+
 def test_several_routers_from_yaml_and_flags(tmp_path, monkeypatch):
     f = tmp_path / "t.yaml"
     f.write_text("router: {ports: [50070, 0, 50072]}\n")

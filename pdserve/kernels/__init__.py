@@ -238,8 +238,9 @@ def decode_layers(
     tp_group: list[int],
     dcp_group: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Every decoder layer of a decode step on this TP rank, as DecoderLayer.forward_fused computes them, with the
-    TP all-reduces and the DCP merge through the shared-memory groups (ShmComm.native handles). weights: per layer
+    """Every decoder layer of a decode step on this rank, as DecoderLayer.forward_fused computes them, with the TP
+    all-reduces and the DCP merge through the shared-memory groups (ShmComm.native handles; both empty: a single
+    rank, no collectives). weights: per layer
     (input norm, qkv, o, post-attention norm, gate_up, down), the linears packed in x's dtype; biases: per layer
     (qkv, o, gate_up, down); dims: (layers, head_dim, q_size, kv_size, window or -1, dcp_size); floats: (eps,
     scale). Returns (the residual stream, the last MLP output, each group's barrier count after the step). A broken
@@ -258,6 +259,28 @@ def decode_layers(
         floats,
         tp_group,
         dcp_group,
+    )
+
+
+def prefill_layers(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seqlens: list[int],
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    dims: list[int],
+    floats: list[float],
+    rows: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decoder layer of a single rank's prefill of whole prompts (each sequence's keys are exactly its rows,
+    cu_seqlens its row offsets), as DecoderLayer.forward_fused computes them; past the last layer's attention only
+    ``rows`` go on (None: all). weights, biases, floats as decode_layers'; dims: (layers, head_dim, q_size,
+    kv_size). Returns (the residual stream, the last MLP output)."""
+    return torch.ops.pdserve.prefill_layers(
+        x, cos, sin, kv_cache, slot_mapping, cu_seqlens, weights, biases, dims, floats, rows
     )
 
 

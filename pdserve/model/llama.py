@@ -187,9 +187,10 @@ class CausalLM(nn.Module):
         # Prefill runs on the packed weights too unless this is set: then prefill keeps F.linear, whose logits are
         # bit-identical to transformers' (linear.py: what the packed path gains and costs).
         self.exact_prefill = False
-        # A CPU decode step's layers in one C++ call, a TP rank's shared-memory collectives too (kernels.decode_layers);
-        # PDSERVE_NATIVE_DECODE=0 keeps them op by op.
-        self.native_decode = os.environ.get("PDSERVE_NATIVE_DECODE", "1") != "0"
+        # A CPU decode step's layers in one C++ call, a TP rank's shared-memory collectives too (kernels.decode_layers),
+        # and a single rank's prefill of whole prompts (kernels.prefill_layers); PDSERVE_NATIVE_LAYERS=0 keeps them
+        # op by op.
+        self.native_layers = os.environ.get("PDSERVE_NATIVE_LAYERS", "1") != "0"
         self._native_args: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
 
     @property
@@ -227,10 +228,13 @@ class CausalLM(nn.Module):
         # prompt's last token; none for a chunk before the last). One rank only: TP ranks reduce whole rows.
         rows = logits_indices if fused and meta.is_prefill and self.ps.tp_size == 1 else None
         last = len(self.layers) - 1
-        groups = self._native_groups(x) if fused and not meta.is_prefill and on_layer_done is None else None
+        native = fused and on_layer_done is None
+        groups = self._native_groups(x) if native and not meta.is_prefill else None
         if groups is not None:
             x, delta = self._decode_native(x, cos_sin, kv_cache, meta, groups)
-        for i, layer in enumerate(self.layers if groups is None else ()):
+        elif native and self._whole_prompts_on_one_rank(meta) and self._native_groups(x) is not None:
+            x, delta = self._prefill_native(x, cos_sin, kv_cache, meta, rows)
+        for i, layer in enumerate(self.layers if delta is None else ()):
             if fused:
                 x, delta = layer.forward_fused(x, delta, cos_sin, kv_cache[i], meta, rows if i == last else None)
             else:
@@ -253,7 +257,7 @@ class CausalLM(nn.Module):
     def _native_groups(self, x: torch.Tensor) -> tuple[list[int], list[int]] | None:
         """The groups for kernels.decode_layers, or None where this step goes op by op (one rank, gloo, no packed
         weight in x's dtype)."""
-        if not self.native_decode:
+        if not self.native_layers:
             return None
         if self._native_args is None:
             weights: list[torch.Tensor] = []
@@ -262,7 +266,7 @@ class CausalLM(nn.Module):
                 a, m = layer.self_attn, layer.mlp
                 packed = [a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed]
                 if any(p is None or p.dtype != x.dtype for p in packed):
-                    self.native_decode = False
+                    self.native_layers = False
                     return None
                 norms = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
                 weights += [norms[0], a.qkv_packed, a.o_packed, norms[1], m.gate_up_packed, m.down_packed]
@@ -270,6 +274,44 @@ class CausalLM(nn.Module):
                 biases += [a.qkv_bias, a.o_bias, m.gate_up_bias, m.down_bias]
             self._native_args = weights, biases  # type: ignore[assignment]
         return self.ps.native_groups()
+
+    def _whole_prompts_on_one_rank(self, meta: AttentionMetadata) -> bool:
+        """A prefill step that kernels.prefill_layers computes as the op path does: one rank, no decodes, every
+        sequence's keys exactly its new rows (a whole prompt or its first chunk), the C++ prefill attention."""
+        a = self.layers[0].self_attn
+        if not (meta.is_prefill and self.ps.tp_size == 1 and meta.num_decodes == 0 and not meta.exact):
+            return False
+        if meta.sliding_window is not None or meta.dcp_size != 1 or a.head_dim not in (64, 128):
+            return False
+        if not getattr(a.backend, "cpu_kernels", False) or any(meta.query_start_pos):
+            return False
+        cu = meta.cu_seqlens_q
+        return meta.context_lens.tolist() == [b - a for a, b in zip(cu, cu[1:])]
+
+    def _prefill_native(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._native_args is not None
+        a = self.layers[0].self_attn
+        dims = [len(self.layers), a.head_dim, a.q_size, a.kv_size]
+        eps = self.layers[0].input_layernorm.eps
+        return kernels.prefill_layers(
+            x,
+            cos_sin[0],
+            cos_sin[1],
+            kv_cache,
+            meta.slot_mapping,
+            list(meta.cu_seqlens_q),
+            *self._native_args,
+            dims,
+            [eps, a.scale],
+            rows,
+        )
 
     def _decode_native(
         self,

@@ -1,6 +1,7 @@
 """A decode step through pdserve's C++ kernel (kernels.decode_layers: every layer, and on a tensor-parallel pod its
-shared-memory collectives, in one call) gives the same bits as the op-by-op path it replaces, on one rank and on
-several, and the LM head split over the TP ranks gives the logits the single-rank head gives."""
+shared-memory collectives, in one call) and a single rank's prefill of whole prompts (kernels.prefill_layers) give
+the same bits as the op-by-op path they replace, on one rank and on several, and the LM head split over the TP
+ranks gives the logits the single-rank head gives."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ PROMPTS = [[1, 17, 42, 99, 7, 3, 240, 11, 64], [5, 6, 7], [200, 100, 50, 25, 12,
 
 def _run(path, monkeypatch, native: bool, **kw) -> dict[str, list]:
     """Greedy tokens, their logprobs and top-5 alternatives of every prompt, decoded together."""
-    monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "1" if native else "0")  # the rank processes inherit it
+    monkeypatch.setenv("PDSERVE_NATIVE_LAYERS", "1" if native else "0")  # the rank processes inherit it
     eng = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=4, max_model_len=128, **kw))
     try:
         sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, top_logprobs=5)
@@ -37,9 +38,13 @@ def _run(path, monkeypatch, native: bool, **kw) -> dict[str, list]:
 @pytest.mark.parametrize(
     "family,shape,parallel",
     [
-        ("llama", dict(num_heads=8, num_kv_heads=2), {}),  # one rank: the layers without collectives
-        ("llama", dict(num_heads=8, num_kv_heads=2), dict(dtype="bfloat16")),
-        ("qwen2", dict(num_heads=4, num_kv_heads=2), {}),
+        # one rank: the layers without collectives, and (head size 64: pdserve's prefill attention) the prefill
+        ("llama", dict(num_heads=8, num_kv_heads=2), {}),
+        ("llama", dict(num_heads=4, num_kv_heads=2, head_dim=64), {}),
+        ("llama", dict(num_heads=4, num_kv_heads=2, head_dim=64), dict(dtype="bfloat16")),
+        ("qwen2", dict(num_heads=4, num_kv_heads=2, head_dim=64), {}),
+        # chunked prompts: a first chunk goes native with no logits rows, the later ones op by op
+        ("llama", dict(num_heads=4, num_kv_heads=2, head_dim=64), dict(prefill_chunk_size=4)),
         ("llama", dict(num_heads=8, num_kv_heads=2, vocab_size=250), dict(tensor_parallel_size=4)),
         (
             "llama",
@@ -50,7 +55,7 @@ def _run(path, monkeypatch, native: bool, **kw) -> dict[str, list]:
         ("llama", dict(num_heads=8, num_kv_heads=2), dict(tensor_parallel_size=2, dtype="bfloat16")),
     ],
 )
-def test_native_decode_step_is_bit_identical_to_the_op_by_op_step(tiny_factory, monkeypatch, family, shape, parallel):
+def test_native_steps_are_bit_identical_to_the_op_by_op_steps(tiny_factory, monkeypatch, family, shape, parallel):
     path = tiny_factory(family, **shape)
     native = _run(path, monkeypatch, True, **parallel)
     ops = _run(path, monkeypatch, False, **parallel)

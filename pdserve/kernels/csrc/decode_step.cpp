@@ -313,6 +313,63 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
   return {x, *delta, tp ? tp->seq : 0, dcp ? dcp->seq : 0};
 }
 
+// Every decoder layer of a single rank's prefill of whole prompts (each sequence's keys are exactly its new rows) in
+// one call: DecoderLayer.forward_fused op for op, so the same bits. cu_seqlens: the sequences' row offsets; rows:
+// past the last layer's attention only these rows go on (CausalLM.forward's logits rows), none: every row.
+// weights, biases, floats as decode_layers'; dims: [layers, head_dim, q_size, kv_size]. Returns (stream, last MLP out).
+std::tuple<at::Tensor, at::Tensor> prefill_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                                  const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                                                  at::IntArrayRef cu_seqlens, at::TensorList weights,
+                                                  const c10::List<std::optional<at::Tensor>>& biases,
+                                                  at::IntArrayRef dims, at::ArrayRef<double> floats,
+                                                  const std::optional<at::Tensor>& rows) {
+  TORCH_CHECK(dims.size() == 4 && floats.size() == 2, "prefill_layers: dims / floats");
+  const int64_t layers = dims[0], hd = dims[1], q_size = dims[2], kv_size = dims[3];
+  const double eps = floats[0], scale = floats[1];
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers && static_cast<int64_t>(biases.size()) == 4 * layers,
+              "prefill_layers: 10 weights and 4 biases per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && slot_mapping.scalar_type() == at::kLong, "prefill_layers: inputs");
+  const int64_t t = x.size(0), nseq = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  TORCH_CHECK(nseq >= 1 && cu_seqlens[0] == 0 && cu_seqlens[nseq] == t, "prefill_layers: cu_seqlens");
+  auto slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  std::optional<at::Tensor> delta;
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + 10 * i;
+    auto bias = [&](int64_t j) { return biases.get(4 * i + j); };
+    auto kv_layer = kv_cache[i];
+    auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, delta, w[0], eps));
+    auto qkv = packed_linear(h, w[1], bias(0));
+    pdserve_kernels::rope_(qkv, cos, sin, (q_size + kv_size) / hd, hd);
+    write_kv(kv_layer, qkv, sp, t, q_size, kv_size);
+    auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
+    auto k = qkv.narrow(1, q_size, kv_size).view({t, kv_size / hd, hd});
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_size / hd, hd});
+    at::Tensor out;
+    if (nseq == 1) {
+      out = std::get<0>(pdserve_kernels::prefill_attention(q, k, v, scale));
+    } else {
+      std::vector<at::Tensor> outs;
+      for (int64_t s = 0; s < nseq; ++s) {
+        const int64_t a = cu_seqlens[s], n = cu_seqlens[s + 1] - a;
+        outs.push_back(std::get<0>(
+            pdserve_kernels::prefill_attention(q.narrow(0, a, n), k.narrow(0, a, n), v.narrow(0, a, n), scale)));
+      }
+      out = at::cat(outs);
+    }
+    const bool last = i == layers - 1 && rows.has_value();
+    if (last) out = out.index_select(0, *rows);
+    auto attn = packed_linear(out.reshape({out.size(0), q_size}), w[2], std::nullopt);  // 0 rows: a chunk
+    if (auto b = bias(1)) attn = attn + *b;
+    if (last) x = x.index_select(0, *rows);
+    h = std::get<1>(pdserve_kernels::add_rms_norm(x, attn, w[3], eps));
+    auto mlp = packed_linear(pdserve_kernels::silu_mul(packed_linear(h, w[4], bias(2))), w[5], std::nullopt);
+    if (auto b = bias(3)) mlp = mlp + *b;
+    delta = mlp;
+  }
+  return {x, *delta};
+}
+
 // One wait of a group's barrier (ShmComm.native / Barrier.native handle): the protocol shared with shm.py's
 // Barrier, checked against it by the tests. Returns the group's barrier count after the wait.
 int64_t barrier_wait(at::IntArrayRef group, c10::string_view what) {
@@ -330,4 +387,9 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
       "Tensor block_tables, Tensor context_lens, Tensor[] weights, Tensor?[] biases, int[] dims, float[] floats, "
       "int[] tp_comm, int[] dcp_comm) -> (Tensor, Tensor, int, int)",
       TORCH_FN(decode_layers));  // one kernel for every key: the packed weights are MkldnnCPU tensors
+  m.def(
+      "prefill_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
+      "int[] cu_seqlens, Tensor[] weights, Tensor?[] biases, int[] dims, float[] floats, Tensor? rows) "
+      "-> (Tensor, Tensor)",
+      TORCH_FN(prefill_layers));
 }

@@ -17,6 +17,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
                                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                           const at::Tensor& context_lens, int64_t window,
                                                           double scale);
+std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     double scale);
 void sum_in_order(const at::Tensor& rows, at::Tensor& out);
 std::tuple<at::Tensor, at::Tensor> merge_partials(const at::Tensor& outs, const at::Tensor& lses);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);

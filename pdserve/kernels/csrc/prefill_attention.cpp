@@ -21,6 +21,7 @@
 
 #include "convert.h"
 #include "exp_nonpositive.h"
+#include "ops.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -399,6 +400,15 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const 
 }
 
 }  // namespace
+
+namespace pdserve_kernels {  // the entry point for other kernels (ops.h)
+
+std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     double scale) {
+  return ::prefill_attention(q, k, v, scale);
+}
+
+}  // namespace pdserve_kernels
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");

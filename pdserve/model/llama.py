@@ -230,11 +230,14 @@ class CausalLM(nn.Module):
         last = len(self.layers) - 1
         native = fused and on_layer_done is None
         groups = self._native_groups(x) if native and not meta.is_prefill else None
+        layers = self.layers  # op by op, unless one C++ call runs them all
         if groups is not None:
             x, delta = self._decode_native(x, cos_sin, kv_cache, meta, groups)
-        elif native and self._whole_prompts_on_one_rank(meta) and self._native_groups(x) is not None:
+            layers = nn.ModuleList()
+        elif native and self._whole_prompts_on_one_rank(meta) and self._native_weights(x):
             x, delta = self._prefill_native(x, cos_sin, kv_cache, meta, rows)
-        for i, layer in enumerate(self.layers if delta is None else ()):
+            layers = nn.ModuleList()
+        for i, layer in enumerate(layers):
             if fused:
                 x, delta = layer.forward_fused(x, delta, cos_sin, kv_cache[i], meta, rows if i == last else None)
             else:
@@ -254,11 +257,11 @@ class CausalLM(nn.Module):
             x, lambda first, n: plinear.linear(x, head[first : first + n], head_packed), head.shape[0]
         )
 
-    def _native_groups(self, x: torch.Tensor) -> tuple[list[int], list[int]] | None:
-        """The groups for kernels.decode_layers, or None where this step goes op by op (one rank, gloo, no packed
-        weight in x's dtype)."""
+    def _native_weights(self, x: torch.Tensor) -> bool:
+        """Whether the native calls can run this model on x's dtype (every linear packed in it); gathers their
+        weight and bias lists once."""
         if not self.native_layers:
-            return None
+            return False
         if self._native_args is None:
             weights: list[torch.Tensor] = []
             biases: list[torch.Tensor | None] = []
@@ -267,13 +270,18 @@ class CausalLM(nn.Module):
                 packed = [a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed]
                 if any(p is None or p.dtype != x.dtype for p in packed):
                     self.native_layers = False
-                    return None
+                    return False
                 norms = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
                 weights += [norms[0], a.qkv_packed, a.o_packed, norms[1], m.gate_up_packed, m.down_packed]
                 weights += [a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight]
                 biases += [a.qkv_bias, a.o_bias, m.gate_up_bias, m.down_bias]
             self._native_args = weights, biases  # type: ignore[assignment]
-        return self.ps.native_groups()
+        return True
+
+    def _native_groups(self, x: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """The groups for kernels.decode_layers (both empty on a single rank), or None where this step goes op by
+        op (gloo, no packed weight in x's dtype)."""
+        return self.ps.native_groups() if self._native_weights(x) else None
 
     def _whole_prompts_on_one_rank(self, meta: AttentionMetadata) -> bool:
         """A prefill step that kernels.prefill_layers computes as the op path does: one rank, no decodes, every

@@ -261,6 +261,49 @@ at::Tensor rank_linear(const at::Tensor& x, const at::Tensor& plain, const at::T
   return shard && x.size(0) == 1 ? pdserve_kernels::gemv(x, plain, bias) : packed_linear(x, packed, bias);
 }
 
+// The arguments decode_layers and prefill_layers share: 10 weights and 4 biases per layer, a contiguous stream.
+void check_layers(const char* who, const at::Tensor& x, const at::Tensor& slot_mapping, at::TensorList weights,
+                  const c10::List<std::optional<at::Tensor>>& biases, int64_t layers) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers && static_cast<int64_t>(biases.size()) == 4 * layers,
+              who, ": 10 weights and 4 biases per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && slot_mapping.scalar_type() == at::kLong, who, ": inputs");
+}
+
+// One layer's weights and sizes, and the two halves of DecoderLayer.forward_fused around its attention, which a
+// decode step and a prefill compute alike. shard: a TP rank's (its one-row linears go through gemv).
+struct Layer {
+  const at::Tensor* w;  // the layer's 10 weights (decode_layers' order)
+  const c10::List<std::optional<at::Tensor>>& biases;
+  int64_t index, hd, q_size, kv_size;
+  double eps;
+  bool shard;
+
+  std::optional<at::Tensor> bias(int64_t j) const { return biases.get(4 * index + j); }
+
+  // x += delta, the input norm, qkv, rope in place, the new rows' K/V into the cache. Returns the qkv rows.
+  at::Tensor attention_input(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& cos,
+                             const at::Tensor& sin, const at::Tensor& kv_layer, const int64_t* slots) const {
+    auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, delta, w[0], eps));
+    auto qkv = rank_linear(h, w[6], w[1], bias(0), shard);
+    pdserve_kernels::rope_(qkv, cos, sin, (q_size + kv_size) / hd, hd);
+    write_kv(kv_layer, qkv, slots, x.size(0), q_size, kv_size);
+    return qkv;
+  }
+
+  // o_proj of the attention rows `out` (reduced, + bias), x += it, the post-attention norm and the MLP (its down
+  // projection reduced, + bias). reduce: the TP all-reduce, or nothing on one rank. Returns the MLP's output.
+  template <typename Reduce>
+  at::Tensor attention_output_and_mlp(at::Tensor& x, const at::Tensor& out, Reduce reduce) const {
+    auto attn = reduce(rank_linear(out.reshape({out.size(0), q_size}), w[7], w[2], std::nullopt, shard));
+    if (auto b = bias(1)) attn = attn + *b;
+    auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, attn, w[3], eps));
+    auto act = pdserve_kernels::silu_mul(rank_linear(h, w[8], w[4], bias(2), shard));
+    auto mlp = reduce(rank_linear(act, w[9], w[5], std::nullopt, shard));
+    if (auto b = bias(3)) mlp = mlp + *b;
+    return mlp;
+  }
+};
+
 // weights: per layer [input norm, qkv packed, o packed, post-attention norm, gate_up packed, down packed, then the
 // four linears' weights as stored: qkv, o, gate_up, down];
 // biases: per layer [qkv, o, gate_up, down]; dims: [layers, head_dim, q_size, kv_size, window, dcp_size];
@@ -274,9 +317,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
   const int64_t layers = dims[0], hd = dims[1], q_size = dims[2], kv_size = dims[3], window = dims[4];
   const int64_t dcp_size = dims[5];
   const double eps = floats[0], scale = floats[1];
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers && static_cast<int64_t>(biases.size()) == 4 * layers,
-              "decode_layers: 10 weights and 4 biases per layer");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && slot_mapping.scalar_type() == at::kLong, "decode_layers: inputs");
+  check_layers("decode_layers", x, slot_mapping, weights, biases, layers);
   std::optional<Group> tp;  // none: a single rank, whose step has no collectives
   if (!tp_comm.empty()) tp.emplace(tp_comm);
   const bool shard = tp.has_value();
@@ -288,27 +329,15 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
   const int64_t* sp = slots.data_ptr<int64_t>();
   std::optional<at::Tensor> delta;
   for (int64_t i = 0; i < layers; ++i) {
-    const at::Tensor* w = weights.data() + 10 * i;
-    auto bias = [&](int64_t j) { return biases.get(4 * i + j); };
+    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, shard};
     auto kv_layer = kv_cache[i];
-    // attention
-    auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, delta, w[0], eps));
-    auto qkv = rank_linear(h, w[6], w[1], bias(0), shard);
-    pdserve_kernels::rope_(qkv, cos, sin, (q_size + kv_size) / hd, hd);
-    write_kv(kv_layer, qkv, sp, t, q_size, kv_size);
+    auto qkv = layer.attention_input(x, delta, cos, sin, kv_layer, sp);
     auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
     if (dcp) q = dcp_gather_heads(*dcp, q);
     auto [out, lse] = pdserve_kernels::paged_decode_attention(q, kv_layer[0], kv_layer[1], block_tables, context_lens,
                                                               window, scale);
     if (dcp) out = dcp_merge(*dcp, out, lse);
-    auto attn = all_reduce(rank_linear(out.reshape({t, -1}), w[7], w[2], std::nullopt, shard));
-    if (auto b = bias(1)) attn = attn + *b;
-    // MLP
-    h = std::get<1>(pdserve_kernels::add_rms_norm(x, attn, w[3], eps));
-    auto act = pdserve_kernels::silu_mul(rank_linear(h, w[8], w[4], bias(2), shard));
-    auto mlp = all_reduce(rank_linear(act, w[9], w[5], std::nullopt, shard));
-    if (auto b = bias(3)) mlp = mlp + *b;
-    delta = mlp;
+    delta = layer.attention_output_and_mlp(x, out, all_reduce);
   }
   return {x, *delta, tp ? tp->seq : 0, dcp ? dcp->seq : 0};
 }
@@ -326,22 +355,15 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(at::Tensor x, const at::Tensor
   TORCH_CHECK(dims.size() == 4 && floats.size() == 2, "prefill_layers: dims / floats");
   const int64_t layers = dims[0], hd = dims[1], q_size = dims[2], kv_size = dims[3];
   const double eps = floats[0], scale = floats[1];
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers && static_cast<int64_t>(biases.size()) == 4 * layers,
-              "prefill_layers: 10 weights and 4 biases per layer");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && slot_mapping.scalar_type() == at::kLong, "prefill_layers: inputs");
+  check_layers("prefill_layers", x, slot_mapping, weights, biases, layers);
   const int64_t t = x.size(0), nseq = static_cast<int64_t>(cu_seqlens.size()) - 1;
   TORCH_CHECK(nseq >= 1 && cu_seqlens[0] == 0 && cu_seqlens[nseq] == t, "prefill_layers: cu_seqlens");
   auto slots = slot_mapping.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
   std::optional<at::Tensor> delta;
   for (int64_t i = 0; i < layers; ++i) {
-    const at::Tensor* w = weights.data() + 10 * i;
-    auto bias = [&](int64_t j) { return biases.get(4 * i + j); };
-    auto kv_layer = kv_cache[i];
-    auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, delta, w[0], eps));
-    auto qkv = packed_linear(h, w[1], bias(0));
-    pdserve_kernels::rope_(qkv, cos, sin, (q_size + kv_size) / hd, hd);
-    write_kv(kv_layer, qkv, sp, t, q_size, kv_size);
+    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, /*shard=*/false};
+    auto qkv = layer.attention_input(x, delta, cos, sin, kv_cache[i], sp);
     auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
     auto k = qkv.narrow(1, q_size, kv_size).view({t, kv_size / hd, hd});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_size / hd, hd});
@@ -357,15 +379,11 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(at::Tensor x, const at::Tensor
       }
       out = at::cat(outs);
     }
-    const bool last = i == layers - 1 && rows.has_value();
-    if (last) out = out.index_select(0, *rows);
-    auto attn = packed_linear(out.reshape({out.size(0), q_size}), w[2], std::nullopt);  // 0 rows: a chunk
-    if (auto b = bias(1)) attn = attn + *b;
-    if (last) x = x.index_select(0, *rows);
-    h = std::get<1>(pdserve_kernels::add_rms_norm(x, attn, w[3], eps));
-    auto mlp = packed_linear(pdserve_kernels::silu_mul(packed_linear(h, w[4], bias(2))), w[5], std::nullopt);
-    if (auto b = bias(3)) mlp = mlp + *b;
-    delta = mlp;
+    if (i == layers - 1 && rows) {  // only the logits rows go on (none: a chunk before a prompt's last)
+      out = out.index_select(0, *rows);
+      x = x.index_select(0, *rows);
+    }
+    delta = layer.attention_output_and_mlp(x, out, [](const at::Tensor& y) { return y; });
   }
   return {x, *delta};
 }

@@ -100,6 +100,40 @@ void block_product(const float* __restrict__ a, int64_t lda, const float* __rest
   }
 }
 
+// One row's step of the online softmax over a key tile: sr[0, nv) becomes exp(sr * scale - max), 0 from nv up to
+// nkp, and the row's running max m, sum l and output row o (D floats) are rescaled to the new max. scale: 1 where
+// the queries came prescaled (x * 1 and its FMA are exact, so that is the same arithmetic as no scale).
+inline void softmax_row(float* sr, int64_t nv, int64_t nkp, float scale, float& m, float& l, float* orow, int64_t D) {
+  const float mx = std::max(m, row_max(sr, nv, -std::numeric_limits<float>::infinity()) * scale);
+  const float alpha = exp_nonpositive(m - mx);  // m = -inf: the clamp gives ~0, and o, l are 0
+  float tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+  for (int64_t c = 0; c < nv; ++c) {
+    sr[c] = exp_nonpositive(sr[c] * scale - mx);
+    tot += sr[c];
+  }
+  for (int64_t c = nv; c < nkp; ++c) sr[c] = 0.f;
+  if (mx != m) {
+    for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
+    l *= alpha;
+  }
+  l += tot;
+  m = mx;
+}
+
+// A task's rows out: each query row's o / l as T, and its LSE m + log(l).
+template <typename T>
+void write_rows(const float* o, const float* m, const float* l, storage_t<T>* op, float* lp, int64_t t0, int64_t nt,
+                int64_t G, int64_t h, int64_t Hq, int64_t D) {
+  for (int64_t r = 0; r < nt * G; ++r) {
+    const int64_t i = t0 + r / G, hq = h * G + r % G;
+    storage_t<T>* dst = op + (i * Hq + hq) * D;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(o[r * D + d] * inv);
+    lp[i * Hq + hq] = m[r] + std::log(l[r]);
+  }
+}
+
 struct Task {
   int64_t h, t0, cost;
 };
@@ -197,32 +231,11 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               std::fill(sr, sr + nkp, 0.f);
               continue;
             }
-            const float mx = row_max(sr, nv, m[r]);
-            const float alpha = exp_nonpositive(m[r] - mx);  // m = -inf: the clamp gives ~0, and o, l are 0
-            float tot = 0.f;
-#pragma omp simd reduction(+ : tot)
-            for (int64_t c = 0; c < nv; ++c) {
-              sr[c] = exp_nonpositive(sr[c] - mx);
-              tot += sr[c];
-            }
-            for (int64_t c = nv; c < nkp; ++c) sr[c] = 0.f;
-            if (mx != m[r]) {
-              float* orow = o.data() + r * D;
-              for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
-              l[r] *= alpha;
-            }
-            l[r] += tot;
-            m[r] = mx;
+            softmax_row(sr, nv, nkp, 1.f, m[r], l[r], o.data() + r * D, D);  // q came scaled
           }
           block_product(s.data(), kKT, vt, D, o.data(), D, M, D, nkp, true);  // o += p . v
         }
-        for (int64_t r = 0; r < nt * G; ++r) {
-          const int64_t i = t0 + r / G, hq = h * G + r % G;
-          S* dst = op + (i * Hq + hq) * D;
-          const float inv = 1.f / l[r];
-          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(o[r * D + d] * inv);
-          lp[i * Hq + hq] = m[r] + std::log(l[r]);
-        }
+        write_rows<T>(o.data(), m.data(), l.data(), op, lp, t0, nt, G, h, Hq, D);
       }
     }
   });
@@ -333,36 +346,14 @@ void prefill_kernel_bf16(const at::Tensor& q, const at::Tensor& k, const at::Ten
               std::fill(pr, pr + nkp, 0);
               continue;
             }
-            // the scale goes into the exponent's FMA: max over the raw scores, scaled once (sc > 0)
-            const float mx = std::max(m[r], row_max(sr, nv, -std::numeric_limits<float>::infinity()) * sc);
-            const float alpha = exp_nonpositive(m[r] - mx);
-            float tot = 0.f;
-#pragma omp simd reduction(+ : tot)
-            for (int64_t c = 0; c < nv; ++c) {
-              sr[c] = exp_nonpositive(sr[c] * sc - mx);
-              tot += sr[c];
-            }
-            for (int64_t c = nv; c < nkp; ++c) sr[c] = 0.f;
+            softmax_row(sr, nv, nkp, sc, m[r], l[r], o.data() + r * D, D);  // the scale in the exponent's FMA
             for (int64_t c = 0; c < nkp; c += 16)  // round to nearest even, as from_f (the weights are finite)
               _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c),
                                   (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sr + c)));
-            if (mx != m[r]) {
-              float* orow = o.data() + r * D;
-              for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
-              l[r] *= alpha;
-            }
-            l[r] += tot;
-            m[r] = mx;
           }
           pair_product(pb.data(), kKT, vt, D, o.data(), D, M, D, nkp, true);  // o += p . v
         }
-        for (int64_t r = 0; r < nt * G; ++r) {
-          const int64_t i = t0 + r / G, hq = h * G + r % G;
-          uint16_t* dst = op + (i * Hq + hq) * D;
-          const float inv = 1.f / l[r];
-          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(o[r * D + d] * inv);
-          lp[i * Hq + hq] = m[r] + std::log(l[r]);
-        }
+        write_rows<T>(o.data(), m.data(), l.data(), op, lp, t0, nt, G, h, Hq, D);
       }
     }
   });

@@ -73,12 +73,19 @@ class TorchAttentionBackend:
         o2, lse2 = self._prefill(q[d:], kv_layer, pre, scale, new_kv and (new_kv[0][d:], new_kv[1][d:]))
         return torch.cat([o1, o2]), torch.cat([lse1, lse2])
 
+    def prefill_kernel_applies(self, meta: AttentionMetadata, head_dim: int) -> bool:
+        """Whether this step's prefill sequences that see every earlier key go through kernels.prefill_attention
+        (the model's native prefill asks the same question)."""
+        plain = meta.sliding_window is None and meta.dcp_size == 1
+        return self.cpu_kernels and plain and not meta.exact and head_dim in (64, 128)
+
     def _prefill(self, q, kv_layer, meta, scale, new_kv):
         # The flash kernel takes strided [1, H, L, D] views and Hkv < Hq heads natively (bit-identical to expanding
         # K/V per query head), so queries and a first chunk's K/V go in as views of the QKV projection: no copies.
         hkv, d = kv_layer.shape[-2], q.shape[-1]
         bs = kv_layer.shape[2]
         hq = q.shape[1]
+        kernel = self.prefill_kernel_applies(meta, d)
         outs, lses = [], []
         for i in range(meta.num_seqs):
             a, b = meta.cu_seqlens_q[i], meta.cu_seqlens_q[i + 1]
@@ -99,7 +106,7 @@ class TorchAttentionBackend:
                 table = meta.block_tables[i, : (ctx + bs - 1) // bs]
                 # kv_layer[0][table], not kv_layer[0, table]: the mixed index is far slower (docs/performance.md)
                 kc, vc = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx] for j in (0, 1))
-            if self.cpu_kernels and plain and start + n == ctx and not meta.exact and d in (64, 128):
+            if kernel and start + n == ctx:
                 # a whole prompt, or a later chunk that sees every earlier key: causal with its queries at the end
                 o, lse = kernels.prefill_attention(qi, kc, vc, scale)
                 outs.append(o)

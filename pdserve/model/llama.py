@@ -287,11 +287,10 @@ class CausalLM(nn.Module):
         """A prefill step that kernels.prefill_layers computes as the op path does: one rank, no decodes, every
         sequence's keys exactly its new rows (a whole prompt or its first chunk), the C++ prefill attention."""
         a = self.layers[0].self_attn
-        if not (meta.is_prefill and self.ps.tp_size == 1 and meta.num_decodes == 0 and not meta.exact):
+        if not (meta.is_prefill and self.ps.tp_size == 1 and meta.num_decodes == 0) or any(meta.query_start_pos):
             return False
-        if meta.sliding_window is not None or meta.dcp_size != 1 or a.head_dim not in (64, 128):
-            return False
-        if not getattr(a.backend, "cpu_kernels", False) or any(meta.query_start_pos):
+        applies = getattr(a.backend, "prefill_kernel_applies", None)
+        if applies is None or not applies(meta, a.head_dim):
             return False
         cu = meta.cu_seqlens_q
         return meta.context_lens.tolist() == [b - a for a, b in zip(cu, cu[1:])]

@@ -83,6 +83,8 @@ class RouterConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
     # auto = uvloop when importable, else asyncio's loop; uvloop cuts the loop's own cost per gRPC call
     event_loop: str = field(default="auto", metadata={"choices": ("auto", "uvloop", "asyncio")})
+    # batch = gRPC's helper threads under SCHED_BATCH (Linux), so they stop preempting the loop (pdserve/sched.py)
+    helper_threads: str = field(default="batch", metadata={"choices": ("batch", "normal")})
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> None:
@@ -141,6 +143,8 @@ class RouterConfig:
         self.tls  # builds (and so checks) the TLS config: a bad file fails here, naming its flag
         if self.event_loop not in ("auto", "uvloop", "asyncio"):
             bad("event_loop", "must be auto (uvloop when installed), uvloop or asyncio")
+        if self.helper_threads not in ("batch", "normal"):
+            bad("helper_threads", "must be batch (gRPC's helper threads under SCHED_BATCH) or normal")
         if self.event_loop == "uvloop" and not _uvloop_installed():
             bad("event_loop", "is uvloop but uvloop is not installed: pip install uvloop, or use auto / asyncio")
 

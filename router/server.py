@@ -16,6 +16,7 @@ from grpc_health.v1._async import HealthServicer
 
 from pdserve.errors import grpc_errors
 from pdserve.heap import freeze_startup_heap
+from pdserve.sched import batch_helper_threads
 from pdserve.security import ApiKeyInterceptor, bind, grpc_options
 from pdserve_api.v1 import common_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
@@ -203,5 +204,7 @@ async def serve(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
     log.info("event loop: %s", type(loop).__module__.split(".")[0])  # "uvloop" or "asyncio"
     freeze_startup_heap("router")
+    if config.helper_threads == "batch":
+        batch_helper_threads("router")
     print(f"pdserve router listening on {config.host}:{server.port}", flush=True)
     await server.wait_stopped()

@@ -28,6 +28,7 @@ def test_defaults_are_valid():
         ({"lease_ttl_s": -1}, "lease_ttl_s"),
         ({"model": "/nonexistent/model"}, "tokenizer.json"),
         ({"served_model_name": ""}, "served_model_name"),
+        ({"helper_threads": "fifo"}, "helper_threads"),
     ],
 )
 def test_bad_values_are_refused_with_the_field_name(kw, needle):

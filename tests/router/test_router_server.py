@@ -139,6 +139,44 @@ def test_python_m_router_runs_on_the_chosen_event_loop(smollm2_path):
                 p.wait()
 
 
+def test_python_m_router_puts_grpc_helper_threads_under_sched_batch(smollm2_path):
+    """By default every thread of the router but its event loop's runs under SCHED_BATCH (pdserve/sched.py), so
+    gRPC's helpers stop preempting the loop; --helper-threads normal leaves every thread as it started."""
+    import os
+
+    import pytest
+
+    if not hasattr(os, "SCHED_BATCH"):
+        pytest.skip("needs Linux scheduling policies")
+    for flag, helpers in (([], os.SCHED_BATCH), (["--helper-threads", "normal"], os.SCHED_OTHER)):
+        p = subprocess.Popen(
+            [sys.executable, "-u", "-m", "router", "--port", "0", "--log-level", "INFO", *flag],
+            cwd=REPO,
+            env=service_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            seen, t0 = [], time.monotonic()
+            while not any("pdserve router listening" in s for s in seen):
+                line = p.stdout.readline()
+                assert line or p.poll() is None, f"router exited: {seen}"
+                seen.append(line)
+                assert time.monotonic() - t0 < 60
+            policy = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{p.pid}/task")}
+            assert policy.pop(p.pid) == os.SCHED_OTHER  # the event loop's thread
+            assert len(policy) >= 2 and set(policy.values()) == {helpers}, policy  # grpc's poller, event engine
+            said = any(re.search(r"router: \d+ helper threads under SCHED_BATCH", s) for s in seen)
+            assert said is (helpers == os.SCHED_BATCH), seen
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=30) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_router_and_openai_front_start_without_importing_torch():
     """The router validates requests with the torch-free pdserve.sampling_params: its process stays small (no
     torch heap to hold or collect) and starts in a fraction of a second of imports."""

@@ -1,0 +1,61 @@
+"""pdserve/sched.py: every thread but the caller goes under SCHED_BATCH, threads they start inherit it, and threads
+the caller starts afterwards keep the normal policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from e2e_helpers import REPO, service_env
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux scheduling policies")
+
+# In a process of its own: the policy is per thread and sticks for the thread's life.
+_SCRIPT = r"""
+import json, os, threading
+from pdserve.sched import batch_helper_threads
+
+stop = threading.Event()
+ids = {}
+
+def helper(name, child):
+    ids[name] = threading.get_native_id()
+    if child:
+        ready.wait()
+        t = threading.Thread(target=helper, args=("grandchild", False))
+        t.start()
+    stop.wait()
+
+ready = threading.Event()
+threads = [threading.Thread(target=helper, args=(n, n == "a")) for n in ("a", "b")]
+for t in threads:
+    t.start()
+while len(ids) < 2:
+    pass
+switched = batch_helper_threads("test")
+ready.set()  # "a" starts a thread of its own now, under SCHED_BATCH
+later = threading.Thread(target=helper, args=("later", False))
+later.start()
+while len(ids) < 4:
+    pass
+policy = {name: os.sched_getscheduler(tid) for name, tid in ids.items()}
+policy["main"] = os.sched_getscheduler(threading.get_native_id())
+stop.set()
+print(json.dumps({"switched": switched, "policy": policy, "batch": os.SCHED_BATCH, "other": os.SCHED_OTHER}))
+"""
+
+
+def test_helper_threads_go_under_sched_batch_and_the_caller_does_not():
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    p, batch, other = r["policy"], r["batch"], r["other"]
+    assert r["switched"] >= 2  # a and b (and whatever the interpreter started)
+    assert p["a"] == p["b"] == p["grandchild"] == batch
+    assert p["main"] == p["later"] == other

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -11,6 +13,7 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, router_pb2
@@ -105,76 +108,58 @@ def test_drain_refuses_new_requests_waits_for_inflight_then_stops():
     assert code != grpc.StatusCode.OK
 
 
+@contextlib.contextmanager
+def _router_at_info(*flags: str):
+    """`python -m router --port 0 --log-level INFO *flags` up to its listening line: yields the process and the
+    lines it printed; afterwards SIGTERM, from which it must exit with 0."""
+    p = subprocess.Popen(
+        [sys.executable, "-u", "-m", "router", "--port", "0", "--log-level", "INFO", *flags],
+        cwd=REPO,
+        env=service_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        seen, t0 = [], time.monotonic()
+        while not any("pdserve router listening" in s for s in seen):
+            line = p.stdout.readline()
+            assert line or p.poll() is None, f"router exited: {seen}"
+            seen.append(line)
+            assert time.monotonic() - t0 < 60
+        yield p, seen
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_python_m_router_runs_on_the_chosen_event_loop(smollm2_path):
     """`--event-loop asyncio` runs the router on asyncio's own loop and the default on uvloop (a dev dependency,
     installed here): the process says which loop serves it once it listens, and that it froze its startup heap out
     of garbage collection (pdserve/heap.py) before it did."""
-    import pytest
-
     pytest.importorskip("uvloop")
-    for flag, want in ((["--event-loop", "asyncio"], "asyncio"), ([], "uvloop")):
-        p = subprocess.Popen(
-            [sys.executable, "-u", "-m", "router", "--port", "0", "--log-level", "INFO", *flag],
-            cwd=REPO,
-            env=service_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        try:
-            seen, t0 = [], time.monotonic()
-            while not any("pdserve router listening" in s for s in seen):
-                line = p.stdout.readline()
-                assert line or p.poll() is None, f"router exited: {seen}"
-                seen.append(line)
-                assert time.monotonic() - t0 < 60
+    for flags, want in ((["--event-loop", "asyncio"], "asyncio"), ([], "uvloop")):
+        with _router_at_info(*flags) as (_, seen):
             assert any(f"event loop: {want}" in s for s in seen), seen
             frozen = [int(m.group(1)) for s in seen if (m := re.search(r"router: (\d+) startup objects frozen", s))]
             assert frozen and frozen[0] > 10_000, seen  # torch, grpc and protobuf alone leave ~10^5
-            p.send_signal(signal.SIGTERM)
-            assert p.wait(timeout=30) == 0
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 def test_python_m_router_puts_grpc_helper_threads_under_sched_batch(smollm2_path):
     """By default every thread of the router but its event loop's runs under SCHED_BATCH (pdserve/sched.py), so
     gRPC's helpers stop preempting the loop; --helper-threads normal leaves every thread as it started."""
-    import os
-
-    import pytest
-
     if not hasattr(os, "SCHED_BATCH"):
         pytest.skip("needs Linux scheduling policies")
-    for flag, helpers in (([], os.SCHED_BATCH), (["--helper-threads", "normal"], os.SCHED_OTHER)):
-        p = subprocess.Popen(
-            [sys.executable, "-u", "-m", "router", "--port", "0", "--log-level", "INFO", *flag],
-            cwd=REPO,
-            env=service_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        try:
-            seen, t0 = [], time.monotonic()
-            while not any("pdserve router listening" in s for s in seen):
-                line = p.stdout.readline()
-                assert line or p.poll() is None, f"router exited: {seen}"
-                seen.append(line)
-                assert time.monotonic() - t0 < 60
+    for flags, helpers in (([], os.SCHED_BATCH), (["--helper-threads", "normal"], os.SCHED_OTHER)):
+        with _router_at_info(*flags) as (p, seen):
             policy = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{p.pid}/task")}
             assert policy.pop(p.pid) == os.SCHED_OTHER  # the event loop's thread
             assert len(policy) >= 2 and set(policy.values()) == {helpers}, policy  # grpc's poller, event engine
             said = any(re.search(r"router: \d+ helper threads under SCHED_BATCH", s) for s in seen)
             assert said is (helpers == os.SCHED_BATCH), seen
-            p.send_signal(signal.SIGTERM)
-            assert p.wait(timeout=30) == 0
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 def test_router_and_openai_front_start_without_importing_torch():

@@ -20,6 +20,9 @@ journey's overhead (AllocateKV + Prefill before the first token, then the Decode
   process that yields at once), alternating with the router requests so both see the same machine load: the part of
   the overhead no router logic can remove (this client's own cost included), and a gauge of how loaded the (shared)
   machine is. The JSON's "definitions" states each measure.
+- CPU priority: the cluster is started as ``pdserve up`` starts it, the routers at nice -10 for their sessions where
+  this process may raise a priority (pdserve/cluster/topology.py); ``setup.cpu_priority`` records what the kernel
+  reports for each service.
 Target: p99 router overhead <= 2 ms (sequential requests).
 """
 
@@ -153,6 +156,17 @@ def _run_loop(coro: Any) -> Any:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def _priority(pid: int) -> dict[str, Any]:
+    """A service's CPU priority as the kernel reports it: its nice and its session's autogroup line (Linux)."""
+    import os
+
+    group = Path(f"/proc/{pid}/autogroup")
+    return {
+        "nice": os.getpriority(os.PRIO_PROCESS, pid),
+        "autogroup": group.read_text().strip() if group.exists() else None,
+    }
 
 
 def _cpu_s(pid: int) -> float:
@@ -346,6 +360,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     cluster, topo, endpoints, t_up = _start_cluster(work, num_routers)
     try:
         pids = {s.name: s.pid for s in cluster.services if s.pid is not None}
+        priority = {name: _priority(pid) for name, pid in pids.items()}
         router_names = [s.name for s in cluster.services if s.kind == "router"]
         res = _run_loop(_measure(endpoints.routers, n_seq, n_load, concurrency, 256, pids))
     finally:
@@ -429,6 +444,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             "concurrency": concurrency,
             "load_rounds": "1 router, 2 routers, 2 routers, 1 router; half the load requests each",
             "cluster_start_s": t_up,
+            "cpu_priority": priority,
             "notes": topo.notes,
         },
         "raw": {

@@ -7,17 +7,23 @@ the other processes of a busy machine. ``batch_helper_threads`` puts every other
 SCHED_BATCH, which the kernel never lets preempt on wakeup: a helper runs when a core frees up (the loop only waits
 for its events anyway) and the loop finishes its burst. Threads the helpers start inherit the policy; threads the
 loop thread starts later (asyncio.to_thread) keep the normal one. Unprivileged; a no-op where the policy is missing.
+
+``may_set_nice`` tells whether this process may start a service at a given nice value: what the local cluster
+asks before it gives the routers their CPU priority over the pods (pdserve/cluster/exec_child.py applies it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import threading
 
 log = logging.getLogger("pdserve.sched")
 
 _TASKS = "/proc/self/task"
+CAP_SYS_NICE = 23  # linux/capability.h
+NICE_RANGE = range(-20, 20)
 
 
 def batch_helper_threads(who: str) -> int:
@@ -39,3 +45,24 @@ def batch_helper_threads(who: str) -> int:
             continue
     log.info("%s: %d helper threads under SCHED_BATCH", who, switched)
     return switched
+
+
+def may_set_nice(nice: int, status: str | None = None, rlimit_nice: int | None = None) -> bool:
+    """Whether a child of this process may run at ``nice``, as the kernel's can_nice decides: any value >= 0; a
+    negative one with CAP_SYS_NICE, or where RLIMIT_NICE allows 20 - nice. ``status`` (/proc/self/status's text)
+    and ``rlimit_nice`` (the soft limit) default to this process's own."""
+    if nice >= 0:
+        return True
+    limit = resource.getrlimit(resource.RLIMIT_NICE)[0] if rlimit_nice is None else rlimit_nice
+    if limit == resource.RLIM_INFINITY or 20 - nice <= limit:
+        return True
+    if status is None:
+        try:
+            with open("/proc/self/status") as f:
+                status = f.read()
+        except OSError:
+            return False
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    return False

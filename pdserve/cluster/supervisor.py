@@ -58,7 +58,12 @@ class Service:
     address: str  # host:port it serves (gRPC, or HTTP for "http")
     log_path: Path
     spec: PodSpec | None = None
+    nice: int = 0  # CPU priority (exec_child.py's --nice); a pod's comes from its spec
     proc: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        if self.spec is not None:
+            self.nice = self.spec.nice
 
     @property
     def pid(self) -> int | None:
@@ -93,13 +98,20 @@ _WHY = {"liveness": " (liveness probe failed)", "startup": " (not serving within
 
 
 def child_argv(
-    argv: list[str], parent_pid: int | None, cpus: tuple[int, ...] | None = None, deathsig: str = "KILL"
+    argv: list[str],
+    parent_pid: int | None,
+    cpus: tuple[int, ...] | None = None,
+    deathsig: str = "KILL",
+    nice: int = 0,
 ) -> list[str]:
-    """argv run through exec_child.py: the child pins itself to ``cpus`` (the pod and every rank it spawns inherit
-    the placement) and, given ``parent_pid``, dies with that parent, then execs argv in the same process."""
+    """argv run through exec_child.py: the child pins itself to ``cpus`` and takes the CPU priority ``nice`` (the pod
+    and every rank it spawns inherit both) and, given ``parent_pid``, dies with that parent, then execs argv in the
+    same process."""
     opts: list[str] = []
     if cpus is not None:
         opts += ["--cpus", ",".join(map(str, cpus))]
+    if nice:
+        opts += ["--nice", str(nice)]
     if parent_pid is not None:
         opts += ["--parent", str(parent_pid), "--deathsig", deathsig]
     return [sys.executable, EXEC_CHILD, *opts, "--", *argv]
@@ -219,7 +231,9 @@ class LocalCluster:
                 *argv_for(RouterConfig, host=h, port=port, **model, drain_timeout_s=self.drain_timeout_s, **tls),
                 *args,
             ]
-            services.append(Service(name, "router", router, f"{h}:{port}", self.log_dir / f"{name}.log"))
+            services.append(
+                Service(name, "router", router, f"{h}:{port}", self.log_dir / f"{name}.log", nice=t.router_nice or 0)
+            )
         if t.http_port is not None:
             # the front is the router's client (no require_client_cert) ...
             front = {k: v for k, v in tls.items() if k != "tls_require_client_cert"}
@@ -237,6 +251,7 @@ class LocalCluster:
                     ],
                     f"{h}:{t.http_port}",
                     self.log_dir / "openai-http.log",
+                    nice=t.router_nice or 0,
                 )
             )
 
@@ -418,6 +433,7 @@ class LocalCluster:
                     # a restart on the healing thread: no death signal, which follows the thread, not the process
                     os.getpid() if threading.current_thread() is threading.main_thread() else None,
                     s.spec.cpus if s.spec is not None else None,
+                    nice=s.nice,
                 ),
                 stdin=subprocess.DEVNULL,
                 stdout=logf,

@@ -10,11 +10,13 @@ YAML (every key optional; flags given on the command line override the file):
     dtype: bfloat16                 # auto | float32 | bfloat16 | float16, every pod alike; default: auto
     router: {port: 50051, http_port: 8000}   # http_port: -1 or null = no OpenAI HTTP endpoint, 0 = any free port
     # router: {count: 2, ports: [50051, 50061]}  # N routers; every pod registers with all; ports default to free ones
+    # router: {nice: -10}           # CPU priority of the routers and the HTTP front; default: -10 where allowed, else 0
     prefill:
       - {tp: 1, port: 0}                    # port 0 = any free port
     decode:
       - {tp: 2, dcp: 2, interleave: 1}      # tp/dcp "auto": see Topology._auto_dcp
     # cpus: on any pod, the cores it (and its TP ranks) may run on: [0, 1] or "0-3,8"; default: every core
+    # nice: on any pod, its CPU priority (-20..19, as nice(1)); default: 0
     # unified: [{cpus: "0-1"}]            # colocated pods that prefill and decode their own requests (no P/D)
     # a role may also be a count plus shared settings:  prefill: {count: 2, tp: 1}
 
@@ -34,11 +36,15 @@ from typing import Any, Mapping
 from pdserve.engine.config import DTYPES
 from pdserve.net import free_port
 from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, check_parallel_config
+from pdserve.sched import NICE_RANGE, may_set_nice
 
 AUTO = "auto"
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 MAX_AUTO_TP = 16  # "auto" never picks more TP ranks than this
+# The front doors' default priority: their work per request is small and on every request's path, a pod's is bulk
+# compute (docs/performance.md, "A router's threads and the Linux scheduler").
+FRONT_NICE = -10
 
 
 class TopologyError(ValueError):
@@ -56,6 +62,7 @@ class PodSpec:
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the pod's command line
     cpus: tuple[int, ...] | None = None  # cores of the pod and its ranks (sched_setaffinity); None: every core
+    nice: int = 0  # CPU priority of the pod and its ranks (process and session nice)
     name: str = ""  # "prefill-0", "decode-1", ... (assigned by Topology)
 
     @property
@@ -74,6 +81,8 @@ class PodSpec:
                 s += f" interleave={self.dcp_kv_cache_interleave_size}"
         if self.cpus is not None:
             s += f" cpus={format_cpus(self.cpus)}"
+        if self.nice:
+            s += f" nice={self.nice}"
         return s
 
 
@@ -137,6 +146,7 @@ class Topology:
     router_args: list[str] = field(default_factory=list)
     num_routers: int = 1  # every pod registers with all of them; the first is router_port
     extra_router_ports: list[int] = field(default_factory=list)  # routers 2..N (0 or missing: any free port)
+    router_nice: int | None = None  # CPU priority of the routers and the HTTP front; None: FRONT_NICE where allowed
     warnings: list[str] = field(default_factory=list)  # set by resolve()
     notes: list[str] = field(default_factory=list)  # set by resolve(): what "auto" chose and why
 
@@ -203,7 +213,7 @@ class Topology:
         router = data.get("router") or {}
         if not isinstance(router, Mapping):
             raise TopologyError("router: expected a mapping like {port: 50051, http_port: 8000}")
-        _no_unknown(router, {"port", "http_port", "args", "count", "ports"}, "router")
+        _no_unknown(router, {"port", "http_port", "args", "count", "ports", "nice"}, "router")
         if "port" in router:
             topo.router_port = _port(router["port"], "router.port")
         if "count" in router:
@@ -224,6 +234,8 @@ class Topology:
             topo.http_port = None if hp is None or hp == -1 or hp is False else _port(hp, "router.http_port")
         if "args" in router:
             topo.router_args = _args(router["args"], "router.args")
+        if router.get("nice") is not None:
+            topo.router_nice = _nice(router["nice"], "router.nice")
         for role in ("prefill", "decode", "unified"):
             if role in data:
                 setattr(topo, role, _pods(role, data[role]))
@@ -250,6 +262,8 @@ class Topology:
         for name in ("model", "host", "router_port", "block_size", "max_model_len", "device", "dtype"):
             if kw.get(name) is not None:
                 setattr(t, name, kw[name])
+        if kw.get("router_nice") is not None:
+            t.router_nice = _nice(kw["router_nice"], "--router-nice")
         if "http_port" in kw and kw["http_port"] is not None:
             t.http_port = None if kw["http_port"] < 0 else kw["http_port"]
         if kw.get("unified"):  # `pdserve up --unified`: colocated pods instead of the P/D pair
@@ -331,7 +345,28 @@ class Topology:
                 self._resolve_pod(p, model)
         self._check_ports()
         self._check_cpus()
+        self._check_nice()
         return self
+
+    def _check_nice(self) -> None:
+        """A priority above the default (nice < 0) needs CAP_SYS_NICE: refused here when asked for, and the routers'
+        default falls back to 0 (said in the notes) where this process may not raise it."""
+        asked = [(f"{p.name}: nice", p.nice) for p in self.pods]
+        if self.router_nice is not None:
+            asked.append(("router.nice", self.router_nice))
+        for what, nice in asked:
+            if not may_set_nice(nice):
+                raise TopologyError(
+                    f"{what} {nice} raises a CPU priority, which needs CAP_SYS_NICE (or root): grant it, or leave "
+                    "the routers at 0 and give the pods a lower priority instead (nice: 5 on each pod)"
+                )
+        if self.router_nice is None:
+            self.router_nice = FRONT_NICE if may_set_nice(FRONT_NICE) else 0
+            if self.router_nice == 0:
+                self.notes.append(
+                    f"routers at nice 0: their default CPU priority (nice {FRONT_NICE}) needs CAP_SYS_NICE; under "
+                    "load the pods may delay them (give the pods nice: 5 in a topology file)"
+                )
 
     def _check_cpus(self) -> None:
         """Every pinned pod's cores must be ones this process may use (sched_setaffinity would fail in the child)."""
@@ -344,13 +379,18 @@ class Topology:
                 )
 
     def placement(self) -> list[str]:
-        """One line per pod: where it runs (what `pdserve up` logs before starting anything)."""
+        """One line per pod, and one for the front doors: where they run and at which CPU priority (what `pdserve up`
+        logs before starting anything)."""
         every = format_cpus(tuple(sorted(os.sched_getaffinity(0))))
+        fronts = "routers" if self.num_routers > 1 else "router"
         return [
-            f"{p.name}: cpus {format_cpus(p.cpus) if p.cpus is not None else every + ' (unpinned)'}, "
-            f"{max(1, len(p.cpus or os.sched_getaffinity(0)) // int(p.tensor_parallel_size))} thread(s) "
-            f"per rank x {p.tensor_parallel_size} rank(s)"
-            for p in self.pods
+            f"{fronts}{' and the HTTP front' if self.http_port is not None else ''}: nice {self.router_nice or 0}",
+            *(
+                f"{p.name}: cpus {format_cpus(p.cpus) if p.cpus is not None else every + ' (unpinned)'}, "
+                f"{max(1, len(p.cpus or os.sched_getaffinity(0)) // int(p.tensor_parallel_size))} thread(s) "
+                f"per rank x {p.tensor_parallel_size} rank(s), nice {p.nice}"
+                for p in self.pods
+            ),
         ]
 
     def _resolve_pod(self, p: PodSpec, model: ModelParallelInfo) -> None:
@@ -509,6 +549,7 @@ _POD_KEYS = {
     "args": "extra_args",
     "name": "name",
     "cpus": "cpus",
+    "nice": "nice",
 }
 
 
@@ -550,6 +591,8 @@ def _pod(role: str, i: int, spec: Any) -> PodSpec:
             value = _str(value, f"{where}.name")
         elif attr == "cpus":
             value = None if value is None else parse_cpus(value, f"{where}.cpus")
+        elif attr == "nice":
+            value = 0 if value is None else _nice(value, f"{where}.nice")
         setattr(pod, attr, value)
     return pod
 
@@ -567,6 +610,13 @@ def _int(v: Any, what: str, lo: int | None = None) -> int:
         raise TopologyError(f"{what} must be an integer, got {v!r}")
     if lo is not None and v < lo:
         raise TopologyError(f"{what} must be >= {lo}, got {v}")
+    return v
+
+
+def _nice(v: Any, what: str) -> int:
+    v = _int(v, what)
+    if v not in NICE_RANGE:
+        raise TopologyError(f"{what} must be a nice value in [-20, 19] (lower runs first), got {v}")
     return v
 
 

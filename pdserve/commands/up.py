@@ -59,6 +59,13 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
         "others free ports",
     )
     p.add_argument(
+        "--router-nice",
+        type=int,
+        metavar="N",
+        help="CPU priority (nice, -20..19) of the routers and the HTTP front, for their sessions and processes; "
+        "default -10 where raising it is allowed (CAP_SYS_NICE), else 0",
+    )
+    p.add_argument(
         "--http-port",
         type=int,
         metavar="N",
@@ -115,6 +122,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         router_port=args.router_port,
         http_port=args.http_port,
         num_routers=getattr(args, "num_routers", None),
+        router_nice=getattr(args, "router_nice", None),
         prefill_pods=args.prefill_pods,
         prefill_tp=args.prefill_tp,
         decode_pods=args.decode_pods,
@@ -303,6 +311,7 @@ def run_up(args: argparse.Namespace) -> int:
                     "router": f"{topo.host}:{topo.router_port}",
                     "routers": cluster.router_addresses,
                     "http_port": topo.http_port,
+                    "router_nice": topo.router_nice,
                     "notes": topo.notes,
                     "pods": [
                         {
@@ -313,6 +322,7 @@ def run_up(args: argparse.Namespace) -> int:
                             "dcp": p.decode_context_parallel_size,
                             "interleave": p.dcp_kv_cache_interleave_size,
                             "cpus": None if p.cpus is None else list(p.cpus),
+                            "nice": p.nice,
                         }
                         for p in topo.pods
                     ],

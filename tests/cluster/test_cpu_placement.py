@@ -1,15 +1,19 @@
 """CPU placement of pods: `cpus:` in topology files and `pdserve up --prefill-cpus/--decode-cpus`. The cores asked
 for are what the kernel reports for the pod and for every TP rank it spawns (os.sched_getaffinity of each pid), each
-rank gets cores / TP threads, and `pdserve up` logs the placement before it starts anything."""
+rank gets cores / TP threads, and `pdserve up` logs the placement before it starts anything. The same run checks the
+CPU priorities the kernel reports: the router's (process and session) and the pods' (tests/cluster/test_cpu_priority.py
+has the rest)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import psutil
 import pytest
 
-from pdserve.cluster.topology import Topology, TopologyError, format_cpus, parse_cpus
+from pdserve.cluster.topology import FRONT_NICE, Topology, TopologyError, format_cpus, parse_cpus
+from pdserve.sched import may_set_nice
 from up_helpers import UpProcess
 
 
@@ -37,7 +41,7 @@ def test_topology_file_and_flags_set_cpus(tiny_factory):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to give each pod its own")
-def test_pdserve_up_pins_pods_and_their_ranks(tmp_path, tiny_factory):
+def test_pdserve_up_pins_pods_and_their_ranks_and_sets_priorities(tmp_path, tiny_factory):
     model = tiny_factory("llama", num_heads=8, num_kv_heads=1, vocab_size=49152)
     first, second = sorted(os.sched_getaffinity(0))[:2]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -75,6 +79,14 @@ def test_pdserve_up_pins_pods_and_their_ranks(tmp_path, tiny_factory):
         # threads per rank = cores given / TP: one core for two ranks is one thread each
         assert decode.environ()["OMP_NUM_THREADS"] == "1" and prefill.environ()["OMP_NUM_THREADS"] == "1"
         out = up.output.read_text()
-        assert f"placement prefill-0: cpus {first}, 1 thread(s) per rank x 1 rank(s)" in out
-        assert f"placement decode-0: cpus {second}, 1 thread(s) per rank x 2 rank(s)" in out
+        assert f"placement prefill-0: cpus {first}, 1 thread(s) per rank x 1 rank(s), nice 0" in out
+        assert f"placement decode-0: cpus {second}, 1 thread(s) per rank x 2 rank(s), nice 0" in out
+        # the router above the pods: for its process and its session's autogroup; the ranks inherit their pod's
+        front = FRONT_NICE if may_set_nice(FRONT_NICE) else 0
+        assert f"placement router: nice {front}" in out
+        for pid, nice in [(pods["router"], front), (prefill.pid, 0), *((p.pid, 0) for p in [decode, *ranks])]:
+            assert os.getpriority(os.PRIO_PROCESS, pid) == nice
+            group = Path(f"/proc/{pid}/autogroup")
+            if group.exists():
+                assert group.read_text().strip().endswith(f" nice {nice}"), (pid, group.read_text())
     assert up.wait_all_gone(10) == []

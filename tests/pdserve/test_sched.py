@@ -59,3 +59,22 @@ def test_helper_threads_go_under_sched_batch_and_the_caller_does_not():
     assert r["switched"] >= 2  # a and b (and whatever the interpreter started)
     assert p["a"] == p["b"] == p["grandchild"] == batch
     assert p["main"] == p["later"] == other
+
+
+@pytest.mark.parametrize(
+    "nice,cap_eff,rlimit,allowed",
+    [
+        (0, "0000000000000000", 0, True),  # the default and lower priorities need nothing
+        (10, "0000000000000000", 0, True),
+        (-10, "0000000000000000", 0, False),
+        (-10, "0000000000800000", 0, True),  # CAP_SYS_NICE (bit 23)
+        (-10, "000001ffffffffff", 0, True),  # root's full set
+        (-10, "0000000000000000", 30, True),  # RLIMIT_NICE admits 20 - (-10)
+        (-11, "0000000000000000", 30, False),
+    ],
+)
+def test_may_set_nice_decides_as_the_kernel_does(nice, cap_eff, rlimit, allowed):
+    from pdserve.sched import may_set_nice
+
+    status = f"Name:\tpython3\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\n"
+    assert may_set_nice(nice, status=status, rlimit_nice=rlimit) is allowed

@@ -192,3 +192,6 @@ def test_compose_two_router_overlay(tools):
     for worker in ("prefill", "decode"):
         assert _settings(merged, worker)["router"] == "router:50051,router-2:50051"
         assert set(services[worker]["depends_on"]) == {"router", "router-2"}
+    # both routers weigh more than the pods (Docker's default cpu_shares: 1024) where they share cores
+    assert services["router"]["cpu_shares"] == services["router-2"]["cpu_shares"] > 1024
+    assert all(services[worker].get("cpu_shares", 1024) == 1024 for worker in ("prefill", "decode"))

@@ -8,6 +8,7 @@ the step broadcast go through shared memory (pdserve/engine/comm.py, ``cpu_colle
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
 import pickle
@@ -28,13 +29,14 @@ from pdserve.engine.comm import ShmComm, ShmGroupSpec, TorchComm, init_groups, p
 from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
 from pdserve.engine.model_runner import ModelRunner, StepInput
 from pdserve.heap import freeze_startup_heap
-from pdserve.engine.shm import RankFailure, ShmRegion, shm_supported
+from pdserve.engine.shm import RankFailure, ShmRegion, proc_state, shm_supported
 from pdserve.engine.config import CPU_COLLECTIVES, CPU_PINNING
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 from pdserve.net import free_port
 
 log = logging.getLogger("pdserve.executor")
+STACKS_SIGNAL = signal.SIGUSR1  # a rank's threads' stacks, to its stderr (faulthandler)
 
 # A slot holds one rank's share of a collective for this many tokens (at most _SLOT_CAP bytes); larger steps go
 # through in pieces.
@@ -280,6 +282,8 @@ def _worker_main(spec: RankSpec, rank: int) -> None:
     # Ctrl-C reaches the whole foreground process group; it is the driver's to handle: it drains (the ranks still
     # compute its in-flight steps) and then stops them. (SIGTERM still ends a rank: multiprocessing's exit uses it.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGUSR1: every thread's stack into the pod's log (the driver asks when this rank misses a collective)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     runner, channel = _build_rank(spec, rank)
     assert channel is not None
     freeze_startup_heap(f"TP rank {rank}")
@@ -434,14 +438,27 @@ class Executor:
                 self.channel.send(step)
                 self._last_broadcast = time.monotonic()
             logits = self.runner.execute(step)
-        except RankFailure:
-            self._broken = True  # the ranks are out of step: shutdown stops them without a last broadcast
+        except RankFailure as e:
+            self._broke(e)
             raise
         finally:
             if mask is not None:
                 os.sched_setaffinity(0, mask)
         assert logits is not None
         return logits
+
+    def _broke(self, e: RankFailure) -> None:
+        """The ranks are out of step: shutdown stops them without a last broadcast. A rank that missed the collective
+        while still running is stuck somewhere: it is asked for its threads' stacks, which land in this pod's log."""
+        self._broken = True
+        if e.rank is None or not 1 <= e.rank <= len(self.procs):
+            return
+        pid = self.procs[e.rank - 1].pid
+        if pid and proc_state(pid) in ("R", "S", "D"):  # not exited, not stopped (SIGSTOP would hold the signal)
+            log.error(
+                "TP rank %d (pid %d) missed the collective while running: its threads' stacks follow", e.rank, pid
+            )
+            os.kill(pid, STACKS_SIGNAL)
 
     def _pin_step(self) -> set[int]:
         assert self.spec.cpus is not None
@@ -465,8 +482,8 @@ class Executor:
             self.channel.send(RankCall(fn, args))
             self._last_broadcast = time.monotonic()
             out = self.channel.gather(mine)
-        except RankFailure:
-            self._broken = True
+        except RankFailure as e:
+            self._broke(e)
             raise
         assert out is not None
         return out

@@ -1,5 +1,6 @@
 """A pod's ranks over shared memory when one of them fails: a killed or stopped rank is named within seconds (not
-after the 120 s collective timeout), and a SIGKILLed driver takes its ranks and their shared memory with it."""
+after the 120 s collective timeout), a rank stuck while running writes its stacks into the log once the timeout names
+it, and a SIGKILLed driver takes its ranks and their shared memory with it."""
 
 from __future__ import annotations
 
@@ -156,3 +157,43 @@ def test_a_rank_that_dies_while_starting_is_named_at_once(tiny_factory, monkeypa
         LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=3, num_kv_blocks=32, max_model_len=128))
     assert time.monotonic() - t0 < NOTICE_S
     assert os.sched_getaffinity(0) == driver_cpus  # the failed start gave the driver its cores back
+
+
+STUCK = textwrap.dedent("""
+    import sys, time
+    from pdserve.engine.executor import Executor
+    from pdserve.engine.shm import RankFailure
+
+    def stuck_on_rank_1(runner):
+        if runner.ps.tp_rank == 1:
+            time.sleep(60)  # running, not stopped: only the collective's timeout notices it
+
+    if __name__ == "__main__":
+        ex = Executor.create(sys.argv[1], 3, 1, 1, 16, 16, 64, timeout_s=3.0)
+        try:
+            ex.call_all_ranks(stuck_on_rank_1)
+        except RankFailure as e:
+            print("failure:", e, flush=True)
+        time.sleep(2)  # the rank writes its stacks
+        ex.shutdown()
+""")
+
+
+def test_a_rank_stuck_while_running_dumps_its_stacks_into_the_log(tiny_factory, tmp_path):
+    """A rank that misses a collective while running (stuck in a call, not stopped and not dead) is only noticed at
+    the collective's timeout; then the driver asks it for its threads' stacks, which show where it was stuck."""
+    model = tiny_factory("llama", num_heads=6, num_kv_heads=3, hidden_size=96)
+    script = tmp_path / "stuck_rank.py"
+    script.write_text(STUCK)
+    out = subprocess.run(
+        [sys.executable, str(script), str(model)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "failure:" in out.stdout and "TP rank(s) [1]" in out.stdout, out.stdout
+    assert "TP rank 1 (pid " in out.stderr and "missed the collective while running" in out.stderr
+    # faulthandler's dump of rank 1: the frame it was stuck in
+    assert "(most recent call first)" in out.stderr and "in stuck_on_rank_1" in out.stderr, out.stderr[-3000:]

@@ -53,8 +53,10 @@ def may_set_nice(nice: int, status: str | None = None, rlimit_nice: int | None =
     and ``rlimit_nice`` (the soft limit) default to this process's own."""
     if nice >= 0:
         return True
-    limit = resource.getrlimit(resource.RLIMIT_NICE)[0] if rlimit_nice is None else rlimit_nice
-    if limit == resource.RLIM_INFINITY or 20 - nice <= limit:
+    if rlimit_nice is None:  # RLIMIT_NICE is Linux's: elsewhere only the capability check below can say yes
+        which = getattr(resource, "RLIMIT_NICE", None)
+        rlimit_nice = 0 if which is None else resource.getrlimit(which)[0]
+    if rlimit_nice == resource.RLIM_INFINITY or 20 - nice <= rlimit_nice:
         return True
     if status is None:
         try:

@@ -58,12 +58,13 @@ class Service:
     address: str  # host:port it serves (gRPC, or HTTP for "http")
     log_path: Path
     spec: PodSpec | None = None
-    nice: int = 0  # CPU priority (exec_child.py's --nice); a pod's comes from its spec
+    front_nice: int = 0  # CPU priority of a router / the HTTP front (a pod's is its spec's)
     proc: subprocess.Popen | None = None
 
-    def __post_init__(self) -> None:
-        if self.spec is not None:
-            self.nice = self.spec.nice
+    @property
+    def nice(self) -> int:
+        """The CPU priority exec_child.py gives it (--nice)."""
+        return self.spec.nice if self.spec is not None else self.front_nice
 
     @property
     def pid(self) -> int | None:
@@ -231,9 +232,8 @@ class LocalCluster:
                 *argv_for(RouterConfig, host=h, port=port, **model, drain_timeout_s=self.drain_timeout_s, **tls),
                 *args,
             ]
-            services.append(
-                Service(name, "router", router, f"{h}:{port}", self.log_dir / f"{name}.log", nice=t.router_nice or 0)
-            )
+            log_path = self.log_dir / f"{name}.log"
+            services.append(Service(name, "router", router, f"{h}:{port}", log_path, front_nice=t.router_nice or 0))
         if t.http_port is not None:
             # the front is the router's client (no require_client_cert) ...
             front = {k: v for k, v in tls.items() if k != "tls_require_client_cert"}
@@ -251,7 +251,7 @@ class LocalCluster:
                     ],
                     f"{h}:{t.http_port}",
                     self.log_dir / "openai-http.log",
-                    nice=t.router_nice or 0,
+                    front_nice=t.router_nice or 0,
                 )
             )
 

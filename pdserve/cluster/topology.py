@@ -361,8 +361,10 @@ class Topology:
                     "the routers at 0 and give the pods a lower priority instead (nice: 5 on each pod)"
                 )
         if self.router_nice is None:
-            self.router_nice = FRONT_NICE if may_set_nice(FRONT_NICE) else 0
-            if self.router_nice == 0:
+            if may_set_nice(FRONT_NICE):
+                self.router_nice = FRONT_NICE
+            else:
+                self.router_nice = 0
                 self.notes.append(
                     f"routers at nice 0: their default CPU priority (nice {FRONT_NICE}) needs CAP_SYS_NICE; under "
                     "load the pods may delay them (give the pods nice: 5 in a topology file)"

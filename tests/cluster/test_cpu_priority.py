@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,6 @@ from pdserve.parallel_config import ModelParallelInfo
 from pdserve.sched import may_set_nice
 
 GQA_1KV = ModelParallelInfo(num_attention_heads=8, num_kv_heads=1)
-AUTOGROUP = Path("/proc/self/autogroup")
 
 # What the exec'd child sees of itself: its nice and its session's autogroup line.
 _REPORT = (
@@ -107,7 +105,7 @@ def test_routers_default_to_a_higher_priority_where_it_is_allowed(monkeypatch):
     assert any("needs CAP_SYS_NICE" in n and "nice: 5" in n for n in t.notes)
 
 
-def test_yaml_and_flags_set_priorities_and_bad_values_are_refused(monkeypatch, tmp_path):
+def test_yaml_and_flags_set_priorities_and_bad_values_are_refused(monkeypatch):
     monkeypatch.setattr(topology, "may_set_nice", lambda nice: True)
     t = Topology.from_dict({"router": {"nice": -3}, "prefill": [{"nice": 5}], "decode": {"count": 2, "nice": 7}})
     t.resolve(GQA_1KV)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from pdserve.security import TLSConfig
 
 KV_TRANSFER_BACKENDS = ("auto", "nixl", "tcp")
+KV_LOAD_MODES = ("async", "sync")
 
 
 class DecodeConfigError(PodConfigError):
@@ -54,6 +55,15 @@ class DecodeConfig:
         },
     )
     kv_transfer_timeout_s: float = field(default=120.0, metadata={"help": "one request's KV pull, every layer"})
+    kv_load: str = field(
+        default="async",
+        metadata={
+            "choices": KV_LOAD_MODES,
+            "help": "async: ranks receive a request's KV on transfer threads while the running batch keeps "
+            "decoding, and the request joins once every rank has its share; sync: the engine thread waits for "
+            "each transfer (every running stream stalls meanwhile; kept for comparison)",
+        },
+    )
     ucx_transports: str | None = field(
         default=None,
         metadata={
@@ -90,6 +100,8 @@ class DecodeConfig:
             bad(f"max_model_len must be an integer >= 2, got {e.max_model_len!r}")
         if self.kv_transfer_backend not in KV_TRANSFER_BACKENDS:
             bad(f"kv_transfer_backend must be 'auto', 'nixl' or 'tcp', got {self.kv_transfer_backend!r}")
+        if self.kv_load not in KV_LOAD_MODES:
+            bad(f"kv_load must be 'async' or 'sync', got {self.kv_load!r}")
         for name in ("reservation_ttl_s", "admission_timeout_s", "kv_transfer_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 import grpc
 
 from decode_svc.config import DecodeConfig
+from decode_svc.kv_loads import LoadOutcome
 from decode_svc.pod import DecodePod, Failure
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
@@ -36,6 +37,8 @@ class RequestObserver(Protocol):
 
     def dropped(self, request_id: str) -> None: ...
 
+    def kv_transfer(self, outcome: LoadOutcome) -> None: ...
+
 
 class EngineStopped(Unavailable):
     """The engine thread is gone (a rank died, or the pod is stopping): the pod cannot take this call."""
@@ -51,6 +54,7 @@ class PodStats:
 
     running: int = 0
     waiting: int = 0
+    waiting_for_kv: int = 0  # of waiting: KV still arriving (the batch steps without them)
     reserved: int = 0
     blocks_used: list[int] = field(default_factory=list)  # per TP rank
     blocks_free: list[int] = field(default_factory=list)
@@ -158,7 +162,7 @@ class EngineLoop:
         last_stats = 0.0
         try:
             while True:
-                thread.run_commands(0.0 if pod.has_work() else 0.05)
+                thread.run_commands(self._wait_s(pod))
                 if thread.stopping:
                     break
                 _check_ranks(pod)  # also while idle: a dead rank must turn the pod unhealthy before new work
@@ -170,6 +174,7 @@ class EngineLoop:
                     self._steps += 1
                     for ev in events:
                         self.emit(ev)
+                self._report_transfers(pod)
                 now = time.monotonic()
                 if now - last_stats > 0.05 or not pod.has_work():
                     self._refresh_stats()
@@ -199,11 +204,31 @@ class EngineLoop:
             except Exception:
                 log.exception("pod shutdown failed")
 
+    # How often an otherwise idle loop asks the ranks whether a transfer landed (a gather across the group).
+    RECEIVE_POLL_S = 0.002
+
+    def _wait_s(self, pod: DecodePod) -> float:
+        """How long to wait for commands before the next pass: none while there is compute to do."""
+        if pod.only_receiving():
+            return self.RECEIVE_POLL_S
+        return 0.0 if pod.has_work() else 0.05
+
+    def _report_transfers(self, pod: DecodePod) -> None:
+        outcomes, pod.kv_outcomes = pod.kv_outcomes, []
+        if self.observer is None:
+            return
+        for o in outcomes:
+            try:
+                self.observer.kv_transfer(o)
+            except Exception:  # metrics must not stop the pod
+                log.exception("transfer metrics of %s failed", o.request_id)
+
     def _refresh_stats(self) -> None:
         pod = self.pod
         self.stats = PodStats(
             running=pod.num_running,
             waiting=pod.num_waiting,
+            waiting_for_kv=pod.num_waiting_for_kv,
             reserved=len(pod.reservations),
             blocks_used=pod.used_blocks_per_rank(),
             blocks_free=pod.free_blocks_per_rank(),

@@ -7,11 +7,19 @@ cache at the blocks the pod reserved for it, and returns the bytes written.
 
 TransferKVSource is the one implementation: a kv_transfer KVPuller on each rank, held by the rank's connector
 (``puller.pull(handoff, block_table)``), reading from whichever prefill pod published the KV.
+
+Two ways to run it (the pod's ``--kv-load``):
+- ``deliver`` (sync): every rank writes its share inside the driver's call; the engine thread waits for it.
+- ``receive`` (async, the default): every rank starts its share on a transfer thread of its own process and
+  returns at once; ``take_finished`` hands each rank's finished shares to the driver, which admits a request only
+  when every rank reported (decode_svc/kv_loads.py), so the running batch never waits for a transfer.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
@@ -39,9 +47,12 @@ class KVDeliveryError(ServiceError):
 class KVSource(Protocol):
     num_tokens: int
 
-    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int | tuple[int, list[int]]:
+    def write_rank(
+        self, conn: "DecodeKVConnector", block_table: list[int], cancelled: threading.Event | None = None
+    ) -> int | tuple[int, list[int]]:
         """Runs on every rank (in the rank's process): copy this rank's tokens/heads into block_table; the bytes
-        written, with this rank's share of the per-block checksums when the source carries checksums."""
+        written, with this rank's share of the per-block checksums when the source carries checksums. Once
+        ``cancelled`` is set, stop before the next write (raising KVDeliveryError, CANCELLED)."""
         ...
 
 
@@ -67,14 +78,16 @@ class TransferKVSource:
 
         conn.puller(self.puller_factory).renew(KVHandoff.from_json(self.handoff_json))
 
-    def write_rank(self, conn: "DecodeKVConnector", block_table: list[int]) -> int | tuple[int, list[int]]:
+    def write_rank(
+        self, conn: "DecodeKVConnector", block_table: list[int], cancelled: threading.Event | None = None
+    ) -> int | tuple[int, list[int]]:
         from kv_transfer.transport import KVHandoff, KVTransferError
 
         runner = conn.runner
         puller = conn.puller(self.puller_factory)
         try:
             handoff = KVHandoff.from_json(self.handoff_json)
-            nbytes = int(puller.pull(handoff, block_table, timeout_s=self.timeout_s).nbytes)
+            nbytes = int(puller.pull(handoff, block_table, timeout_s=self.timeout_s, cancelled=cancelled).nbytes)
         except Exception as e:
             code = e.code if isinstance(e, KVTransferError) else grpc.StatusCode.ABORTED
             raise KVDeliveryError(f"KV transfer failed on rank {runner.ps.tp_rank}: {e}", code) from e
@@ -137,12 +150,24 @@ class PullerFactory:
         )
 
 
+RankShare = int | tuple[int, list[int]] | BaseException  # one rank's outcome: bytes (and checksums), or why not
+
+
 class DecodeKVConnector(KVConnectorWorker):
-    """A decode rank's KV-connector worker: writes arriving prompt KV (``deliver``) and holds the rank's pullers."""
+    """A decode rank's KV-connector worker: writes arriving prompt KV (``deliver`` in the caller's call, ``receive``
+    on the rank's transfer threads) and holds the rank's pullers."""
+
+    # Concurrent receives per rank: a publisher that stopped answering holds one thread until its timeout, and
+    # the others keep landing other requests' KV meanwhile.
+    TRANSFER_THREADS = 4
 
     def __init__(self, runner: "ModelRunner") -> None:
         super().__init__(runner)
         self.pullers: dict[Any, Any] = {}  # puller factory -> its puller over this rank's cache
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._receiving: dict[str, threading.Event] = {}  # load id -> its cancel flag, while its thread runs
+        self._finished: dict[str, RankShare] = {}  # load id -> outcome, until take_finished hands it over
 
     def puller(self, factory: Callable[["ModelRunner"], Any]) -> Any:
         p = self.pullers.get(factory)
@@ -150,11 +175,54 @@ class DecodeKVConnector(KVConnectorWorker):
             p = self.pullers[factory] = factory(self.runner)
         return p
 
-    def deliver(self, source: KVSource, tables: list[list[int]]) -> int:
+    def deliver(self, source: KVSource, tables: list[list[int]]) -> int | tuple[int, list[int]]:
         """Write this rank's share of source (tables: one block table per DCP rank); the bytes written."""
         return source.write_rank(self, tables[self.runner.ps.dcp_rank])
 
+    def receive(self, load_id: str, source: KVSource, tables: list[list[int]]) -> None:
+        """Start writing this rank's share of source on a transfer thread and return at once; the outcome comes
+        out of a later take_finished under load_id."""
+        if self._pool is None:
+            name = f"pdkv-recv{self.runner.ps.tp_rank}"
+            self._pool = ThreadPoolExecutor(self.TRANSFER_THREADS, thread_name_prefix=name)
+        cancelled = threading.Event()
+        with self._lock:
+            self._receiving[load_id] = cancelled
+        self._pool.submit(self._receive, load_id, source, tables[self.runner.ps.dcp_rank], cancelled)
+
+    def _receive(self, load_id: str, source: KVSource, table: list[int], cancelled: threading.Event) -> None:
+        share: RankShare
+        try:
+            share = source.write_rank(self, table, cancelled)
+        except BaseException as e:  # reported to the driver with the request, never lost in the pool
+            share = e
+        with self._lock:
+            self._receiving.pop(load_id, None)
+            self._finished[load_id] = share
+
+    def take_finished(self) -> dict[str, RankShare]:
+        """Receives that ended on this rank since the last call: load id -> bytes (and checksums) or exception.
+        A load given up (abort) is reported too, once its thread stopped writing: only then may its blocks go."""
+        with self._lock:
+            done, self._finished = self._finished, {}
+        return done
+
+    def abort(self, ids: list[str], reason: str) -> None:
+        """Stop these receives at their next layer group (the pull tells the publisher it gave up)."""
+        with self._lock:
+            flags = [self._receiving.get(i) for i in ids]
+        for f in flags:
+            if f is not None:
+                f.set()
+
     def close(self) -> None:
+        with self._lock:
+            flags = list(self._receiving.values())
+        for f in flags:
+            f.set()
+        if self._pool is not None:  # a pull stuck on a frozen publisher must not hold the rank's shutdown
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         for p in self.pullers.values():
             try:
                 p.close()

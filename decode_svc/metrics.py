@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from decode_svc.engine_loop import PodStats
+from decode_svc.kv_loads import LoadOutcome
 from decode_svc.pod import Failure
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
@@ -25,13 +26,27 @@ _VLLM_REASON = {
 }
 
 
+# Transfers take milliseconds over shared memory and up to the pod's kv_transfer_timeout_s between hosts.
+KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# The statuses a transfer fails with (pre-created so a dashboard sees zeros); anything else counts as OTHER.
+TRANSFER_FAILURE_CAUSES = (
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "DATA_LOSS",
+    "FAILED_PRECONDITION",
+    "CANCELLED",
+    "ABORTED",
+    "OTHER",
+)
+
+
 class DecodeCollector(Collector):
     def __init__(self, stats: Callable[[], PodStats], pod_id: str, draining: Callable[[], bool]) -> None:
-        self.stats, self._pod, self._draining = stats, pod_id, draining
+        self.stats, self.pod_id, self._draining = stats, pod_id, draining
 
     def collect(self) -> Iterator:
         s = self.stats()
-        pod = self._pod
+        pod = self.pod_id
         g = GaugeMetricFamily("pdserve_decode_running_seqs", "Sequences in the running decode batch", labels=["pod"])
         g.add_metric([pod], s.running)
         yield g
@@ -41,6 +56,13 @@ class DecodeCollector(Collector):
             labels=["pod"],
         )
         g.add_metric([pod], s.waiting)
+        yield g
+        g = GaugeMetricFamily(
+            "pdserve_decode_waiting_for_kv_requests",
+            "Requests whose prompt KV is still arriving (blocks held, not yet in the batch)",
+            labels=["pod"],
+        )
+        g.add_metric([pod], s.waiting_for_kv)
         yield g
         g = GaugeMetricFamily(
             "pdserve_decode_reserved_requests", "AllocateKV reservations not yet decoding", labels=["pod"]
@@ -92,11 +114,37 @@ class VllmDecodeObserver:
     A request's first event is prefill's first token landing with its KV (not sampled here): it starts the
     inter-token clock but is no gap of this pod's. e2e runs from the Decode call taking the request to its end."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, stats: Callable[[], PodStats]) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, stats: Callable[[], PodStats], pod_id: str = ""
+    ) -> None:
         self._stats = stats
         registry.register(OnScrape(self.refresh))  # before the families: a registry collects in that order
         self.vllm = DecodeVllmMetrics(registry, model_name)
         self._times: dict[str, _Times] = {}  # engine thread only
+        self.kv_transfer_seconds = Histogram(
+            "pdserve_decode_kv_transfer_seconds",
+            "A request's prompt KV transfer into this pod, from the Decode call taking it until every rank has "
+            "its share",
+            ["pod"],
+            registry=registry,
+            buckets=KV_TRANSFER_BUCKETS,
+        ).labels(pod_id)
+        failures = Counter(
+            "pdserve_decode_kv_transfer_failures",
+            "Requests whose KV transfer failed, by the status it failed with",
+            ["pod", "cause"],
+            registry=registry,
+        )
+        self.kv_transfer_failures = {c: failures.labels(pod_id, c) for c in TRANSFER_FAILURE_CAUSES}
+
+    def kv_transfer(self, outcome: LoadOutcome) -> None:
+        failed = outcome.cause is not None
+        self.vllm.kv_transfer(outcome.seconds, outcome.nbytes, failed)
+        if failed:
+            cause = outcome.cause if outcome.cause in self.kv_transfer_failures else "OTHER"
+            self.kv_transfer_failures[cause].inc()
+        else:
+            self.kv_transfer_seconds.observe(outcome.seconds)
 
     def started(self, request_id: str) -> None:
         self._times[request_id] = _Times(time.monotonic())
@@ -133,6 +181,6 @@ def start_metrics_server(
     """Serve /metrics; the returned observer is the engine loop's, feeding the vLLM-named histograms."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    observer = VllmDecodeObserver(registry, model_name, collector.stats)
+    observer = VllmDecodeObserver(registry, model_name, collector.stats, collector.pod_id)
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return observer, server

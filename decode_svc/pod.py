@@ -5,11 +5,20 @@ Life of a request on a decode pod:
   reserve(id, n)                      AllocateKV: blocks for n prompt tokens on every DCP rank, kept until a TTL
   submit(id, prompt, params, first, source)
                                       Decode: take over the reservation (or reserve now, or queue until blocks free
-                                      up), have every rank write its share of the prompt KV (KVSource), then the
-                                      request decodes from the next step; returns the first token's output
-  step()                              one decode step of every running sequence (continuous batching), after
-                                      admitting queued requests; finished sequences free their blocks
-  cancel(id)                          frees its blocks / reservation / queue slot at once
+                                      up) and have every rank write its share of the prompt KV (KVSource). With
+                                      --kv-load async (the default) the ranks receive it on their transfer threads
+                                      while the batch keeps stepping (decode_svc/kv_loads.py), and the first token's
+                                      output comes out of the step() after every rank's share landed; with sync the
+                                      engine thread waits for the transfer and submit returns that output
+  step()                              admit queued requests, admit the ones whose KV landed on every rank, then one
+                                      decode step of every running sequence (continuous batching); finished
+                                      sequences free their blocks
+  cancel(id)                          frees its reservation / queue slot at once; a request still receiving its KV
+                                      ends at once, its blocks come back as soon as no rank writes into them
+
+States of a request on the pod (docs/DESIGN.md draws them):
+  reserved -> (Decode) -> queued for blocks -> receiving KV -> running -> finished
+                                        +-> receiving KV fails / is cancelled -> draining (blocks held) -> freed
 
 When blocks run out mid-decode the engine's scheduler preempts the youngest sequence, which re-queues and is
 recomputed from its tokens on this pod (nothing is lost); queued new requests wait behind it."""
@@ -24,6 +33,7 @@ from dataclasses import dataclass
 import grpc
 
 from decode_svc.config import DecodeConfig
+from decode_svc.kv_loads import KVLoads, LoadOutcome
 from decode_svc.kv_source import KVDeliveryError, KVSource, decode_connector, deliver
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
@@ -82,6 +92,8 @@ class DecodePod:
         self.queue: deque[_Queued] = deque()
         self.kv_bytes_received = 0
         self.kv_seconds: dict[str, float] = {}  # request id -> seconds its KV delivery took
+        self.loads = KVLoads(self.engine) if config.kv_load == "async" else None
+        self.kv_outcomes: list[LoadOutcome] = []  # transfers ended since the engine loop last took them (metrics)
 
     # --- layout and accounting ---
     @property
@@ -133,16 +145,26 @@ class DecodePod:
         return len(self.queue) + len(s.waiting) + len(s.awaiting_kv)
 
     @property
+    def num_waiting_for_kv(self) -> int:
+        """Requests whose KV is still arriving (their blocks are held, the batch steps without them)."""
+        return len(self.loads.active) if self.loads is not None else 0
+
+    @property
     def num_generated_tokens(self) -> int:
         return self.engine.num_generated_tokens
 
     def has_work(self) -> bool:
         s = self.engine.scheduler
-        return bool(self.queue or s.running or s.waiting)
+        return bool(self.queue or s.running or s.waiting or self.loads)
+
+    def only_receiving(self) -> bool:
+        """Nothing to compute, only KV transfers to wait for (the engine loop polls them without spinning)."""
+        s = self.engine.scheduler
+        return bool(self.loads) and not (self.queue or s.running or s.waiting)
 
     def idle(self) -> bool:
-        """Nothing reserved, queued or decoding."""
-        return not (self.reservations or self.engine.has_unfinished() or self.queue)
+        """Nothing reserved, queued, receiving or decoding (and no given-up transfer still holding blocks)."""
+        return not (self.reservations or self.engine.has_unfinished() or self.queue or self.loads)
 
     # --- AllocateKV ---
     def reserve(
@@ -198,12 +220,13 @@ class DecodePod:
         source: KVSource,
         wait_s: float | None = None,
     ) -> RequestOutput | None:
-        """Start decoding request_id. Returns the first token's output once its KV landed (finished already when
-        that token ends the request), or None when the request was queued for blocks (it then starts in a later
-        step(), or ends with a RESOURCE_EXHAUSTED Failure after wait_s). Raises RequestError (bad request),
-        RequestExists, KVDeliveryError (nothing is kept then)."""
+        """Start decoding request_id. Returns the first token's output once its KV landed (sync; finished already
+        when that token ends the request), or None when the request was queued for blocks or its KV is being
+        received (it then starts in a later step(), or ends with a Failure: RESOURCE_EXHAUSTED after wait_s, the
+        transfer's status). Raises RequestError (bad request), RequestExists, KVDeliveryError (sync; nothing is
+        kept then)."""
         outs = self.submit_all(request_id, prompt_ids, params, [first_token], [first_logprob], source, wait_s)
-        return None if outs is None else outs[0]
+        return outs[0] if outs else None
 
     def submit_all(
         self,
@@ -216,7 +239,8 @@ class DecodePod:
         wait_s: float | None = None,
     ) -> list[RequestOutput] | None:
         """submit for a request of n = len(first_tokens) sequences sharing the prompt's KV (the engine forks it when
-        it lands): one first output per sequence, in index order."""
+        it lands): one first output per sequence, in index order; [] when the KV is being received (async), the
+        outputs then come out of step()."""
         eng = self.engine
         prompt_ids = list(prompt_ids)
         eng.validate_prompt(prompt_ids, params)
@@ -241,7 +265,7 @@ class DecodePod:
                 )
             seq = eng.adopt(res.seq, prompt_ids, params, len(first_tokens))
             del self.reservations[request_id]
-            return self._deliver_and_land(seq, first_tokens, first_logprobs, source)
+            return self._receive(seq, first_tokens, first_logprobs, source)
         if self.knows(request_id):
             raise RequestExists(f"request {request_id!r} is already decoding on this pod")
         q = _Queued(
@@ -279,28 +303,56 @@ class DecodePod:
         )
         if seq is None:
             return None
-        return self._deliver_and_land(seq, q.first_tokens, q.first_logprobs, q.source)
+        return self._receive(seq, q.first_tokens, q.first_logprobs, q.source)
 
-    def _deliver_and_land(
+    def _receive(
         self, seq: Sequence, first_tokens: list[int], first_logprobs: list[float], source: KVSource
     ) -> list[RequestOutput]:
+        """Have every rank write seq's prompt KV: started here and landed by a later step (async, []), or
+        written before this returns the first outputs (sync)."""
+        if self.loads is not None:
+            self.loads.start(seq, source, first_tokens, first_logprobs)
+            return []
         eng = self.engine
         try:
             nbytes, secs = deliver(eng.executor, source, seq.block_tables)
-        except KVDeliveryError:
+        except KVDeliveryError as e:
             eng.abort(seq.request_id)
+            self.kv_outcomes.append(LoadOutcome(seq.request_id, 0.0, 0, e.code.name))
             raise
-        self.kv_bytes_received += sum(nbytes)
+        return self._land(seq, first_tokens, first_logprobs, sum(nbytes), secs)
+
+    def _land(
+        self, seq: Sequence, first_tokens: list[int], first_logprobs: list[float], nbytes: int, secs: float
+    ) -> list[RequestOutput]:
+        self.kv_bytes_received += nbytes
         self.kv_seconds[seq.request_id] = secs
-        outs = eng.start_decoding_all(seq, first_tokens, first_logprobs)
+        self.kv_outcomes.append(LoadOutcome(seq.request_id, secs, nbytes))
+        outs = self.engine.start_decoding_all(seq, first_tokens, first_logprobs)
         if any(o.finished for o in outs):
             self.kv_seconds.pop(seq.request_id, None)
         return outs
 
+    def _poll_loads(self) -> list[RequestOutput | Failure]:
+        """Requests whose KV landed on every rank join the batch; failed transfers end their request."""
+        events: list[RequestOutput | Failure] = []
+        if self.loads is None:
+            return events
+        landed, failed = self.loads.poll()
+        for ld in landed:
+            events.extend(self._land(ld.seq, ld.first_tokens, ld.first_logprobs, ld.nbytes, ld.seconds))
+        for ld in failed:
+            assert ld.error is not None
+            self.kv_outcomes.append(LoadOutcome(ld.request_id, ld.seconds, ld.nbytes, ld.error.code.name))
+            events.append(Failure(ld.request_id, ld.error.code, ld.error.message))
+        return events
+
     # --- the loop ---
     def step(self) -> list[RequestOutput | Failure]:
-        """Admit queued requests that fit, then one engine step (every running sequence gets a token)."""
+        """Admit queued requests that fit and those whose KV landed, then one engine step (every running sequence
+        gets a token)."""
         events: list[RequestOutput | Failure] = self._admit_queued()
+        events.extend(self._poll_loads())
         events.extend(self.engine.step())
         for ev in events:
             if ev.finished:  # per-request state must not outlive the request (the soak serves thousands)
@@ -356,8 +408,11 @@ class DecodePod:
                 log.warning("renewing the KV lease of queued request %s failed: %s", q.request_id, e)
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a reservation, a queued request or a decoding one; its blocks are free when this returns."""
+        """Drop a reservation, a queued request or a decoding one; its blocks are free when this returns (those of
+        a request still receiving its KV once every rank stopped writing, at its next layer group)."""
         if self._release_reservation(request_id) is not None:
+            return True
+        if self.loads is not None and self.loads.give_up(request_id, "cancelled while receiving its KV") is not None:
             return True
         for q in self.queue:
             if q.request_id == request_id:

@@ -22,6 +22,7 @@ from kv_transfer.transport import (
     KVTransferError,
     LeaseExpired,
     PullResult,
+    TransferCancelled,
     TransferUnavailable,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "PullResult",
     "ReshardPlan",
     "Segments",
+    "TransferCancelled",
     "TransferUnavailable",
     "make_publisher",
     "make_puller",

@@ -36,6 +36,7 @@ from kv_transfer.transport import (
     KVTransferError,
     LeaseExpired,
     PullResult,
+    TransferCancelled,
     TransferUnavailable,
 )
 
@@ -142,6 +143,7 @@ class BasePuller(KVPuller):
         *,
         on_layers_landed: Callable[[int], None] | None = None,
         timeout_s: float | None = None,
+        cancelled: threading.Event | None = None,
     ) -> PullResult:
         t0 = time.monotonic()
         deadline = t0 + (self.transfer_timeout_s if timeout_s is None else timeout_s)
@@ -158,11 +160,12 @@ class BasePuller(KVPuller):
             landed, times, nbytes = 0, [], 0
             num_layers = self.layout.num_layers
             while landed < num_layers:
-                ready = min(self._wait(s, c, handoff, landed, deadline) for s, c in waits)
+                ready = min(self._wait(s, c, handoff, landed, deadline, cancelled) for s, c in waits)
                 # Everything ready goes in one read (up to max_layers_per_read): one layer at a time while
                 # streaming behind prefill, all at once when prefill is already done.
                 for a in range(landed, ready, self.max_layers_per_read):
                     group = range(a, min(a + self.max_layers_per_read, ready))
+                    _check_cancelled(cancelled, handoff)
                     for src in sources.values():
                         nbytes += self._read(src, handoff, rp, group, deadline)
                     now = time.monotonic()
@@ -328,9 +331,18 @@ class BasePuller(KVPuller):
             except Exception:
                 log.debug("forgetting peer %s failed", ep, exc_info=True)
 
-    def _wait(self, session: Session, client: ControlClient, handoff: KVHandoff, after: int, deadline: float) -> int:
+    def _wait(
+        self,
+        session: Session,
+        client: ControlClient,
+        handoff: KVHandoff,
+        after: int,
+        deadline: float,
+        cancelled: threading.Event | None = None,
+    ) -> int:
         """Long-poll until more than ``after`` layers are ready at this endpoint."""
         while True:
+            _check_cancelled(cancelled, handoff)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferUnavailable(
@@ -342,3 +354,8 @@ class BasePuller(KVPuller):
             )
             if reply["ready"] > after:
                 return int(reply["ready"])
+
+
+def _check_cancelled(cancelled: threading.Event | None, handoff: KVHandoff) -> None:
+    if cancelled is not None and cancelled.is_set():
+        raise TransferCancelled(f"lease {handoff.lease_id}: the decode pod gave the pull up")

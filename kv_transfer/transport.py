@@ -16,6 +16,7 @@ Errors are ServiceErrors: each carries the gRPC status a service answers with.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,12 @@ class HandshakeTimeout(KVTransferError):
     """No answer to the handshake within its bound (nobody listening, or a peer that never replies)."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class TransferCancelled(KVTransferError):
+    """The decode side gave the pull up (its request was cancelled or another rank's share failed)."""
+
+    code = grpc.StatusCode.CANCELLED
 
 
 class BadTransferRequest(KVTransferError, ValueError):
@@ -220,11 +227,14 @@ class KVPuller(ABC):
         *,
         on_layers_landed: Callable[[int], None] | None = None,
         timeout_s: float | None = None,
+        cancelled: threading.Event | None = None,
     ) -> PullResult:
         """Copy this rank's share of the request's KV into ``block_table`` of the local region, layer by
         layer as prefill finishes them; return once the last layer landed; then report done to prefill.
 
         ``on_layers_landed(n)``: layers [0, n) are in place (for layer-wise decode start / metrics).
+        ``cancelled``: once set, the pull stops at its next layer group or poll and raises TransferCancelled
+        (a pull run off the caller's thread is given up this way; no write starts after that).
         Raises TransferUnavailable, LeaseExpired, HandshakeTimeout, BadTransferRequest; on any failure
         prefill is told (best effort) so it can free its blocks, and the caller frees its own."""
 

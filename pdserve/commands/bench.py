@@ -8,7 +8,18 @@ import inspect
 import json
 import sys
 
-BENCHMARKS = ("engine", "decode", "cluster", "kv_transfer", "prefill", "router", "soak", "peer", "serve")
+BENCHMARKS = (
+    "engine",
+    "decode",
+    "cluster",
+    "kv_transfer",
+    "prefill",
+    "router",
+    "soak",
+    "peer",
+    "serve",
+    "interference",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

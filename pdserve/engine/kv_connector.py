@@ -13,8 +13,10 @@ Two sides:
   steps without metadata call nothing (no cost on the decode hot path).
 
 The driver reaches the workers only through named operations (``Executor.connector_call``): ``take_finished``,
-``deliver``, ``checksums``, ``abort``, ``info`` and ``close`` (``KVConnectorWorker.OPS``), each run on every rank,
-results in rank order. Role implementations (the prefill publisher, the decode puller) live with their services.
+``deliver``, ``receive``, ``checksums``, ``abort``, ``info`` and ``close`` (``KVConnectorWorker.OPS``), each run on
+every rank, results in rank order. ``receive`` is the asynchronous ``deliver`` (vLLM's ``load_kv_async``): it
+returns at once and ``take_finished`` reports each rank's share once it landed. Role implementations (the prefill
+publisher, the decode puller) live with their services.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class KVConnectorWorker(ABC):
     Hooks run on the rank's forward thread and must never raise (record failures and report them through
     ``take_finished``). Named operations run when the driver asks (``Executor.connector_call``)."""
 
-    OPS = frozenset({"take_finished", "deliver", "checksums", "abort", "info", "close"})
+    OPS = frozenset({"take_finished", "deliver", "receive", "checksums", "abort", "info", "close"})
 
     def __init__(self, runner: "ModelRunner") -> None:
         self.runner = runner
@@ -116,6 +118,10 @@ class KVConnectorWorker(ABC):
 
     def deliver(self, *args: Any) -> Any:
         """Write KV that arrives from elsewhere into this rank's cache."""
+        raise NotImplementedError(f"{type(self).__name__} does not receive KV")
+
+    def receive(self, *args: Any) -> Any:
+        """Start writing KV that arrives from elsewhere off the caller's thread; take_finished reports it."""
         raise NotImplementedError(f"{type(self).__name__} does not receive KV")
 
     def checksums(self, *args: Any) -> Any:

@@ -291,6 +291,16 @@ class LLMEngine:
         seq.status = SeqStatus.WAITING_FOR_KV
         return seq
 
+    def detach(self, request_id: str) -> Sequence | None:
+        """Drop a request awaiting its KV but keep its blocks, held by the returned sequence until free_reserved():
+        a transfer may still be writing into them. None when the request is unknown."""
+        tr = self._tracked.pop(request_id, None)
+        if tr is None:
+            return None
+        self.scheduler.finish(tr.seq, FinishReason.CANCELLED, free_blocks=False)
+        self.sampler.forget(request_id)
+        return tr.seq
+
     def free_reserved(self, reserved: Sequence) -> None:
         """Give a reservation's blocks back (it was never adopted)."""
         self.blocks.free(reserved)

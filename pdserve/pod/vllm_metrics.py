@@ -94,6 +94,12 @@ def kv_usage(used: int, total: int) -> float:
     return min(max(used / total, 0.0), 1.0) if total > 0 else 0.0
 
 
+# vLLM's NixlPromMetrics buckets: vllm:nixl_xfer_time_seconds (the first one dropped, as there) and
+# vllm:nixl_bytes_transferred
+NIXL_XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+NIXL_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
+
+
 class OnScrape:
     """Exports nothing; registered before the families fn refreshes, so every scrape sees current values."""
 
@@ -213,8 +219,37 @@ class DecodeVllmMetrics(_PodVllmMetrics):
             registry=registry,
             buckets=REQUEST_LATENCY_BUCKETS,
         ).labels(*lv)
+        # A request's whole KV transfer into this pod (every rank's share, over NIXL or the TCP fallback), under
+        # the names of vLLM's NixlConnector families.
+        self.kv_xfer_time = Histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers.",
+            LABELS,
+            registry=registry,
+            buckets=NIXL_XFER_TIME_BUCKETS,
+        ).labels(*lv)
+        self.kv_bytes = Histogram(
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers.",
+            LABELS,
+            registry=registry,
+            buckets=NIXL_BYTES_BUCKETS,
+        ).labels(*lv)
+        self.kv_failed = Counter(
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers.",
+            LABELS,
+            registry=registry,
+        ).labels(*lv)
         self._lock = threading.Lock()
         self._generated = 0
+
+    def kv_transfer(self, seconds: float, nbytes: int, failed: bool) -> None:
+        if failed:
+            self.kv_failed.inc()
+            return
+        self.kv_xfer_time.observe(seconds)
+        self.kv_bytes.observe(nbytes)
 
     def set_generated(self, total: int) -> None:
         """Advance the generation counter to the engine's running total (scrapes may run concurrently)."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import os
+import time
 
 
 from decode_svc.kv_source import PullerFactory, TransferKVSource
@@ -30,6 +32,18 @@ class PrefillStandIn(EnginePrefill):
             handoff.to_json(), handoff.num_tokens, PullerFactory.for_engine(pod.engine, backend="tcp"), timeout_s
         )
 
+    def stalled_source(self, pod, prompt: list[int], timeout_s: float) -> TransferKVSource:
+        """A KV source whose publisher is alive but never finishes a layer (a prefill that stopped mid-prompt):
+        pulls from it long-poll until their timeout_s."""
+        self.prefill(prompt)
+        rid = self._done[tuple(prompt)][0]
+        table = self.engine.held[rid].block_tables[0]
+        lease = self.publisher.publish(rid, {0: list(table)}, len(prompt), layers_ready=0)
+        handoff = self.publisher.handoff(lease)
+        return TransferKVSource(
+            handoff.to_json(), handoff.num_tokens, PullerFactory.for_engine(pod.engine, backend="tcp"), timeout_s
+        )
+
     def handed(self, pod, prompt: list[int]) -> tuple[TransferKVSource, int, float]:
         """(KV source on a fresh lease, first token, its logprob): what a Decode call carries."""
         first, lp = self.prefill(prompt)
@@ -51,6 +65,25 @@ class Handed(collections.abc.Sequence):
         return self.standin.handed(self.pod, self.prompts[i])
 
 
+@dataclasses.dataclass(frozen=True)
+class DelayedRankSource:
+    """A KV source whose share on one TP rank starts late (that rank's link is slow); picklable, so it reaches the
+    rank processes like the real source it wraps."""
+
+    inner: TransferKVSource
+    rank: int
+    delay_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inner.num_tokens
+
+    def write_rank(self, conn, block_table: list[int], cancelled=None):
+        if conn.runner.ps.tp_rank == self.rank:
+            time.sleep(self.delay_s)
+        return self.inner.write_rank(conn, block_table, cancelled)
+
+
 def greedy(max_tokens: int):
     from pdserve.sampling_params import SamplingParams
 
@@ -63,13 +96,18 @@ def drain_pod(pod, results: dict[str, list[int]], finished: dict[str, str], max_
         if not pod.has_work():
             return
         record(pod.step(), results, finished)
+        if pod.only_receiving():  # nothing to compute until a transfer lands: let the ranks' threads run
+            time.sleep(0.002)
     raise AssertionError("pod did not finish")
 
 
 def record(events, results: dict[str, list[int]], finished: dict[str, str]) -> None:
+    """Tokens and endings of events (None, what submit returns while the KV is still arriving, is skipped)."""
     from decode_svc.pod import Failure
 
     for ev in events:
+        if ev is None:
+            continue
         if isinstance(ev, Failure):
             finished[ev.request_id] = f"failed:{ev.code.name}"
             continue

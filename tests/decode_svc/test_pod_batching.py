@@ -1,7 +1,9 @@
 """Continuous batching on a decode pod (TP 2, DCP 2, MQA tiny model): 16 sequences of different lengths started at
 different steps are each token-identical to their solo run; cancellation and finishing free every block; when blocks
 run out new requests wait and the youngest sequence is preempted and recomputed, never lost; AllocateKV-style
-reservations hold exactly each rank's DCP share and expire."""
+reservations hold exactly each rank's DCP share and expire. The pod lands KV synchronously here (--kv-load sync), so
+each step's admissions are deterministic; test_async_kv_load.py proves the same behaviours with KV received off the
+engine thread."""
 
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def pod(tiny_models, clock):
         num_kv_blocks=160,
         reservation_ttl_s=5.0,
         admission_timeout_s=600.0,
+        kv_load="sync",
     )
     p = DecodePod(cfg, clock=clock)
     yield p

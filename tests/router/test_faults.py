@@ -247,8 +247,9 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
     """Two stalls, driving the pods' RPCs the way the router does (AllocateKV on d0, Prefill on p0 with the decode
     target) so the fault lands exactly between prefill and the pull:
     (a) p0 is SIGSTOPped after it published the KV; Decode on d0 then cannot pull: it ends within a bound with
-        DEADLINE_EXCEEDED / UNAVAILABLE (never hangs), and d0's KV is free again at once. After SIGCONT, p0's lease
-        (nobody finished pulling) expires and p0's KV is back at baseline too.
+        DEADLINE_EXCEEDED / UNAVAILABLE (never hangs), and d0's KV is free again at once. Meanwhile a stream on d0
+        (its KV from p1) keeps its pace: d0 receives KV off its engine thread, so a frozen publisher stalls only its
+        own request. After SIGCONT, p0's lease (nobody finished pulling) expires and p0's KV is back at baseline.
     (b) a decode side that reserves and never pulls: AllocateKV with a short ttl_s, Prefill, no Decode: the decode
         reservation expires on d0 and the lease expires on p0: both back at baseline."""
     ps = prompts(2, seed=41, lo=40, hi=80)
@@ -256,14 +257,19 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
     async def body():
         async with grpc.aio.insecure_channel(cluster.router_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            await require_ready(stub, {"p0", "d0"})
+            await require_ready(stub, {"p0", "p1", "d0"})
             st = await pods(stub)
             baseline = await settled_kv(stub, cluster, ["p0", "d0"])
             pch = grpc.aio.insecure_channel(st["p0"].address)
             dch = grpc.aio.insecure_channel(st["d0"].address)
             pstub, dstub = prefill_pb2_grpc.PrefillWorkerStub(pch), decode_pb2_grpc.DecodeWorkerStub(dch)
 
-            async def allocate_and_prefill(rid: str, prompt: list[int], ttl_s: float = 0.0):
+            p1ch = grpc.aio.insecure_channel(st["p1"].address)
+            p1stub = prefill_pb2_grpc.PrefillWorkerStub(p1ch)
+
+            async def allocate_and_prefill(
+                rid: str, prompt: list[int], ttl_s: float = 0.0, max_tokens: int = 8, prefill=None
+            ):
                 alloc = await dstub.AllocateKV(
                     decode_pb2.AllocateKVRequest(
                         request_id=rid,
@@ -274,8 +280,8 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
                     ),
                     timeout=30,
                 )
-                params = common_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-                pre = await pstub.Prefill(
+                params = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                pre = await (prefill or pstub).Prefill(
                     prefill_pb2.PrefillRequest(
                         request_id=rid,
                         prompt_token_ids=prompt,
@@ -293,15 +299,11 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
                 assert pre.kv_handle.lease_id, pre
                 return params, pre
 
-            try:
-                # (a) prefill stops answering after it published.
-                params, pre = await allocate_and_prefill("stall-a", ps[0])
-                cluster.kill("p0", signal.SIGSTOP)
-                t0 = time.monotonic()
-                call = dstub.Decode(
+            def decode_call(rid: str, prompt: list[int], params, pre):
+                return dstub.Decode(
                     decode_pb2.DecodeRequest(
-                        request_id="stall-a",
-                        prompt_token_ids=ps[0],
+                        request_id=rid,
+                        prompt_token_ids=prompt,
                         first_token_id=pre.first_token_id,
                         first_token_logprob=pre.first_token_logprob,
                         sampling_params=params,
@@ -310,10 +312,37 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
                     ),
                     timeout=BOUND_S,
                 )
+
+            # A stream on d0 whose KV comes from p1, running through the stall: token arrival times.
+            bg_params, bg_pre = await allocate_and_prefill("stall-bg", ps[1], max_tokens=3900, prefill=p1stub)
+            bg_times: list[float] = []
+            bg = decode_call("stall-bg", ps[1], bg_params, bg_pre)
+
+            async def follow():
+                async for chunk in bg:
+                    bg_times.extend([time.monotonic()] * len(chunk.token_ids))
+
+            bg_task = asyncio.ensure_future(follow())
+            try:
+                while len(bg_times) < 20:
+                    assert not bg_task.done(), "the background stream ended early"
+                    await asyncio.sleep(0.01)
+                t_bg = time.monotonic()
+                await asyncio.sleep(1.0)
+                # (a) prefill stops answering after it published.
+                params, pre = await allocate_and_prefill("stall-a", ps[0])
+                n_before, t_before = sum(t_bg <= t for t in bg_times), time.monotonic() - t_bg
+                cluster.kill("p0", signal.SIGSTOP)
+                t0 = time.monotonic()
+                call = decode_call("stall-a", ps[0], params, pre)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     async for _ in call:
                         pass
                 took = time.monotonic() - t0
+                n_during = sum(t0 <= t for t in bg_times)
+                assert not bg_task.done(), "the background stream ended during the stall: give it more tokens"
+                # d0 kept decoding the other stream while one of its transfers hung (within 5x of its pace before)
+                assert n_during / took >= (n_before / t_before) / 5, (n_before, t_before, n_during, took)
                 assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), (
                     err.value.code(),
                     err.value.details(),
@@ -322,9 +351,11 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
                 assert "transfer" in err.value.details().lower() or "kv" in err.value.details().lower(), (
                     err.value.details()
                 )
-                await wait_kv(stub, cluster, {"d0": baseline["d0"]}, "d0's KV freed after the failed pull")
             finally:
                 cluster.kill("p0", signal.SIGCONT)
+                bg.cancel()
+                await asyncio.gather(bg_task, return_exceptions=True)
+            await wait_kv(stub, cluster, {"d0": baseline["d0"]}, "d0's KV freed after the failed pull and the cancel")
             await wait_kv(stub, cluster, baseline, "p0's lease expired after SIGCONT", timeout=BOUND_S + LEASE_TTL_S)
 
             # (b) a decode side that reserves and never pulls.
@@ -333,6 +364,7 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
                 stub, cluster, baseline, "d0's reservation and p0's lease both expired", timeout=BOUND_S + LEASE_TTL_S
             )
             await pch.close()
+            await p1ch.close()
             await dch.close()
 
     asyncio.run(body())

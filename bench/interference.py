@@ -1,0 +1,234 @@
+"""`pdserve bench interference`: do arriving prompts slow the streams already decoding?
+
+Disaggregation exists so that they do not (DistServe's argument). Sides, one after the other on the same two cores,
+each through its OpenAI front with the same client (bench/serve.py's streamed /v1/completions, token-id prompts,
+greedy, ignore_eos):
+
+- disaggregated pairs: a prefill pod pinned to the first core, a decode pod pinned to the second, its KV landed
+  synchronously (``--kv-load sync``: the decode engine thread waits for each transfer) or asynchronously (the
+  default: the ranks receive on transfer threads while the batch steps), over the TCP fallback and over NIXL (UCX
+  held to TCP and shared memory, as the pods pick) where NIXL is installed;
+- unified: one unified pod (prefill and decode in one engine, chunked prefill between decode steps) on both cores;
+- vllm: vLLM's CPU build on both cores (full runs, where its venv installs here).
+
+Per side: ``streams`` requests decode long outputs; first a window without arrivals, then long prompts (1K, 4K and
+8K tokens; 1K and 4K with --quick), one after another, each sent as soon as the previous one's first token came (as
+fast as prefill produces them), while the streams go on. Figures: the streams' inter-token gaps (p50 / p99 / max)
+in each window, the long prompts' TTFT, and a low-load row: short requests one at a time, their TTFT.
+
+Targets (issue: decode never waits on a transfer): on the async path, over each transport,
+``itl_p99_with_long_arrivals_vs_without`` <= 1.15 and ``itl_max_with_long_arrivals_vs_without`` <= 1.3, with the
+synchronous path's figures beside them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine
+from bench.serve import RequestRecord, _one, check_loopback
+from bench.serve_stats import itls, percentiles, ttft
+
+SEED = 7
+MAX_MODEL_LEN = 8192
+SHORT_PROMPT = 64  # tokens of a low-load request
+SHORT_OUTPUT = 8
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def _side(kind: str, model: str, cores: list[int], logs: Path, kv_load: str = "async", backend: str = "tcp") -> Any:
+    """A running cluster of this side: (cluster, OpenAI base URL, model name)."""
+    from pdserve.cluster.supervisor import LocalCluster
+    from pdserve.cluster.topology import PodSpec, Topology
+
+    common: dict[str, Any] = {"num_kv_blocks": 4096, "max_num_seqs": 32}
+    if kind == "unified":
+        pods: dict[str, Any] = {
+            "prefill": [],
+            "decode": [],
+            "unified": [PodSpec("unified", cpus=tuple(cores[:2]), **common)],
+        }
+    else:
+        args = ["--kv-load", kv_load, "--kv-transfer-backend", backend]
+        pods = {
+            "prefill": [PodSpec("prefill", cpus=(cores[0],), **common)],
+            "decode": [PodSpec("decode", 1, 1, cpus=(cores[1],), extra_args=args, **common)],
+        }
+    topo = Topology(model=model, router_port=0, http_port=0, dtype="float32", max_model_len=MAX_MODEL_LEN, **pods)
+    topo.resolve()
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    cluster = LocalCluster(topo, log_dir=logs / f"{kind}-{kv_load}-{backend}", env=env, echo=lambda line: None)
+    eps = cluster.start(timeout=600)
+    return cluster, eps.http, eps.model
+
+
+async def _measure(
+    base_url: str, model: str, streams: int, stream_tokens: int, long_lens: list[int], quiet_s: float, vocab: int
+) -> dict[str, Any]:
+    """Streams decoding; a quiet window, then long prompts back to back; the streams' gaps in each window."""
+    import aiohttp
+
+    check_loopback(base_url)
+    url = base_url.rstrip("/") + "/v1/completions"
+    rng = random.Random(SEED)
+    loop = asyncio.get_running_loop()
+    timeout = 1800.0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        warm = RequestRecord(loop.time(), 16)
+        await _one(session, url, model, _ids(rng, 16, vocab), 4, warm, timeout)
+        recs = [RequestRecord(loop.time(), 32) for _ in range(streams)]
+        tasks = [
+            asyncio.ensure_future(_one(session, url, model, _ids(rng, 32, vocab), stream_tokens, r, timeout))
+            for r in recs
+        ]
+        while not all(len(r.chunk_times) >= 3 for r in recs):  # every stream decoding
+            await asyncio.sleep(0.05)
+            if all(t.done() for t in tasks):
+                break
+        quiet = (loop.time(), loop.time() + quiet_s)
+        await asyncio.sleep(quiet_s)
+        longs = []
+        t_arrivals = loop.time()
+        for n in long_lens:
+            rec = RequestRecord(loop.time(), n)
+            await _one(session, url, model, _ids(rng, n, vocab), 2, rec, timeout)
+            longs.append(rec)
+        busy = (t_arrivals, loop.time())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        low = []
+        for _ in range(5):  # low load: short requests one at a time
+            rec = RequestRecord(loop.time(), SHORT_PROMPT)
+            await _one(session, url, model, _ids(rng, SHORT_PROMPT, vocab), SHORT_OUTPUT, rec, timeout)
+            low.append(rec)
+
+    def gaps(window: tuple[float, float]) -> list[float]:
+        out = []
+        for r in recs:
+            ts = r.chunk_times
+            out += [b - a for a, b in zip(ts, ts[1:]) if window[0] <= b <= window[1]]
+        return out
+
+    errors = [r.error for r in recs + longs + low if r.error and r.error != "CancelledError"]
+    quiet_gaps, busy_gaps = gaps(quiet), gaps(busy)
+    low_gaps = [g for r in low for g in itls(r)]
+
+    def summary(g: list[float]) -> dict[str, Any]:
+        p = percentiles(g, (50, 99))
+        return {"n": len(g), "p50_ms": _ms(p["p50"]), "p99_ms": _ms(p["p99"]), "max_ms": _ms(max(g) if g else None)}
+
+    return {
+        "itl_without_arrivals": summary(quiet_gaps),
+        "itl_with_long_arrivals": summary(busy_gaps),
+        "long_ttft_ms": {n: _ms(ttft(r)) for n, r in zip(long_lens, longs)},
+        "low_load_ttft_ms": _ms(statistics.median(t for r in low if (t := ttft(r)) is not None)),
+        "low_load_itl_ms": _ms(statistics.median(low_gaps) if low_gaps else None),
+        "windows_s": {"without": quiet_s, "with": round(busy[1] - busy[0], 2)},
+        "errors": errors,
+    }
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(1000 * s, 2)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 3)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from kv_transfer.factory import nixl_available
+    from pdserve.default_model import ensure_default_model
+    from pdserve.model.config import ModelConfig
+
+    t_start = time.perf_counter()
+    model = str(ensure_default_model())
+    vocab = ModelConfig.from_path(model).vocab_size
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ValueError("bench interference pins prefill and decode to a core each: it needs two cores")
+    streams = 4
+    long_lens = [1024, 4096] if quick else [1024, 4096, 8000]
+    quiet_s = 8.0 if quick else 20.0
+    stream_tokens = 1500 if quick else 4000
+    backends = ["tcp"] + (["nixl"] if nixl_available() else [])
+    sides: list[tuple[str, dict[str, str]]] = []
+    for b in backends:
+        sides += [(f"async_{b}", {"kind": "disaggregated", "kv_load": "async", "backend": b})]
+        sides += [(f"sync_{b}", {"kind": "disaggregated", "kv_load": "sync", "backend": b})]
+    sides.append(("unified", {"kind": "unified"}))
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-interference-") as tmp:
+        for name, spec in sides:
+            print(f"side {name} ...", file=sys.stderr, flush=True)
+            kind = spec.pop("kind")
+            cluster, url, served = _side(kind, model, cores, Path(tmp), **spec)
+            try:
+                results[name] = asyncio.run(_measure(url, served, streams, stream_tokens, long_lens, quiet_s, vocab))
+            finally:
+                cluster.stop()
+    results["vllm"] = {"skipped": "quick run" if quick else "not part of this run yet"}
+    rows, ratios = [], {}
+    for name, r in results.items():
+        if "skipped" in r:
+            rows.append({"side": name, "note": r["skipped"]})
+            continue
+        q, b = r["itl_without_arrivals"], r["itl_with_long_arrivals"]
+        p99_ratio, max_ratio = _ratio(b["p99_ms"], q["p99_ms"]), _ratio(b["max_ms"], q["max_ms"])
+        rows.append(
+            {
+                "side": name,
+                "ITL p50/p99/max quiet (ms)": f"{q['p50_ms']}/{q['p99_ms']}/{q['max_ms']}",
+                "ITL p50/p99/max arrivals (ms)": f"{b['p50_ms']}/{b['p99_ms']}/{b['max_ms']}",
+                "p99 ratio": p99_ratio,
+                "max ratio": max_ratio,
+                "long TTFT (ms)": "/".join(str(v) for v in r["long_ttft_ms"].values()),
+                "low-load TTFT (ms)": r["low_load_ttft_ms"],
+                "errors": len(r["errors"]),
+            }
+        )
+        ratios[f"itl_p99_with_long_arrivals_vs_without_{name}"] = p99_ratio
+        ratios[f"itl_max_with_long_arrivals_vs_without_{name}"] = max_ratio
+    asyncs = [k for k in results if k.startswith("async_")]
+    ratios["itl_p99_with_long_arrivals_vs_without"] = max(
+        ratios[f"itl_p99_with_long_arrivals_vs_without_{k}"] or 0 for k in asyncs
+    )
+    ratios["itl_max_with_long_arrivals_vs_without"] = max(
+        ratios[f"itl_max_with_long_arrivals_vs_without_{k}"] or 0 for k in asyncs
+    )
+    ratios["ttft_low_load_disaggregated_vs_unified"] = _ratio(
+        results["async_tcp"]["low_load_ttft_ms"], results["unified"]["low_load_ttft_ms"]
+    )
+    return {
+        "benchmark": "interference",
+        "quick": quick,
+        "machine": machine(),
+        "setup": {
+            "model": Path(model).name,
+            "dtype": "float32",
+            "cores": cores[:2],
+            "placement": "disaggregated: prefill pod on the first core, decode pod on the second; unified: both",
+            "streams": streams,
+            "long_prompts": long_lens,
+            "arrivals": "one after another, each sent when the previous one's first token came",
+            "quiet_window_s": quiet_s,
+            "low_load": f"{SHORT_PROMPT}-token prompts, {SHORT_OUTPUT} tokens, one at a time",
+            "transports": backends,
+        },
+        "sides": results,
+        "table": rows,
+        "ratios": ratios,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }

@@ -134,6 +134,9 @@ class BasePuller(KVPuller):
         self.tls = tls  # the pod's TLS settings; None: plain TCP
         self._sessions: dict[Endpoint, Session] = {}
         self._sessions_lock = threading.Lock()
+        # One handshake per endpoint at a time: pulls run on several threads, and a second handshake's session,
+        # dropped as a duplicate, would forget the peer (its NIXL agent) under the first one's reads.
+        self._handshakes: dict[Endpoint, threading.Lock] = {}
 
     # ---- KVPuller -----------------------------------------------------------------------------
     def pull(
@@ -294,8 +297,15 @@ class BasePuller(KVPuller):
     def _session(self, ep: Endpoint) -> Session:
         with self._sessions_lock:
             s = self._sessions.get(ep)
+            handshake = self._handshakes.setdefault(ep, threading.Lock())
         if s is not None:
             return s
+        with handshake:
+            with self._sessions_lock:
+                s = self._sessions.get(ep)
+            return s if s is not None else self._handshake(ep)
+
+    def _handshake(self, ep: Endpoint) -> Session:
         deadline = time.monotonic() + self.handshake_timeout_s
         client = ControlClient(ep, io_timeout_s=self.io_timeout_s, auth_token=self.auth_token, tls=self.tls)
         client.connect(self.handshake_timeout_s)
@@ -314,10 +324,6 @@ class BasePuller(KVPuller):
             raise
         s.give_back(client)
         with self._sessions_lock:
-            if ep in self._sessions:  # another thread won the race: keep theirs
-                s.close()
-                self._forget_peer(s)
-                return self._sessions[ep]
             self._sessions[ep] = s
         return s
 

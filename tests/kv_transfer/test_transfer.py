@@ -503,6 +503,47 @@ def test_concurrent_pulls_on_one_puller(workers, backend):
         dec.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_pulls_from_threads_at_once_share_one_handshake(workers, backend):
+    """A decode pod receives on several transfer threads: four pulls that start together from a publisher this
+    puller never met all land right (a second, duplicate handshake used to drop the peer's NIXL agent under the
+    first one's reads: NIXL_ERR_NOT_FOUND)."""
+    pre = PrefillSide(workers, backend, 2, 1, tag="handshake-race")
+    dec = DecodeSide(backend, 2, 1, 1)
+    try:
+        n = 4
+        handoffs = [pre.publish() for _ in range(n)]
+        free = [b for b in range(NUM_BLOCKS) if b not in dec.tables[0]]
+        per = len(dec.tables[0])
+        tables = [dec.tables[0]] + [free[i * per : (i + 1) * per] for i in range(n - 1)]
+        assert all(len(t) == per for t in tables), "the test's region is too small for its tables"
+        results: list = [None] * n
+        go = threading.Barrier(n)
+
+        def run(i: int) -> None:
+            go.wait()
+            try:
+                results[i] = dec.pullers[0].pull(handoffs[i], tables[i], timeout_s=30)
+            except BaseException as e:  # surfaced below
+                results[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        full = pre.full()
+        want = empty_region(dec.layout, 500)
+        for t in tables:
+            write_rank(dec.layout, 0, full, t, want)
+        assert torch.equal(dec.regions[0], want)
+    finally:
+        dec.close()
+
+
 def test_tcp_puller_reads_a_nixl_publisher(workers):
     """Interop: every publisher also serves the TCP path (e.g. a decode pod without NIXL)."""
     if not nixl_available()[0]:

@@ -279,9 +279,10 @@ class DecodeServer:
             )
 
     def make_source(self, req: decode_pb2.DecodeRequest) -> KVSource | None:
-        """Where the prompt KV comes from; None on a unified pod for a request without a KV handle (it computes
-        the prompt itself)."""
-        if self.config.unified and req.kv_handle.ByteSize() == 0:  # no handle, or an empty one
+        """Where the prompt KV comes from; None for a request without a KV handle: this pod computes the prompt
+        itself (a unified pod always; a decode pod when the router chose local prefill, conditional
+        disaggregation), in chunks between its decode steps."""
+        if req.kv_handle.ByteSize() == 0:  # no handle, or an empty one
             return None
         addr = req.kv_handle.kv_transfer_address
         if not addr:
@@ -463,7 +464,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
             n = num_sequences(request.sampling_params)
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
-        if n == 1 or source is None:  # a unified pod samples every first token itself
+        if n == 1 or source is None:  # a pod computing the prompt samples every first token itself
             firsts, first_lps = [request.first_token_id], [request.first_token_logprob]
         elif len(request.first_token_ids) == n and len(request.first_token_logprobs) == n:
             firsts, first_lps = list(request.first_token_ids), list(request.first_token_logprobs)
@@ -482,7 +483,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 raise RequestExists(f"request {rid!r} is already decoding on this pod")
             engine.subscribe(rid, sink)
             try:
-                if source is None:  # unified pod: the prompt is computed here, its tokens come from step()
+                if source is None:  # local prefill: the prompt is computed here, its tokens come from step()
                     pod.submit_prompt(rid, list(request.prompt_token_ids), params, n)
                     return
                 outs = pod.submit_all(rid, list(request.prompt_token_ids), params, firsts, first_lps, source)

@@ -68,6 +68,22 @@ class RouterConfig:
     # so every router replica sends a prefix to the same prefill pod without talking; 0: least loaded instead
     affinity_hash_blocks: int = 4
     reserve_output_tokens: int = 16  # decode KV reserved per request beyond the prompt (AllocateKV)
+    # Conditional disaggregation (NVIDIA Dynamo's rule): prefill on the decode pod itself (chunked between its decode
+    # steps, no KV transfer) when the prompt is this short, or when the prefill pods are this busy; 0: never.
+    local_prefill_max_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "prefill a request on its decode pod (chunked, no KV transfer) when its prompt has at most this "
+            "many tokens (decode pods keep no prefix cache: the whole prompt is computed); 0: always on a prefill pod"
+        },
+    )
+    local_prefill_queue_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "with local_prefill_max_tokens > 0, also prefill on the decode pod when every prefill pod has at "
+            "least this many prompt tokens queued; 0: the prefill queue is not considered"
+        },
+    )
 
     # --- admission queue ---
     max_queue_len: int = 256  # requests waiting for decode KV; beyond it: RESOURCE_EXHAUSTED
@@ -118,7 +134,14 @@ class RouterConfig:
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 bad(name, "must be a positive integer")
-        for name in ("affinity_max_imbalance_tokens", "affinity_hash_blocks", "reserve_output_tokens", "max_queue_len"):
+        for name in (
+            "affinity_max_imbalance_tokens",
+            "affinity_hash_blocks",
+            "reserve_output_tokens",
+            "max_queue_len",
+            "local_prefill_max_tokens",
+            "local_prefill_queue_tokens",
+        ):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 bad(name, "must be an integer >= 0")

@@ -29,7 +29,7 @@ from router.chat import template_inputs
 from router.config import RouterConfig
 from router.flight import Flight
 from router.metrics import RouterMetrics
-from router.placement import PrefixIndex, block_hashes, pick_prefill, prefix_key, rendezvous
+from router.placement import PrefixIndex, block_hashes, pick_prefill, prefill_locally, prefix_key, rendezvous
 from router.registry import Registry
 
 log = logging.getLogger("router")
@@ -128,6 +128,17 @@ class RouterCore:
         self.prefix.forget_pod(pod_id)
         for f in list(self.flights.values()):
             f.pod_lost(pod_id)
+
+    def prefill_locally(self, prep: Prepared) -> bool:
+        """Conditional disaggregation: compute this request's prompt on its decode pod instead of a prefill pod
+        (placement.prefill_locally). Prompt logprobs are a prefill pod's job, so those requests never are."""
+        cfg = self.config
+        if cfg.local_prefill_max_tokens <= 0 or prep.prefill_only or prep.params.HasField("prompt_logprobs"):
+            return False
+        queued = min((v.queued_tokens for v in self.registry.prefill_views()), default=None)
+        return prefill_locally(
+            len(prep.prompt_ids), cfg.local_prefill_max_tokens, queued, cfg.local_prefill_queue_tokens
+        )
 
     def pick_prefill(self, prep: Prepared, exclude: set[str]) -> str | None:
         """Choose a prefill pod and book the prompt's tokens on it at once (so a burst of requests sees each

@@ -4,6 +4,10 @@
     -> Prefill (retried once on another prefill pod if it fails before the KV handoff)
     -> first token to the client -> Decode stream -> detokenize / stop strings -> tokens to the client
 
+A prompt short enough for --local-prefill-max-tokens (conditional disaggregation, router/placement.py) skips the
+prefill pod and the transfer: book decode KV -> one Decode call without a KV handle, the decode pod computing the
+prompt in chunks between its decode steps -> every token, the first one included, from that stream.
+
 Failure and cancellation rules:
 - Before the first token, a failure is the call's gRPC status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE,
   DEADLINE_EXCEEDED, ...). After it, the stream ends with a final message (FINISH_REASON_ERROR plus
@@ -69,6 +73,14 @@ async def generate(
                 async for msg in tokens:
                     yield msg
             return
+        if core.prefill_locally(prep):  # conditional disaggregation: a short prompt costs less than its transfer
+            core.metrics.prefill_local.inc()
+            async with contextlib.aclosing(_local_prefill(core, flight, prep, ans, deadline)) as tokens:
+                async for msg in tokens:
+                    yield msg
+            return
+        if not prep.prefill_only:
+            core.metrics.prefill_remote.inc()
 
         # 2-4. Book decode KV, place prefill, AllocateKV, Prefill.
         pre = await _to_first_token(core, flight, prep, ans, deadline)
@@ -291,8 +303,7 @@ async def _admit(
 async def _unified(
     core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer, deadline: float | None
 ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-    """A unified pod's journey: book its KV as for a decode pod (queue if none has room), then one Decode call
-    without a KV handle; the pod prefills in its own engine and streams every token, the first one included."""
+    """A unified pod's journey: the prompt is computed where it decodes (_on_one_pod), on a unified pod."""
     if prep.params.HasField("prompt_logprobs"):
         raise ServiceError(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -300,7 +311,34 @@ async def _unified(
             "through unified pods only: ask without them or add a prefill pod",
         )
     others = frozenset(v.pod_id for v in core.registry.decode_views((common_pb2.ROLE_DECODE,)))
-    flight.admitted = await _admit(core, flight, prep, deadline, others)
+    async with contextlib.aclosing(_on_one_pod(core, flight, prep, ans, deadline, others, "unified pod")) as tokens:
+        async for msg in tokens:
+            yield msg
+
+
+async def _local_prefill(
+    core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer, deadline: float | None
+) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+    """Conditional disaggregation's local path: the decode pod computes the prompt itself (_on_one_pod)."""
+    others = frozenset(v.pod_id for v in core.registry.decode_views((common_pb2.ROLE_UNIFIED,)))
+    async with contextlib.aclosing(_on_one_pod(core, flight, prep, ans, deadline, others, "decode pod")) as tokens:
+        async for msg in tokens:
+            yield msg
+
+
+async def _on_one_pod(
+    core: RouterCore,
+    flight: Flight,
+    prep: Prepared,
+    ans: _Answer,
+    deadline: float | None,
+    exclude: frozenset[str],
+    what: str,
+) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+    """Book the request's KV on a pod outside ``exclude`` as for a decode pod (queue if none has room), then one
+    Decode call without a KV handle; the pod prefills in its own engine (chunked between its decode steps) and
+    streams every token, the first one included."""
+    flight.admitted = await _admit(core, flight, prep, deadline, exclude)
     ans.timing.queue_s = flight.admitted.queue_s
     core.metrics.queue.observe(ans.timing.queue_s)
     pod = flight.decode_pod = ans.routing.decode_pod_id = flight.admitted.pod_id
@@ -316,7 +354,7 @@ async def _unified(
         # before any token the pod's own status is the answer (a bad prompt is INVALID_ARGUMENT, not UNAVAILABLE)
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             core.registry.suspect(pod)
-        raise ServiceError(e.code(), f"unified pod {pod!r}: {e.details()}") from None
+        raise ServiceError(e.code(), f"{what} {pod!r}: {e.details()}") from None
 
 
 class _Choices:

@@ -31,6 +31,14 @@ class RouterMetrics:
             registry=r,
         )
         self.prefill_retries = Counter("pdserve_router_prefill_retries", "Prefills retried on another pod", registry=r)
+        choice = Counter(
+            "pdserve_router_prefill_choice",
+            "Where requests' prompts were computed: on a prefill pod (remote, KV transferred) or on their decode "
+            "pod (local, conditional disaggregation)",
+            ["where"],
+            registry=r,
+        )
+        self.prefill_remote, self.prefill_local = choice.labels("remote"), choice.labels("local")
         self.tokens = Counter("pdserve_router_generated_tokens", "Tokens streamed to clients", registry=r)
         self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r)
         self.inflight = Gauge("pdserve_router_inflight_requests", "Generate calls in progress", registry=r)

@@ -8,6 +8,9 @@
 - Prefill: least queued prompt tokens, with prefix affinity: a request whose first blocks were already sent to a
   pod goes back to that pod (its prefix cache holds them), unless that pod has more than ``max_imbalance`` queued
   tokens above the least loaded one.
+- Conditional disaggregation (NVIDIA Dynamo's rule): a request is prefilled on its decode pod, with no KV transfer,
+  when the part of its prompt that pod must compute is short, or when the prefill pods' queues are long; otherwise
+  on a prefill pod. Decode pods keep no prefix cache, so that part is the whole prompt.
 - PrefixIndex: the router's memory of which pod saw which prompt-prefix block (chained block hashes, LRU).
 - Rendezvous: a prompt no index knows goes to the pod with the highest hash of (its first blocks, pod id) among the
   READY prefill pods: every router replica computes the same pod from the same pod list, with no state shared, and
@@ -33,6 +36,7 @@ __all__ = [
     "never_fits",
     "pick_decode",
     "pick_prefill",
+    "prefill_locally",
     "block_hashes",
     "prefix_key",
     "rendezvous",
@@ -130,6 +134,20 @@ class PrefillView:
     inflight: int = 0  # prefill calls the router has in flight on it
     max_model_len: int = 0  # 0: unknown
     routed: int = 0  # requests the router ever placed on it (last tie-break)
+
+
+def prefill_locally(
+    uncached_tokens: int, max_local_tokens: int, prefill_queued_tokens: int | None, max_queue_tokens: int = 0
+) -> bool:
+    """Whether to prefill on the decode pod: never when ``max_local_tokens`` is 0; else when the tokens it would
+    compute are at most ``max_local_tokens``, or when the least loaded prefill pod already has ``max_queue_tokens``
+    (> 0) queued. ``prefill_queued_tokens`` None: no prefill pod is ready (the remote path then fails as it does
+    without this rule)."""
+    if max_local_tokens <= 0:
+        return False
+    if uncached_tokens <= max_local_tokens:
+        return True
+    return max_queue_tokens > 0 and prefill_queued_tokens is not None and prefill_queued_tokens >= max_queue_tokens
 
 
 def pick_prefill(

@@ -15,6 +15,7 @@ from router.placement import (
     never_fits,
     pick_decode,
     pick_prefill,
+    prefill_locally,
     prefix_key,
     rendezvous,
 )
@@ -199,3 +200,19 @@ def test_rendezvous_pod_is_the_affinity_of_an_unseen_prefix():
     # excluded (a failed try): the next-highest pod, the same on every replica
     nxt = rendezvous(key, [v.pod_id for v in views if v.pod_id != want])
     assert nxt != want and pick_prefill(views, 32, affinity_pod=nxt, exclude={want}) == nxt
+
+
+@pytest.mark.parametrize(
+    "uncached,max_local,queued,max_queue,local",
+    [
+        (100, 0, 10**6, 1, False),  # off: never local, however busy the prefill pods
+        (64, 64, 0, 0, True),  # short enough
+        (65, 64, 0, 0, False),
+        (65, 64, 5000, 4096, True),  # prefill pods busy: local anyway (Dynamo's queue clause)
+        (65, 64, 4095, 4096, False),
+        (65, 64, 10**6, 0, False),  # queue clause off
+        (65, 64, None, 4096, False),  # no prefill pod ready: the remote path reports that
+    ],
+)
+def test_prefill_locally_follows_the_conditional_disaggregation_rule(uncached, max_local, queued, max_queue, local):
+    assert prefill_locally(uncached, max_local, queued, max_queue) is local

@@ -75,8 +75,11 @@ def _assert_openai_error(body: dict, *, param=None, code=None, type_=None, messa
     [
         ("/v1/completions", {"model": "m", "prompt": "x", "n": 0}, "n"),
         ("/v1/completions", {"model": "m", "prompt": "x", "n": 200}, "n"),
-        ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 1}, "echo"),
-        ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True}, "echo"),
+        ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": 1}, "echo"),
+        ("/v1/completions", {"model": "m", "prompt": [-1, 2]}, "prompt"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "seed": 2**64}, "seed"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {str(2**40): 1}}, "logit_bias"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),

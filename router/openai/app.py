@@ -2,7 +2,8 @@
 
 Served with aiohttp rather than FastAPI + uvicorn, the usual pairing (vLLM's): aiohttp cancels a handler when its
 client disconnects (``handler_cancellation``), which cancels the gRPC call so the router frees the request's KV at
-once, for whole answers as well as streams; Starlette notices a gone client only while streaming. The OpenAPI
+once, for whole answers as well as streams; Starlette notices a gone client only while streaming (vLLM wraps its
+handlers in a with_cancellation decorator for that). HTTPS and mutual TLS keep their tested ssl context. The OpenAPI
 document FastAPI would derive is made from the same pydantic models (openapi.py) and served at /openapi.json.
 """
 

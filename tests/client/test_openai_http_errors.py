@@ -236,6 +236,26 @@ def test_models_lists_the_ready_models(srv, servicer):
     _assert_openai_error(out, code="model_not_found", param="model")
 
 
+def test_openapi_document_declares_every_route_and_refuses_unknown_fields(srv):
+    with urllib.request.urlopen(_base(srv) + "/openapi.json", timeout=10) as r:
+        doc = json.loads(r.read())
+    assert doc["openapi"].startswith("3.1")
+    assert set(doc["paths"]) == {
+        "/health",
+        "/v1/models",
+        "/v1/models/{model}",
+        "/v1/completions",
+        "/v1/chat/completions",
+    }
+    schemas = doc["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        assert schemas[name]["additionalProperties"] is False
+    assert schemas["CompletionRequest"]["required"] == ["prompt"]
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+    ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert set(ok) == {"application/json", "text/event-stream"}
+
+
 def test_parsers_directly():
     p, prompts = parse_completion(
         {"model": "x", "prompt": [[1, 2], [3]], "stream": True, "stream_options": {"include_usage": True}}

@@ -75,8 +75,11 @@ def _assert_openai_error(body: dict, *, param=None, code=None, type_=None, messa
     [
         ("/v1/completions", {"model": "m", "prompt": "x", "n": 0}, "n"),
         ("/v1/completions", {"model": "m", "prompt": "x", "n": 200}, "n"),
-        ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 1}, "echo"),
-        ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": True}, "echo"),
+        ("/v1/completions", {"model": "m", "prompt": [1, 2], "echo": 1}, "echo"),
+        ("/v1/completions", {"model": "m", "prompt": [-1, 2]}, "prompt"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "seed": 2**64}, "seed"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {str(2**40): 1}}, "logit_bias"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
@@ -231,6 +234,26 @@ def test_models_lists_the_ready_models(srv, servicer):
     status, out = _post(srv, "/v1/models/nope", {}, method="GET")
     assert status == 404
     _assert_openai_error(out, code="model_not_found", param="model")
+
+
+def test_openapi_document_declares_every_route_and_refuses_unknown_fields(srv):
+    with urllib.request.urlopen(_base(srv) + "/openapi.json", timeout=10) as r:
+        doc = json.loads(r.read())
+    assert doc["openapi"].startswith("3.1")
+    assert set(doc["paths"]) == {
+        "/health",
+        "/v1/models",
+        "/v1/models/{model}",
+        "/v1/completions",
+        "/v1/chat/completions",
+    }
+    schemas = doc["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        assert schemas[name]["additionalProperties"] is False
+    assert schemas["CompletionRequest"]["required"] == ["prompt"]
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+    ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert set(ok) == {"application/json", "text/event-stream"}
 
 
 def test_parsers_directly():

@@ -6,7 +6,9 @@ separate processes, the OpenAI HTTP front) with the official `openai` client, on
 - greedy n = 2 gives identical choices, streamed chunks carry their choice index;
 - best_of returns the n candidates with the highest cumulative logprob, in that order;
 - cancelling an n = 4 stream (the client goes away) gives every KV block back on the decode pod;
-- echo with logprobs returns the prompt tokens' logprobs (None first), equal to transformers' fp32 log-softmax.
+- echo with logprobs returns the prompt tokens' logprobs (None first), equal to transformers' fp32 log-softmax;
+  token-id prompts (one, or a batch) echo the same logprobs as their text, also with max_tokens 0 (the prompt scored
+  only, as eval harnesses ask for log-likelihoods) and 1.
 """
 
 from __future__ import annotations
@@ -216,6 +218,57 @@ def test_echo_logprobs_equal_transformers_log_softmax(oai, tiny):
     )
     assert lp.tokens[n:] == plain.choices[0].logprobs.tokens
     assert lp.text_offset[n] == len(prompt)
+
+
+def close(a: list, b: list, tol: float = 1e-6) -> bool:
+    """Two logprob lists agree: the same Nones, the numbers within ``tol``."""
+    return len(a) == len(b) and all(
+        (x is None) == (y is None) and (x is None or abs(x - y) < tol) for x, y in zip(a, b)
+    )
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_token_id_prompts_echo_the_logprobs_of_their_text(oai, tiny, max_tokens):
+    import transformers
+
+    texts = ["The quick brown fox jumps over", "Scores of a tiny model", "Hello"]
+    tok = transformers.AutoTokenizer.from_pretrained(tiny)
+    ids = [tok(t)["input_ids"] for t in texts]
+    kw = dict(
+        model="",
+        max_tokens=max_tokens,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    by_ids = oai.completions.create(prompt=ids, **kw)
+    by_text = oai.completions.create(prompt=texts, **kw)
+    single = oai.completions.create(prompt=ids[0], **kw)
+    assert single.choices[0].text == by_ids.choices[0].text
+    assert close(single.choices[0].logprobs.token_logprobs, by_ids.choices[0].logprobs.token_logprobs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32)
+    for i, (c, t) in enumerate(zip(by_ids.choices, by_text.choices)):
+        n, lp = len(ids[i]), c.logprobs
+        assert c.index == i and c.text == t.text and c.text.startswith(texts[i])
+        assert ids_of(lp.tokens) == ids_of(t.logprobs.tokens) and ids_of(lp.tokens[:n]) == ids[i]
+        assert len(lp.tokens) == n + max_tokens and lp.text_offset == t.logprobs.text_offset
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids[i]])).logits[0].float(), dim=-1)
+        assert close(lp.token_logprobs, t.logprobs.token_logprobs)
+        for p in range(1, n):
+            assert abs(lp.token_logprobs[p] - ref[p - 1, ids[i][p]].item()) < 1e-4
+        if max_tokens == 0:
+            assert c.text == texts[i] and c.finish_reason == "length"
+    assert by_ids.usage.completion_tokens == max_tokens * len(texts)
+    assert by_ids.usage.prompt_tokens == sum(map(len, ids))
+    streamed = [ch for chunk in oai.completions.create(prompt=ids, stream=True, **kw) for ch in chunk.choices]
+    for i, c in enumerate(by_ids.choices):
+        mine = [ch for ch in streamed if ch.index == i]
+        assert "".join(ch.text for ch in mine) == c.text
+        assert close([x for ch in mine for x in ch.logprobs.token_logprobs], c.logprobs.token_logprobs)
+        assert mine[-1].finish_reason == c.finish_reason
 
 
 def test_n_with_max_tokens_1_ends_on_the_prefill_pod(oai):

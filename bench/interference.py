@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -33,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine
-from bench.serve import RequestRecord, _one, check_loopback
+from bench.common import BenchUnavailable, machine
+from bench.serve import RequestRecord, _one, _VLLMServer, check_loopback
 from bench.serve_stats import itls, percentiles, ttft
 
 SEED = 7
@@ -124,6 +125,7 @@ async def _measure(
     errors = [r.error for r in recs + longs + low if r.error and r.error != "CancelledError"]
     quiet_gaps, busy_gaps = gaps(quiet), gaps(busy)
     low_gaps = [g for r in low for g in itls(r)]
+    low_ttfts = [x for x in map(ttft, low) if x is not None]
 
     def summary(g: list[float]) -> dict[str, Any]:
         p = percentiles(g, (50, 99))
@@ -133,7 +135,7 @@ async def _measure(
         "itl_without_arrivals": summary(quiet_gaps),
         "itl_with_long_arrivals": summary(busy_gaps),
         "long_ttft_ms": {n: _ms(ttft(r)) for n, r in zip(long_lens, longs)},
-        "low_load_ttft_ms": _ms(statistics.median(t for r in low if (t := ttft(r)) is not None)),
+        "low_load_ttft_ms": _ms(statistics.median(low_ttfts) if low_ttfts else None),
         "low_load_itl_ms": _ms(statistics.median(low_gaps) if low_gaps else None),
         "windows_s": {"without": quiet_s, "with": round(busy[1] - busy[0], 2)},
         "errors": errors,
@@ -148,7 +150,32 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 3)
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def _plot(results: dict[str, Any], path: Path) -> None:
+    """Per side: the streams' inter-token p50 / p99 / max without and with long prompts arriving."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = [k for k, r in results.items() if "skipped" not in r]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharey=False)
+    for ax, stat in zip(axes, ("p50_ms", "p99_ms", "max_ms")):
+        x = range(len(sides))
+        quiet = [results[k]["itl_without_arrivals"][stat] or 0 for k in sides]
+        busy = [results[k]["itl_with_long_arrivals"][stat] or 0 for k in sides]
+        ax.bar([i - 0.2 for i in x], quiet, 0.4, label="no arrivals")
+        ax.bar([i + 0.2 for i in x], busy, 0.4, label="long prompts arriving")
+        ax.set_xticks(list(x), sides, rotation=30, ha="right")
+        ax.set(ylabel="ms", title=f"running streams' inter-token {stat[:-3]}")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     from kv_transfer.factory import nixl_available
     from pdserve.default_model import ensure_default_model
     from pdserve.model.config import ModelConfig
@@ -170,16 +197,33 @@ def run(quick: bool = False) -> dict[str, Any]:
         sides += [(f"sync_{b}", {"kind": "disaggregated", "kv_load": "sync", "backend": b})]
     sides.append(("unified", {"kind": "unified"}))
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-interference-") as tmp:
-        for name, spec in sides:
-            print(f"side {name} ...", file=sys.stderr, flush=True)
-            kind = spec.pop("kind")
-            cluster, url, served = _side(kind, model, cores, Path(tmp), **spec)
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-interference-"))
+    for name, spec in sides:
+        print(f"side {name} ...", file=sys.stderr, flush=True)
+        kind = spec.pop("kind")
+        cluster, url, served = _side(kind, model, cores, logs, **spec)
+        try:
+            results[name] = asyncio.run(_measure(url, served, streams, stream_tokens, long_lens, quiet_s, vocab))
+        finally:
+            cluster.stop()
+    if quick:
+        results["vllm"] = {"skipped": "quick run"}
+    else:
+        print("side vllm ...", file=sys.stderr, flush=True)
+        try:
+            vllm = _VLLMServer(model, cores[:2], logs / "vllm.log", max_model_len=MAX_MODEL_LEN)
+        except BenchUnavailable as e:
+            results["vllm"] = {"skipped": f"vLLM's CPU build does not serve here: {e}"}
+        else:
             try:
-                results[name] = asyncio.run(_measure(url, served, streams, stream_tokens, long_lens, quiet_s, vocab))
+                args = (streams, stream_tokens, long_lens, quiet_s, vocab)
+                results["vllm"] = asyncio.run(_measure(vllm.url, model, *args))
             finally:
-                cluster.stop()
-    results["vllm"] = {"skipped": "quick run" if quick else "not part of this run yet"}
+                vllm.close()
+    if any(r.get("errors") for r in results.values()):  # the services' logs say why
+        print(f"requests failed: the services' logs are kept in {logs}", file=sys.stderr)
+    else:
+        shutil.rmtree(logs, ignore_errors=True)
     rows, ratios = [], {}
     for name, r in results.items():
         if "skipped" in r:
@@ -211,6 +255,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     ratios["ttft_low_load_disaggregated_vs_unified"] = _ratio(
         results["async_tcp"]["low_load_ttft_ms"], results["unified"]["low_load_ttft_ms"]
     )
+    if out:
+        _plot(results, Path(out).with_suffix(".png"))
     return {
         "benchmark": "interference",
         "quick": quick,

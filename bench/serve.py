@@ -294,7 +294,7 @@ def _pdserve_side(kind: str, model: str, cores: list[int], logs: Path) -> Any:
 
 
 class _VLLMServer:
-    def __init__(self, model: str, cores: list[int], log: Path) -> None:
+    def __init__(self, model: str, cores: list[int], log: Path, max_model_len: int = MAX_MODEL_LEN) -> None:
         from bench.peer import ensure_vllm
         from pdserve.net import free_port
 
@@ -326,7 +326,7 @@ class _VLLMServer:
                 "--dtype",
                 "float32",
                 "--max-model-len",
-                str(MAX_MODEL_LEN),
+                str(max_model_len),
                 "--seed",
                 "0",
             ],

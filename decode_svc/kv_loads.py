@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import grpc
 
 from decode_svc.kv_source import KVDeliveryError, KVSource, RankShare, check_checksums, decode_connector
 
@@ -71,10 +70,6 @@ class LoadOutcome:
     seconds: float
     nbytes: int
     cause: str | None = None  # the failing status' name, e.g. "UNAVAILABLE", "DATA_LOSS", "CANCELLED"
-
-
-def _ok(share: RankShare) -> bool:
-    return not isinstance(share, BaseException)
 
 
 def _as_delivery_error(rank: int, share: BaseException) -> KVDeliveryError:
@@ -131,38 +126,40 @@ class KVLoads:
         landed: list[Load] = []
         failed: list[Load] = []
         for rid, ld in list(self.active.items()):
-            bad = next(((r, s) for r, s in sorted(ld.shares.items()) if not _ok(s)), None)
-            if bad is not None:
-                ld.error = _as_delivery_error(*bad)  # type: ignore[arg-type]
-            elif len(ld.shares) == self.tp_size:
-                try:
-                    if getattr(ld.source, "checksums", ()):
-                        check_checksums(ld.source, [s[1] for s in ld.shares.values()])  # type: ignore[index]
-                except KVDeliveryError as e:
-                    ld.error = e
-                else:
-                    del self.active[rid]
-                    landed.append(ld)
-                    continue
-            else:
-                continue
+            ld.error = self._error_of(ld)
+            if ld.error is None and len(ld.shares) < self.tp_size:
+                continue  # some rank is still receiving
             del self.active[rid]
-            failed.append(ld)
-            self._drain(ld, f"{ld.error.code.name}: {ld.error.message}")
+            if ld.error is None:
+                landed.append(ld)
+            else:
+                failed.append(ld)
+                self._drain(ld, f"{ld.error.code.name}: {ld.error.message}")
         for load_id, ld in list(self.draining.items()):
             if len(ld.shares) == self.tp_size:
                 del self.draining[load_id]
                 self.engine.free_reserved(ld.seq)
         return landed, failed
 
+    def _error_of(self, ld: Load) -> KVDeliveryError | None:
+        """Why ld failed, as far as the shares in so far say (a rank that could not, or, once every rank is in,
+        checksums that differ); None when nothing failed yet."""
+        for rank, share in sorted(ld.shares.items()):
+            if isinstance(share, BaseException):
+                return _as_delivery_error(rank, share)
+        if len(ld.shares) == self.tp_size and getattr(ld.source, "checksums", None):
+            try:
+                check_checksums(ld.source, [s[1] for s in ld.shares.values() if isinstance(s, tuple)])
+            except KVDeliveryError as e:
+                return e
+        return None
+
     def give_up(self, request_id: str, reason: str) -> Load | None:
         """Stop request_id's load (cancelled): every rank stops at its next layer group and its blocks come back
         once they all did. None when the request has no load here."""
         ld = self.active.pop(request_id, None)
-        if ld is None:
-            return None
-        ld.error = KVDeliveryError(reason, grpc.StatusCode.CANCELLED)
-        self._drain(ld, reason)
+        if ld is not None:
+            self._drain(ld, reason)
         return ld
 
     def _drain(self, ld: Load, reason: str) -> None:

@@ -37,10 +37,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class KVDeliveryError(ServiceError):
-    """Some rank could not write its share of the prompt KV (ABORTED unless the cause says otherwise)."""
+    """Some rank could not write its share of the prompt KV (ABORTED unless the cause says otherwise);
+    ``prefill_pod``: where the KV was to come from ("" when unknown)."""
 
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.ABORTED, prefill_pod: str = "") -> None:
         super().__init__(code, message)
+        self.prefill_pod = prefill_pod
 
 
 @runtime_checkable

@@ -57,6 +57,7 @@ class Failure:
     code: grpc.StatusCode
     message: str
     finished: bool = True
+    kv_from: str | None = None  # set when the prompt KV could not be loaded: the prefill pod it came from
 
 
 @dataclass
@@ -344,7 +345,8 @@ class DecodePod:
         for ld in failed:
             assert ld.error is not None
             self.kv_outcomes.append(LoadOutcome(ld.request_id, ld.seconds, ld.nbytes, ld.error.code.name))
-            events.append(Failure(ld.request_id, ld.error.code, ld.error.message))
+            prefill_pod = getattr(ld.source, "prefill_pod", "")
+            events.append(Failure(ld.request_id, ld.error.code, ld.error.message, kv_from=prefill_pod))
         return events
 
     # --- the loop ---
@@ -380,7 +382,7 @@ class DecodePod:
                 out = self._try_admit(q)
             except KVDeliveryError as e:
                 self.queue.popleft()
-                events.append(Failure(q.request_id, e.code, e.message))
+                events.append(Failure(q.request_id, e.code, e.message, kv_from=getattr(q.source, "prefill_pod", "")))
                 continue
             except RequestError as e:
                 self.queue.popleft()

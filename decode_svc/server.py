@@ -19,13 +19,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine_loop import EngineLoop, EngineStopped
-from decode_svc.kv_source import KVSource, PullerFactory, TransferKVSource
+from decode_svc.kv_source import KVDeliveryError, KVSource, PullerFactory, TransferKVSource
 from decode_svc.metrics import DecodeCollector, start_metrics_server
 from decode_svc.pod import DecodePod, Failure, RequestExists
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import FinishReason
-from pdserve.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, grpc_errors
+from pdserve.errors import (
+    KV_LOAD_FAILED_METADATA,
+    InvalidArgument,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+    grpc_errors,
+)
 from pdserve.heap import freeze_startup_heap
 from pdserve.parallel_config import kv_dtype_mismatch
 from pdserve.pod.convert import (
@@ -424,6 +431,10 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 chunks, done = stream.chunks(await _drain(events))
                 for chunk in chunks:
                     yield chunk
+        except KVDeliveryError as e:  # the KV never landed: say so, the router may compute it again elsewhere
+            prefill_pod = e.prefill_pod or request.kv_handle.prefill_pod_id
+            context.set_trailing_metadata(((KV_LOAD_FAILED_METADATA, prefill_pod),))
+            raise
         finally:
             s.active_streams -= 1
             if started and not done:  # the client went away (or we failed): free the blocks now
@@ -545,6 +556,8 @@ class _TokenStream:
         for ev in evs:
             if isinstance(ev, Failure):
                 if self.t_landed is None:
+                    if ev.kv_from is not None:
+                        raise KVDeliveryError(ev.message, ev.code, ev.kv_from)
                     raise ServiceError(ev.code, ev.message)
                 done = True
                 chunk.finish_reason = common_pb2.FINISH_REASON_ERROR

@@ -77,6 +77,15 @@ class RouterConfig:
             "many tokens (decode pods keep no prefix cache: the whole prompt is computed); 0: always on a prefill pod"
         },
     )
+    kv_load_failure_policy: str = field(
+        default="fail",
+        metadata={
+            "choices": ("fail", "recompute"),
+            "help": "when a decode pod cannot load a request's prompt KV (its prefill pod died, the lease expired, "
+            "the bytes failed their checksums): fail the request with that status, or compute the prompt again on "
+            "a prefill pod (once) and decode on, with no token lost or repeated (vLLM's kv_load_failure_policy)",
+        },
+    )
     local_prefill_queue_tokens: int = field(
         default=0,
         metadata={

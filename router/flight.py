@@ -34,6 +34,7 @@ class Flight:
         self.prefill_pod: str | None = None  # a Prefill call is in flight there
         self.lease: tuple[str, str] | None = None  # (prefill pod, lease id) until decode has the KV
         self.kv_consumed = False
+        self.recomputed = False  # the prompt's KV was computed again after a failed load (at most once)
         self.allocate_s = 0.0  # duration of the AllocateKV call that succeeded
 
     def cancel(self) -> None:

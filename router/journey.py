@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from pdserve_api.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2
-from pdserve.errors import ServiceError
+from pdserve.errors import KV_LOAD_FAILED_METADATA, ServiceError
 from router.admission import Admitted
 from router.core import Prepared, RouterCore
 from router.detok import OutputAssembler
@@ -131,9 +131,18 @@ async def generate(
             return
 
         # 6. Decode: the decode pod pulls the KV under the lease and streams the tokens after the first ones.
-        async with contextlib.aclosing(_decode(core, flight, prep, pre, firsts, ch, ans, deadline)) as tokens:
-            async for msg in tokens:
-                yield msg
+        #    If it cannot load the KV and the policy says so, the prompt is computed again (once) and decoding goes
+        #    on from the first tokens already sent.
+        while True:
+            try:
+                async with contextlib.aclosing(_decode(core, flight, prep, pre, firsts, ch, ans, deadline)) as tokens:
+                    async for msg in tokens:
+                        yield msg
+                break
+            except grpc.aio.AioRpcError as e:
+                if not _may_recompute(core, flight, e):
+                    raise
+                pre = await _recompute_kv(core, flight, prep, pre, ans, deadline, _describe(e))
 
     except ServiceError as e:  # before the first token: the call's status
         ans.outcome = e.code.name
@@ -282,6 +291,44 @@ async def _decode(
             core.spawn(_drain(stream, core.config.cleanup_timeout_s))  # collect the status off the hot path
         else:
             stream.cancel()
+
+
+def _may_recompute(core: RouterCore, flight: Flight, e: grpc.aio.AioRpcError) -> bool:
+    """The decode pod could not load the KV (it says so in the trailing metadata), no decode token came yet, the
+    policy is recompute and this request was not computed again already."""
+    if core.config.kv_load_failure_policy != "recompute" or flight.kv_consumed or flight.recomputed:
+        return False
+    return any(k == KV_LOAD_FAILED_METADATA for k, _ in (e.trailing_metadata() or ()))
+
+
+async def _recompute_kv(
+    core: RouterCore,
+    flight: Flight,
+    prep: Prepared,
+    pre: prefill_pb2.PrefillResponse,
+    ans: _Answer,
+    deadline: float | None,
+    why: str,
+) -> prefill_pb2.PrefillResponse:
+    """Give back what the failed attempt holds, then steps 2-4 again (a new booking, AllocateKV, Prefill). The
+    client already has the first tokens: decoding goes on from them, so the new prefill's own are dropped."""
+    log.warning(
+        "request %s: decode pod %r could not load the KV (%s); computing it again",
+        prep.request_id,
+        flight.decode_pod,
+        why,
+    )
+    core.metrics.kv_recomputes.inc()
+    flight.recomputed = True
+    if flight.lease is not None:
+        await core.release_kv(*flight.lease)
+        flight.lease = None
+    if flight.admitted is not None:  # the decode pod dropped the request itself when its load failed
+        core.admission.release(flight.admitted)
+    flight.decode_pod, flight.admitted = None, None
+    again = await _to_first_token(core, flight, prep, ans, deadline)
+    again.first_token_id, again.first_token_logprob = pre.first_token_id, pre.first_token_logprob
+    return again
 
 
 async def _admit(

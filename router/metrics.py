@@ -31,6 +31,12 @@ class RouterMetrics:
             registry=r,
         )
         self.prefill_retries = Counter("pdserve_router_prefill_retries", "Prefills retried on another pod", registry=r)
+        self.kv_recomputes = Counter(
+            "pdserve_router_kv_recomputes",
+            "Prompts computed again because their decode pod could not load the KV (--kv-load-failure-policy "
+            "recompute)",
+            registry=r,
+        )
         choice = Counter(
             "pdserve_router_prefill_choice",
             "Where requests' prompts were computed: on a prefill pod (remote, KV transferred) or on their decode "

@@ -84,7 +84,11 @@ class DecodeWorkerServicer:
         decoding), RESOURCE_EXHAUSTED (no reservation and no free blocks),
         FAILED_PRECONDITION / NOT_FOUND (lease expired / unknown, passed through
         from KvTransfer), UNAVAILABLE (prefill pod unreachable), ABORTED (the
-        transfer failed). Closing the stream cancels the request.
+        transfer failed), DATA_LOSS (the KV read failed its checksums). When the
+        KV could not be loaded, the trailing metadata carries
+        "pdserve-kv-load-failed" (value: the prefill pod it came from), so the
+        caller can compute it again elsewhere. Closing the stream cancels the
+        request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -70,7 +70,7 @@ def cluster(tmp_path_factory, tiny_model, metrics_port):
         decode_tp=2,
         decode_dcp=2,
         num_kv_blocks=256,
-        router_args=["--metrics-port", str(metrics_port)],
+        router_args=["--metrics-port", str(metrics_port), "--kv-load-failure-policy", "recompute"],
         prefill_args=["--lease-ttl-s", str(LEASE_TTL_S), "--no-prefix-caching"],
         decode_args=["--kv-transfer-timeout-s", str(KV_TRANSFER_TIMEOUT_S)],
     )
@@ -449,6 +449,70 @@ def test_decode_rank_killed_mid_stream(cluster, tiny_model):
 
 
 # --- 2. a prefill pod dies with queued work ---
+def test_kv_load_failure_is_computed_again_on_the_other_prefill_pod(cluster, tiny_model, metrics_port):
+    """--kv-load-failure-policy recompute: the prefill pod holding a request's KV dies after the client got the first
+    token and before the decode pod read the KV. The decode pod reports the failed load (trailing metadata), the
+    router computes the prompt again on the other prefill pod, and the client gets exactly the fault-free tokens:
+    none lost, none repeated. Every KV block comes back.
+
+    Choreography, by signals: p1 is stopped so the request goes to p0; p0 is stopped while it computes, so the decode
+    pod's reservation shows in its heartbeat before that decode pod is stopped; p0 then finishes (the first token
+    reaches the client) and is killed; p1 and the decode pod are thawed."""
+    prompt = prompts(1, seed=51, lo=100, hi=200)[0]
+    want = reference(tiny_model, [prompt], 12)[0]
+
+    async def body():
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            await require_ready(stub, {"p0", "p1"})
+            st = await pods(stub)
+            decodes = [d for d in ("d0", "d1") if d in st and st[d].state == READY]  # an earlier test may kill one
+            assert decodes, cluster.log_tails(15)
+            baseline = await settled_kv(stub, cluster, decodes)
+            recomputes0 = metric(metrics_port, "pdserve_router_kv_recomputes_total")
+            first = asyncio.Event()
+            decode_pod = None
+            cluster.kill("p1", signal.SIGSTOP)
+            try:
+
+                async def p1_out():
+                    return (await pods(stub))["p1"].state != READY
+
+                await wait_for("p1 no longer READY", p1_out)
+                cluster.kill("p0", signal.SIGSTOP)
+                task = asyncio.ensure_future(
+                    collect(stub, greedy(prompt, 12, rid="recompute-0"), on_message=lambda m, msgs: first.set())
+                )
+
+                async def reserved_on():
+                    st = await pods(stub)
+                    return next((d for d in decodes if kv_free(st, d) != baseline[d]), None)
+
+                decode_pod = await wait_for("the decode pod's reservation", reserved_on, timeout=30, every=0.02)
+                cluster.kill(decode_pod, signal.SIGSTOP)
+                cluster.kill("p0", signal.SIGCONT)
+                await asyncio.wait_for(first.wait(), 30)
+                cluster.kill("p0")  # its KV is gone before the decode pod could read it
+            finally:
+                cluster.kill("p0", signal.SIGCONT)
+                cluster.kill("p1", signal.SIGCONT)
+                await require_ready(stub, {"p1"})
+                if decode_pod is not None:
+                    cluster.kill(decode_pod, signal.SIGCONT)
+            msgs, code, details = await asyncio.wait_for(task, 120)
+            recomputes = metric(metrics_port, "pdserve_router_kv_recomputes_total") - recomputes0
+            cluster.restart("p0")
+            await require_ready(stub, {"p0", "p1", *decodes})
+            await wait_kv(stub, cluster, baseline, "decode KV back at baseline")
+            return msgs, code, details, recomputes
+
+    msgs, code, details, recomputes = asyncio.run(body())
+    assert code == grpc.StatusCode.OK, (details, cluster.log_tails(15))
+    assert tokens(msgs) == want
+    assert recomputes == 1
+    assert msgs[-1].routing.prefill_pod_id == "p1" and msgs[-1].usage.completion_tokens == len(want)
+
+
 def test_prefill_pod_killed_with_queued_requests_retries_elsewhere(cluster, tiny_model, metrics_port):
     """Requests queued on prefill pod p1 when it is SIGKILLed are retried on p0 and all complete with the right
     greedy tokens (none lost, none duplicated: each request's tokens equal the offline engine's exactly, each

@@ -97,7 +97,7 @@ if ((WHEELHOUSE)); then
   # The image's Python is 3.11: wheels for another host Python would not install there.
   [[ "$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" == 3.11 ]] \
     || die "the wheelhouse needs a Python 3.11 host interpreter (set PYTHON=...); or use --no-wheelhouse"
-  key="$({ printf '%s\n' "${REQS[@]}"; sed -n '/^dependencies = \[/,/^\]/p;/^\[project.optional-dependencies\]/,/^$/p' pyproject.toml; } \
+  key="$({ printf '%s\n' "${REQS[@]}" "${PIP_INDEX_URL:-}" "${PIP_EXTRA_INDEX_URL:-}"; sed -n '/^dependencies = \[/,/^\]/p;/^\[project.optional-dependencies\]/,/^$/p' pyproject.toml; } \
     | sha256sum | cut -c1-16)"
   store="${PDSERVE_WHEELHOUSE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pdserve-wheelhouse}/$key"
   if [[ ! -f "$store/.complete" ]]; then
@@ -107,6 +107,10 @@ if ((WHEELHOUSE)); then
     nice -n 10 "$PY" -m pip wheel --quiet --disable-pip-version-check -w "$store" "${REQS[@]}" \
       || die "pip wheel failed (see above)"
     rm -f "$store"/pdserve-*.whl  # the project itself is built from this source tree in the image
+    if compgen -G "$store/nvidia_*.whl" >/dev/null; then
+      say "warning: the host's pip gave torch's CUDA build (nvidia-* wheels); for the CPU one rerun with" \
+        "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
+    fi
     touch "$store/.complete"
     say "wheelhouse collected in $((SECONDS - t0)) s"
   fi

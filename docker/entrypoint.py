@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """pdserve container entrypoint: one role per container, configured by a mounted YAML file and the environment.
 
-    pdserve-entrypoint router|prefill|decode [EXTRA FLAGS...]   start that service (exec: it replaces this process)
+    pdserve-entrypoint router|prefill|decode|openai [EXTRA...]   start that service (exec: it replaces this process)
     pdserve-entrypoint check ROLE                                 only run the parallel-config check for ROLE
     pdserve-entrypoint print-args ROLE [EXTRA FLAGS...]           print the command line as JSON, start nothing
     pdserve-entrypoint healthcheck [ARGS...]                      same as pdserve-healthcheck
     pdserve-entrypoint ANY OTHER COMMAND...                       exec'd as given (`pdserve validate ...`, `bash`)
 
 Settings, later ones win:
-  1. built-in defaults per role: listen on 0.0.0.0, ports router 50051 / prefill 50052 / decode 50053, the SmolLM2
-     model baked into the image, and `router: router:50051` for the workers;
+  1. built-in defaults per role: listen on 0.0.0.0, ports router 50051 / prefill 50052 / decode 50053 / openai 8000
+     (the OpenAI-compatible HTTP front, router.openai_http), the SmolLM2 model baked into the image, and
+     `router: router:50051` for the workers and the front;
   2. the YAML file $PDSERVE_CONFIG (default /etc/pdserve/pdserve.yaml; a missing file is fine): its `common:`
      mapping, then the mapping named after the role;
   3. environment variables PDSERVE_ARG_<KEY> (e.g. PDSERVE_ARG_TENSOR_PARALLEL_SIZE=2), read as YAML (`2` is a
@@ -45,12 +46,20 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-ROLES: dict[str, str] = {"router": "router", "prefill": "prefill_svc", "decode": "decode_svc"}
+ROLES: dict[str, str] = {
+    "router": "router",
+    "prefill": "prefill_svc",
+    "decode": "decode_svc",
+    "openai": "router.openai_http",
+}
 DEFAULTS: dict[str, dict[str, Any]] = {
     "router": {"host": "0.0.0.0", "port": 50051, "model": "default"},
     "prefill": {"host": "0.0.0.0", "port": 50052, "model": "default", "router": "router:50051"},
     "decode": {"host": "0.0.0.0", "port": 50053, "model": "default", "router": "router:50051"},
+    "openai": {"host": "0.0.0.0", "port": 8000, "router": "router:50051"},
 }
+# The module whose parser lists a role's flags (a package's __main__, or the module run with -m itself).
+FLAGS_MODULE: dict[str, str] = {"openai": "router.openai_http"}
 DEFAULT_CONFIG = "/etc/pdserve/pdserve.yaml"
 ENV_PREFIX = "PDSERVE_ARG_"
 # Passed only where the service has the flag (see the module doc).
@@ -144,6 +153,9 @@ def resolve(role: str, config: Mapping[str, Any], env: Mapping[str, str]) -> dic
             out.pop(k, None)
     if role == "router":
         out.pop("router", None)
+    if role == "openai":
+        # The front serves whatever the router's pods serve: a shared `common: model:` is not its setting.
+        out.pop("model", None)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -159,7 +171,7 @@ def resolve_model(settings: dict[str, Any]) -> dict[str, Any]:
 def service_flags(role: str) -> set[str] | None:
     """The long flags the role's ``python -m`` parser accepts, or None when it cannot be read."""
     try:
-        mod = importlib.import_module(ROLES[role] + ".__main__")
+        mod = importlib.import_module(FLAGS_MODULE.get(role, ROLES[role] + ".__main__"))
     except Exception as e:  # any import problem: pass every key and let the service speak
         warn(f"cannot read {ROLES[role]}'s flags ({type(e).__name__}: {e}); passing every setting")
         return None
@@ -247,7 +259,7 @@ def validate_argv(role: str, settings: Mapping[str, Any]) -> list[str]:
 
 def check(role: str, settings: Mapping[str, Any]) -> int:
     """pdserve's parallel-config check (the `pdserve validate` code): 0 valid, 2 refused, 1 unreadable model."""
-    if role == "router":
+    if role in ("router", "openai"):
         return 0
     from pdserve.commands.validate import main_validate
 

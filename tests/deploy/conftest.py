@@ -1,8 +1,9 @@
 """Fixtures for the deploy checks: the tools (installed by deploy/ci/install_tools.sh when missing, never skipped)
-and helm renders cached per session."""
+and helm renders cached per session; the compose end-to-end figures in the terminal summary."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -32,3 +33,13 @@ def render(tools) -> Callable[..., "checks.Result"]:
         return cache[key]
 
     return _render
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The compose end-to-end figures (build, up, KV rates, restart), shown even under -q: a passing test's
+    captured output is not."""
+    lines = getattr(sys.modules.get("test_deploy_compose_engine"), "REPORT", [])
+    if lines:
+        terminalreporter.write_sep("-", "compose end to end")
+        for line in lines:
+            terminalreporter.write_line(f"compose e2e: {line}")

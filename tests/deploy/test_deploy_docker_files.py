@@ -87,7 +87,7 @@ def compose(tools) -> dict:
 
 def test_compose_services_ports_and_config(compose):
     services = compose["services"]
-    assert set(services) == {"router", "prefill", "decode"}
+    assert set(services) == {"router", "prefill", "decode", "openai"}
     for name, svc in services.items():
         assert svc["command"] == [name]
         for port in svc.get("ports", []):
@@ -97,8 +97,9 @@ def test_compose_services_ports_and_config(compose):
         assert svc["healthcheck"]["test"] == ["CMD", "pdserve-healthcheck"]
         assert svc["user"] == "10001:10001" and "ALL" in svc["cap_drop"]
     assert {p["target"] for p in services["router"]["ports"]} == {50051}
-    for worker in ("prefill", "decode"):
+    for worker in ("prefill", "decode", "openai"):
         assert services[worker]["depends_on"]["router"]["condition"] == "service_healthy"
+    assert [(p["host_ip"], p["target"]) for p in services["openai"]["ports"]] == [("127.0.0.1", 8000)]
 
 
 def _settings(compose: dict, role: str) -> dict:
@@ -139,7 +140,7 @@ def test_compose_tls_overlay_sets_mutual_tls_on_every_service(compose_tls):
     """docker compose -f compose.yaml -f compose.tls.yaml: every service gets the certificate directory (read-only,
     next to its config file) and PDSERVE_TLS_*, mutual TLS by default; the rest is compose.yaml's."""
     services = compose_tls["services"]
-    assert set(services) == {"router", "prefill", "decode"}
+    assert set(services) == {"router", "prefill", "decode", "openai"}
     for name, svc in services.items():
         env = svc["environment"]
         assert env["PDSERVE_TLS_CERT_FILE"] == "/etc/pdserve/tls/tls.crt"
@@ -174,6 +175,26 @@ def test_tls_material_stays_out_of_git_and_the_build_context():
     assert "docker/tls" in (REPO / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
 
 
+def test_both_builders_ignore_the_same_paths():
+    """BuildKit reads docker/Dockerfile.dockerignore, the legacy builder (docker/build_image.sh offline) only the
+    root .dockerignore: the two must not drift apart."""
+
+    def paths(name: str) -> list[str]:
+        return [ln for ln in (REPO / name).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+    assert paths(".dockerignore") == paths("docker/Dockerfile.dockerignore")
+
+
+def test_wheelhouse_is_a_context_folder_pip_installs_from_when_it_holds_wheels():
+    assert (REPO / "docker" / "wheelhouse").is_dir()  # COPY needs it, empty or not
+    assert "/docker/wheelhouse/*.whl" in (REPO / ".gitignore").read_text().splitlines()
+    ins = _instructions()
+    assert ("ARG", "WHEELHOUSE=docker/wheelhouse") in ins and ("COPY", "${WHEELHOUSE} /wheelhouse") in ins
+    assert "--no-index --find-links /wheelhouse" in DOCKERFILE
+    pip_runs = [rest for op, rest in ins if op == "RUN" and "install" in rest and "pip" in rest]
+    assert pip_runs and all("pdserve-pip " in r for r in pip_runs), pip_runs
+
+
 def test_compose_two_router_overlay(tools):
     """docker/compose.routers.yaml: a second router like the first on its own host port, and both pods registered
     with both routers."""
@@ -183,15 +204,33 @@ def test_compose_two_router_overlay(tools):
     assert r.ok, r.output
     merged = json.loads(r.output)
     services = merged["services"]
-    assert set(services) == {"router", "router-2", "prefill", "decode"}
+    assert set(services) == {"router", "router-2", "prefill", "decode", "openai"}
     assert services["router-2"]["command"] == ["router"] and services["router-2"]["hostname"] == "router-2"
     assert [(p["host_ip"], p["target"]) for p in services["router-2"]["ports"]] == [("127.0.0.1", 50051)]
     assert {p["published"] for p in services["router"]["ports"]} != {
         p["published"] for p in services["router-2"]["ports"]
     }
-    for worker in ("prefill", "decode"):
+    for worker in ("prefill", "decode", "openai"):
         assert _settings(merged, worker)["router"] == "router:50051,router-2:50051"
         assert set(services[worker]["depends_on"]) == {"router", "router-2"}
     # both routers weigh more than the pods (Docker's default cpu_shares: 1024) where they share cores
     assert services["router"]["cpu_shares"] == services["router-2"]["cpu_shares"] > 1024
     assert all(services[worker].get("cpu_shares", 1024) == 1024 for worker in ("prefill", "decode"))
+
+
+def test_second_router_gets_tls_from_its_overlay(tools):
+    """compose.routers.yaml + compose.tls.yaml + compose.routers.tls.yaml: router-2 serves TLS as router does (its
+    `extends` of compose.yaml's router alone would leave it plaintext)."""
+    docker = REPO / "docker"
+    files = [
+        docker / f for f in ("compose.yaml", "compose.routers.yaml", "compose.tls.yaml", "compose.routers.tls.yaml")
+    ]
+    r = checks.compose_config(tools, files, fmt="json")
+    assert r.ok, r.output
+    services = json.loads(r.output)["services"]
+    for name in ("router", "router-2", "openai"):
+        env = services[name]["environment"]
+        assert env["PDSERVE_TLS_CERT_FILE"] == "/etc/pdserve/tls/tls.crt", name
+        assert any(v["target"] == "/etc/pdserve/tls" and v["read_only"] for v in services[name]["volumes"]), name
+    assert [p["target"] for p in services["router-2"]["ports"]] == [50051]
+    assert services["router-2"]["command"] == ["router"]

@@ -79,7 +79,7 @@ def test_plumbing_keys_follow_the_service_flags():
         entrypoint.fit_to_service("router", {"tls_cert_file": "/c"}, {"--port"})
 
 
-@pytest.mark.parametrize("role", ["router", "prefill", "decode"])
+@pytest.mark.parametrize("role", ["router", "prefill", "decode", "openai"])
 def test_compose_settings_are_accepted_by_the_service_parser(role):
     """The flags the image would pass (compose YAML + env) parse with the service's real argparse parser."""
     cfg = yaml.safe_load((REPO / "docker" / "config" / "pdserve.yaml").read_text())
@@ -94,8 +94,8 @@ def test_compose_settings_are_accepted_by_the_service_parser(role):
     flags = entrypoint.service_flags(role)
     assert flags is not None, f"{role}: parser not found"
     argv = entrypoint.to_flags(entrypoint.fit_to_service(role, settings, flags))
-    mod = __import__(entrypoint.ROLES[role] + ".__main__", fromlist=["x"])
-    parser = next(getattr(mod, n) for n in ("build_parser", "_parser") if hasattr(mod, n))()
+    mod = __import__(entrypoint.FLAGS_MODULE.get(role, entrypoint.ROLES[role] + ".__main__"), fromlist=["x"])
+    parser = next(getattr(mod, n) for n in ("build_parser", "_parser", "parser") if hasattr(mod, n))()
     ns = parser.parse_args(argv)
     assert ns.port == settings["port"] and ns.host == "0.0.0.0"
 
@@ -200,3 +200,46 @@ def test_healthcheck_fails_when_nothing_listens(monkeypatch):
     monkeypatch.delenv("PDSERVE_TLS_CERT_FILE", raising=False)
     ok, why = healthcheck.probe("127.0.0.1", 1, timeout=1.0)
     assert not ok and "UNAVAILABLE" in why
+
+
+def test_openai_role_runs_the_http_front_without_pod_settings():
+    """The OpenAI front takes the router address and its port, not the model a shared `common:` names."""
+    cfg = {"common": {"model": "/m", "log_level": "INFO"}, "openai": {"port": 8001}}
+    s = entrypoint.resolve("openai", cfg, {"PDSERVE_ARG_ROUTER": "router:50051,router-2:50051"})
+    assert "model" not in s and s["port"] == 8001 and s["router"] == "router:50051,router-2:50051"
+    assert entrypoint.check("openai", s) == 0
+    flags = entrypoint.service_flags("openai")
+    assert flags is not None and "--http-tls-cert-file" in flags
+    argv = entrypoint.command("openai", entrypoint.fit_to_service("openai", s, flags))
+    assert argv[1:3] == ["-m", "router.openai_http"] and "--model" not in argv
+
+
+def test_healthcheck_probes_the_openai_front_over_http(tmp_path, monkeypatch, capsys):
+    """Role openai in health.json: GET /health, healthy on 200 only."""
+    import http.server
+    import threading
+
+    codes = [200]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(codes[0] if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.delenv("PDSERVE_HTTP_TLS_CERT_FILE", raising=False)
+        monkeypatch.setenv("PDSERVE_RUN_DIR", str(tmp_path))
+        (tmp_path / "health.json").write_text(json.dumps({"role": "openai", "port": srv.server_port}))
+        assert healthcheck.main([]) == 0
+        codes[0] = 503
+        assert healthcheck.main([]) == 1
+        assert "HTTP 503" in capsys.readouterr().err
+    finally:
+        srv.shutdown()
+    ok, why = healthcheck.probe_http("127.0.0.1", srv.server_port, timeout=1.0)
+    assert not ok and "127.0.0.1" in why

@@ -13,8 +13,10 @@ greedy, ignore_eos):
 
 Per side: ``streams`` requests decode long outputs; first a window without arrivals, then long prompts (1K, 4K and
 8K tokens; 1K and 4K with --quick), one after another, each sent as soon as the previous one's first token came (as
-fast as prefill produces them), while the streams go on. Figures: the streams' inter-token gaps (p50 / p99 / max)
-in each window, the long prompts' TTFT, and a low-load row: short requests one at a time, their TTFT.
+fast as prefill produces them), while the streams go on; then the same lengths again with max_tokens 1 (prefill
+only: nothing transferred, nothing decoded), which is what the other core's compute alone costs the streams through
+the caches and memory bus they share. Figures: the streams' inter-token gaps (p50 / p99 / max) in each window, the
+long prompts' TTFT, and a low-load row: short requests one at a time, their TTFT.
 
 Targets (issue: decode never waits on a transfer): on the async path, over each transport,
 ``itl_p99_with_long_arrivals_vs_without`` <= 1.15 and ``itl_max_with_long_arrivals_vs_without`` <= 1.3, with the
@@ -106,6 +108,14 @@ async def _measure(
             await _one(session, url, model, _ids(rng, n, vocab), 2, rec, timeout)
             longs.append(rec)
         busy = (t_arrivals, loop.time())
+        # The same prompts' compute with nothing transferred (max_tokens 1 ends at prefill): what the other core's
+        # prefill alone does to the streams through the shared caches and memory bus.
+        t_prefill_only = loop.time()
+        for n in long_lens:
+            rec = RequestRecord(loop.time(), n)
+            await _one(session, url, model, _ids(rng, n, vocab), 1, rec, timeout)
+            longs.append(rec)
+        prefill_only = (t_prefill_only, loop.time())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -134,7 +144,8 @@ async def _measure(
     return {
         "itl_without_arrivals": summary(quiet_gaps),
         "itl_with_long_arrivals": summary(busy_gaps),
-        "long_ttft_ms": {n: _ms(ttft(r)) for n, r in zip(long_lens, longs)},
+        "itl_with_prefill_only_arrivals": summary(gaps(prefill_only)),
+        "long_ttft_ms": {n: _ms(ttft(r)) for n, r in zip(long_lens, longs)},  # the first, transferred, ones
         "low_load_ttft_ms": _ms(statistics.median(low_ttfts) if low_ttfts else None),
         "low_load_itl_ms": _ms(statistics.median(low_gaps) if low_gaps else None),
         "windows_s": {"without": quiet_s, "with": round(busy[1] - busy[0], 2)},
@@ -229,13 +240,14 @@ def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
         if "skipped" in r:
             rows.append({"side": name, "note": r["skipped"]})
             continue
-        q, b = r["itl_without_arrivals"], r["itl_with_long_arrivals"]
+        q, b, f = r["itl_without_arrivals"], r["itl_with_long_arrivals"], r["itl_with_prefill_only_arrivals"]
         p99_ratio, max_ratio = _ratio(b["p99_ms"], q["p99_ms"]), _ratio(b["max_ms"], q["max_ms"])
         rows.append(
             {
                 "side": name,
                 "ITL p50/p99/max quiet (ms)": f"{q['p50_ms']}/{q['p99_ms']}/{q['max_ms']}",
                 "ITL p50/p99/max arrivals (ms)": f"{b['p50_ms']}/{b['p99_ms']}/{b['max_ms']}",
+                "ITL p50/p99/max prefill-only (ms)": f"{f['p50_ms']}/{f['p99_ms']}/{f['max_ms']}",
                 "p99 ratio": p99_ratio,
                 "max ratio": max_ratio,
                 "long TTFT (ms)": "/".join(str(v) for v in r["long_ttft_ms"].values()),
@@ -245,6 +257,9 @@ def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
         )
         ratios[f"itl_p99_with_long_arrivals_vs_without_{name}"] = p99_ratio
         ratios[f"itl_max_with_long_arrivals_vs_without_{name}"] = max_ratio
+        # what the path adds beyond the prompts' compute: arrivals with KV transferred vs the same, prefill only
+        ratios[f"itl_p99_with_long_arrivals_vs_prefill_only_{name}"] = _ratio(b["p99_ms"], f["p99_ms"])
+        ratios[f"itl_max_with_long_arrivals_vs_prefill_only_{name}"] = _ratio(b["max_ms"], f["max_ms"])
     asyncs = [k for k in results if k.startswith("async_")]
     ratios["itl_p99_with_long_arrivals_vs_without"] = max(
         ratios[f"itl_p99_with_long_arrivals_vs_without_{k}"] or 0 for k in asyncs

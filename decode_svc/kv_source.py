@@ -27,6 +27,7 @@ import grpc
 
 from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
 from pdserve.errors import ServiceError
+from pdserve.sched import background_thread
 
 if TYPE_CHECKING:  # pragma: no cover
     from kv_transfer.layout import KVLayout
@@ -162,6 +163,9 @@ class DecodeKVConnector(KVConnectorWorker):
     # Concurrent receives per rank: a publisher that stopped answering holds one thread until its timeout, and
     # the others keep landing other requests' KV meanwhile.
     TRANSFER_THREADS = 4
+    # How far below the rank's engine thread its transfer threads run (nice): a transfer takes the core's idle time
+    # and a small share of a busy one, so the running batch's steps keep their pace (docs/performance.md).
+    TRANSFER_NICE = 10
 
     def __init__(self, runner: "ModelRunner") -> None:
         super().__init__(runner)
@@ -186,7 +190,12 @@ class DecodeKVConnector(KVConnectorWorker):
         out of a later take_finished under load_id."""
         if self._pool is None:
             name = f"pdkv-recv{self.runner.ps.tp_rank}"
-            self._pool = ThreadPoolExecutor(self.TRANSFER_THREADS, thread_name_prefix=name)
+            self._pool = ThreadPoolExecutor(
+                self.TRANSFER_THREADS,
+                thread_name_prefix=name,
+                initializer=background_thread,
+                initargs=(self.TRANSFER_NICE,),
+            )
         cancelled = threading.Event()
         with self._lock:
             self._receiving[load_id] = cancelled

@@ -8,6 +8,9 @@ SCHED_BATCH, which the kernel never lets preempt on wakeup: a helper runs when a
 for its events anyway) and the loop finishes its burst. Threads the helpers start inherit the policy; threads the
 loop thread starts later (asyncio.to_thread) keep the normal one. Unprivileged; a no-op where the policy is missing.
 
+``background_thread`` does the same for the calling thread, and lowers its nice: a pod's KV transfer threads run
+beside its engine thread on the same cores and must not take the cycles of its decode steps.
+
 ``may_set_nice`` tells whether this process may start a service at a given nice value: what the local cluster
 asks before it gives the routers their CPU priority over the pods (pdserve/cluster/exec_child.py applies it).
 """
@@ -45,6 +48,21 @@ def batch_helper_threads(who: str) -> int:
             continue
     log.info("%s: %d helper threads under SCHED_BATCH", who, switched)
     return switched
+
+
+def background_thread(nice: int) -> None:
+    """Put the calling thread behind the computing threads of its core: SCHED_BATCH (it never preempts them on
+    wakeup) and ``nice`` above its current nice (at most 19), so a busy core gives it a small share. For threads that
+    move bytes beside a pod's engine thread (a decode rank's KV transfer threads). Unprivileged: lowering a priority
+    needs no capability; a no-op where the calls are missing."""
+    tid = threading.get_native_id()
+    batch = getattr(os, "SCHED_BATCH", None)
+    try:
+        if batch is not None:
+            os.sched_setscheduler(tid, batch, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except (OSError, AttributeError) as e:  # not Linux, or a sandbox that refuses: the thread keeps its priority
+        log.debug("background thread %d keeps its priority: %s", tid, e)
 
 
 def may_set_nice(nice: int, status: str | None = None, rlimit_nice: int | None = None) -> bool:

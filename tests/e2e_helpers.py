@@ -4,12 +4,13 @@ supervisor's per-service controls (``kill``, ``restart``, ``service(name).pid``)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pdserve.cluster.supervisor import LocalCluster
 from pdserve.cluster.topology import PodSpec, Topology
@@ -116,3 +117,26 @@ def wait_for_log(proc: subprocess.Popen, log: Path, pattern: str, timeout: float
             raise RuntimeError(f"exited with {proc.returncode} before printing {pattern!r}:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
     raise TimeoutError(f"{pattern!r} not in {log} within {timeout}s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+@contextlib.contextmanager
+def metered_http_cluster(workdir: Path, model: Path, ports: dict[str, int], num_kv_blocks: int) -> Iterator[Any]:
+    """A started cluster of one prefill pod and one TP 1 decode pod behind the router and the OpenAI front, the pods
+    serving /metrics on ``ports["prefill"]`` / ``ports["decode"]``; yields its endpoints and stops it after."""
+    c = e2e_cluster(
+        workdir,
+        model,
+        num_prefill=1,
+        num_decode=1,
+        decode_tp=1,
+        decode_dcp=1,
+        num_kv_blocks=num_kv_blocks,
+        http=True,
+        prefill_args=["--metrics-port", str(ports["prefill"])],
+        decode_args=["--metrics-port", str(ports["decode"])],
+    )
+    endpoints = c.start()
+    try:
+        yield endpoints
+    finally:
+        c.stop()

@@ -63,6 +63,14 @@ def step_until(pod, done, results, finished, what: str) -> None:
             time.sleep(0.002)
 
 
+def lost_lease(standin, pod, prompt: list[int]) -> TransferKVSource:
+    """A KV source on a lease its publisher already gave up (the pull fails with FAILED_PRECONDITION)."""
+    handoff = standin.handoff(prompt)
+    standin.publisher.abort(handoff.lease_id)
+    factory = PullerFactory.for_engine(pod.engine, backend="tcp")
+    return TransferKVSource(handoff.to_json(), len(prompt), factory, timeout_s=10)
+
+
 def all_free(pod) -> bool:
     return pod.idle() and pod.free_blocks_per_rank() == [pod.num_blocks] * TP
 
@@ -133,13 +141,8 @@ def test_a_failed_transfer_fails_only_its_request(pod, standin, want):
     fin: dict[str, str] = {}
     src, first, lp = standin.handed(pod, PROMPTS[0])
     assert pod.submit("ok", PROMPTS[0], greedy(24), first, lp, src) is None
-    handoff = standin.handoff(PROMPTS[1])
-    standin.publisher.abort(handoff.lease_id)
     first1, lp1 = standin.prefill(PROMPTS[1])
-    gone = TransferKVSource(
-        handoff.to_json(), len(PROMPTS[1]), PullerFactory.for_engine(pod.engine, backend="tcp"), timeout_s=10
-    )
-    assert pod.submit("gone", PROMPTS[1], greedy(4), first1, lp1, gone) is None
+    assert pod.submit("gone", PROMPTS[1], greedy(4), first1, lp1, lost_lease(standin, pod, PROMPTS[1])) is None
     # Bytes that are not the bytes published: the checksums differ, DATA_LOSS.
     src2, first2, lp2 = standin.handed(pod, PROMPTS[1])
     blocks = -(-len(PROMPTS[1]) // 16)
@@ -155,13 +158,8 @@ def test_a_failed_transfer_fails_only_its_request(pod, standin, want):
 
 def test_failures_are_events_with_the_transfer_status(pod, standin):
     """What the server streams: a Failure event naming the cause (no exception out of submit or step)."""
-    handoff = standin.handoff(PROMPTS[0])
-    standin.publisher.abort(handoff.lease_id)
     first, lp = standin.prefill(PROMPTS[0])
-    gone = TransferKVSource(
-        handoff.to_json(), len(PROMPTS[0]), PullerFactory.for_engine(pod.engine, backend="tcp"), timeout_s=10
-    )
-    assert pod.submit("ev", PROMPTS[0], greedy(4), first, lp, gone) is None
+    assert pod.submit("ev", PROMPTS[0], greedy(4), first, lp, lost_lease(standin, pod, PROMPTS[0])) is None
     events = []
     t_end = time.monotonic() + BOUND_S
     while not any(getattr(e, "request_id", "") == "ev" for e in events):

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from e2e_helpers import e2e_cluster
+from e2e_helpers import metered_http_cluster
 from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -54,23 +54,8 @@ def ports():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny, ports):
-    c = e2e_cluster(
-        tmp_path_factory.mktemp("fuzz"),
-        tiny,
-        num_prefill=1,
-        num_decode=1,
-        decode_tp=1,
-        decode_dcp=1,
-        num_kv_blocks=BLOCKS,
-        http=True,
-        prefill_args=["--metrics-port", str(ports["prefill"])],
-        decode_args=["--metrics-port", str(ports["decode"])],
-    )
-    endpoints = c.start()
-    try:
+    with metered_http_cluster(tmp_path_factory.mktemp("fuzz"), tiny, ports, BLOCKS) as endpoints:
         yield endpoints
-    finally:
-        c.stop()
 
 
 def metric(port: int, name: str) -> float:

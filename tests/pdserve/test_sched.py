@@ -78,3 +78,27 @@ def test_may_set_nice_decides_as_the_kernel_does(nice, cap_eff, rlimit, allowed)
 
     status = f"Name:\tpython3\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\n"
     assert may_set_nice(nice, status=status, rlimit_nice=rlimit) is allowed
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux scheduling policies")
+def test_a_background_thread_runs_batch_and_nicer_while_its_process_does_not():
+    """What a decode rank's KV transfer threads get: SCHED_BATCH and 10 nice levels below the thread that started
+    them; the starting thread keeps its own policy and nice."""
+    import threading
+
+    from pdserve.sched import background_thread
+
+    me = threading.get_native_id()
+    before = (os.sched_getscheduler(me), os.getpriority(os.PRIO_PROCESS, me))
+    seen: dict[str, int] = {}
+
+    def run() -> None:
+        background_thread(10)
+        tid = threading.get_native_id()
+        seen["policy"], seen["nice"] = os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == {"policy": os.SCHED_BATCH, "nice": min(19, before[1] + 10)}
+    assert (os.sched_getscheduler(me), os.getpriority(os.PRIO_PROCESS, me)) == before

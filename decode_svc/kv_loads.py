@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 
-from decode_svc.kv_source import KVDeliveryError, KVSource, RankShare, check_checksums, decode_connector
+from decode_svc.kv_source import (
+    KVDeliveryError,
+    KVSource,
+    RankShare,
+    check_checksums,
+    decode_connector,
+    rank_failure,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from pdserve.engine.llm_engine import LLMEngine
@@ -70,12 +77,6 @@ class LoadOutcome:
     seconds: float
     nbytes: int
     cause: str | None = None  # the failing status' name, e.g. "UNAVAILABLE", "DATA_LOSS", "CANCELLED"
-
-
-def _as_delivery_error(rank: int, share: BaseException) -> KVDeliveryError:
-    if isinstance(share, KVDeliveryError):
-        return share
-    return KVDeliveryError(f"rank {rank} could not write its KV: {type(share).__name__}: {share}")
 
 
 class KVLoads:
@@ -146,7 +147,7 @@ class KVLoads:
         checksums that differ); None when nothing failed yet."""
         for rank, share in sorted(ld.shares.items()):
             if isinstance(share, BaseException):
-                return _as_delivery_error(rank, share)
+                return rank_failure(rank, share)
         if len(ld.shares) == self.tp_size and getattr(ld.source, "checksums", None):
             try:
                 check_checksums(ld.source, [s[1] for s in ld.shares.values() if isinstance(s, tuple)])

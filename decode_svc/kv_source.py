@@ -257,6 +257,13 @@ def decode_connector(executor: "Executor") -> DecodeKVConnector:
     return conn
 
 
+def rank_failure(rank: int, error: BaseException) -> KVDeliveryError:
+    """What a rank's failed share fails the request with (its own KVDeliveryError, or one naming the rank)."""
+    if isinstance(error, KVDeliveryError):
+        return error
+    return KVDeliveryError(f"rank {rank} could not write its KV: {type(error).__name__}: {error}")
+
+
 def deliver(executor: "Executor", source: KVSource, tables: list[list[int]]) -> tuple[list[int], float]:
     """Have every rank write its share (tables: one block table per DCP rank). Returns (bytes per rank, seconds);
     raises KVDeliveryError naming the first rank that failed."""
@@ -265,9 +272,7 @@ def deliver(executor: "Executor", source: KVSource, tables: list[list[int]]) -> 
     results = executor.connector_call("deliver", source, tables)
     for rank, r in enumerate(results):
         if isinstance(r, BaseException):
-            if isinstance(r, KVDeliveryError):
-                raise r
-            raise KVDeliveryError(f"rank {rank} could not write its KV: {type(r).__name__}: {r}")
+            raise rank_failure(rank, r)
     expected = getattr(source, "checksums", ())
     if expected:
         check_checksums(source, [r[1] for r in results])

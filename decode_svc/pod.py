@@ -60,6 +60,11 @@ class Failure:
     kv_from: str | None = None  # set when the prompt KV could not be loaded: the prefill pod it came from
 
 
+def _kv_load_failed(request_id: str, error: KVDeliveryError, source: KVSource) -> Failure:
+    """The request ends because its prompt KV could not be loaded from the prefill pod ``source`` names."""
+    return Failure(request_id, error.code, error.message, kv_from=getattr(source, "prefill_pod", ""))
+
+
 @dataclass
 class Reservation:
     seq: Sequence  # placeholder holding the blocks; its prompt ids are not known yet
@@ -345,8 +350,7 @@ class DecodePod:
         for ld in failed:
             assert ld.error is not None
             self.kv_outcomes.append(LoadOutcome(ld.request_id, ld.seconds, ld.nbytes, ld.error.code.name))
-            prefill_pod = getattr(ld.source, "prefill_pod", "")
-            events.append(Failure(ld.request_id, ld.error.code, ld.error.message, kv_from=prefill_pod))
+            events.append(_kv_load_failed(ld.request_id, ld.error, ld.source))
         return events
 
     # --- the loop ---
@@ -382,7 +386,7 @@ class DecodePod:
                 out = self._try_admit(q)
             except KVDeliveryError as e:
                 self.queue.popleft()
-                events.append(Failure(q.request_id, e.code, e.message, kv_from=getattr(q.source, "prefill_pod", "")))
+                events.append(_kv_load_failed(q.request_id, e, q.source))
                 continue
             except RequestError as e:
                 self.queue.popleft()

@@ -68,14 +68,15 @@ async def generate(
     deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
     ans = _Answer(core, request, prep, context, arrival)
     try:
-        if core.registry.serves_unified():  # colocated pods compute the prompt themselves: no prefill pod, no KV
-            async with contextlib.aclosing(_unified(core, flight, prep, ans, deadline)) as tokens:
-                async for msg in tokens:
-                    yield msg
-            return
-        if core.prefill_locally(prep):  # conditional disaggregation: a short prompt costs less than its transfer
+        on_one_pod = None  # the prompt computed where it decodes: no prefill pod, no KV transfer
+        if core.registry.serves_unified():  # colocated pods
+            _refuse_prompt_logprobs_on_unified(prep)
+            on_one_pod = _on_one_pod(core, flight, prep, ans, deadline, common_pb2.ROLE_DECODE, "unified pod")
+        elif core.prefill_locally(prep):  # conditional disaggregation: a short prompt costs less than its transfer
             core.metrics.prefill_local.inc()
-            async with contextlib.aclosing(_local_prefill(core, flight, prep, ans, deadline)) as tokens:
+            on_one_pod = _on_one_pod(core, flight, prep, ans, deadline, common_pb2.ROLE_UNIFIED, "decode pod")
+        if on_one_pod is not None:
+            async with contextlib.aclosing(on_one_pod) as tokens:
                 async for msg in tokens:
                     yield msg
             return
@@ -347,30 +348,13 @@ async def _admit(
         flight.set_pending(None)
 
 
-async def _unified(
-    core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer, deadline: float | None
-) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-    """A unified pod's journey: the prompt is computed where it decodes (_on_one_pod), on a unified pod."""
+def _refuse_prompt_logprobs_on_unified(prep: Prepared) -> None:
     if prep.params.HasField("prompt_logprobs"):
         raise ServiceError(
             grpc.StatusCode.FAILED_PRECONDITION,
             "prompt logprobs (echo with logprobs) are computed by prefill pods; this cluster serves "
             "through unified pods only: ask without them or add a prefill pod",
         )
-    others = frozenset(v.pod_id for v in core.registry.decode_views((common_pb2.ROLE_DECODE,)))
-    async with contextlib.aclosing(_on_one_pod(core, flight, prep, ans, deadline, others, "unified pod")) as tokens:
-        async for msg in tokens:
-            yield msg
-
-
-async def _local_prefill(
-    core: RouterCore, flight: Flight, prep: Prepared, ans: _Answer, deadline: float | None
-) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-    """Conditional disaggregation's local path: the decode pod computes the prompt itself (_on_one_pod)."""
-    others = frozenset(v.pod_id for v in core.registry.decode_views((common_pb2.ROLE_UNIFIED,)))
-    async with contextlib.aclosing(_on_one_pod(core, flight, prep, ans, deadline, others, "decode pod")) as tokens:
-        async for msg in tokens:
-            yield msg
 
 
 async def _on_one_pod(
@@ -379,12 +363,14 @@ async def _on_one_pod(
     prep: Prepared,
     ans: _Answer,
     deadline: float | None,
-    exclude: frozenset[str],
+    other_role: int,
     what: str,
 ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-    """Book the request's KV on a pod outside ``exclude`` as for a decode pod (queue if none has room), then one
+    """Book the request's KV as for a decode pod, on a pod not of ``other_role`` (queue if none has room), then one
     Decode call without a KV handle; the pod prefills in its own engine (chunked between its decode steps) and
-    streams every token, the first one included."""
+    streams every token, the first one included. A unified pod's journey, and conditional disaggregation's local
+    path on a decode pod."""
+    exclude = frozenset(v.pod_id for v in core.registry.decode_views((other_role,)))
     flight.admitted = await _admit(core, flight, prep, deadline, exclude)
     ans.timing.queue_s = flight.admitted.queue_s
     core.metrics.queue.observe(ans.timing.queue_s)

@@ -97,8 +97,8 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
     from transformers import AutoModelForCausalLM
 
     from decode_svc.config import DecodeConfig
-    from pdserve.cli_config import build
     from decode_svc.pod import DecodePod
+    from pdserve.cli_config import build
     from pdserve.default_model import ensure_default_model
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.testing import EnginePrefill
@@ -203,8 +203,8 @@ def _kv_bytes_per_block(model_path: str, tp: int, block_size: int) -> tuple[int,
 
 def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int, seq_len: int = CAPACITY_SEQ_LEN) -> dict[str, Any]:
     from decode_svc.config import DecodeConfig
-    from pdserve.cli_config import build
     from decode_svc.pod import DecodePod
+    from pdserve.cli_config import build
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.parallel_config import ParallelConfigError
 
@@ -319,8 +319,9 @@ def _write_gqa_same_hidden(path: Path) -> None:
 
 
 def _capacity() -> tuple[list[dict], dict[str, float], dict[str, Any]]:
-    from pdserve.default_model import ensure_default_model
     from transformers import LlamaConfig
+
+    from pdserve.default_model import ensure_default_model
 
     tmp = tempfile.TemporaryDirectory(prefix="pdserve-bench-cap-")
     # Admission needs the shape only: a config.json with SmolLM2's per-rank KV bytes (30 layers, head_dim 64, one KV

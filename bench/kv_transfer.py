@@ -260,12 +260,12 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
     """Prefill pod stand-in: the real engine and prefill_svc's per-rank publisher (prefill_svc.kv.KVHost), so
     streaming-on publishes after layer 0 and marks every later layer as its forward finishes, as the service does.
     Streaming off: the same publisher, the lease only published once the prefill step returned."""
+    from kv_transfer.layout import KVLayout
+    from kv_transfer.lease import new_lease_id
+    from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorScheduler
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.sampling_params import SamplingParams
-    from kv_transfer.layout import KVLayout
-    from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorScheduler
     from prefill_svc.kv import KVHost, LeaseStart
-    from kv_transfer.lease import new_lease_id
 
     torch.manual_seed(0)
     blocks = -(-max_tokens // BLOCK) + 16

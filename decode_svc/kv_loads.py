@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-
 from decode_svc.kv_source import (
     KVDeliveryError,
     KVSource,

@@ -41,7 +41,6 @@ from pdserve.engine.sequence import Sequence
 from pdserve.errors import AlreadyExists
 from pdserve.sampling_params import SamplingParams
 
-
 log = logging.getLogger("decode_svc.pod")
 
 

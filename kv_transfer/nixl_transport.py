@@ -37,8 +37,8 @@ from kv_transfer.fallback_transport import TcpPuller
 from kv_transfer.layout import KVLayout
 from kv_transfer.plan import RankPlan
 from kv_transfer.publisher import Publisher
-from kv_transfer.staging import StagedPlan, plan_staging, scatter
 from kv_transfer.puller import Session, _Source
+from kv_transfer.staging import StagedPlan, plan_staging, scatter
 from kv_transfer.transport import BadTransferRequest, KVHandoff, KVTransferError, TransferUnavailable
 from pdserve.engine.hugepages import advise_hugepages
 

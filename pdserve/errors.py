@@ -13,7 +13,6 @@ import grpc
 
 from pdserve.sampling_params import SamplingParamsError
 
-
 # Trailing metadata of a Decode call that failed because the request's prompt KV could not be loaded (value: the
 # prefill pod it came from): the router may then compute the KV again elsewhere (--kv-load-failure-policy).
 KV_LOAD_FAILED_METADATA = "pdserve-kv-load-failed"

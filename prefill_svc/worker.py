@@ -33,8 +33,8 @@ from pdserve.pod.convert import kv_layout_for_model
 from pdserve.pod.engine_thread import EngineThread
 from pdserve.sampling_params import SamplingParams
 from prefill_svc.config import PrefillConfig
-from prefill_svc.sampling import ClientParams
 from prefill_svc.kv import KVHost, LeaseStart
+from prefill_svc.sampling import ClientParams
 
 log = logging.getLogger("prefill_svc.worker")
 

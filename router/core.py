@@ -20,8 +20,8 @@ from pdserve.engine.config import MAX_N
 from pdserve.errors import ServiceError
 from pdserve.pod.sampling import structured_spec, unsupported_fields
 from pdserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParamsError
-from pdserve.structured import StructuredOutputError, check_spec
 from pdserve.security import aio_channel
+from pdserve.structured import StructuredOutputError, check_spec
 from pdserve.tokenizer import Tokenizer
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
 from router.admission import Admission, Admitted

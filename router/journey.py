@@ -29,8 +29,8 @@ from typing import Any
 
 import grpc
 
-from pdserve_api.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2
 from pdserve.errors import KV_LOAD_FAILED_METADATA, ServiceError
+from pdserve_api.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2
 from router.admission import Admitted
 from router.core import Prepared, RouterCore
 from router.detok import OutputAssembler

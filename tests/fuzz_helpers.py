@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
+from e2e_helpers import e2e_cluster
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.cluster.supervisor import LocalCluster
-from e2e_helpers import e2e_cluster
+from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 # Stable in CI: the same examples every run, no wall-clock deadline (2 shared cores), modest counts.
 FUZZ_SETTINGS = settings(

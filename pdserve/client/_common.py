@@ -9,8 +9,8 @@ from typing import Any, Iterable, Sequence
 
 import grpc
 
-from pdserve.security import TLSConfig, grpc_options
 from pdserve.client.types import Message, Prompt, build_generate_request, sampling_params
+from pdserve.security import TLSConfig, grpc_options
 from pdserve_api.v1 import common_pb2, router_pb2
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"

@@ -37,7 +37,6 @@ from pdserve.client.errors import (
     from_rpc_error,
 )
 from pdserve.client.retry import Deadline, RetryPolicy, RetryState
-from pdserve.security import TLSConfig
 from pdserve.client.types import (
     Completion,
     CompletionBuilder,
@@ -47,6 +46,7 @@ from pdserve.client.types import (
     chunk_from_proto,
     new_request_id,
 )
+from pdserve.security import TLSConfig
 from pdserve_api.v1 import router_pb2, router_pb2_grpc
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 from pdserve.commands.generate import (
     add_connection_arguments,
-    connection_kwargs,
     add_sampling_arguments,
     completion_json,
+    connection_kwargs,
     fail,
     print_stats,
     sampling_kwargs,

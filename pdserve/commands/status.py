@@ -111,7 +111,7 @@ def format_routers(seen: dict[str, Any]) -> str:
 def run_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from pdserve.client import Client, NO_RETRY, PdserveError
+    from pdserve.client import NO_RETRY, Client, PdserveError
     from pdserve.client._common import router_addresses
 
     addresses = router_addresses(args.router)

@@ -26,11 +26,11 @@ import torch.multiprocessing as mp
 from pdserve import kernels
 from pdserve.attention import select_backend
 from pdserve.engine.comm import ShmComm, ShmGroupSpec, TorchComm, init_groups, plan_groups
+from pdserve.engine.config import CPU_COLLECTIVES, CPU_PINNING
 from pdserve.engine.kv_connector import KVConnectorSpec, KVConnectorWorker
 from pdserve.engine.model_runner import ModelRunner, StepInput
-from pdserve.heap import freeze_startup_heap
 from pdserve.engine.shm import RankFailure, ShmRegion, proc_state, shm_supported
-from pdserve.engine.config import CPU_COLLECTIVES, CPU_PINNING
+from pdserve.heap import freeze_startup_heap
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 from pdserve.net import free_port

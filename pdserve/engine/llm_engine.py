@@ -20,7 +20,7 @@ from pdserve.engine.executor import Executor
 from pdserve.engine.kv_connector import KVConnectorScheduler, KVConnectorSpec
 from pdserve.engine.model_runner import build_step_input
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from pdserve.engine.sequence import FinishReason, SeqStatus, Sequence
 from pdserve.model.config import ModelConfig
 from pdserve.parallel_config import ModelParallelInfo, validate_parallel_config
 from pdserve.sampling import Sampler

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from pdserve.engine.sequence import FinishReason, SeqStatus, Sequence
 
 
 @dataclass

@@ -5,9 +5,8 @@ QKV and gate/up, row-parallel o and down followed by an all-reduce) and, under D
 
 from __future__ import annotations
 
-from typing import Callable
-
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +17,8 @@ from pdserve.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.model import linear as plinear
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
-from pdserve.parallel_config import kv_heads_for_tp_rank, q_heads_for_tp_rank
 from pdserve.model.rope import RotaryEmbedding, apply_rope
+from pdserve.parallel_config import kv_heads_for_tp_rank, q_heads_for_tp_rank
 
 
 class RMSNorm(nn.Module):

@@ -22,6 +22,7 @@ import time
 
 import openai
 import pytest
+from up_helpers import UpProcess
 
 from pdserve.client import (
     AlreadyExistsError,
@@ -31,7 +32,6 @@ from pdserve.client import (
     InvalidArgumentError,
     NotFoundError,
 )
-from up_helpers import UpProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]

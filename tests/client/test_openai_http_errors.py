@@ -13,8 +13,8 @@ import urllib.request
 import grpc
 import openai
 import pytest
-
 from client_helpers import ServerThread, abort_with, final_message
+
 from pdserve_api.v1 import router_pb2
 from router.openai_http import parse_chat, parse_completion, start_openai_http
 

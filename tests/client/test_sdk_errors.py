@@ -13,6 +13,7 @@ import time
 
 import grpc
 import pytest
+from client_helpers import ServerThread, abort_with, final_message
 
 from pdserve.client import (
     AsyncClient,
@@ -25,11 +26,9 @@ from pdserve.client import (
     ResourceExhaustedError,
     RetryPolicy,
     UnavailableError,
+    errors,
 )
-from pdserve.client import errors
 from pdserve_api.v1 import router_pb2
-
-from client_helpers import ServerThread, abort_with, final_message
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.05, max_backoff_s=0.2, multiplier=2.0, jitter=0.0)
 

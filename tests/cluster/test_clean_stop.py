@@ -11,8 +11,8 @@ import time
 
 import grpc
 import pytest
-
 from e2e_helpers import e2e_cluster
+
 from pdserve.client import Client
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 

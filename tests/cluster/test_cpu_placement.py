@@ -11,10 +11,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from up_helpers import UpProcess
 
 from pdserve.cluster.topology import FRONT_NICE, Topology, TopologyError, format_cpus, parse_cpus
 from pdserve.sched import may_set_nice
-from up_helpers import UpProcess
 
 
 def test_core_lists_parse_and_print_like_cpuset():

@@ -12,9 +12,9 @@ import time
 import grpc
 import psutil
 import pytest
+from e2e_helpers import e2e_cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from e2e_helpers import e2e_cluster
 from pdserve.client import Client, UnavailableError
 from pdserve.cluster.restart import RestartPolicy
 from pdserve_api.v1 import common_pb2

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from up_helpers import UpProcess
 
 
@@ -47,8 +46,9 @@ def test_ctrl_c_during_startup_stops_everything(tmp_path, tiny):
     )
     up.start(wait=False)
     try:
-        # wait until the services (and the decode pod's second TP rank) are running, then Ctrl-C
-        end = time.monotonic() + 120
+        # wait until the services (and the decode pod's second TP rank) are running, then Ctrl-C; a fresh machine
+        # builds the CPU kernels in the pods' first start, so allow the whole startup budget
+        end = time.monotonic() + up.startup_timeout
         while len(up.descendants()) < 6 and time.monotonic() < end and up.proc.poll() is None:
             time.sleep(0.2)
         assert len(up.descendants()) >= 6, up.tail()

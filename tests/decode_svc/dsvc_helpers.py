@@ -7,7 +7,6 @@ import dataclasses
 import os
 import time
 
-
 from decode_svc.kv_source import PullerFactory, TransferKVSource
 from pdserve.testing import EnginePrefill
 

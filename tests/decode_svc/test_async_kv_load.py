@@ -14,12 +14,12 @@ import time
 
 import grpc
 import pytest
+from dsvc_helpers import PROMPTS, DelayedRankSource, drain_pod, greedy, record
+from hf_helpers import hf_greedy
 
 from decode_svc.config import DecodeConfig
 from decode_svc.kv_source import PullerFactory, TransferKVSource
 from decode_svc.pod import DecodePod, Failure
-from dsvc_helpers import PROMPTS, DelayedRankSource, drain_pod, greedy, record
-from hf_helpers import hf_greedy
 from pdserve.cli_config import build
 
 TP, DCP, BLOCK = 2, 2, 8

@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from pdserve.cli_config import build
-from decode_svc.config import DecodeConfig
-from decode_svc.pod import DecodePod
 from dsvc_helpers import PROMPTS, drain_pod, greedy
 from hf_helpers import hf_greedy
+
+from decode_svc.config import DecodeConfig
+from decode_svc.pod import DecodePod
+from pdserve.cli_config import build
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.parallel_config import ParallelConfigError
 

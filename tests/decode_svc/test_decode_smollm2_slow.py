@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from dsvc_helpers import Handed, PrefillStandIn, drain_pod, greedy, record
 from hf_helpers import hf_greedy
 
@@ -17,8 +16,8 @@ NEW_TOKENS = 12
 @pytest.mark.timeout(1800)
 def test_smollm2_tp9_dcp3_matches_transformers():
     from decode_svc.config import DecodeConfig
-    from pdserve.cli_config import build
     from decode_svc.pod import DecodePod
+    from pdserve.cli_config import build
     from pdserve.default_model import ensure_default_model
     from pdserve.engine.block_manager import dcp_local_count
     from pdserve.tokenizer import Tokenizer

@@ -11,12 +11,12 @@ import math
 
 import grpc
 import pytest
+from dsvc_helpers import Handed, drain_pod, greedy, record
 
-from pdserve.cli_config import build
 from decode_svc.config import DecodeConfig
 from decode_svc.kv_source import KVDeliveryError, PullerFactory, TransferKVSource
 from decode_svc.pod import DecodePod, RequestExists
-from dsvc_helpers import Handed, drain_pod, greedy, record
+from pdserve.cli_config import build
 from pdserve.engine.block_manager import dcp_local_count
 from pdserve.engine.llm_engine import RequestError
 

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from dsvc_helpers import PROMPTS
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hf_helpers import hf_greedy
-from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2, registry_pb2_grpc
+from vllm_metrics_helpers import bucket_bounds, scrape_vllm
+
 from pdserve.pod.convert import handoff_to_kv_handle
 from pdserve.pod.vllm_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS
-from vllm_metrics_helpers import bucket_bounds, scrape_vllm
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2, registry_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 64

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 from deploy_helpers import REPO, _load
+
 from pdserve.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from kv_reference import as_bytes, empty_region, full_kv, random_tables, write_rank
+
 from kv_transfer.layout import KVLayout
 from kv_transfer.plan import apply_segments, plan_reshard
 from kv_transfer.region import RegionBytes

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from kv_reference import empty_region, full_kv, random_tables, write_rank
+
 from kv_transfer.control import ControlClient
 from kv_transfer.factory import make_publisher, make_puller, nixl_available
 from kv_transfer.layout import KVLayout

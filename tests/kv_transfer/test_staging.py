@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from kv_reference import empty_region, full_kv, random_tables, write_rank
+
 from kv_transfer.layout import KVLayout
 from kv_transfer.plan import apply_segments, plan_reshard
 from kv_transfer.staging import plan_staging, scatter

@@ -12,9 +12,7 @@ import threading
 import time
 
 import pytest
-from pdserve.net import free_port
 import torch
-
 from kv_reference import empty_region, full_kv, random_tables, write_rank
 from kv_worker import PrefillWorker
 
@@ -30,6 +28,7 @@ from kv_transfer.transport import (
     LeaseExpired,
     TransferUnavailable,
 )
+from pdserve.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,13 +9,13 @@ import random
 
 import pytest
 import torch
-
 from kv_reference import empty_region, full_kv, random_tables, write_rank
+from kv_worker import PrefillWorker, pull_in_own_process
+
 from kv_transfer.factory import nixl_available
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import new_lease_id
 from kv_transfer.transport import KVHandoff
-from kv_worker import PrefillWorker, pull_in_own_process
 
 pytestmark = pytest.mark.skipif(not nixl_available()[0], reason=f"NIXL unusable: {nixl_available()[1]}")
 

@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from transformers import AutoTokenizer
-
 from e2e_helpers import service_env
 from hf_helpers import hf_greedy
+from transformers import AutoTokenizer
 from up_helpers import UpProcess
 
 pytestmark = pytest.mark.slow

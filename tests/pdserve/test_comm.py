@@ -4,12 +4,11 @@ are the left-to-right sum in rank order, so every rank holds the same bits."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch.multiprocessing as mp
-
 from barrier_helpers import dead_pid, two_rank_barrier
 from comm_worker import run_rank
+
 from pdserve.engine.comm import init_groups, plan_groups
 from pdserve.engine.shm import RankFailure, ShmRegion, shm_supported
 from pdserve.net import free_port

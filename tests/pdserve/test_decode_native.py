@@ -6,8 +6,8 @@ ranks gives the logits the single-rank head gives."""
 from __future__ import annotations
 
 import pytest
-
 from barrier_helpers import dead_pid, two_rank_barrier
+
 from pdserve import kernels
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.shm import Barrier, RankFailure, shm_supported

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pdserve import kernels
-from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.executor import resolve_pinning
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.sampling_params import SamplingParams
 
 TWO_CORES = len(os.sched_getaffinity(0)) >= 2

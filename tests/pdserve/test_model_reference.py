@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import hf_greedy
 
 from pdserve.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -13,7 +14,6 @@ from pdserve.engine.model_runner import ModelRunner, StepInput
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 from pdserve.sampling_params import SamplingParams
-from hf_helpers import hf_greedy
 
 TINY_SHAPES = {
     "llama-gqa": ("llama", dict(num_heads=8, num_kv_heads=2)),

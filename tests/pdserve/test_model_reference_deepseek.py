@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import hf_greedy
 
 from pdserve.engine.kv_cache import KVCacheLayout
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.model.config import ModelConfig, ModelConfigError
 from pdserve.sampling_params import SamplingParams
-from hf_helpers import hf_greedy
 from tests.pdserve.test_model_reference import PROMPTS, full_logits, hf_logits
 
 # DeepSeek's own YaRN (V2 and V3 ship mscale == mscale_all_dim; the softmax scale then grows by mscale_all_dim^2).

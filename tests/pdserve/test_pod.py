@@ -9,9 +9,9 @@ import pytest
 from decode_svc.server import sampling_params_from_proto
 from kv_transfer.layout import KVLayout
 from kv_transfer.transport import Endpoint, KVHandoff
+from pdserve.errors import ServiceError
 from pdserve.pod.convert import handoff_to_kv_handle, kv_handle_to_handoff, layout_from_proto, layout_to_proto
 from pdserve.pod.lifecycle import MAX_ID_LEN, id_problem
-from pdserve.errors import ServiceError
 from pdserve.pod.sampling import unsupported_fields
 from pdserve.sampling_params import SamplingParamsError
 from pdserve_api.v1 import common_pb2 as pb

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from e2e_helpers import REPO, service_env
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux scheduling policies")

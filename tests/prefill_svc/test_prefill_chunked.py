@@ -7,8 +7,8 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-
 from prefill_ref import cached_kv, greedy, hf_prefill, random_prompt
+
 from pdserve.cli_config import build
 from prefill_svc.config import PrefillConfig
 from prefill_svc.worker import PrefillWorker

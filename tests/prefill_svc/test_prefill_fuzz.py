@@ -17,11 +17,6 @@ import math
 
 import grpc
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
-from pdserve_api.v1 import common_pb2 as pb
-from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc
 from fuzz_helpers import (
     FUZZ_SETTINGS,
     MAX_MODEL_LEN,
@@ -34,6 +29,11 @@ from fuzz_helpers import (
     settled_snapshot,
     tiny_cluster,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdserve_api.v1 import common_pb2 as pb
+from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NEG32 = st.integers(-(2**31), -1)

@@ -9,10 +9,10 @@ import time
 import grpc
 import psutil
 import pytest
+from e2e_helpers import e2e_cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
-from e2e_helpers import e2e_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prefill_ref import hf_prefill, random_prompt
+from vllm_metrics_helpers import bucket_bounds, scrape_vllm
 
 from pdserve.pod.vllm_metrics import TTFT_BUCKETS
-from prefill_ref import hf_prefill, random_prompt
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2, registry_pb2_grpc
-from vllm_metrics_helpers import bucket_bounds, scrape_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 512

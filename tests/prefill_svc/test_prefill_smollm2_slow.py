@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from prefill_ref import Proc, cached_kv, greedy, hf_greedy, hf_prefill, random_prompt
+
 from pdserve.cli_config import build
 from prefill_svc.config import PrefillConfig
 from prefill_svc.worker import PrefillWorker
@@ -57,9 +57,9 @@ def test_smollm2_prefill_to_decode_processes_token_identical(smollm2, tmp_path):
     import re
 
     import grpc
+    from test_prefill_to_decode import generate
 
     from pdserve_api.v1 import decode_pb2_grpc, prefill_pb2_grpc
-    from test_prefill_to_decode import generate
 
     ready_file = tmp_path / "prefill.json"
     prefill = Proc(

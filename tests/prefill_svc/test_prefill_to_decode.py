@@ -14,9 +14,9 @@ import urllib.request
 
 import grpc
 import pytest
+from prefill_ref import Proc, hf_greedy, random_prompt
 
 from pdserve.net import free_port
-from prefill_ref import Proc, hf_greedy, random_prompt
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 

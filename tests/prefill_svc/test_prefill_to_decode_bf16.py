@@ -9,13 +9,13 @@ import json
 
 import pytest
 import torch
+from prefill_ref import greedy, random_prompt
 
 from kv_transfer.factory import make_puller
 from kv_transfer.layout import KVLayout
 from pdserve.cli_config import build
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.sampling_params import SamplingParams
-from prefill_ref import greedy, random_prompt
 from prefill_svc.config import PrefillConfig
 from prefill_svc.worker import PrefillWorker
 

@@ -8,10 +8,10 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from prefill_ref import cached_kv, greedy, hf_prefill, random_prompt
 
 from kv_transfer.factory import make_puller
 from kv_transfer.layout import KVLayout
-from prefill_ref import cached_kv, greedy, hf_prefill, random_prompt
 from pdserve.cli_config import build
 from prefill_svc.config import PrefillConfig
 from prefill_svc.worker import AlreadyExists, Cancelled, Draining, Exhausted, InvalidRequest, PrefillWorker

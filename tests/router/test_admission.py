@@ -6,13 +6,13 @@ import asyncio
 
 import grpc
 import pytest
+from router_helpers import register_request
 
-from pdserve_api.v1 import common_pb2, registry_pb2
 from pdserve.errors import ServiceError
+from pdserve_api.v1 import common_pb2, registry_pb2
 from router.admission import Admission
 from router.config import RouterConfig
 from router.registry import Registry
-from router_helpers import register_request
 
 DECODE = common_pb2.ROLE_DECODE
 

@@ -12,9 +12,9 @@ import urllib.request
 
 import grpc
 import pytest
-
 from e2e_helpers import e2e_cluster
 from hf_helpers import hf_greedy
+
 from pdserve.net import free_port
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 

@@ -21,10 +21,10 @@ import urllib.request
 
 import grpc
 import pytest
-
-from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from pdserve.net import free_port
 from e2e_helpers import HEARTBEAT_S, e2e_cluster, supports_flag
+
+from pdserve.net import free_port
+from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from e2e_helpers import HEARTBEAT_S, service_env
+from hf_helpers import hf_greedy
+
 from kv_transfer.factory import nixl_available
 from pdserve.cluster.supervisor import LocalCluster
 from pdserve.cluster.topology import PodSpec, Topology
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from hf_helpers import hf_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

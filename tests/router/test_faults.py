@@ -22,8 +22,10 @@ from typing import Any, Awaitable, Callable
 import grpc
 import psutil
 import pytest
+from e2e_helpers import e2e_cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.net import free_port
 from pdserve_api.v1 import (
     common_pb2,
     decode_pb2,
@@ -33,8 +35,6 @@ from pdserve_api.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from e2e_helpers import e2e_cluster
-from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,10 @@ import asyncio
 
 import grpc
 import pytest
+from router_helpers import register_request, run, running_router, stubs
 
 from pdserve.net import free_port
 from pdserve_api.v1 import common_pb2, router_pb2
-from router_helpers import register_request, run, running_router, stubs
 
 PREFILL, DECODE = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE
 

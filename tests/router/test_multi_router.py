@@ -13,8 +13,8 @@ import sys
 import time
 
 import pytest
-
 from e2e_helpers import HEARTBEAT_S, e2e_cluster
+
 from pdserve.client import AsyncClient, GenerationFailedError
 from pdserve_api.v1 import common_pb2
 

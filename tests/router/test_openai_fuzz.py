@@ -20,11 +20,11 @@ from collections import Counter
 import hypothesis
 import pytest
 import schemathesis
+from e2e_helpers import metered_http_cluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from e2e_helpers import metered_http_cluster
 from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow

@@ -20,8 +20,8 @@ import urllib.request
 import openai
 import pytest
 import torch
-
 from e2e_helpers import metered_http_cluster
+
 from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ import time
 
 import grpc
 import pytest
+from e2e_helpers import e2e_cluster
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
-from e2e_helpers import e2e_cluster
 
 pytestmark = pytest.mark.slow
 

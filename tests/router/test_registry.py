@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from router_helpers import FakeClock, register_request, run, running_router, stubs
 
 from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
 from router.placement import rendezvous
-from router_helpers import FakeClock, register_request, run, running_router, stubs
 
 PREFILL, DECODE = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE
 

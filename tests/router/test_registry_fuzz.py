@@ -20,15 +20,15 @@ import threading
 
 import grpc
 import pytest
+from fuzz_helpers import FUZZ_SETTINGS, assert_refused
 from hypothesis import given
 from hypothesis import strategies as st
+from router_helpers import FakeClock, register_request
 
 from pdserve_api.v1 import common_pb2, registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.core import RouterCore
-from fuzz_helpers import FUZZ_SETTINGS, assert_refused
 from router.server import RouterServer
-from router_helpers import FakeClock, register_request
 
 PREFILL, DECODE = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE
 INT32 = st.integers(-(2**31), 2**31 - 1)

@@ -14,10 +14,6 @@ import time
 
 import grpc
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
-from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 from fuzz_helpers import (
     BAD_SAMPLING,
     FUZZ_SETTINGS,
@@ -31,6 +27,10 @@ from fuzz_helpers import (
     settled_snapshot,
     tiny_cluster,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 INT32 = st.integers(-(2**31), 2**31 - 1)

@@ -14,12 +14,12 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from pdserve_api.v1 import common_pb2, router_pb2
-from pdserve.net import free_port
 from e2e_helpers import REPO, service_env
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router_helpers import register_request, run, running_router, stubs
+
+from pdserve.net import free_port
+from pdserve_api.v1 import common_pb2, router_pb2
 
 
 def test_python_m_router_serves_health_and_metrics_then_drains_on_sigterm(smollm2_path):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-
 from e2e_helpers import e2e_cluster
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,8 @@ import shutil
 import jsonschema
 import openai
 import pytest
-
 from e2e_helpers import e2e_cluster
+
 from pdserve.client import Client
 from pdserve.tokenizer import Tokenizer
 

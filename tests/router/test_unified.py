@@ -10,9 +10,9 @@ import random
 import grpc
 import openai
 import pytest
-
-from hf_helpers import hf_greedy
 from e2e_helpers import HEARTBEAT_S, service_env
+from hf_helpers import hf_greedy
+
 from pdserve.cluster.supervisor import LocalCluster
 from pdserve.cluster.topology import PodSpec, Topology
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc

@@ -14,10 +14,10 @@ import json
 
 import grpc
 import pytest
+from router_helpers import run, running_router, stubs
 
 from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, check_parallel_config, num_local_kv_heads
 from pdserve_api.v1 import common_pb2, router_pb2
-from router_helpers import run, running_router, stubs
 
 DECODE, PREFILL = common_pb2.ROLE_DECODE, common_pb2.ROLE_PREFILL
 

@@ -17,16 +17,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_transfer.control import ControlClient, KVAuthError
-from kv_transfer.transport import PROTOCOL_VERSION, Endpoint, HandshakeTimeout, TransferUnavailable
-from pdserve.client import Client
-from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig, sync_channel
-from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from pdserve.cli_config import argv_for
-from pdserve.cluster.supervisor import LocalCluster
-from prefill_svc.config import PrefillConfig
 from e2e_helpers import REPO, e2e_cluster, service_env, wait_for_log
 from security_helpers import Pki, make_pki
+
+from kv_transfer.control import ControlClient, KVAuthError
+from kv_transfer.transport import PROTOCOL_VERSION, Endpoint, HandshakeTimeout, TransferUnavailable
+from pdserve.cli_config import argv_for
+from pdserve.client import Client
+from pdserve.cluster.supervisor import LocalCluster
+from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig, sync_channel
+from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prefill_svc.config import PrefillConfig
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -21,9 +21,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from router_helpers import register_request
+from security_helpers import Pki, make_pki
+
+from pdserve.cli_config import from_args
 from pdserve.cluster.supervisor import LocalCluster, _http_ok
 from pdserve.cluster.topology import Topology
-from pdserve.cli_config import from_args
 from pdserve.security import TLSConfig, TLSConfigError, http_server_tls
 from pdserve_api.v1 import registry_pb2_grpc
 from router.config import OpenAIHttpConfig, RouterConfig
@@ -31,8 +34,6 @@ from router.openai_http import main as front_main
 from router.openai_http import parser as front_parser
 from router.openai_http import start_openai_http
 from router.server import RouterServer
-from router_helpers import register_request
-from security_helpers import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "SmolLM2-135M-Instruct"  # what register_request's pod serves

@@ -12,10 +12,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from security_helpers import make_pki
+
 from kv_transfer.control import ControlClient, ControlServer, KVAuthError
 from kv_transfer.transport import HandshakeTimeout, TransferUnavailable
 from pdserve.security import TLSConfig
-from security_helpers import make_pki
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,14 +17,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from router_helpers import register_request
+from security_helpers import Pki, make_pki
+
 from pdserve.client import Client, UnauthenticatedError
 from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig
 from pdserve_api.v1 import registry_pb2_grpc, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.openai_http import start_openai_http
 from router.server import RouterServer
-from router_helpers import register_request
-from security_helpers import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(300)
 

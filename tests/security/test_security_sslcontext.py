@@ -13,8 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pdserve.security import TLSConfig
 from security_helpers import make_pki
+
+from pdserve.security import TLSConfig
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,9 +16,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pdserve.client import Client
-from up_helpers import UpProcess
 from security_helpers import Pki, make_pki
+from up_helpers import UpProcess
+
+from pdserve.client import Client
 
 pytestmark = pytest.mark.timeout(900)
 KEY = "up-k3y"

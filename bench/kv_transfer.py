@@ -229,7 +229,7 @@ def _pull_gbps(
         handoff = KVHandoff.from_json(conn.recv())
         results: list[Any] = [None] * len(pullers)
 
-        def run(r: int) -> None:
+        def run(r: int, results: list[Any] = results, handoff: KVHandoff = handoff) -> None:
             try:
                 results[r] = pullers[r].pull(handoff, dst_tables[r], timeout_s=120)
             except BaseException as e:  # re-raised below
@@ -298,7 +298,9 @@ def _stream_prefill_main(conn: Any, backend: str, max_tokens: int) -> None:
         lease: dict[str, Any] = {}
 
         class Leases(KVConnectorScheduler):
-            def build_connector_meta(self, step: Any, streaming: bool = streaming) -> Any:
+            def build_connector_meta(
+                self, step: Any, streaming: bool = streaming, lease: dict[str, Any] = lease
+            ) -> Any:
                 seq = step.seqs[0]
                 ls = LeaseStart(new_lease_id(), seq.request_id, tuple(seq.block_tables[0]), len(seq.prompt_ids))
                 lease["start"] = ls

@@ -208,7 +208,7 @@ def _compare(sides: dict[str, Any], rounds: int, new_tokens: int, vocab: int) ->
     names = list(sides)
     for side in sides.values():  # warm-up: first calls allocate, compile and fill caches
         side.prefill_s(prompt)
-        for bs, prompts in batches.items():
+        for prompts in batches.values():
             side.decode_tok_s(prompts, 4)
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]

@@ -236,7 +236,7 @@ def step_times(
             decode = {}
             steps = 8
             for bs in batches:
-                for i in range(bs):
+                for _ in range(bs):
                     eng.add_request(ids(32), SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
                 while any(s.prefilling for s in eng.scheduler.running) or eng.scheduler.waiting:
                     eng.step()

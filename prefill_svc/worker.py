@@ -586,7 +586,7 @@ class PrefillWorker(KVConnectorScheduler):
 
     def _shutdown_engine(self, thread: EngineThread) -> None:
         thread.run_commands()  # answer whatever was queued behind the stop (new prefills get UNAVAILABLE)
-        for rid, job in list(self._jobs.items()):
+        for job in list(self._jobs.values()):
             self._settle(job.future, exc=Draining("prefill pod shutting down"))
         self._jobs.clear()
         if self.kv is not None:

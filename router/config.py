@@ -172,7 +172,7 @@ class RouterConfig:
         for name in ("cluster_token", "api_key", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_server_name"):
             if not isinstance(getattr(self, name), str):
                 bad(name, "must be a string")
-        self.tls  # builds (and so checks) the TLS config: a bad file fails here, naming its flag
+        _ = self.tls  # builds (and so checks) the TLS config: a bad file fails here, naming its flag
         if self.event_loop not in ("auto", "uvloop", "asyncio"):
             bad("event_loop", "must be auto (uvloop when installed), uvloop or asyncio")
         if self.helper_threads not in ("batch", "normal"):
@@ -286,8 +286,8 @@ class OpenAIHttpConfig:
         from router.tool_parsers import tool_parser
 
         tool_parser(self.tool_call_parser)  # an unknown name fails now, listing the known ones
-        self.http_tls  # every certificate file is read now: a bad one fails here, naming its flag
-        self.router_tls
+        _ = self.http_tls  # every certificate file is read now: a bad one fails here, naming its flag
+        _ = self.router_tls
 
     @property
     def router_tls(self) -> "TLSConfig | None":

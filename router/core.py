@@ -308,7 +308,7 @@ class RouterCore:
             try:
                 text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_gen, tools=tools)
             except Exception as e:  # jinja2 errors, a model without a template
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat template: {e}")
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat template: {e}") from e
             ids = await self._encode(text, False)  # the template writes the special tokens itself
         if not ids:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: send at least one token")

@@ -642,7 +642,7 @@ async def _book_decode(
         try:
             admitted = await _admit(core, flight, prep, deadline, frozenset(exclude))
         except ServiceError as e:
-            raise ServiceError(e.code, e.message + (f" (earlier: {'; '.join(failures)})" if failures else ""))
+            raise ServiceError(e.code, e.message + (f" (earlier: {'; '.join(failures)})" if failures else "")) from None
         flight.admitted = admitted
         pod = admitted.pod_id
         flight.decode_pod = pod
@@ -672,11 +672,11 @@ async def _book_decode(
             code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
             detail = _describe(e)
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ServiceError(code, f"decode pod {pod!r} refused the request: {detail}")
+                raise ServiceError(code, f"decode pod {pod!r} refused the request: {detail}") from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
-                raise ServiceError(code, f"deadline passed while decode pod {pod!r} reserved KV")
+                raise ServiceError(code, f"deadline passed while decode pod {pod!r} reserved KV") from None
             if code == grpc.StatusCode.ALREADY_EXISTS:
-                raise ServiceError(code, f"decode pod {pod!r}: {detail}")
+                raise ServiceError(code, f"decode pod {pod!r}: {detail}") from None
             failures.append(f"{pod}: {detail}")
             # Gone from this request: the clean-up of a possible half-made reservation returns the booking.
             flight.decode_pod, flight.admitted = None, None
@@ -691,7 +691,7 @@ async def _book_decode(
                         f"decode pods kept refusing KV for {len(prep.prompt_ids)} prompt tokens "
                         f"for {waited:.1f}s (max_queue_wait_s {core.config.max_queue_wait_s}): "
                         f"retry later or add decode pods (last: {'; '.join(failures)})",
-                    )
+                    ) from None
             else:
                 errors += 1
                 exclude.add(pod)
@@ -742,9 +742,9 @@ async def _prefill(
             detail = _describe(e)
             if code in _PREFILL_FINAL:
                 flight.prefill_pod = None
-                raise ServiceError(code, f"prefill pod {pod!r} refused the request: {detail}")
+                raise ServiceError(code, f"prefill pod {pod!r} refused the request: {detail}") from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
-                raise ServiceError(code, f"deadline passed during prefill on pod {pod!r}")
+                raise ServiceError(code, f"deadline passed during prefill on pod {pod!r}") from None
             # The pod may still be working on it (timeouts): tell it to stop and drop any lease.
             core.spawn(core.cancel_prefill(pod, prep.request_id))
             if code == grpc.StatusCode.UNAVAILABLE:

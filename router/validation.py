@@ -88,7 +88,7 @@ def facts_from_path(path: str) -> ModelFacts:
         with open(cfg_path, encoding="utf-8") as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
-        raise ServiceError(grpc.StatusCode.NOT_FOUND, f"model_path {path!r}: cannot read {cfg_path}: {e}")
+        raise ServiceError(grpc.StatusCode.NOT_FOUND, f"model_path {path!r}: cannot read {cfg_path}: {e}") from e
     if not isinstance(raw, dict):
         raise ServiceError(
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -97,7 +97,7 @@ def facts_from_path(path: str) -> ModelFacts:
     try:
         return _facts_from_config(raw)
     except (ValueError, TypeError, AttributeError, ArithmeticError) as e:  # fields of the wrong type / value
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"model_path {path!r}: {cfg_path}: {e}")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"model_path {path!r}: {cfg_path}: {e}") from e
 
 
 def _facts_from_config(raw: dict) -> ModelFacts:
@@ -170,7 +170,7 @@ def facts_from_shape(shape: common_pb2.ModelShape, what: str = "shape") -> Model
             sliding_window=shape.sliding_window or None,
         )
     except ValueError as e:
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}") from e
     head_dim = shape.head_dim or (shape.hidden_size // shape.num_attention_heads if shape.hidden_size else 0)
     return ModelFacts(
         info=info,

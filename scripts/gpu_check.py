@@ -84,7 +84,7 @@ class Ctx:
             raise Skip(
                 f"flashinfer not importable ({type(e).__name__}: {e}); the engine checks run the torch "
                 "backend on CUDA instead"
-            )
+            ) from e
 
 
 # --- the model ------------------------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def prepare_model(ctx: Ctx) -> dict[str, Any]:
     except RuntimeError as e:
         tok = ctx.wheel_dir / "smollm2-tokenizer"
         if not (tok / "tokenizer.json").is_file():
-            raise Skip(f"{e}; and no carried tokenizer at .whl/smollm2-tokenizer (scripts/fetch_gpu_wheels.sh)")
+            raise Skip(f"{e}; and no carried tokenizer at .whl/smollm2-tokenizer (scripts/fetch_gpu_wheels.sh)") from e
         from pdserve.testing import write_tiny_checkpoint
 
         ctx.model = write_tiny_checkpoint(

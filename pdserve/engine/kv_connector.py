@@ -98,13 +98,13 @@ class KVConnectorWorker(ABC):
         self.runner = runner
 
     # --- hooks, called by ModelRunner.execute for a step whose metadata is not None ---
-    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:  # noqa: B027 - an optional hook: doing nothing is right
         """Before the forward pass."""
 
-    def save_kv_layer(self, layer: int, meta: KVConnectorMetadata) -> None:
+    def save_kv_layer(self, layer: int, meta: KVConnectorMetadata) -> None:  # noqa: B027 - an optional hook: doing nothing is right
         """Right after layer ``layer`` wrote this step's KV into the rank's cache."""
 
-    def wait_for_save(self, meta: KVConnectorMetadata) -> None:
+    def wait_for_save(self, meta: KVConnectorMetadata) -> None:  # noqa: B027 - an optional hook: doing nothing is right
         """After the forward pass."""
 
     # --- named operations, run on every rank at the driver's request ---
@@ -128,7 +128,7 @@ class KVConnectorWorker(ABC):
         """Checksums of KV this rank holds (a prefill rank: its share over a request's blocks, for the hand-off)."""
         raise NotImplementedError(f"{type(self).__name__} does not checksum KV")
 
-    def abort(self, ids: list[str], reason: str) -> None:
+    def abort(self, ids: list[str], reason: str) -> None:  # noqa: B027 - an optional hook: doing nothing is right
         """Give up on these transfers."""
 
     @abstractmethod

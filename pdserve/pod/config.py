@@ -82,7 +82,7 @@ class PodServing:
                 raise PodConfigError(f"{name} must be a port number in [0, 65535], got {v!r}")
         if self.router_address is not None:
             try:
-                self.router_addresses
+                _ = self.router_addresses
             except ValueError as e:
                 raise PodConfigError(f"router_address: {e} (several: host:port,host:port)") from None
         for name in ("heartbeat_interval_s", "drain_timeout_s"):
@@ -90,7 +90,7 @@ class PodServing:
             if not _seconds(v):
                 raise PodConfigError(f"{name} must be a positive number of seconds, got {v!r}")
         try:
-            self.tls
+            _ = self.tls
         except ValueError as e:  # pdserve.security.TLSConfigError names the flag to fix
             raise PodConfigError(str(e)) from None
 

@@ -93,7 +93,7 @@ def test_busy_decode_pod_and_router_stop_within_the_drain_timeout(cluster):
         outcome: dict[str, object] = {}
         started = threading.Event()
 
-        def stream() -> None:
+        def stream(started: threading.Event = started, outcome: dict[str, object] = outcome) -> None:
             try:
                 with Client(cluster.router_address) as c:
                     for _ in c.generate_stream([1, 5, 9, 13], max_tokens=3500, temperature=0, ignore_eos=True):

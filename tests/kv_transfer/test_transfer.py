@@ -139,7 +139,7 @@ class DecodeSide:
             t.start()
         for t in threads:
             t.join(60)
-        for r, res in enumerate(results):
+        for res in results:
             if isinstance(res, BaseException):
                 raise res
         return results

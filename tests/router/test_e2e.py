@@ -187,7 +187,7 @@ def test_stop_string_in_the_first_token_ends_at_once_and_frees_the_lease(cluster
             return out, baseline, await settled_kv(stub, cluster, baseline)
 
     out, baseline, after = asyncio.run(body())
-    for (msgs, code, details), (p, first) in zip(out, pick):
+    for (msgs, code, details), (_, first) in zip(out, pick):
         assert code == grpc.StatusCode.OK, details
         assert [t for m in msgs for t in m.token_ids] == [first]
         final = msgs[-1]
@@ -331,10 +331,10 @@ def test_decode_pod_killed_mid_stream_ends_with_unavailable_after_tokens(cluster
     results = asyncio.run(body())
     on_d1 = [(msgs, code, details) for msgs, code, details in results if code == grpc.StatusCode.UNAVAILABLE]
     assert on_d1, "no stream was on the killed decode pod"
-    for msgs, code, details in results:
+    for msgs, code, _ in results:
         if code == grpc.StatusCode.OK:
             assert msgs[-1].routing.decode_pod_id == "d0" and sum(len(m.token_ids) for m in msgs) == 200
-    for msgs, code, details in on_d1:
+    for msgs, _, details in on_d1:
         assert "decode" in details
         assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_ERROR and msgs[-1].error_message
         n = sum(len(m.token_ids) for m in msgs)

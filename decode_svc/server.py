@@ -324,8 +324,8 @@ def _transfer_modes(backend: str) -> list[int]:
         from kv_transfer.factory import nixl_available
 
         nixl = nixl_available()[0]
-    grpc_mode = [common_pb2.TRANSFER_MODE_GRPC]  # kv_transfer's TCP path (every publisher serves it)
-    return ([common_pb2.TRANSFER_MODE_NIXL_PULL] if nixl else []) + grpc_mode
+    tcp = [common_pb2.TRANSFER_MODE_TCP]  # kv_transfer's TCP path (every publisher serves it)
+    return ([common_pb2.TRANSFER_MODE_NIXL_PULL] if nixl else []) + tcp
 
 
 MAX_TTL_S = 86400.0  # a reservation held longer than a day is a mistake (and keeps expires_at_unix_ms in int64)
@@ -407,7 +407,6 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 )
                 for r, t in enumerate(tables)
             ],
-            agent_name="",
             transfer_modes=s.transfer_modes,
             expires_at_unix_ms=expires,
         )

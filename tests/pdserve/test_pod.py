@@ -112,7 +112,7 @@ def test_kv_handle_round_trip():
         "tcp",
     )
     kh = handoff_to_kv_handle(h, "p0", ttl_s=5.0)
-    assert kh.kv_transfer_address == "127.0.0.1:7001,127.0.0.1:7002" and kh.transfer_mode == pb.TRANSFER_MODE_GRPC
+    assert kh.kv_transfer_address == "127.0.0.1:7001,127.0.0.1:7002" and kh.transfer_mode == pb.TRANSFER_MODE_TCP
     back = kv_handle_to_handoff(kh, "req-1")
     assert (back.lease_id, back.num_tokens, back.block_tables, back.transport) == (
         "lease-1",

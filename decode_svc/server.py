@@ -44,7 +44,7 @@ from pdserve.pod.convert import (
 )
 from pdserve.pod.lifecycle import id_problem, on_stop_signals, set_health, version
 from pdserve.pod.registrar import Registrar
-from pdserve.pod.sampling import engine_params, num_sequences, refuse_unsupported
+from pdserve.pod.sampling import engine_params, num_sequences
 from pdserve.sampling_params import SamplingParams
 from pdserve.security import bind, grpc_options
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
@@ -62,8 +62,7 @@ _FINISH = {
 
 def sampling_params_from_proto(p: common_pb2.SamplingParams, max_model_len: int) -> SamplingParams:
     """Decode applies EOS, stop_token_ids and max_tokens; stop strings belong to whoever detokenizes (the router).
-    Parameters the pods do not implement are refused rather than ignored (common.proto's rule)."""
-    refuse_unsupported(p, "this decode pod")
+    Raises SamplingParamsError for a value out of range (pdserve/sampling_params.py's rules and messages)."""
     return engine_params(
         p,
         max_tokens=p.max_tokens if p.HasField("max_tokens") else max_model_len,
@@ -325,8 +324,8 @@ def _transfer_modes(backend: str) -> list[int]:
         from kv_transfer.factory import nixl_available
 
         nixl = nixl_available()[0]
-    grpc_mode = [common_pb2.TRANSFER_MODE_GRPC]  # kv_transfer's TCP path (every publisher serves it)
-    return ([common_pb2.TRANSFER_MODE_NIXL_PULL] if nixl else []) + grpc_mode
+    tcp = [common_pb2.TRANSFER_MODE_TCP]  # kv_transfer's TCP path (every publisher serves it)
+    return ([common_pb2.TRANSFER_MODE_NIXL_PULL] if nixl else []) + tcp
 
 
 MAX_TTL_S = 86400.0  # a reservation held longer than a day is a mistake (and keeps expires_at_unix_ms in int64)
@@ -408,7 +407,6 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 )
                 for r, t in enumerate(tables)
             ],
-            agent_name="",
             transfer_modes=s.transfer_modes,
             expires_at_unix_ms=expires,
         )

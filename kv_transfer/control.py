@@ -1,4 +1,5 @@
-"""Control channel shared by both transports: length-prefixed JSON + bytes frames over TCP.
+"""Control channel shared by both transports: length-prefixed JSON + bytes frames over TCP. The wire contract, every
+operation included, is written down in proto/pdserve_api/v1/kv_transfer.proto.
 
 Frame: ``b"PDKV" | u32 json_len | u64 payload_len | json | payload`` (network byte order).
 A request is one frame with ``{"op": ...}``; the answer is one frame, or for streamed reads several

@@ -1,5 +1,9 @@
-"""Sampling parameters, validated at construction, with vLLM's limits and messages. Torch-free: the router checks
-requests with them before any pod sees one; the batched sampler that applies them is pdserve/sampling.py."""
+"""Sampling parameters, validated at construction, with vLLM's limits and messages: the one home of every rule about a
+single request's sampling values. Torch-free, so the router builds one from each request (pdserve/pod/sampling.py's
+``requested_params``) and refuses it with these messages before any pod sees it; the pods build theirs the same way.
+What needs more than the request (the model's vocabulary, the context length, n / best_of against the engine's bound,
+the router's stop-string bounds) is checked by the router (router/core.py). The batched sampler that applies these
+parameters is pdserve/sampling.py."""
 
 from __future__ import annotations
 
@@ -66,7 +70,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not num(v) or not -2.0 <= v <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {v!r}.")
-        if not num(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+        if not num(self.repetition_penalty):  # inf is "greater than zero": say what is wrong with it
+            bad(f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty!r}.")
+        if self.repetition_penalty <= 0.0:
             bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}.")
         if not num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}.")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.pod.sampling import engine_params, num_sequences, refuse_unsupported
-from pdserve.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.pod.sampling import engine_params, num_sequences, requested_params
+from pdserve.sampling_params import SamplingParams
 from pdserve_api.v1 import common_pb2 as pb
 
 
@@ -25,15 +25,10 @@ class ClientParams:
 def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, ClientParams]:
     """Engine params for sampling the first token (max_tokens=1) and the client-level stop rules.
 
-    Stop strings are applied by whoever detokenizes (the router), so they are not used here. Parameters the pods
-    do not implement are refused (INVALID_ARGUMENT), never ignored."""
-    refuse_unsupported(sp, "this prefill pod")
-    if sp.HasField("max_tokens") and sp.max_tokens < 1:
-        raise SamplingParamsError(f"max_tokens must be >= 1, got {sp.max_tokens}")
-    if sp.HasField("max_tokens") and sp.min_tokens > sp.max_tokens:
-        raise SamplingParamsError(
-            f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got {sp.min_tokens}."
-        )
+    Stop strings are applied by whoever detokenizes (the router), so they are not used here. Raises
+    SamplingParamsError for a value out of range: the request as the client sent it is checked first (max_tokens and
+    min_tokens as given, not the one token sampled here), with the router's messages."""
+    requested_params(sp)
     # The pod decides "finished" itself from ClientParams; the engine samples one token. The client's ignore_eos
     # and min_tokens (capped at that one token) tell the sampler whether to mask EOS / stop tokens.
     params = engine_params(sp, max_tokens=1, ignore_eos=sp.ignore_eos, logprobs=True, min_tokens=min(sp.min_tokens, 1))

@@ -41,7 +41,7 @@ log = logging.getLogger("prefill_svc.server")
 
 SERVICE_NAME = "pdserve.v1.PrefillWorker"
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
-_MODES = {"nixl": [pb.TRANSFER_MODE_NIXL_PULL, pb.TRANSFER_MODE_GRPC], "tcp": [pb.TRANSFER_MODE_GRPC]}
+_MODES = {"nixl": [pb.TRANSFER_MODE_NIXL_PULL, pb.TRANSFER_MODE_TCP], "tcp": [pb.TRANSFER_MODE_TCP]}
 
 
 _TRANSFER_MODES = set(pb.TransferMode.values())

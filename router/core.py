@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,11 +16,11 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from pdserve.engine.config import MAX_N
-from pdserve.errors import ServiceError
-from pdserve.pod.sampling import structured_spec, unsupported_fields
-from pdserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParamsError
+from pdserve.errors import InvalidArgument, ServiceError
+from pdserve.pod.sampling import num_sequences, requested_params
+from pdserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from pdserve.security import aio_channel
-from pdserve.structured import StructuredOutputError, check_spec
+from pdserve.structured import StructuredOutputError, StructuredSpec, check_spec
 from pdserve.tokenizer import Tokenizer
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
 from router.admission import Admission, Admitted
@@ -254,8 +253,8 @@ class RouterCore:
                 f"most {max_len - 1} tokens",
             )
         sp = req.sampling_params
-        _check_sampling(sp, vocab)
-        await _check_structured(sp)
+        params = _check_sampling(sp, vocab)
+        await _check_structured(params.structured)
         if max_len and sp.min_tokens > max_len:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -341,46 +340,30 @@ def _check_request_id(rid: str) -> None:
         )
 
 
-async def _check_structured(sp: common_pb2.SamplingParams) -> None:
+async def _check_structured(spec: StructuredSpec | None) -> None:
     """An invalid output constraint is refused here, naming the problem, before any pod is contacted (compiling
     without a tokenizer, off the event loop: the first one imports xgrammar)."""
+    if spec is None:
+        return
     try:
-        spec = structured_spec(sp)
-        if spec is not None:
-            await asyncio.to_thread(check_spec, spec)
-    except (SamplingParamsError, StructuredOutputError) as e:
+        await asyncio.to_thread(check_spec, spec)
+    except StructuredOutputError as e:
         msg = str(e) if str(e).startswith("structured_output") else f"structured_output: {e}"
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {msg}") from None
+        raise InvalidArgument(f"sampling_params: {msg}") from None
 
 
-def _check_sampling(sp: common_pb2.SamplingParams, vocab: int) -> None:
-    """Range checks of the sampling parameters (the pods reject what they do not implement)."""
+def _check_sampling(sp: common_pb2.SamplingParams, vocab: int) -> SamplingParams:
+    """The request's sampling parameters as the engine's SamplingParams, whose construction checks every value
+    (pdserve/sampling_params.py: the rules and their messages live there), plus the rules that need the router: the
+    model's vocabulary, n / best_of against the engine's bound, the cost of stop strings, prompt_logprobs."""
 
     def bad(msg: str) -> None:
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {msg}")
+        raise InvalidArgument(f"sampling_params: {msg}")
 
-    def finite(name: str) -> float | None:
-        if not sp.HasField(name):
-            return None
-        v = getattr(sp, name)
-        if not math.isfinite(v):
-            bad(f"{name} must be a finite number, got {v}")
-        return v
-
-    t = finite("temperature")
-    if t is not None and t < 0:
-        bad(f"temperature must be >= 0 (0 = greedy), got {t}")
-    if sp.top_k < -1:
-        bad(f"top_k must be >= 1, or 0 / -1 to disable, got {sp.top_k}")
-    p = finite("top_p")
-    if p is not None and not 0 < p <= 1:
-        bad(f"top_p must be in (0, 1], got {p}")
-    if sp.HasField("seed") and sp.seed < 0:
-        bad(f"seed must be >= 0, got {sp.seed}")
-    if sp.HasField("max_tokens") and sp.max_tokens < 1:
-        bad(f"max_tokens must be >= 1 (or unset), got {sp.max_tokens}")
-    if any(not s for s in sp.stop):
-        bad("stop strings must be non-empty")
+    if sp.n < 0 or sp.n > MAX_N:
+        bad(f"n must be in [1, {MAX_N}] (0: 1), got {sp.n}")
+    if sp.best_of < 0 or sp.best_of > MAX_N:
+        bad(f"best_of must be in [1, {MAX_N}] (0: n), got {sp.best_of}")
     # Every stop string is matched against the output after every token: bound the work one request can ask for.
     if len(sp.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in sp.stop):
         bad(
@@ -389,50 +372,16 @@ def _check_sampling(sp: common_pb2.SamplingParams, vocab: int) -> None:
         )
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}")
-    if any(t < 0 for t in sp.stop_token_ids):
-        bad("stop_token_ids must be >= 0")
-    # Limits and wording of the sampling fields below are vLLM's (vllm.SamplingParams._verify_args).
-    if sp.top_logprobs < 0:
-        bad(f"logprobs must be non-negative, got {sp.top_logprobs}.")
-    if sp.top_logprobs > MAX_LOGPROBS:
-        bad(f"Requested sample logprobs of {sp.top_logprobs}, which is greater than max allowed: {MAX_LOGPROBS}")
-    if sp.min_tokens < 0:
-        bad(f"min_tokens must be greater than or equal to 0, got {sp.min_tokens}.")
-    if sp.HasField("max_tokens") and sp.min_tokens > sp.max_tokens:
-        bad(f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got {sp.min_tokens}.")
-    rp = finite("repetition_penalty")
-    if rp is not None and rp <= 0:
-        bad(f"repetition_penalty must be greater than zero, got {rp}.")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = finite(name)
-        if v is not None and not -2 <= v <= 2:
-            bad(f"{name} must be in [-2, 2], got {v}.")
-    mp = finite("min_p")
-    if mp is not None and not 0 <= mp <= 1:
-        bad(f"min_p must be in [0, 1], got {mp}.")
-    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
-        bad(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(sp.logit_bias)}")
-    if any(t < 0 or t >= vocab for t in sp.logit_bias):
+    try:
+        params = requested_params(sp)
+        num_sequences(sp)  # best_of >= n
+    except SamplingParamsError as e:
+        raise InvalidArgument(f"sampling_params: {e}") from None
+    if any(t >= vocab for t in sp.logit_bias):
         bad(
             f"logit_bias has token ids out of the model's vocabulary [0, {vocab}): "
-            f"{sorted(t for t in sp.logit_bias if t < 0 or t >= vocab)[:8]}"
+            f"{sorted(t for t in sp.logit_bias if t >= vocab)[:8]}"
         )
-    if any(not math.isfinite(v) for v in sp.logit_bias.values()):
-        bad("logit_bias values must be finite numbers")
-    if sp.n < 0 or sp.n > MAX_N:
-        bad(f"n must be in [1, {MAX_N}] (0: 1), got {sp.n}")
-    if sp.best_of < 0 or sp.best_of > MAX_N:
-        bad(f"best_of must be in [1, {MAX_N}] (0: n), got {sp.best_of}")
-    if sp.best_of and sp.best_of < max(sp.n, 1):
-        bad(f"best_of must be greater than or equal to n, got n={max(sp.n, 1)} and best_of={sp.best_of}.")
     if sp.HasField("prompt_logprobs") and not 0 <= sp.prompt_logprobs <= MAX_LOGPROBS:
         bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {sp.prompt_logprobs}")
-    # Well-formed but not implemented by pdserve's pods (they refuse the same list, pdserve/pod/sampling.py). Refused
-    # here, before any pod is contacted: a pod refusing them mid-journey would cost KV round trips, or, at decode,
-    # end a stream that already sent its first token in an error instead of a clean INVALID_ARGUMENT.
-    unsupported = unsupported_fields(sp)
-    if unsupported:
-        bad(
-            f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not implemented by this cluster's "
-            "pods: leave unset (or at the neutral value)"
-        )
+    return params

@@ -717,8 +717,6 @@ async def _prefill(
         target = prefill_pb2.DecodeTarget(
             decode_pod_id=flight.decode_pod,
             layout=alloc.layout,
-            block_tables=alloc.block_tables,
-            agent_name=alloc.agent_name,
             transfer_modes=alloc.transfer_modes,
         )
     req = prefill_pb2.PrefillRequest(

@@ -196,7 +196,10 @@ class Registry:
         if not req.address:
             return "address is empty: send the host:port of the pod's worker service"
         if req.role == PREFILL and not req.kv_transfer_address:
-            return "kv_transfer_address is empty: prefill pods must serve KvTransfer and send its host:port"
+            return (
+                "kv_transfer_address is empty: prefill pods must serve the kv_transfer control channel and send "
+                "its host:port"
+            )
         return register_problem(req)
 
     def _refusal(self, req: registry_pb2.RegisterWorkerRequest) -> tuple[str | None, ParallelConfig | None]:

@@ -681,7 +681,6 @@ def check_prefill_to_decode(ctx: Ctx) -> dict[str, Any]:
                     decode_target=prefill_pb2.DecodeTarget(
                         decode_pod_id="gpu-check-decode",
                         layout=alloc.layout,
-                        block_tables=alloc.block_tables,
                         transfer_modes=alloc.transfer_modes,
                     ),
                 ),

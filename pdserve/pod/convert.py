@@ -13,8 +13,8 @@ from pdserve_api.v1 import common_pb2 as pb
 if TYPE_CHECKING:
     from pdserve.model.config import ModelConfig
 
-TRANSFER_MODE_OF = {"nixl": pb.TRANSFER_MODE_NIXL_PULL, "tcp": pb.TRANSFER_MODE_GRPC}
-TRANSPORT_OF_MODE = {pb.TRANSFER_MODE_NIXL_PULL: "nixl", pb.TRANSFER_MODE_GRPC: "tcp"}
+TRANSFER_MODE_OF = {"nixl": pb.TRANSFER_MODE_NIXL_PULL, "tcp": pb.TRANSFER_MODE_TCP}
+TRANSPORT_OF_MODE = {pb.TRANSFER_MODE_NIXL_PULL: "nixl", pb.TRANSFER_MODE_TCP: "tcp"}
 
 
 def kv_layout_for_model(
@@ -99,12 +99,11 @@ def handoff_to_kv_handle(h: KVHandoff, pod_id: str, ttl_s: float) -> pb.KVHandle
         lease_id=h.lease_id,
         prefill_pod_id=pod_id,
         kv_transfer_address=endpoints_address(h.endpoints),
-        agent_name="",
         num_layers=h.layout.num_layers,
         num_tokens=h.num_tokens,
         expires_at_unix_ms=int((time.time() + ttl_s) * 1000),
         ttl_s=ttl_s,
-        transfer_mode=TRANSFER_MODE_OF.get(h.transport, pb.TRANSFER_MODE_GRPC),
+        transfer_mode=TRANSFER_MODE_OF.get(h.transport, pb.TRANSFER_MODE_TCP),
         layout=layout_to_proto(h.layout),
         block_tables=[pb.BlockTable(block_ids=t, num_tokens=h.num_tokens) for t in h.block_tables],
     )

@@ -1,7 +1,9 @@
-"""The one check of which pdserve.v1 SamplingParams the pods implement, and the engine params both build from it.
+"""pdserve.v1 SamplingParams -> the engine's SamplingParams (pdserve/sampling_params.py, where every rule about the
+values lives), for the router and both pods alike.
 
-The router refuses the same fields before any pod is contacted (router/core.py), so a client gets one clean
-INVALID_ARGUMENT whichever service it talks to."""
+The router builds ``requested_params`` from each request before any pod is contacted (router/core.py), so a client
+gets one clean INVALID_ARGUMENT, with the same message whichever service it talks to. Every field of the message is
+implemented by the pods (common.proto: a field a server does not implement is refused, never ignored)."""
 
 from __future__ import annotations
 
@@ -31,22 +33,6 @@ def structured_spec(sp: pb.SamplingParams) -> StructuredSpec | None:
         raise SamplingParamsError(f"structured_output: {e}") from None
 
 
-def unsupported_fields(sp: pb.SamplingParams) -> list[str]:
-    """Well-formed fields set to a value no pod implements (common.proto: refuse, never ignore). Every field of
-    SamplingParams is implemented today; the hook stays so a new field is refused until the pods implement it."""
-    return []
-
-
-def refuse_unsupported(sp: pb.SamplingParams, who: str) -> None:
-    """Raise SamplingParamsError naming every unsupported field set; who: e.g. "this decode pod"."""
-    names = unsupported_fields(sp)
-    if names:
-        raise SamplingParamsError(
-            f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not implemented by "
-            f"{who}: leave unset (or at the neutral value)"
-        )
-
-
 def num_sequences(sp: pb.SamplingParams) -> int:
     """Sequences a pod generates for the request: best_of when set (the router keeps the best n), else n.
     Raises SamplingParamsError for values out of range (the engine bounds n itself)."""
@@ -58,17 +44,40 @@ def num_sequences(sp: pb.SamplingParams) -> int:
     return max(n, sp.best_of)
 
 
+# max_tokens unset: no bound from the request (the context length bounds the output; the router checks min_tokens
+# against it).
+_UNBOUNDED = 2**31 - 1
+
+
+def requested_params(sp: pb.SamplingParams) -> SamplingParams:
+    """The request's sampling as the client sent it (max_tokens included), as the engine's SamplingParams: building
+    it checks every value. Raises SamplingParamsError naming the first bad one."""
+    return engine_params(
+        sp,
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else _UNBOUNDED,
+        ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs,
+        stop=list(sp.stop),
+    )
+
+
 def engine_params(
-    sp: pb.SamplingParams, max_tokens: int, ignore_eos: bool, logprobs: bool, min_tokens: int | None = None
+    sp: pb.SamplingParams,
+    max_tokens: int,
+    ignore_eos: bool,
+    logprobs: bool,
+    min_tokens: int | None = None,
+    stop: list[str] | None = None,
 ) -> SamplingParams:
-    """The engine's SamplingParams from the proto's sampling fields (the caller decides the stop rules).
-    Raises SamplingParamsError for values out of range."""
+    """The engine's SamplingParams from the proto's sampling fields (the caller decides the stop rules: stop strings
+    are matched by whoever detokenizes, the router). Raises SamplingParamsError for values out of range."""
     return SamplingParams(
         temperature=sp.temperature if sp.HasField("temperature") else 1.0,
         top_k=sp.top_k,
         top_p=sp.top_p if sp.HasField("top_p") else 1.0,
         seed=sp.seed if sp.HasField("seed") else None,
         max_tokens=max_tokens,
+        stop=stop or [],
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=ignore_eos,
         logprobs=logprobs or sp.top_logprobs > 0,

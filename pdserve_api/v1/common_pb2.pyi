@@ -34,19 +34,7 @@ class TransferMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_MODE_UNSPECIFIED: _ClassVar[TransferMode]
     TRANSFER_MODE_NIXL_PULL: _ClassVar[TransferMode]
-    TRANSFER_MODE_NIXL_PUSH: _ClassVar[TransferMode]
-    TRANSFER_MODE_GRPC: _ClassVar[TransferMode]
-
-class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    LEASE_STATE_UNSPECIFIED: _ClassVar[LeaseState]
-    LEASE_STATE_PENDING: _ClassVar[LeaseState]
-    LEASE_STATE_IN_PROGRESS: _ClassVar[LeaseState]
-    LEASE_STATE_READY: _ClassVar[LeaseState]
-    LEASE_STATE_COMPLETED: _ClassVar[LeaseState]
-    LEASE_STATE_EXPIRED: _ClassVar[LeaseState]
-    LEASE_STATE_FAILED: _ClassVar[LeaseState]
-    LEASE_STATE_CANCELLED: _ClassVar[LeaseState]
+    TRANSFER_MODE_TCP: _ClassVar[TransferMode]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -63,16 +51,7 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 TRANSFER_MODE_UNSPECIFIED: TransferMode
 TRANSFER_MODE_NIXL_PULL: TransferMode
-TRANSFER_MODE_NIXL_PUSH: TransferMode
-TRANSFER_MODE_GRPC: TransferMode
-LEASE_STATE_UNSPECIFIED: LeaseState
-LEASE_STATE_PENDING: LeaseState
-LEASE_STATE_IN_PROGRESS: LeaseState
-LEASE_STATE_READY: LeaseState
-LEASE_STATE_COMPLETED: LeaseState
-LEASE_STATE_EXPIRED: LeaseState
-LEASE_STATE_FAILED: LeaseState
-LEASE_STATE_CANCELLED: LeaseState
+TRANSFER_MODE_TCP: TransferMode
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "ignore_eos", "top_logprobs", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens", "min_p", "logit_bias", "structured_output", "n", "best_of", "prompt_logprobs")
@@ -270,11 +249,10 @@ class WorkerCapacity(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrent_transfers: _Optional[int] = ..., transfer_modes: _Optional[_Iterable[_Union[TransferMode, str]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("lease_id", "prefill_pod_id", "kv_transfer_address", "agent_name", "num_layers", "num_tokens", "expires_at_unix_ms", "ttl_s", "transfer_mode", "layout", "block_tables", "block_checksums")
+    __slots__ = ("lease_id", "prefill_pod_id", "kv_transfer_address", "num_layers", "num_tokens", "expires_at_unix_ms", "ttl_s", "transfer_mode", "layout", "block_tables", "block_checksums")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_POD_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
@@ -286,7 +264,6 @@ class KVHandle(_message.Message):
     lease_id: str
     prefill_pod_id: str
     kv_transfer_address: str
-    agent_name: str
     num_layers: int
     num_tokens: int
     expires_at_unix_ms: int
@@ -295,7 +272,7 @@ class KVHandle(_message.Message):
     layout: KVLayout
     block_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
     block_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., prefill_pod_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_s: _Optional[float] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., prefill_pod_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_s: _Optional[float] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve_api.v1 import common_pb2 as pdserve__api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve_api/v1/decode.proto\x12\npdserve.v1\x1a\x1bpdserve_api/v1/common.proto\"\x9c\x01\n\x11\x41llocateKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\"\n\x1anum_reserved_output_tokens\x18\x03 \x01(\x05\x12,\n\x0eprefill_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\"\xca\x01\n\x12\x41llocateKVResponse\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12,\n\x0c\x62lock_tables\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.BlockTable\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x30\n\x0etransfer_modes\x18\x04 \x03(\x0e\x32\x18.pdserve.v1.TransferMode\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x05 \x01(\x03\"\xa2\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x1b\n\x13\x66irst_token_logprob\x18\x04 \x01(\x02\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x17\n\x0f\x66irst_token_ids\x18\x08 \x03(\x05\x12\x1c\n\x14\x66irst_token_logprobs\x18\t \x03(\x02\"\xfb\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\x12\x15\n\rkv_transfer_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x07 \x01(\x01\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\x05\")\n\x13\x43\x61ncelDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x14\x43\x61ncelDecodeResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xed\x01\n\x0c\x44\x65\x63odeWorker\x12K\n\nAllocateKV\x12\x1d.pdserve.v1.AllocateKVRequest\x1a\x1e.pdserve.v1.AllocateKVResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12Q\n\x0c\x43\x61ncelDecode\x12\x1f.pdserve.v1.CancelDecodeRequest\x1a .pdserve.v1.CancelDecodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve_api/v1/decode.proto\x12\npdserve.v1\x1a\x1bpdserve_api/v1/common.proto\"\x9c\x01\n\x11\x41llocateKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\"\n\x1anum_reserved_output_tokens\x18\x03 \x01(\x05\x12,\n\x0eprefill_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\"\xc8\x01\n\x12\x41llocateKVResponse\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12,\n\x0c\x62lock_tables\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.BlockTable\x12\x30\n\x0etransfer_modes\x18\x04 \x03(\x0e\x32\x18.pdserve.v1.TransferMode\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x05 \x01(\x03J\x04\x08\x03\x10\x04R\nagent_name\"\xa2\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x1b\n\x13\x66irst_token_logprob\x18\x04 \x01(\x02\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x17\n\x0f\x66irst_token_ids\x18\x08 \x03(\x05\x12\x1c\n\x14\x66irst_token_logprobs\x18\t \x03(\x02\"\xfb\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\x12\x15\n\rkv_transfer_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x07 \x01(\x01\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\x05\")\n\x13\x43\x61ncelDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x14\x43\x61ncelDecodeResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xed\x01\n\x0c\x44\x65\x63odeWorker\x12K\n\nAllocateKV\x12\x1d.pdserve.v1.AllocateKVRequest\x1a\x1e.pdserve.v1.AllocateKVResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12Q\n\x0c\x43\x61ncelDecode\x12\x1f.pdserve.v1.CancelDecodeRequest\x1a .pdserve.v1.CancelDecodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ALLOCATEKVREQUEST']._serialized_start=73
   _globals['_ALLOCATEKVREQUEST']._serialized_end=229
   _globals['_ALLOCATEKVRESPONSE']._serialized_start=232
-  _globals['_ALLOCATEKVRESPONSE']._serialized_end=434
-  _globals['_DECODEREQUEST']._serialized_start=437
-  _globals['_DECODEREQUEST']._serialized_end=727
-  _globals['_TOKENCHUNK']._serialized_start=730
-  _globals['_TOKENCHUNK']._serialized_end=981
-  _globals['_CANCELDECODEREQUEST']._serialized_start=983
-  _globals['_CANCELDECODEREQUEST']._serialized_end=1024
-  _globals['_CANCELDECODERESPONSE']._serialized_start=1026
-  _globals['_CANCELDECODERESPONSE']._serialized_end=1063
-  _globals['_DECODEWORKER']._serialized_start=1066
-  _globals['_DECODEWORKER']._serialized_end=1303
+  _globals['_ALLOCATEKVRESPONSE']._serialized_end=432
+  _globals['_DECODEREQUEST']._serialized_start=435
+  _globals['_DECODEREQUEST']._serialized_end=725
+  _globals['_TOKENCHUNK']._serialized_start=728
+  _globals['_TOKENCHUNK']._serialized_end=979
+  _globals['_CANCELDECODEREQUEST']._serialized_start=981
+  _globals['_CANCELDECODEREQUEST']._serialized_end=1022
+  _globals['_CANCELDECODERESPONSE']._serialized_start=1024
+  _globals['_CANCELDECODERESPONSE']._serialized_end=1061
+  _globals['_DECODEWORKER']._serialized_start=1064
+  _globals['_DECODEWORKER']._serialized_end=1301
 # @@protoc_insertion_point(module_scope)

@@ -22,18 +22,16 @@ class AllocateKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_reserved_output_tokens: _Optional[int] = ..., prefill_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class AllocateKVResponse(_message.Message):
-    __slots__ = ("layout", "block_tables", "agent_name", "transfer_modes", "expires_at_unix_ms")
+    __slots__ = ("layout", "block_tables", "transfer_modes", "expires_at_unix_ms")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
-    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MODES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.KVLayout
     block_tables: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTable]
-    agent_name: str
     transfer_modes: _containers.RepeatedScalarFieldContainer[_common_pb2.TransferMode]
     expires_at_unix_ms: int
-    def __init__(self, layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[_common_pb2.BlockTable, _Mapping]]] = ..., agent_name: _Optional[str] = ..., transfer_modes: _Optional[_Iterable[_Union[_common_pb2.TransferMode, str]]] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[_common_pb2.BlockTable, _Mapping]]] = ..., transfer_modes: _Optional[_Iterable[_Union[_common_pb2.TransferMode, str]]] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "first_token_logprob", "sampling_params", "kv_handle", "num_cached_tokens", "first_token_ids", "first_token_logprobs")

@@ -75,15 +75,15 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Decode one request. The worker fetches the KV named by kv_handle (pull
-        modes) or waits for the push to finish (KvTransfer.WatchLease), calls
-        KvTransfer.CompleteTransfer for each of its ranks, then streams tokens.
+        """Decode one request. The worker pulls the KV named by kv_handle over the
+        prefill pod's kv_transfer control channel (kv_transfer.proto), reports
+        each of its ranks done there, then streams tokens.
         The stream does NOT repeat first_token_id: its first chunk starts with
         the second generated token. The last chunk has finish_reason set.
         Errors before any token: INVALID_ARGUMENT, ALREADY_EXISTS (request_id
         decoding), RESOURCE_EXHAUSTED (no reservation and no free blocks),
-        FAILED_PRECONDITION / NOT_FOUND (lease expired / unknown, passed through
-        from KvTransfer), UNAVAILABLE (prefill pod unreachable), ABORTED (the
+        FAILED_PRECONDITION / NOT_FOUND (lease expired / unknown, as the prefill
+        pod reports it), UNAVAILABLE (prefill pod unreachable), ABORTED (the
         transfer failed), DATA_LOSS (the KV read failed its checksums). When the
         KV could not be loaded, the trailing metadata carries
         "pdserve-kv-load-failed" (value: the prefill pod it came from), so the

@@ -22,36 +22,13 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from pdserve_api.v1 import common_pb2 as pdserve__api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve_api/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x1bpdserve_api/v1/common.proto\"\xa7\x01\n\tAgentInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x18\n\x10serialized_descs\x18\x04 \x01(\x0c\x12\x18\n\x10region_base_addr\x18\x05 \x01(\x04\x12\x19\n\x11region_size_bytes\x18\x06 \x01(\x04\x12\x11\n\tdevice_id\x18\x07 \x01(\x05\"\xae\x01\n\x10HandshakeRequest\x12\x13\n\x0bpeer_pod_id\x18\x01 \x01(\t\x12\x17\n\x0fpeer_agent_name\x18\x02 \x01(\t\x12*\n\x0bpeer_agents\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.AgentInfo\x12)\n\x0bpeer_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x15\n\rcluster_token\x18\x05 \x01(\t\"\xb6\x01\n\x11HandshakeResponse\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12%\n\x06\x61gents\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.AgentInfo\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x30\n\x0etransfer_modes\x18\x05 \x03(\x0e\x32\x18.pdserve.v1.TransferMode\"%\n\x11WatchLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"r\n\rLayerProgress\x12\x13\n\x0blayers_done\x18\x01 \x01(\x05\x12\x14\n\x0ctotal_layers\x18\x02 \x01(\x05\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.pdserve.v1.LeaseState\x12\x0f\n\x07message\x18\x04 \x01(\t\"A\n\tKVSegment\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x12\n\nsrc_offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"u\n\rReadKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x10\n\x08\x64st_rank\x18\x02 \x01(\x05\x12\'\n\x08segments\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.KVSegment\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\"\'\n\x07KVChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"@\n\x17\x43ompleteTransferRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_rank\x18\x02 \x01(\x05\"L\n\x18\x43ompleteTransferResponse\x12\x17\n\x0flease_completed\x18\x01 \x01(\x08\x12\x17\n\x0franks_remaining\x18\x02 \x01(\x05\x32\xbb\x02\n\nKvTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12H\n\nWatchLease\x12\x1d.pdserve.v1.WatchLeaseRequest\x1a\x19.pdserve.v1.LayerProgress0\x01\x12:\n\x06ReadKV\x12\x19.pdserve.v1.ReadKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12]\n\x10\x43ompleteTransfer\x12#.pdserve.v1.CompleteTransferRequest\x1a$.pdserve.v1.CompleteTransferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve_api/v1/kv_transfer.proto\x12\npdserve.v1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_api.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AGENTINFO']._serialized_start=78
-  _globals['_AGENTINFO']._serialized_end=245
-  _globals['_HANDSHAKEREQUEST']._serialized_start=248
-  _globals['_HANDSHAKEREQUEST']._serialized_end=422
-  _globals['_HANDSHAKERESPONSE']._serialized_start=425
-  _globals['_HANDSHAKERESPONSE']._serialized_end=607
-  _globals['_WATCHLEASEREQUEST']._serialized_start=609
-  _globals['_WATCHLEASEREQUEST']._serialized_end=646
-  _globals['_LAYERPROGRESS']._serialized_start=648
-  _globals['_LAYERPROGRESS']._serialized_end=762
-  _globals['_KVSEGMENT']._serialized_start=764
-  _globals['_KVSEGMENT']._serialized_end=829
-  _globals['_READKVREQUEST']._serialized_start=831
-  _globals['_READKVREQUEST']._serialized_end=948
-  _globals['_KVCHUNK']._serialized_start=950
-  _globals['_KVCHUNK']._serialized_end=989
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_start=991
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_end=1055
-  _globals['_COMPLETETRANSFERRESPONSE']._serialized_start=1057
-  _globals['_COMPLETETRANSFERRESPONSE']._serialized_end=1133
-  _globals['_KVTRANSFER']._serialized_start=1136
-  _globals['_KVTRANSFER']._serialized_end=1451
 # @@protoc_insertion_point(module_scope)

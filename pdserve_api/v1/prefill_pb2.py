@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve_api.v1 import common_pb2 as pdserve__api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve_api/v1/prefill.proto\x12\npdserve.v1\x1a\x1bpdserve_api/v1/common.proto\"\xbf\x01\n\x0c\x44\x65\x63odeTarget\x12\x15\n\rdecode_pod_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12,\n\x0c\x62lock_tables\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.BlockTable\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x30\n\x0etransfer_modes\x18\x05 \x03(\x0e\x32\x18.pdserve.v1.TransferMode\"\xfc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12/\n\rdecode_target\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.DecodeTarget\x12/\n\rtransfer_mode\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.TransferMode\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x07 \x01(\x01\"\xac\x03\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x39\n\x18\x66irst_token_top_logprobs\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12/\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x0f\n\x07queue_s\x18\t \x01(\x01\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12.\n\x0c\x66irst_tokens\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.SampledToken\x12\x33\n\x0fprompt_logprobs\x18\x0c \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x15\x43\x61ncelPrefillResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"$\n\x10ReleaseKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xf3\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve_api/v1/prefill.proto\x12\npdserve.v1\x1a\x1bpdserve_api/v1/common.proto\"\xa3\x01\n\x0c\x44\x65\x63odeTarget\x12\x15\n\rdecode_pod_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x30\n\x0etransfer_modes\x18\x05 \x03(\x0e\x32\x18.pdserve.v1.TransferModeJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\x0c\x62lock_tablesR\nagent_name\"\xfc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12/\n\rdecode_target\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.DecodeTarget\x12/\n\rtransfer_mode\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.TransferMode\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x07 \x01(\x01\"\xac\x03\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x39\n\x18\x66irst_token_top_logprobs\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12/\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x0f\n\x07queue_s\x18\t \x01(\x01\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12.\n\x0c\x66irst_tokens\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.SampledToken\x12\x33\n\x0fprompt_logprobs\x18\x0c \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x15\x43\x61ncelPrefillResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"$\n\x10ReleaseKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xf3\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_api.v1.prefill_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODETARGET']._serialized_start=74
-  _globals['_DECODETARGET']._serialized_end=265
-  _globals['_PREFILLREQUEST']._serialized_start=268
-  _globals['_PREFILLREQUEST']._serialized_end=520
-  _globals['_PREFILLRESPONSE']._serialized_start=523
-  _globals['_PREFILLRESPONSE']._serialized_end=951
-  _globals['_CANCELPREFILLREQUEST']._serialized_start=953
-  _globals['_CANCELPREFILLREQUEST']._serialized_end=995
-  _globals['_CANCELPREFILLRESPONSE']._serialized_start=997
-  _globals['_CANCELPREFILLRESPONSE']._serialized_end=1035
-  _globals['_RELEASEKVREQUEST']._serialized_start=1037
-  _globals['_RELEASEKVREQUEST']._serialized_end=1073
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1075
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1112
-  _globals['_PREFILLWORKER']._serialized_start=1115
-  _globals['_PREFILLWORKER']._serialized_end=1358
+  _globals['_DECODETARGET']._serialized_end=237
+  _globals['_PREFILLREQUEST']._serialized_start=240
+  _globals['_PREFILLREQUEST']._serialized_end=492
+  _globals['_PREFILLRESPONSE']._serialized_start=495
+  _globals['_PREFILLRESPONSE']._serialized_end=923
+  _globals['_CANCELPREFILLREQUEST']._serialized_start=925
+  _globals['_CANCELPREFILLREQUEST']._serialized_end=967
+  _globals['_CANCELPREFILLRESPONSE']._serialized_start=969
+  _globals['_CANCELPREFILLRESPONSE']._serialized_end=1007
+  _globals['_RELEASEKVREQUEST']._serialized_start=1009
+  _globals['_RELEASEKVREQUEST']._serialized_end=1045
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1047
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1084
+  _globals['_PREFILLWORKER']._serialized_start=1087
+  _globals['_PREFILLWORKER']._serialized_end=1330
 # @@protoc_insertion_point(module_scope)

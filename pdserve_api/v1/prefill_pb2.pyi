@@ -8,18 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeTarget(_message.Message):
-    __slots__ = ("decode_pod_id", "layout", "block_tables", "agent_name", "transfer_modes")
+    __slots__ = ("decode_pod_id", "layout", "transfer_modes")
     DECODE_POD_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
-    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MODES_FIELD_NUMBER: _ClassVar[int]
     decode_pod_id: str
     layout: _common_pb2.KVLayout
-    block_tables: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTable]
-    agent_name: str
     transfer_modes: _containers.RepeatedScalarFieldContainer[_common_pb2.TransferMode]
-    def __init__(self, decode_pod_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[_common_pb2.BlockTable, _Mapping]]] = ..., agent_name: _Optional[str] = ..., transfer_modes: _Optional[_Iterable[_Union[_common_pb2.TransferMode, str]]] = ...) -> None: ...
+    def __init__(self, decode_pod_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., transfer_modes: _Optional[_Iterable[_Union[_common_pb2.TransferMode, str]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "decode_target", "transfer_mode", "lease_id", "lease_ttl_s")

@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class PrefillWorkerStub:
     """Runs prompt forward passes and keeps the resulting KV under a lease for the
-    decode pod (see KvTransfer, served by the same pod on kv_transfer_address).
+    decode pod (served by the same pod on kv_transfer_address: kv_transfer.proto).
     """
 
     def __init__(self, channel):
@@ -55,13 +55,12 @@ class PrefillWorkerStub:
 
 class PrefillWorkerServicer:
     """Runs prompt forward passes and keeps the resulting KV under a lease for the
-    decode pod (see KvTransfer, served by the same pod on kv_transfer_address).
+    decode pod (served by the same pod on kv_transfer_address: kv_transfer.proto).
     """
 
     def Prefill(self, request, context):
         """Prefill one prompt, sample the first token and create the KV lease.
-        Returns when the forward pass is done (in NIXL_PUSH mode the push may
-        still be in flight; KvTransfer.WatchLease reports its progress).
+        Returns when the forward pass is done.
         Errors: INVALID_ARGUMENT (empty prompt, prompt longer than
         max_model_len, decode target layout incompatible with this pod's model),
         ALREADY_EXISTS (request_id or lease_id in flight), RESOURCE_EXHAUSTED (no
@@ -81,8 +80,8 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseKV(self, request, context):
-        """Free a lease's KV early (e.g. decode failed). Later KvTransfer calls on it
-        get NOT_FOUND. Unknown leases: released = false.
+        """Free a lease's KV early (e.g. decode failed). Later kv_transfer requests
+        on it are refused. Unknown leases: released = false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,7 +115,7 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PrefillWorker:
     """Runs prompt forward passes and keeps the resulting KV under a lease for the
-    decode pod (see KvTransfer, served by the same pod on kv_transfer_address).
+    decode pod (served by the same pod on kv_transfer_address: kv_transfer.proto).
     """
 
     @staticmethod

@@ -161,7 +161,7 @@ def dreq(kv_address: str, **kw) -> decode_pb2.DecodeRequest:
             num_layers=2,
             num_tokens=5,
             ttl_s=30,
-            transfer_mode=pb.TRANSFER_MODE_GRPC,
+            transfer_mode=pb.TRANSFER_MODE_TCP,
             layout=_layout(),
             block_tables=[pb.BlockTable(block_ids=[0], num_tokens=5)],
         ),
@@ -192,7 +192,10 @@ def bad_decodes(kv_address: str):
         st.builds(lambda v: dreq(kv_address, first_token_logprob=v), NON_FINITE),
         st.builds(lambda v: dreq(kv_address, num_cached_tokens=v), st.one_of(NEG32, st.integers(6, 2**31 - 1))),
         st.builds(lambda sp: dreq(kv_address, sampling_params=sp), POD_BAD_SAMPLING),
-        st.builds(lambda m: dreq(kv_address, kv_handle__transfer_mode=m), st.one_of(NEG32, st.integers(4, 2**31 - 1))),
+        st.builds(
+            lambda m: dreq(kv_address, kv_handle__transfer_mode=m),
+            st.one_of(st.just(2), NEG32, st.integers(4, 2**31 - 1)),
+        ),
         st.builds(
             lambda a: dreq(kv_address, kv_handle__kv_transfer_address=a),
             st.sampled_from(["", "file:///tmp/kv.pt", "file://"]),

@@ -282,7 +282,7 @@ def test_decode_service_end_to_end(tiny_models, handed, registry):
             req.kv_handle.kv_transfer_address = ""
             list(pod.stub.Decode(req))
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert list(resp.transfer_modes) == [common_pb2.TRANSFER_MODE_GRPC]
+        assert list(resp.transfer_modes) == [common_pb2.TRANSFER_MODE_TCP]
 
         # Decode the reserved request: the stream starts at the second token, token-identical to transformers.
         chunks = list(pod.stub.Decode(_request("a", prompt, h1, 32, logprobs=True)))

@@ -350,7 +350,7 @@ def test_compose_cluster_kv_over_tcp_fallback(tools, image, engine_tokens):
     try:
         _report(f"compose up --wait (kv_transfer TCP fallback): {cluster.up():.0f} s")
         _all_healthy(cluster)
-        _kv_requests(cluster, engine_tokens, "grpc", "TCP fallback")
+        _kv_requests(cluster, engine_tokens, "tcp", "TCP fallback")
     finally:
         cluster.down()
 

@@ -12,7 +12,7 @@ from kv_transfer.transport import Endpoint, KVHandoff
 from pdserve.errors import ServiceError
 from pdserve.pod.convert import handoff_to_kv_handle, kv_handle_to_handoff, layout_from_proto, layout_to_proto
 from pdserve.pod.lifecycle import MAX_ID_LEN, id_problem
-from pdserve.pod.sampling import unsupported_fields
+from pdserve.pod.sampling import num_sequences
 from pdserve.sampling_params import SamplingParamsError
 from pdserve_api.v1 import common_pb2 as pb
 from prefill_svc.sampling import sampling_from_proto
@@ -32,7 +32,6 @@ NEUTRAL = pb.SamplingParams(repetition_penalty=1.0, presence_penalty=0.0, freque
 
 @pytest.mark.parametrize("sp", IMPLEMENTED, ids=lambda sp: str(sp).split(":")[0])
 def test_router_prefill_and_decode_accept_the_same_fields(sp):
-    assert unsupported_fields(sp) == []
     _check_sampling(sp, vocab=256)
     params, _ = sampling_from_proto(sp)
     decode = sampling_params_from_proto(sp, max_model_len=64)
@@ -48,6 +47,13 @@ OUT_OF_RANGE = [
     (pb.SamplingParams(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5."),
     (pb.SamplingParams(frequency_penalty=-3.0), "frequency_penalty must be in [-2, 2], got -3.0."),
     (pb.SamplingParams(min_p=1.5), "min_p must be in [0, 1], got 1.5."),
+    (pb.SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
+    (pb.SamplingParams(temperature=-1), "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    (
+        pb.SamplingParams(repetition_penalty=float("inf")),
+        "repetition_penalty must be a finite number greater than zero, got inf.",
+    ),
+    (pb.SamplingParams(stop_token_ids=[-1]), "stop_token_ids must be non-negative integers"),
 ]
 
 
@@ -61,6 +67,16 @@ def test_router_prefill_and_decode_refuse_the_same_values_with_vllms_message(sp,
         sampling_params_from_proto(sp, max_model_len=64)
 
 
+def test_router_and_pods_refuse_best_of_below_n_with_one_message():
+    sp, msg = pb.SamplingParams(n=3, best_of=2), "best_of must be greater than or equal to n, got n=3 and best_of=2."
+    with pytest.raises(ServiceError, match=re.escape(msg)):
+        _check_sampling(sp, vocab=256)
+    with pytest.raises(SamplingParamsError, match=re.escape(msg)):
+        sampling_from_proto(sp)
+    with pytest.raises(SamplingParamsError, match=re.escape(msg)):
+        num_sequences(sp)  # the decode pod's check
+
+
 def test_logit_bias_outside_the_vocabulary_is_refused_by_the_router():
     msg = "logit_bias has token ids out of the model's vocabulary [0, 256): [300]"
     with pytest.raises(ServiceError, match=re.escape(msg)):
@@ -68,7 +84,6 @@ def test_logit_bias_outside_the_vocabulary_is_refused_by_the_router():
 
 
 def test_neutral_values_are_accepted_everywhere():
-    assert unsupported_fields(NEUTRAL) == []
     _check_sampling(NEUTRAL, vocab=256)
     params, client = sampling_from_proto(NEUTRAL)
     assert params.max_tokens == 1 and params.greedy and client.max_tokens is None
@@ -97,7 +112,7 @@ def test_kv_handle_round_trip():
         "tcp",
     )
     kh = handoff_to_kv_handle(h, "p0", ttl_s=5.0)
-    assert kh.kv_transfer_address == "127.0.0.1:7001,127.0.0.1:7002" and kh.transfer_mode == pb.TRANSFER_MODE_GRPC
+    assert kh.kv_transfer_address == "127.0.0.1:7001,127.0.0.1:7002" and kh.transfer_mode == pb.TRANSFER_MODE_TCP
     back = kv_handle_to_handoff(kh, "req-1")
     assert (back.lease_id, back.num_tokens, back.block_tables, back.transport) == (
         "lease-1",

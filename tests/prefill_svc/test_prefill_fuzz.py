@@ -106,12 +106,13 @@ BAD_PREFILLS = st.one_of(
     ),
     st.builds(lambda n: good(prompt_token_ids=[7] * n), st.integers(MAX_MODEL_LEN, 4 * MAX_MODEL_LEN)),
     st.builds(lambda sp: good(sampling_params=sp), POD_BAD_SAMPLING),
-    st.builds(lambda m: good(transfer_mode=m), st.one_of(st.integers(4, 2**31 - 1), NEG32)),
-    # modes this TCP pod does not serve
-    st.sampled_from([good(transfer_mode=pb.TRANSFER_MODE_NIXL_PUSH), good(transfer_mode=pb.TRANSFER_MODE_NIXL_PULL)]),
+    # not TransferModes (2: the retired NIXL_PUSH)
+    st.builds(lambda m: good(transfer_mode=m), st.one_of(st.just(2), st.integers(4, 2**31 - 1), NEG32)),
+    # a mode this TCP pod does not serve
+    st.just(good(transfer_mode=pb.TRANSFER_MODE_NIXL_PULL)),
     st.builds(
-        lambda m: good(decode_target=prefill_pb2.DecodeTarget(transfer_modes=[pb.TRANSFER_MODE_GRPC, m])),
-        st.one_of(st.just(0), st.integers(4, 2**31 - 1), NEG32),
+        lambda m: good(decode_target=prefill_pb2.DecodeTarget(transfer_modes=[pb.TRANSFER_MODE_TCP, m])),
+        st.one_of(st.sampled_from([0, 2]), st.integers(4, 2**31 - 1), NEG32),
     ),
     # a decode layout of another model, or one that cannot exist
     st.builds(

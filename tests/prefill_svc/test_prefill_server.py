@@ -170,7 +170,7 @@ def test_prefill_returns_first_token_and_lease(pod, tiny_model):
     kh = resp.kv_handle
     assert kh.lease_id and kh.prefill_pod_id == "prefill-test-0" and kh.num_tokens == 200
     assert kh.kv_transfer_address == pod.info["kv_endpoints"][0]
-    assert kh.transfer_mode == pb.TRANSFER_MODE_GRPC and kh.num_layers == 2 and kh.layout.num_blocks == NUM_BLOCKS
+    assert kh.transfer_mode == pb.TRANSFER_MODE_TCP and kh.num_layers == 2 and kh.layout.num_blocks == NUM_BLOCKS
     assert len(kh.block_tables) == 1 and len(kh.block_tables[0].block_ids) == 13
     held = pod.wait_metric("pdserve_prefill_kv_held_blocks", lambda v: v == 13)
     assert held == 13 and pod.metrics()["pdserve_prefill_kv_leases"] == 1
@@ -204,7 +204,8 @@ def test_errors_map_to_status_codes(pod):
         )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
-        pod.stub.Prefill(greedy_request("bad3", [5, 6], transfer_mode=pb.TRANSFER_MODE_NIXL_PUSH), timeout=30)
+        # 2: the retired NIXL_PUSH, no longer a TransferMode
+        pod.stub.Prefill(greedy_request("bad3", [5, 6], transfer_mode=2), timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     wrong = pb.KVLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32", tp_size=1)
     with pytest.raises(grpc.RpcError) as e:
@@ -291,7 +292,7 @@ def test_registers_and_heartbeats(pod, registry):
     assert r.address == pod.info["address"] and r.kv_transfer_address == pod.info["kv_endpoints"][0]
     assert r.model_shape.num_layers == 2 and r.model_shape.num_kv_heads == 2 and r.model_shape.dtype == "float32"
     assert r.parallel.tensor_parallel_size == 1 and r.kv_layout.num_blocks == NUM_BLOCKS
-    assert r.capacity.max_num_batched_tokens == 256 and list(r.capacity.transfer_modes) == [pb.TRANSFER_MODE_GRPC]
+    assert r.capacity.max_num_batched_tokens == 256 and list(r.capacity.transfer_modes) == [pb.TRANSFER_MODE_TCP]
     assert [k.free_blocks for k in r.kv] == [NUM_BLOCKS]
     hb = reg.of("heartbeat")[-1]
     assert hb.pod_id == "prefill-test-0" and hb.state == pb.POD_STATE_READY and len(hb.kv) == 1

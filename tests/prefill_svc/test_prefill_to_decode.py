@@ -112,7 +112,6 @@ def generate(pstub, dstub, rid: str, ids: list[int]) -> tuple[list[int], prefill
             decode_target=prefill_pb2.DecodeTarget(
                 decode_pod_id="decode-e2e",
                 layout=alloc.layout,
-                block_tables=alloc.block_tables,
                 transfer_modes=alloc.transfer_modes,
             ),
         ),
@@ -188,7 +187,6 @@ def test_kv_read_in_the_wrong_order_is_refused_with_data_loss(pods, tiny_model):
             decode_target=prefill_pb2.DecodeTarget(
                 decode_pod_id="decode-e2e",
                 layout=alloc.layout,
-                block_tables=alloc.block_tables,
                 transfer_modes=alloc.transfer_modes,
             ),
         ),

@@ -101,7 +101,7 @@ def test_mla_decode_pods_match_transformers(tmp_path, mla_model, transport):
     cluster = _cluster(tmp_path / "cluster", mla_model, transport)
     pairs = {(f"p{p}", f"d{t}x{d}i{i}") for p in PREFILL_TPS for t, d, i in DECODE_PODS[transport]}
     rng = random.Random(17)
-    want_mode = {"tcp": common_pb2.TRANSFER_MODE_GRPC, "nixl": common_pb2.TRANSFER_MODE_NIXL_PULL}[transport]
+    want_mode = {"tcp": common_pb2.TRANSFER_MODE_TCP, "nixl": common_pb2.TRANSFER_MODE_NIXL_PULL}[transport]
     cluster.start(timeout=900)
     try:
 

@@ -289,8 +289,6 @@ def test_stalled_transfer_times_out_and_frees_kv_on_both_sides(cluster, tiny_mod
                         decode_target=prefill_pb2.DecodeTarget(
                             decode_pod_id="d0",
                             layout=alloc.layout,
-                            block_tables=alloc.block_tables,
-                            agent_name=alloc.agent_name,
                             transfer_modes=alloc.transfer_modes,
                         ),
                     ),

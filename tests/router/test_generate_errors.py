@@ -54,9 +54,9 @@ def test_no_pods_is_unavailable():
         (router_pb2.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty"),
         (gen(ids=(1, 300)), grpc.StatusCode.INVALID_ARGUMENT, "out of range for the model's vocabulary [0, 256)"),
         (gen(ids=range(1, 200)), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len is 128"),
-        (gen(temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
+        (gen(temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be a finite number >= 0"),
         (gen(top_p=0), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
-        (gen(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1"),
+        (gen(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be an integer >= 1, got 0"),
         (gen(stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop strings must be non-empty"),
         (
             gen(max_tokens=2, min_tokens=3),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 import grpc
 
@@ -114,11 +114,11 @@ def make_request(
     )
 
 
-def role_value(role: str | int | None) -> int:
+def role_value(role: str | int | None) -> common_pb2.Role:
     if role is None or role == "":
         return common_pb2.ROLE_UNSPECIFIED
     if isinstance(role, int):
-        return role
+        return cast("common_pb2.Role", role)  # a Role number, passed through as given
     name = role.upper()
     if not name.startswith("ROLE_"):
         name = "ROLE_" + name

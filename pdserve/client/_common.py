@@ -7,8 +7,6 @@ import threading
 import time
 from typing import Any, Iterable, Sequence, cast
 
-import grpc
-
 from pdserve.client.types import Message, Prompt, build_generate_request, sampling_params
 from pdserve.security import TLSConfig, grpc_options
 from pdserve_api.v1 import common_pb2, router_pb2
@@ -159,11 +157,3 @@ def validate_request(
             )
         )
     return req
-
-
-def is_cancel_error(e: BaseException) -> bool:
-    return isinstance(e, grpc.RpcError) and hasattr(e, "code") and e.code() == grpc.StatusCode.CANCELLED
-
-
-def as_list(v: Sequence[Any] | None) -> list[Any]:
-    return list(v) if v is not None else []

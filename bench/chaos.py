@@ -38,17 +38,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.soak import (
+from bench.common import (
     Outcome,
     Planned,
     SoakConfig,
-    _one,
-    _pct,
     cluster_snapshot,
     leaked_blocks,
     offline_reference,
+    percentile,
     plan_requests,
     resolve_model,
+    stream_request,
 )
 
 FAULT_KINDS = (
@@ -320,7 +320,7 @@ async def _load(addresses: list[str], plan: list[Planned], cfg: ChaosConfig, clu
             while todo and not stop.is_set():
                 p = todo.pop()
                 issued.append(p.index)
-                o = await _one(client, p, s, live)
+                o = await stream_request(client, p, s, live)
                 done.append(o)
                 if o.status == "RESOURCE_EXHAUSTED":
                     await asyncio.sleep(s.refused_backoff_s)
@@ -506,7 +506,7 @@ def evaluate(
         "faults": nem.faults,
         "last_fault_at_s": None if nem.last_fault_end is None else nem.last_fault_end - t0,
         "load_s": t1 - t0,
-        "ttft_ms_p50": _pct([o.ttft_s for o in outcomes if o.ttft_s is not None], 50) * 1e3,
+        "ttft_ms_p50": percentile([o.ttft_s for o in outcomes if o.ttft_s is not None], 50) * 1e3,
         "ratios": {
             "completed_share": completed / n_issued,
             "recovery_s_over_limit": (rec / cfg.recovery_limit_s) if rec is not None else float("inf"),

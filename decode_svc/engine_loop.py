@@ -76,7 +76,7 @@ class EngineLoop:
         self.stats = PodStats()
         self._steps = 0
         # Called once, on the engine thread, when the engine fails (e.g. RankDied); the server turns unhealthy.
-        self.on_failure: Callable[[BaseException], None] | None = None
+        self.on_failure: Callable[[BaseException], object] | None = None
         self.observer: RequestObserver | None = None
 
     # --- lifecycle ---
@@ -116,6 +116,7 @@ class EngineLoop:
             fut.set_exception(EngineStopped(f"the decode engine stopped: {self._error or 'shutting down'}"))
             return
         try:
+            assert self.pod is not None  # commands run once the pod is up
             fut.set_result(fn(self.pod))
         except BaseException as e:
             fut.set_exception(e)
@@ -225,6 +226,7 @@ class EngineLoop:
 
     def _refresh_stats(self) -> None:
         pod = self.pod
+        assert pod is not None
         self.stats = PodStats(
             running=pod.num_running,
             waiting=pod.num_waiting,

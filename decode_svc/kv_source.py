@@ -48,7 +48,8 @@ class KVDeliveryError(ServiceError):
 
 @runtime_checkable
 class KVSource(Protocol):
-    num_tokens: int
+    @property
+    def num_tokens(self) -> int: ...  # read-only: sources may be frozen dataclasses
 
     def write_rank(
         self, conn: "DecodeKVConnector", block_table: list[int], cancelled: threading.Event | None = None

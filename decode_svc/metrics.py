@@ -18,7 +18,7 @@ from pdserve.engine.sequence import FinishReason
 from pdserve.pod.vllm_metrics import DecodeVllmMetrics, OnScrape, kv_usage
 
 # pdserve's finish reasons as vLLM's finished_reason label values
-_VLLM_REASON = {
+_VLLM_REASON: dict[FinishReason | None, str] = {  # None: not finished
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.CANCELLED: "abort",

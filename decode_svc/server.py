@@ -91,7 +91,7 @@ class DecodeServer:
         self._model_shape: common_pb2.ModelShape | None = None
         self._last_rate = (time.monotonic(), 0)
         self._rate = 0.0
-        self.transfer_modes: list[int] = []
+        self.transfer_modes: list[common_pb2.TransferMode] = []
         self._stopped = asyncio.Event()
 
     # --- lifecycle ---
@@ -116,12 +116,14 @@ class DecodeServer:
             raise OSError(f"cannot bind {self.config.serving.host}:{self.config.serving.port}")
         await self._server.start()
         if self.config.serving.metrics_port is not None:  # 0: any free port
-            collector = DecodeCollector(lambda: self.engine.stats, self.config.serving.pod_id, lambda: self.draining)
+            pod_id, model = self.config.serving.pod_id, self.config.engine.model
+            assert pod_id is not None and model is not None  # decode-0 unless set; DecodeConfig resolved the model
+            collector = DecodeCollector(lambda: self.engine.stats, pod_id, lambda: self.draining)
             self.engine.observer, self._metrics_http = start_metrics_server(
                 self.config.serving.metrics_port,
                 self.config.serving.host,
                 collector,
-                self.config.serving.served_model_name or Path(self.config.engine.model).name,
+                self.config.serving.served_model_name or Path(model).name,
             )
             self.metrics_port = self._metrics_http.server_port
         await set_health(self._health, SERVICE_NAME, serving=True)
@@ -159,6 +161,7 @@ class DecodeServer:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.registrar is not None:
+            assert self.config.serving.pod_id is not None  # the id it registered under
             await self.registrar.close(self.config.serving.pod_id)
         if self._server is not None:
             await self._server.stop(grace_s)
@@ -209,6 +212,7 @@ class DecodeServer:
 
     # --- registry messages (router) ---
     def _model_shape_of(self, pod: DecodePod) -> common_pb2.ModelShape:
+        assert self._layout is not None  # start() sets it first
         return model_shape_to_proto(pod.engine.model_config, pod.max_model_len, self._layout.dtype)
 
     @property
@@ -217,6 +221,7 @@ class DecodeServer:
 
     def _kv_stats(self) -> list[common_pb2.RankKVStats]:
         st = self.engine.stats
+        assert self._layout is not None  # set by start()
         total = self._layout.num_blocks
         return [common_pb2.RankKVStats(rank=r, free_blocks=f, total_blocks=total) for r, f in enumerate(st.blocks_free)]
 
@@ -224,6 +229,7 @@ class DecodeServer:
         if self.draining or self.engine.error is not None:  # a pod going away / broken does not (re-)register
             return None
         cfg = self.config
+        assert cfg.engine.model is not None  # DecodeConfig resolved it
         return registry_pb2.RegisterWorkerRequest(
             pod_id=cfg.serving.pod_id,
             role=common_pb2.ROLE_UNIFIED if cfg.unified else common_pb2.ROLE_DECODE,
@@ -307,6 +313,7 @@ class DecodeServer:
                 f"kv_handle has {len(checksums)} block checksums for {handoff.num_tokens} tokens in "
                 f"blocks of {handoff.layout.block_size}"
             )
+        assert self._puller_factory is not None  # set by start()
         return TransferKVSource(
             handoff.to_json(),
             handoff.num_tokens,
@@ -318,7 +325,7 @@ class DecodeServer:
         )
 
 
-def _transfer_modes(backend: str) -> list[int]:
+def _transfer_modes(backend: str) -> list[common_pb2.TransferMode]:
     nixl = backend == "nixl"
     if backend == "auto":
         from kv_transfer.factory import nixl_available
@@ -374,8 +381,10 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def AllocateKV(self, request: decode_pb2.AllocateKVRequest, context: grpc.aio.ServicerContext):
         s = self.s
         rid = request.request_id
-        if s.unavailable_reason():
-            raise Unavailable(s.unavailable_reason())
+        reason = s.unavailable_reason()
+        if reason:
+            raise Unavailable(reason)
+        assert s._layout is not None  # set by start()
         problem = allocate_request_problem(request) or (
             _layout_mismatch(request.prefill_layout, s._layout) if request.HasField("prefill_layout") else None
         )
@@ -445,8 +454,9 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         problem = decode_request_problem(request)
         if problem:
             raise InvalidArgument(problem)
-        if s.engine.error is not None:
-            raise Unavailable(s.unavailable_reason())
+        reason = s.unavailable_reason()
+        if s.engine.error is not None and reason is not None:  # reason is set whenever error is
+            raise Unavailable(reason)
         try:
             return sampling_params_from_proto(request.sampling_params, s.max_model_len), s.make_source(request)
         except ValueError as e:  # SamplingParamsError, or a KV source that cannot be built from the handle

@@ -3,7 +3,9 @@
 Modules: ``layout`` (one side's KV layout as byte arithmetic), ``plan`` (pure re-shard planner),
 ``transport`` (interfaces, handoff, typed errors), ``lease`` (prefill-side lease table),
 ``control`` (TCP control channel), ``publisher`` / ``puller`` (transport-independent sides),
-``nixl_transport`` / ``fallback_transport`` (the two data paths), ``factory`` (pick one).
+``region`` (byte access to a rank's KV region, for the copying paths), ``staging`` (staged reads: whole source
+blocks in a few big runs, scattered locally), ``nixl_transport`` / ``fallback_transport`` (the two data paths),
+``factory`` (pick one).
 
 Services use: ``make_publisher`` (prefill), ``make_puller`` (decode, one per rank), ``KVHandoff``.
 """

@@ -65,7 +65,8 @@ def _convert(gguf: Path, target: Path) -> None:
     cfg_dict.pop("quantization_config", None)
     cfg = LlamaConfig.from_dict(cfg_dict)
     cfg.architectures = ["LlamaForCausalLM"]
-    plain = LlamaForCausalLM(cfg).to(torch.float32)
+    # transformers wraps Module.to with functools.wraps, whose stub types the call as unbound (self first)
+    plain = LlamaForCausalLM(cfg).to(torch.float32)  # type: ignore[arg-type]
     plain.load_state_dict(quant.state_dict())
     plain.config.save_pretrained(str(tmp))
     tensors = {}

@@ -67,8 +67,8 @@ class Sampler:
     ) -> SampleOutput:
         """prompt_ids / output_ids: each row's tokens so far (needed when a row uses penalties or min_tokens)."""
         if _plain_greedy(logits, params):  # the common case in one pass (pdserve.kernels)
-            tokens, lps = kernels.greedy_pick(logits)
-            return SampleOutput(tokens.tolist(), lps.tolist(), [None] * len(params))
+            tokens, picked = kernels.greedy_pick(logits)
+            return SampleOutput(tokens.tolist(), picked.tolist(), [None] * len(params))
         logprobs_all = torch.log_softmax(logits.float(), dim=-1)
         x = logits
         if any(p.processed for p in params):

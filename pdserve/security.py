@@ -3,7 +3,7 @@
 - ``TLSConfig``: certificate files from flags / env (``--tls-cert-file`` / ``PDSERVE_TLS_CERT_FILE``, ...), checked
   when built (a missing, unreadable or mismatched file names the flag to fix), turned into gRPC server / channel
   credentials and ``ssl.SSLContext`` s for plain sockets. ``require_client_cert`` = mutual TLS.
-- ``http_server_tls`` / ``add_http_tls_arguments`` (``--http-tls-*``, ``PDSERVE_HTTP_TLS_*``): the OpenAI HTTP front's
+- ``http_server_tls`` (``--http-tls-*``, ``PDSERVE_HTTP_TLS_*``, router/config.py's flags): the OpenAI HTTP front's
   own serving certificate (HTTPS, mutual TLS), checked like TLSConfig, errors naming those flags.
 - ``bind`` / ``aio_channel`` / ``sync_channel``: the one place servers listen and channels dial, so TLS and the
   message-size limits (``grpc_options``) are the same everywhere.
@@ -277,37 +277,6 @@ HTTP_ENV = {
 }
 
 
-def add_http_tls_arguments(p: argparse.ArgumentParser) -> None:
-    """--http-tls-* flags: the certificate an HTTP server serves HTTPS with (defaults: PDSERVE_HTTP_TLS_*)."""
-    g = p.add_argument_group("HTTPS (this server's own certificate)")
-    env = os.environ
-    g.add_argument(
-        HTTP_FLAGS["cert_file"],
-        default=env.get(HTTP_ENV["cert_file"]) or None,
-        metavar="PEM",
-        help=f"serve HTTPS with this certificate (env {HTTP_ENV['cert_file']}); default: plain HTTP",
-    )
-    g.add_argument(
-        HTTP_FLAGS["key_file"],
-        default=env.get(HTTP_ENV["key_file"]) or None,
-        metavar="PEM",
-        help=f"private key of {HTTP_FLAGS['cert_file']} (env {HTTP_ENV['key_file']})",
-    )
-    g.add_argument(
-        HTTP_FLAGS["ca_file"],
-        default=env.get(HTTP_ENV["ca_file"]) or None,
-        metavar="PEM",
-        help=f"CA that signs client certificates, for {HTTP_FLAGS['require_client_cert']} (env {HTTP_ENV['ca_file']})",
-    )
-    g.add_argument(
-        HTTP_FLAGS["require_client_cert"],
-        action="store_true",
-        default=_truthy(env.get(HTTP_ENV["require_client_cert"], "")),
-        help=f"mutual TLS: refuse HTTPS clients without a certificate signed by {HTTP_FLAGS['ca_file']} "
-        f"(env {HTTP_ENV['require_client_cert']})",
-    )
-
-
 def _renamed(msg: str, flags: dict[str, str], env: dict[str, str]) -> str:
     """A TLSConfigError message with the --tls-* flag / PDSERVE_TLS_* names replaced by ``flags`` / ``env``."""
     names = {FLAGS[f]: flags[f] for f in flags} | {ENV[f]: env[f] for f in env}
@@ -343,13 +312,6 @@ def check_https_serving(tls: TLSConfig | None) -> None:
             f"{HTTP_FLAGS['ca_file']} ({HTTP_ENV['ca_file']}) only says which client certificates "
             f"to trust: serving HTTPS needs {HTTP_FLAGS['cert_file']} and {HTTP_FLAGS['key_file']}"
         )
-
-
-def http_tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
-    """The server-side TLSConfig of parsed --http-tls-* flags (add_http_tls_arguments), or None for plain HTTP."""
-    return http_server_tls(
-        args.http_tls_cert_file, args.http_tls_key_file, args.http_tls_ca_file, bool(args.http_tls_require_client_cert)
-    )
 
 
 # --- servers and channels ---------------------------------------------------------------------------------------

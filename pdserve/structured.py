@@ -62,6 +62,7 @@ class StructuredSpec:
         if size > MAX_SPEC_CHARS:
             raise StructuredOutputError(f"{self.kind} has {size} characters; at most {MAX_SPEC_CHARS} are allowed")
         if self.kind == "json_schema":
+            assert isinstance(self.value, str)  # checked above
             try:
                 schema = json.loads(self.value)
             except json.JSONDecodeError as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -95,7 +96,7 @@ class PrefillMetrics:
         self._rate_t, self._rate_tokens = time.monotonic(), 0
         self.last_tokens_per_s = 0.0
         self.http_port: int | None = None
-        self._http = None
+        self._http: WSGIServer | None = None
 
     def enable_vllm(self, model_name: str) -> None:
         """Add the vLLM-named families, labelled with the model name the pod serves (known once it loaded)."""

@@ -144,6 +144,7 @@ class PrefillServer:
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.worker.start)  # loads weights, spawns ranks
         eng = self.worker.engine
+        assert eng is not None and eng.config.model is not None  # started: the engine resolved its model
         if self.model_name is None:
             self.model_name = Path(eng.config.model).name
         self.metrics.enable_vllm(self.model_name)
@@ -245,31 +246,32 @@ class PrefillServer:
             )
 
     # --- requests ---
-    def supported_modes(self) -> list[int]:
+    def supported_modes(self) -> list[pb.TransferMode]:
         kv = self.worker.kv
         return list(_MODES[kv.transport]) if kv is not None else []
 
-    def choose_mode(self, request: prefill_pb2.PrefillRequest) -> tuple[int, str | None]:
+    def choose_mode(self, request: prefill_pb2.PrefillRequest) -> tuple[pb.TransferMode, str | None]:
         ours = self.supported_modes()
         lay = request.decode_target.layout
         if lay.num_layers:
             try:
                 theirs = layout_from_proto(lay)
             except ValueError as e:
-                return 0, f"decode_target.layout is invalid: {e}"
+                return pb.TRANSFER_MODE_UNSPECIFIED, f"decode_target.layout is invalid: {e}"
             mine = self.worker.layout
+            assert mine is not None  # set once the worker started
             dtype_problem = kv_dtype_mismatch(mine.dtype, theirs.dtype, prefill_name="this prefill pod")
             if dtype_problem:
-                return 0, dtype_problem
+                return pb.TRANSFER_MODE_UNSPECIFIED, dtype_problem
             if not theirs.same_model(mine):
-                return 0, (
+                return pb.TRANSFER_MODE_UNSPECIFIED, (
                     f"decode_target.layout (layers {theirs.num_layers}, kv heads {theirs.num_kv_heads}, "
                     f"head_dim {theirs.head_dim}, {theirs.dtype}) does not match this pod's model (layers "
                     f"{mine.num_layers}, kv heads {mine.num_kv_heads}, head_dim {mine.head_dim}, {mine.dtype})"
                 )
         if request.transfer_mode != pb.TRANSFER_MODE_UNSPECIFIED:
             if request.transfer_mode not in ours:
-                return 0, (
+                return pb.TRANSFER_MODE_UNSPECIFIED, (
                     f"transfer_mode {pb.TransferMode.Name(request.transfer_mode)} is not supported by this pod "
                     f"(supports: {', '.join(pb.TransferMode.Name(m) for m in ours) or 'none'})"
                 )
@@ -279,7 +281,7 @@ class PrefillServer:
                 return m, None
         return (ours[0] if ours else pb.TRANSFER_MODE_UNSPECIFIED), None
 
-    def response(self, res: PrefillResult, mode: int) -> prefill_pb2.PrefillResponse:
+    def response(self, res: PrefillResult, mode: pb.TransferMode) -> prefill_pb2.PrefillResponse:
         resp = prefill_pb2.PrefillResponse(
             first_token_id=res.first_token_id,
             first_token_logprob=res.first_token_logprob,
@@ -315,6 +317,7 @@ class PrefillServer:
             kh.transfer_mode = mode
             kh.block_checksums.extend(res.kv_checksums or ())
         else:  # no KV transport: the lease only holds the blocks (ReleaseKV / TTL)
+            assert self.worker.layout is not None  # set once the worker started
             kh = pb.KVHandle(
                 lease_id=res.lease_id,
                 prefill_pod_id=self.pod_id,
@@ -342,6 +345,7 @@ class PrefillServer:
             return None
         eng, cfg = self.worker.engine, self.config
         kv = self.worker.kv
+        assert eng is not None and self.worker.layout is not None  # registers once the worker started
         return registry_pb2.RegisterWorkerRequest(
             pod_id=self.pod_id,
             role=pb.ROLE_PREFILL,

@@ -174,6 +174,12 @@ class PrefillWorker(KVConnectorScheduler):
         self._thread = None
 
     @property
+    def _eng(self) -> LLMEngine:
+        """The engine, from the engine thread once _run started it."""
+        assert self.engine is not None
+        return self.engine
+
+    @property
     def idle(self) -> bool:
         """Nothing held: no prefill in flight, no KV under a lease."""
         return not self._jobs and not self._leases
@@ -208,7 +214,7 @@ class PrefillWorker(KVConnectorScheduler):
     def begin_drain(self) -> None:
         self.draining = True
 
-    def _call(self, fn: Callable[[], None]) -> None:
+    def _call(self, fn: Callable[[], object]) -> None:
         if self._thread is None or not self._thread.alive:
             raise Draining("the prefill engine is not running")
         self._thread.put(fn)
@@ -262,7 +268,7 @@ class PrefillWorker(KVConnectorScheduler):
             self._shutdown_engine(thread)
 
     def _loop(self, thread: EngineThread) -> None:
-        eng = self.engine
+        eng = self._eng
         while True:
             thread.run_commands(0.0 if eng.has_unfinished() else 0.05)
             if thread.stopping:
@@ -342,7 +348,7 @@ class PrefillWorker(KVConnectorScheduler):
                 raise RankDied(self.failed)
             if self.draining or self._stopping:
                 raise Draining("this prefill pod is draining and takes no new requests; retry on another pod")
-            eng = self.engine
+            eng = self._eng
             if not request_id:
                 raise InvalidRequest("request_id must not be empty")
             if request_id in self._jobs or request_id in self._lease_of_request:
@@ -400,7 +406,7 @@ class PrefillWorker(KVConnectorScheduler):
 
     def _first_reason(self, job: _Job, tok: int) -> str | None:
         """Why a sequence ends at its first token (None: it goes on to decode)."""
-        c, eng = job.client, self.engine
+        c, eng = job.client, self._eng
         if c.min_tokens <= 1 and (tok in c.stop_token_ids or (tok in eng.eos_ids and not c.ignore_eos)):
             return "stop"
         if c.max_tokens == 1 or job.prompt_len + 1 >= eng.max_model_len:
@@ -409,7 +415,7 @@ class PrefillWorker(KVConnectorScheduler):
 
     def _on_output(self, outs: list[Any]) -> None:
         """The first token(s) of one request: one output per sequence (n of them for parallel sampling)."""
-        eng = self.engine
+        eng = self._eng
         outs = sorted(outs, key=lambda o: o.index)
         out = outs[0]
         job = self._jobs.pop(out.request_id, None)
@@ -482,7 +488,7 @@ class PrefillWorker(KVConnectorScheduler):
     def _cancel(self, request_id: str, why: str) -> bool:
         job = self._jobs.pop(request_id, None)
         if job is not None:
-            self.engine.abort(request_id)  # not yet at its first token: no lease was published
+            self._eng.abort(request_id)  # not yet at its first token: no lease was published
             self._settle(job.future, exc=Cancelled(f"prefill of {request_id!r} cancelled ({why})"))
             self._emit("cancelled", request_id)
             return True
@@ -495,6 +501,7 @@ class PrefillWorker(KVConnectorScheduler):
             return False
         lease.released = True
         if lease.pending_ranks:
+            assert self.kv is not None  # ranks are pending only with a KV transport
             self.kv.abort([lease_id], reason)  # publishers free it once no read is in flight (on_free)
         else:
             self._drop_lease(lease, reason)
@@ -503,7 +510,7 @@ class PrefillWorker(KVConnectorScheduler):
     def _drop_lease(self, lease: _Lease, reason: str) -> None:
         self._leases.pop(lease.lease_id, None)
         self._lease_of_request.pop(lease.request_id, None)
-        self.engine.release(lease.request_id)
+        self._eng.release(lease.request_id)
         self._leases_freed[reason] = self._leases_freed.get(reason, 0) + 1
         self._emit("freed", lease.request_id)
 
@@ -552,13 +559,13 @@ class PrefillWorker(KVConnectorScheduler):
     def _fail_all(self, err: Exception) -> None:
         for rid in list(self._jobs):
             job = self._jobs.pop(rid)
-            self.engine.abort(rid)
+            self._eng.abort(rid)
             self._settle(
                 job.future, exc=err if isinstance(err, PrefillError) else PrefillError(f"prefill failed: {err!r}")
             )
 
     def _update_stats(self) -> None:
-        eng = self.engine
+        eng = self._eng
         sch = eng.scheduler
         queued = sum(s.num_tokens - s.num_computed for s in list(sch.waiting) + sch.running if s.prefilling)
         held = {b for s in eng.held.values() for t in s.block_tables for b in t}
@@ -598,4 +605,4 @@ class PrefillWorker(KVConnectorScheduler):
             self._drop_lease(lease, "shutdown")
         self._update_stats()
         self._flush_settled()
-        self.engine.shutdown()
+        self._eng.shutdown()

@@ -158,6 +158,7 @@ class TorchAttentionBackend:
         allowed = idx.unsqueeze(0) < ctx.unsqueeze(1)
         if meta.sliding_window is not None:
             allowed &= idx.unsqueeze(0) > (ctx.unsqueeze(1) - 1 - meta.sliding_window)
+        empty: torch.Tensor | None
         empty = ctx == 0
         if bool(empty.any()):
             allowed[empty, 0] = True  # keep the kernel finite; these rows are zeroed after

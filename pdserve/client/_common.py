@@ -5,9 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Iterable, Sequence
-
-import grpc
+from typing import Any, Iterable, Sequence, cast
 
 from pdserve.client.types import Message, Prompt, build_generate_request, sampling_params
 from pdserve.security import TLSConfig, grpc_options
@@ -114,11 +112,11 @@ def make_request(
     )
 
 
-def role_value(role: str | int | None) -> int:
+def role_value(role: str | int | None) -> common_pb2.Role:
     if role is None or role == "":
         return common_pb2.ROLE_UNSPECIFIED
     if isinstance(role, int):
-        return role
+        return cast("common_pb2.Role", role)  # a Role number, passed through as given
     name = role.upper()
     if not name.startswith("ROLE_"):
         name = "ROLE_" + name
@@ -159,11 +157,3 @@ def validate_request(
             )
         )
     return req
-
-
-def is_cancel_error(e: BaseException) -> bool:
-    return isinstance(e, grpc.RpcError) and hasattr(e, "code") and e.code() == grpc.StatusCode.CANCELLED
-
-
-def as_list(v: Sequence[Any] | None) -> list[Any]:
-    return list(v) if v is not None else []

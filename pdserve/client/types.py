@@ -12,9 +12,9 @@ from pdserve_api.v1 import common_pb2, router_pb2
 # What a prompt may be: text, or token ids used verbatim.
 Prompt = Union[str, Sequence[int]]
 # A chat message: {"role": ..., "content": ...}, or a (role, content) pair.
-Message = Union[Mapping[str, str], Sequence[str]]
+Message = Union[Mapping[str, Any], Sequence[str]]
 
-_FINISH_NAMES = {
+_FINISH_NAMES: dict[int, str | None] = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -422,6 +422,7 @@ def build_generate_request(
     elif isinstance(prompt, str):
         req.text = prompt
     else:
+        assert prompt is not None  # exactly one of prompt and messages, checked above
         req.token_ids.SetInParent()
         req.token_ids.ids.extend(int(t) for t in prompt)
     if params is not None:

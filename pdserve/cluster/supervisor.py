@@ -73,6 +73,12 @@ class Service:
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    @property
+    def started_proc(self) -> subprocess.Popen:
+        """The process of a service that was started."""
+        assert self.proc is not None, f"{self.name} was never started"
+        return self.proc
+
     def log_tail(self, n: int = 30) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
@@ -487,7 +493,7 @@ class LocalCluster:
         from pdserve.security import sync_channel
 
         pending = {s.name: s for s in services}
-        channels = {}
+        channels: dict[str, grpc.Channel] = {}
         try:
             while pending:
                 self._check_alive(services)
@@ -770,12 +776,13 @@ class LocalCluster:
             self._terminate(phase, grace)
         for s in started:
             try:
-                s.proc.wait(timeout=5)
+                s.started_proc.wait(timeout=5)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILLed above
                 pass
         if self._reaper is not None:
             self._tell_reaper("done")
             try:
+                assert self._reaper.stdin is not None  # started with stdin=PIPE
                 self._reaper.stdin.close()
             except OSError:
                 pass
@@ -789,10 +796,10 @@ class LocalCluster:
         """SIGTERM each service's main process (it shuts its own ranks down), wait up to ``grace`` for the whole
         group to go; then SIGKILL every group member left (ranks a dead leader left behind included)."""
         for s in services:
-            if s.proc.poll() is None:
-                self.echo(f"stopping {s.name} (pid {s.proc.pid})")
+            if s.started_proc.poll() is None:
+                self.echo(f"stopping {s.name} (pid {s.started_proc.pid})")
                 try:
-                    os.kill(s.proc.pid, signal.SIGTERM)
+                    os.kill(s.started_proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         end = time.monotonic() + grace
@@ -801,32 +808,32 @@ class LocalCluster:
             now = time.monotonic()
             busy = False
             for s in services:
-                if s.proc.poll() is not None:  # reaped: the group may disappear now
-                    leader_gone_at.setdefault(s.proc.pid, now)
+                if s.started_proc.poll() is not None:  # reaped: the group may disappear now
+                    leader_gone_at.setdefault(s.started_proc.pid, now)
                     # a leader that exited gets 1s for its ranks to follow before they are killed
-                    if _group_alive(s.proc.pid) and now - leader_gone_at[s.proc.pid] < 1.0:
+                    if _group_alive(s.started_proc.pid) and now - leader_gone_at[s.started_proc.pid] < 1.0:
                         busy = True
-                elif _group_alive(s.proc.pid):
+                elif _group_alive(s.started_proc.pid):
                     busy = True
             if not busy:
                 break
             time.sleep(0.05)
         for s in services:
-            if _group_alive(s.proc.pid):
-                if s.proc.poll() is None:
+            if _group_alive(s.started_proc.pid):
+                if s.started_proc.poll() is None:
                     self.echo(f"killing {s.name} (did not stop in {grace:g}s)")
                 try:
-                    os.killpg(s.proc.pid, signal.SIGKILL)
+                    os.killpg(s.started_proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
         for s in services:
             try:
-                s.proc.wait(timeout=5)
+                s.started_proc.wait(timeout=5)
             except subprocess.TimeoutExpired:  # pragma: no cover
                 pass
         # the group is empty once every member is reaped; wait for that (orphans are reaped by init)
         end = time.monotonic() + 5
-        while time.monotonic() < end and any(_group_alive(s.proc.pid) for s in services):
+        while time.monotonic() < end and any(_group_alive(s.started_proc.pid) for s in services):
             time.sleep(0.02)
 
     def __enter__(self) -> "LocalCluster":
@@ -883,6 +890,8 @@ def _http_ok(url: str, tls: "TLSConfig | None" = None) -> bool:
     import urllib.parse
 
     u = urllib.parse.urlsplit(url)
+    if u.hostname is None:  # no host to dial
+        return False
     try:
         if u.scheme == "https":
             import ssl

@@ -417,6 +417,7 @@ class Topology:
         for name, v in (("tp", tp), ("dcp", dcp), ("interleave", p.dcp_kv_cache_interleave_size)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TopologyError(f"{p.name}: {name} must be a positive integer or 'auto', got {v!r}")
+        assert isinstance(tp, int) and isinstance(dcp, int)  # checked just above
         cfg = ParallelConfig(
             tensor_parallel_size=tp,
             decode_context_parallel_size=dcp,

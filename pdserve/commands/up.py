@@ -337,7 +337,7 @@ def run_up(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         try:
-            cluster.start(timeout=args.startup_timeout)
+            endpoints = cluster.start(timeout=args.startup_timeout)
         except ClusterError as e:
             _err(str(e))
             return 1
@@ -345,11 +345,11 @@ def run_up(args: argparse.Namespace) -> int:
             cluster.write_ready_file(args.ready_file)
         print(
             f"pdserve up: cluster ready in {time.monotonic() - t0:.1f}s, serving "
-            f"{cluster.endpoints.model}\n{cluster.describe()}",
+            f"{endpoints.model}\n{cluster.describe()}",
             flush=True,
         )
         if args.ask is not None:
-            return _ask(cluster.endpoints.router, args.ask, args.ask_max_tokens, api_key=args.api_key, tls=tls)
+            return _ask(endpoints.router, args.ask, args.ask_max_tokens, api_key=args.api_key, tls=tls)
         print("Press Ctrl-C to stop.", flush=True)
         while True:
             cluster.heal()

@@ -9,7 +9,7 @@ against the cached latent as one shared head, then W_UV), which reads each cache
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -179,7 +179,10 @@ class DeepseekCausalLM(nn.Module):
         super().__init__()
         self.cfg, self.ps = cfg, ps
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ps, backend, i) for i in range(cfg.num_layers))
+        # The ModuleList registers the layers; typed as what it holds (torch types its items as Module)
+        self.layers = cast(
+            "Sequence[DecoderLayer]", nn.ModuleList(DecoderLayer(cfg, ps, backend, i) for i in range(cfg.num_layers))
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg, max_positions)  # cfg.head_dim is qk_rope_head_dim for these models

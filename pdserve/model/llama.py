@@ -6,7 +6,7 @@ QKV and gate/up, row-parallel o and down followed by an all-reduce) and, under D
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -178,7 +178,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg, self.ps = cfg, ps
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ps, backend) for _ in range(cfg.num_layers))
+        # The ModuleList registers the layers; typed as what it holds (torch types its items as Module)
+        self.layers = cast(
+            "Sequence[DecoderLayer]", nn.ModuleList(DecoderLayer(cfg, ps, backend) for _ in range(cfg.num_layers))
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg, max_positions)
@@ -232,10 +235,10 @@ class CausalLM(nn.Module):
         layers = self.layers  # op by op, unless one C++ call runs them all
         if groups is not None:
             x, delta = self._decode_native(x, cos_sin, kv_cache, meta, groups)
-            layers = nn.ModuleList()
+            layers = ()
         elif native and self._whole_prompts_on_one_rank(meta) and self._native_weights(x):
             x, delta = self._prefill_native(x, cos_sin, kv_cache, meta, rows)
-            layers = nn.ModuleList()
+            layers = ()
         for i, layer in enumerate(layers):
             if fused:
                 x, delta = layer.forward_fused(x, delta, cos_sin, kv_cache[i], meta, rows if i == last else None)
@@ -266,15 +269,17 @@ class CausalLM(nn.Module):
             biases: list[torch.Tensor | None] = []
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
-                packed = [a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed]
-                if any(p is None or p.dtype != x.dtype for p in packed):
+                all_packed = a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed
+                packed = [p for p in all_packed if p is not None and p.dtype == x.dtype]
+                if len(packed) < len(all_packed):
                     self.native_layers = False
                     return False
+                qkv_packed, o_packed, gate_up_packed, down_packed = packed
                 norms = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-                weights += [norms[0], a.qkv_packed, a.o_packed, norms[1], m.gate_up_packed, m.down_packed]
+                weights += [norms[0], qkv_packed, o_packed, norms[1], gate_up_packed, down_packed]
                 weights += [a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight]
                 biases += [a.qkv_bias, a.o_bias, m.gate_up_bias, m.down_bias]
-            self._native_args = weights, biases  # type: ignore[assignment]
+            self._native_args = weights, biases
         return True
 
     def _native_groups(self, x: torch.Tensor) -> tuple[list[int], list[int]] | None:

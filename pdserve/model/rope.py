@@ -71,6 +71,9 @@ def _yarn(cfg: ModelConfig, s: dict, dim: int, base: float) -> tuple[torch.Tenso
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin table indexed by absolute position (HF's rotate_half convention)."""
 
+    cos: torch.Tensor  # buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq, scale = rope_inv_freq(cfg)

@@ -28,6 +28,14 @@ Slicer = Callable[[torch.Tensor], torch.Tensor]
 Targets = dict[str, tuple[torch.Tensor, tuple[int, ...], Slicer]]
 
 
+def _take_rows(rows: torch.Tensor) -> Slicer:
+    return lambda t: t[rows]
+
+
+def _take_cols(cols: torch.Tensor) -> Slicer:
+    return lambda t: t[:, cols]
+
+
 def _mlp_targets(p: str, mlp: MLP, h: int) -> Targets:
     """A gated MLP's keys under prefix p, column-parallel gate/up and row-parallel down (intermediate split)."""
     inter, r0, full = mlp.inter, mlp.inter_start, mlp.intermediate_size
@@ -101,7 +109,7 @@ def _deepseek_targets(model: DeepseekCausalLM) -> Targets:
         o_cols = _rows(a.q_heads, m.v_head_dim)
         sa = p + "self_attn."
         if a.q_proj is not None:
-            out[sa + "q_proj.weight"] = (a.q_proj.weight, (nh * m.qk_head_dim, h), lambda t, r=q_rows: t[r])
+            out[sa + "q_proj.weight"] = (a.q_proj.weight, (nh * m.qk_head_dim, h), _take_rows(q_rows))
         else:
             assert a.q_a_proj is not None and a.q_a_layernorm is not None and a.q_b_proj is not None
             assert m.q_lora_rank is not None
@@ -112,7 +120,7 @@ def _deepseek_targets(model: DeepseekCausalLM) -> Targets:
             out[sa + "q_b_proj.weight"] = (
                 a.q_b_proj.weight,
                 (nh * m.qk_head_dim, m.q_lora_rank),
-                lambda t, r=q_rows: t[r],
+                _take_rows(q_rows),
             )
         out[sa + "kv_a_proj_with_mqa.weight"] = (a.kv_a_proj_with_mqa.weight, (m.latent_dim, h), whole)
         if a.kv_a_proj_with_mqa.bias is not None:
@@ -121,9 +129,9 @@ def _deepseek_targets(model: DeepseekCausalLM) -> Targets:
         out[sa + "kv_b_proj.weight"] = (
             a.kv_b_proj.weight,
             (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
-            lambda t, r=kv_rows: t[r],
+            _take_rows(kv_rows),
         )
-        out[sa + "o_proj.weight"] = (a.o_proj.weight, (h, nh * m.v_head_dim), lambda t, r=o_cols: t[:, r])
+        out[sa + "o_proj.weight"] = (a.o_proj.weight, (h, nh * m.v_head_dim), _take_cols(o_cols))
         if a.o_proj.bias is not None:
             out[sa + "o_proj.bias"] = (a.o_proj.bias, (h,), whole)
         mlp = layer.mlp

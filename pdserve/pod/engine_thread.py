@@ -15,7 +15,7 @@ from typing import Any
 
 log = logging.getLogger("pdserve.pod.engine")
 
-Command = Callable[[], None]
+Command = Callable[[], object]  # what a command returns is dropped
 
 
 def _noop() -> None:

@@ -8,6 +8,8 @@ greedy, ignore_eos):
   synchronously (``--kv-load sync``: the decode engine thread waits for each transfer) or asynchronously (the
   default: the ranks receive on transfer threads while the batch steps), over the TCP fallback and over NIXL (UCX
   held to TCP and shared memory, as the pods pick) where NIXL is installed;
+- conditional: the async TCP pair with the router's conditional disaggregation on (``--local-prefill-max-tokens``):
+  the low-load prompts prefill on the decode pod (no transfer), the long ones on the prefill pod;
 - unified: one unified pod (prefill and decode in one engine, chunked prefill between decode steps) on both cores;
 - vllm: vLLM's CPU build on both cores (full runs, where its venv installs here).
 
@@ -20,7 +22,8 @@ long prompts' TTFT, and a low-load row: short requests one at a time, their TTFT
 
 Targets (issue: decode never waits on a transfer): on the async path, over each transport,
 ``itl_p99_with_long_arrivals_vs_without`` <= 1.15 and ``itl_max_with_long_arrivals_vs_without`` <= 1.3, with the
-synchronous path's figures beside them.
+synchronous path's figures beside them; ``ttft_low_load_conditional_vs_unified`` <= 1.10 while the conditional side's
+long-prompt ITL ratios hold as well.
 """
 
 from __future__ import annotations
@@ -44,13 +47,22 @@ SEED = 7
 MAX_MODEL_LEN = 8192
 SHORT_PROMPT = 64  # tokens of a low-load request
 SHORT_OUTPUT = 8
+CONDITIONAL_LOCAL_MAX = 512  # the conditional side's threshold: the low-load prompts local, the long ones remote
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
 
-def _side(kind: str, model: str, cores: list[int], logs: Path, kv_load: str = "async", backend: str = "tcp") -> Any:
+def _side(
+    kind: str,
+    model: str,
+    cores: list[int],
+    logs: Path,
+    kv_load: str = "async",
+    backend: str = "tcp",
+    local_prefill_max_tokens: int = 0,
+) -> Any:
     """A running cluster of this side: (cluster, OpenAI base URL, model name)."""
     from pdserve.cluster.supervisor import LocalCluster
     from pdserve.cluster.topology import PodSpec, Topology
@@ -68,10 +80,20 @@ def _side(kind: str, model: str, cores: list[int], logs: Path, kv_load: str = "a
             "prefill": [PodSpec("prefill", cpus=(cores[0],), **common)],
             "decode": [PodSpec("decode", 1, 1, cpus=(cores[1],), extra_args=args, **common)],
         }
-    topo = Topology(model=model, router_port=0, http_port=0, dtype="float32", max_model_len=MAX_MODEL_LEN, **pods)
+    router_args = ["--local-prefill-max-tokens", str(local_prefill_max_tokens)] if local_prefill_max_tokens else []
+    topo = Topology(
+        model=model,
+        router_port=0,
+        http_port=0,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        router_args=router_args,
+        **pods,
+    )
     topo.resolve()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    cluster = LocalCluster(topo, log_dir=logs / f"{kind}-{kv_load}-{backend}", env=env, echo=lambda line: None)
+    name = f"{kind}-{kv_load}-{backend}" + (f"-local{local_prefill_max_tokens}" if local_prefill_max_tokens else "")
+    cluster = LocalCluster(topo, log_dir=logs / name, env=env, echo=lambda line: None)
     eps = cluster.start(timeout=600)
     return cluster, eps.http, eps.model
 
@@ -202,10 +224,12 @@ def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     quiet_s = 8.0 if quick else 20.0
     stream_tokens = 1500 if quick else 4000
     backends = ["tcp"] + (["nixl"] if nixl_available() else [])
-    sides: list[tuple[str, dict[str, str]]] = []
+    sides: list[tuple[str, dict[str, Any]]] = []
     for b in backends:
         sides += [(f"async_{b}", {"kind": "disaggregated", "kv_load": "async", "backend": b})]
         sides += [(f"sync_{b}", {"kind": "disaggregated", "kv_load": "sync", "backend": b})]
+    # conditional disaggregation: prompts up to CONDITIONAL_LOCAL_MAX tokens prefill on the decode pod, longer remotely
+    sides.append(("conditional_tcp", {"kind": "disaggregated", "local_prefill_max_tokens": CONDITIONAL_LOCAL_MAX}))
     sides.append(("unified", {"kind": "unified"}))
     results: dict[str, Any] = {}
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-interference-"))
@@ -261,6 +285,12 @@ def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
         ratios[f"itl_p99_with_long_arrivals_vs_prefill_only_{name}"] = _ratio(b["p99_ms"], f["p99_ms"])
         ratios[f"itl_max_with_long_arrivals_vs_prefill_only_{name}"] = _ratio(b["max_ms"], f["max_ms"])
     asyncs = [k for k in results if k.startswith("async_")]
+    ratios["itl_p99_with_long_arrivals_vs_without_conditional"] = ratios.pop(
+        "itl_p99_with_long_arrivals_vs_without_conditional_tcp"
+    )
+    ratios["itl_max_with_long_arrivals_vs_without_conditional"] = ratios.pop(
+        "itl_max_with_long_arrivals_vs_without_conditional_tcp"
+    )
     ratios["itl_p99_with_long_arrivals_vs_without"] = max(
         ratios[f"itl_p99_with_long_arrivals_vs_without_{k}"] or 0 for k in asyncs
     )
@@ -269,6 +299,9 @@ def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     )
     ratios["ttft_low_load_disaggregated_vs_unified"] = _ratio(
         results["async_tcp"]["low_load_ttft_ms"], results["unified"]["low_load_ttft_ms"]
+    )
+    ratios["ttft_low_load_conditional_vs_unified"] = _ratio(
+        results["conditional_tcp"]["low_load_ttft_ms"], results["unified"]["low_load_ttft_ms"]
     )
     if out:
         _plot(results, Path(out).with_suffix(".png"))
@@ -286,6 +319,7 @@ def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
             "arrivals": "one after another, each sent when the previous one's first token came",
             "quiet_window_s": quiet_s,
             "low_load": f"{SHORT_PROMPT}-token prompts, {SHORT_OUTPUT} tokens, one at a time",
+            "conditional": f"router --local-prefill-max-tokens {CONDITIONAL_LOCAL_MAX} (async KV load, TCP fallback)",
             "transports": backends,
         },
         "sides": results,

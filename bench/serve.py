@@ -8,6 +8,10 @@ Sides, one after the other on the same two cores (never two at once):
 - disaggregated: one prefill pod pinned to the first core, one decode pod pinned to the second;
 - vllm: vLLM's CPU build serving on both cores (VLLM_CPU_OMP_THREADS_BIND), when its venv installs here.
 
+A third-party client too: `vllm bench serve` (vLLM's own, from its venv) runs unchanged against the disaggregated
+side's front, `--backend openai-chat` and `--backend openai`, at the sweep's middle rate; its TTFT / TPOT / ITL sit in
+the table next to this load generator's at that rate.
+
 Workload (fixed seed): chat-like, prompt tokens lognormal (median `prompt`, sigma 0.5, clipped to [16, 4 x median]),
 output tokens lognormal (median `output`, sigma 0.5, clipped to [4, 4 x median]), random token ids, greedy,
 ignore_eos. Arrivals Poisson at a sweep of rates; every side gets the same requests at the same offsets. Each rate
@@ -293,6 +297,46 @@ def _pdserve_side(kind: str, model: str, cores: list[int], logs: Path) -> Any:
     return cluster, eps.http, eps.model
 
 
+def vllm_client(
+    url: str, served: str, tokenizer: str, n: int, prompt: int, output: int, rate: float, out_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """`vllm bench serve` (vLLM's own client, from its venv; bench/vllm_bench_serve.py) against ``url`` once per OpenAI
+    backend: its random dataset (text prompts of ``prompt`` tokens, ``output`` tokens, ignore_eos), Poisson at
+    ``rate``. Returns its result JSON per backend (completed, failed, ttft/tpot/itl ms percentiles)."""
+    from bench.peer import ensure_vllm
+
+    python = ensure_vllm()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    results: dict[str, dict[str, Any]] = {}
+    for backend, endpoint in (("openai-chat", "/v1/chat/completions"), ("openai", "/v1/completions")):
+        name = f"vllm-bench-serve-{backend}.json"
+        # fmt: off
+        args = [
+            "--backend", backend, "--base-url", url, "--endpoint", endpoint, "--model", served,
+            "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(prompt),
+            "--random-output-len", str(output), "--num-prompts", str(n), "--request-rate", str(rate),
+            "--ignore-eos", "--temperature", "0", "--seed", str(SEED), "--disable-tqdm", "--save-result",
+            "--result-dir", str(out_dir), "--result-filename", name,
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        ]
+        # fmt: on
+        done = subprocess.run(
+            [str(python), str(Path(__file__).with_name("vllm_bench_serve.py")), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+        )
+        if done.returncode != 0 or not (out_dir / name).is_file():
+            tail = "\n  ".join((done.stdout + done.stderr).strip().splitlines()[-12:])
+            raise BenchUnavailable(f"vllm bench serve --backend {backend} exited with {done.returncode}:\n  {tail}")
+        res = json.loads((out_dir / name).read_text())
+        results[backend] = {k: v for k, v in res.items() if not isinstance(v, list)}
+        results[backend]["command"] = "vllm bench serve " + " ".join(args)
+    return results
+
+
 class _VLLMServer:
     def __init__(self, model: str, cores: list[int], log: Path, max_model_len: int = MAX_MODEL_LEN) -> None:
         from bench.peer import ensure_vllm
@@ -443,6 +487,7 @@ def run(
     results: dict[str, list[tuple[float, dict[str, Any]]]] = {}
     unavailable: dict[str, str] = {}
     vllm_info: dict[str, Any] = {}
+    clients: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-serve-") as tmp:
         logs = Path(tmp)
         if endpoint is not None:
@@ -453,6 +498,13 @@ def run(
                 cluster, http, served = _pdserve_side(kind, model, cores, logs)
                 try:
                     results[kind] = sweep(http, served, reqs, rates, slo, timeout_s, vocab)
+                    if kind == "disaggregated":  # a third-party client on the front, at the sweep's middle rate
+                        try:
+                            clients[kind] = vllm_client(
+                                http, served, model, n, prompt_med, output_med, rates[len(rates) // 2], logs
+                            )
+                        except BenchUnavailable as e:
+                            unavailable["vllm_bench_serve"] = str(e)
                 finally:
                     cluster.stop(grace=10.0)
             print("bench serve: vllm", file=sys.stderr, flush=True)
@@ -488,6 +540,22 @@ def run(
             "slo_capacity_rps": slo_capacity(sw),
             "sweep": [{"rate_rps": r, **s} for r, s in sw],
         }
+    for name, by_backend in clients.items():
+        mid = dict(results[name])[rates[len(rates) // 2]]
+        rows.append(_client_row(f"{name} (pdserve load)", rates[len(rates) // 2], mid))
+        for backend, r in by_backend.items():
+            rows.append(
+                {
+                    "side": f"{name} (vllm bench serve, {backend})",
+                    "rate rps": r["request_rate"],
+                    "tput rps": r["request_throughput"],
+                    **{
+                        f"{m.upper()} p50/p90/p99 ms": "/".join(f"{r[f'p{q}_{m}_ms']:.0f}" for q in (50, 90, 99))
+                        for m in ("ttft", "tpot", "itl")
+                    },
+                    "failed": r["failed"],
+                }
+            )
     ratios: dict[str, float] = {}
     lower_bounds = []
 
@@ -542,6 +610,11 @@ def run(
         "sides": per_side,
         "unavailable": unavailable,
         "vllm": vllm_info,
+        "vllm_bench_serve": {
+            "what": "vLLM's serving benchmark client, unchanged, against pdserve's OpenAI front (random dataset, the "
+            "sweep's median lengths and middle rate); the row before it is pdserve's own load at that rate",
+            "results": clients,
+        },
         "phases": phases,
         "model": sim,
         "cores": cores[:2],
@@ -552,6 +625,18 @@ def run(
         plot(results, slo, png)
         result["plot"] = str(png)
     return result
+
+
+def _client_row(side: str, rate: float, s: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "side": side,
+        "rate rps": rate,
+        "tput rps": s["throughput_rps"],
+        "TTFT p50/p90/p99 ms": _ms(s["ttft_s"]),
+        "TPOT p50/p90/p99 ms": _ms(s["tpot_s"]),
+        "ITL p50/p90/p99 ms": _ms(s["itl_s"]),
+        "failed": s["failed"],
+    }
 
 
 def _transfer_estimate(sw: list[tuple[float, dict[str, Any]]] | None, prefill_s: float) -> float:

@@ -445,11 +445,7 @@ QUICK = SoakConfig(
 FULL = SoakConfig(num_requests=2000, distinct_prompts=250)
 
 
-def run(quick: bool = False, chaos: bool = False) -> dict[str, Any]:
-    if chaos:  # the same soak while a seeded nemesis kills and freezes processes (bench/chaos.py)
-        from bench.chaos import run as run_chaos
-
-        return run_chaos(quick=quick)
+def run(quick: bool = False) -> dict[str, Any]:
     cfg = QUICK if quick else FULL
     model = os.environ.get("PDSERVE_SOAK_MODEL")  # "smollm2" or a checkpoint directory; unset: the tiny one
     if model:

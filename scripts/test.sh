@@ -9,14 +9,28 @@
 # one) on the default socket and data root, so images and build cache stay for the next run, and stopped at exit.
 # An engine that already answered is left as it was. PDSERVE_REQUIRE_DOCKER=1 then tells the compose tests to fail,
 # not skip, if the engine is gone. Without root and without an engine they skip, saying why.
+#
+# --quick: what a developer runs while working (a few minutes on two cores): the same lint, format and type checks,
+# then only the tests not marked `slow` (no Docker engine, no installs once everything imports). Further arguments go
+# to pytest either way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e ".[dev]"
-if [ -x deploy/ci/install_tools.sh ]; then bash deploy/ci/install_tools.sh; fi
+QUICK=0
+if [[ "${1:-}" == "--quick" ]]; then
+  QUICK=1
+  shift
+fi
+if [[ "$QUICK" == 0 ]] || ! python3 -c "import torch, pdserve, grpc, pydantic, schemathesis, ruff, mypy" 2>/dev/null; then
+  python3 -m pip install -q torch==2.13.0
+  python3 -m pip install -q -e ".[dev]"
+  if [ -x deploy/ci/install_tools.sh ]; then bash deploy/ci/install_tools.sh; fi
+fi
 python3 -m ruff check .
 python3 -m ruff format --check .
 python3 -m mypy
+if [[ "$QUICK" == 1 ]]; then
+  exec python3 -m pytest -q -m "not slow" "$@"
+fi
 
 DOCKERD_PID=""
 DOCKERD_LOG=""

@@ -48,8 +48,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from bench.common import BenchUnavailable, format_table, write_result
 
+    name = args.name
+    if args.chaos:
+        if name != "soak":
+            print(f"benchmark {name!r} takes no --chaos")
+            return 2
+        name = "chaos"  # the soak while a seeded nemesis kills and freezes processes (bench/chaos.py)
     try:
-        module = importlib.import_module(f"bench.{args.name}")
+        module = importlib.import_module(f"bench.{name}")
     except ModuleNotFoundError as e:
         print(f"benchmark {args.name!r} is not available yet ({e})")
         return 2
@@ -60,13 +66,13 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
         kw["device"] = args.device
     params = inspect.signature(module.run).parameters
-    for name in ("out", "goodput", "endpoint", "rates", "chaos"):  # options only some benchmarks take
-        value = getattr(args, name, None)
-        if value and name != "out" and name not in params:
-            print(f"benchmark {args.name!r} takes no --{name}")
+    for opt in ("out", "goodput", "endpoint", "rates"):  # options only some benchmarks take
+        value = getattr(args, opt, None)
+        if value and opt != "out" and opt not in params:
+            print(f"benchmark {args.name!r} takes no --{opt}")
             return 2
-        if value and name in params:
-            kw[name] = value
+        if value and opt in params:
+            kw[opt] = value
     try:
         result = module.run(quick=args.quick, **kw)
     except ValueError as e:

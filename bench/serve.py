@@ -12,7 +12,12 @@ A third-party client too: `vllm bench serve` (vLLM's own, from its venv) runs un
 side's front, `--backend openai-chat` and `--backend openai`, at the sweep's middle rate; its TTFT / TPOT / ITL sit in
 the table next to this load generator's at that rate.
 
-Workload (fixed seed): chat-like, prompt tokens lognormal (median `prompt`, sigma 0.5, clipped to [16, 4 x median]),
+Two workloads (bench/serve.py ``workloads``): chat (below) and long (prompts of 2-4K tokens, a TPOT SLO of 1.5 x the
+one-core decode step: tight enough that prompt chunks sharing the decode core miss it). A third pdserve side,
+conditional, is the disaggregated pair with the router's ``--local-prefill-max-tokens`` on (short prompts prefill on
+the decode pod). vLLM runs the chat workload.
+
+Chat workload (fixed seed): prompt tokens lognormal (median `prompt`, sigma 0.5, clipped to [16, 4 x median]),
 output tokens lognormal (median `output`, sigma 0.5, clipped to [4, 4 x median]), random token ids, greedy,
 ignore_eos. Arrivals Poisson at a sweep of rates; every side gets the same requests at the same offsets. Each rate
 (and the warm-up) gets prompts of its own, with the same lengths: a prompt sent again would be served from the prefix
@@ -41,14 +46,16 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.common import BenchUnavailable
+from bench.common import BenchUnavailable, machine
 from bench.serve_stats import SLO, RequestRecord, parse_goodput, slo_capacity, summarize
 
 SEED = 0
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 8192
+CONDITIONAL_LOCAL_MAX = 512  # the conditional side prefills prompts up to this many tokens on the decode pod
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -56,12 +63,16 @@ MAX_MODEL_LEN = 2048
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def workload(n: int, prompt: int, output: int, vocab: int, seed: int = SEED) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output tokens) of n chat-like requests."""
+def workload(
+    n: int, prompt: int, output: int, vocab: int, seed: int = SEED, prompt_range: tuple[int, int] | None = None
+) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens) of n chat-like requests; prompts clipped to ``prompt_range`` (default
+    [16, 4 x median])."""
     rng = random.Random(seed)
+    lo, hi = prompt_range or (16, 4 * prompt)
     out = []
     for _ in range(n):
-        p = int(min(4 * prompt, max(16, rng.lognormvariate(math.log(prompt), 0.5))))
+        p = int(min(hi, max(lo, rng.lognormvariate(math.log(prompt), 0.5))))
         o = int(min(4 * output, max(4, rng.lognormvariate(math.log(output), 0.5))))
         out.append(([rng.randrange(100, vocab - 100) for _ in range(p)], o))
     return out
@@ -269,6 +280,8 @@ def _pdserve_side(kind: str, model: str, cores: list[int], logs: Path) -> Any:
     from pdserve.cluster.topology import PodSpec, Topology
 
     common = {"num_kv_blocks": 2048, "max_num_seqs": 64}
+    # conditional: the disaggregated pair, short prompts prefilled on the decode pod (Dynamo's conditional rule)
+    router_args = ["--local-prefill-max-tokens", str(CONDITIONAL_LOCAL_MAX)] if kind == "conditional" else []
     if kind == "unified":
         topo = Topology(
             model=model,
@@ -289,6 +302,7 @@ def _pdserve_side(kind: str, model: str, cores: list[int], logs: Path) -> Any:
             max_model_len=MAX_MODEL_LEN,
             prefill=[PodSpec("prefill", cpus=(cores[0],), **common)],
             decode=[PodSpec("decode", 1, 1, cpus=(cores[1],), **common)],
+            router_args=router_args,
         )
     topo.resolve()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -445,6 +459,35 @@ def plot(sides: dict[str, list[tuple[float, dict[str, Any]]]], slo: SLO, path: P
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class Workload:
+    """One load shape: requests per rate, median prompt and output tokens, the prompt clip range, and how its SLOs
+    follow from the measured step times."""
+
+    name: str
+    n: int
+    prompt: int
+    output: int
+    prompt_range: tuple[int, int] | None
+    ttft_x: float  # TTFT SLO = ttft_x x the one-core prefill of the median prompt
+    tpot_x: float  # TPOT SLO = tpot_x x the one-core decode step at batch 1
+    rate_fractions: tuple[float, ...]  # of the faster placement's prefill ceiling for the median prompt
+
+
+def workloads(quick: bool) -> list[Workload]:
+    """chat: short prompts, the SLOs of earlier runs. long: prompts of 2-4K tokens with a TPOT SLO (1.5 x a decode
+    step) that a decode step shared with a prompt chunk misses: the workload where prompts interfere with streams."""
+    if quick:
+        return [
+            Workload("chat", 8, 64, 12, None, 5.0, 3.0, (0.15, 0.3, 0.5)),
+            Workload("long", 6, 2560, 16, (2048, 4096), 3.0, 1.5, (0.2, 0.4, 0.6)),
+        ]
+    return [
+        Workload("chat", 40, 256, 48, None, 5.0, 3.0, (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)),
+        Workload("long", 16, 3072, 64, (2048, 4096), 3.0, 1.5, (0.1, 0.2, 0.35, 0.5, 0.65, 0.8)),
+    ]
+
+
 def run(
     quick: bool = False,
     out: str | None = None,
@@ -452,7 +495,6 @@ def run(
     endpoint: str | None = None,
     rates: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    from bench.serve_model import StepTimes, crossover, fit_line
     from pdserve.default_model import ensure_default_model
 
     t_start = time.perf_counter()
@@ -461,53 +503,63 @@ def run(
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2 and endpoint is None:
         raise BenchUnavailable("bench serve compares placements on two cores; this process may use only one")
-    prompt_med, output_med, n = (64, 12, 8) if quick else (256, 48, 40)
-    reqs = workload(n, prompt_med, output_med, vocab)
+    loads = workloads(quick)
+    if endpoint is not None or goodput or rates:  # SLOs or rates given by hand fit one workload: the chat one
+        loads = loads[:1]
 
     # Per-phase step times under each placement: one core (each disaggregated pod), both cores (the unified pod).
-    plens = [prompt_med // 2, prompt_med, 2 * prompt_med]
+    plens = sorted({p for w in loads for p in (w.prompt // 2, w.prompt, 2 * w.prompt) if p <= MAX_MODEL_LEN // 2})
     batches = [1, 4, 8] if quick else [1, 4, 8, 16]
     phases = {
         "one_core": step_times(model, {cores[0]}, plens, batches, vocab),
         "two_cores": step_times(model, set(cores[:2]), plens, batches, vocab),
     }
-    one = phases["one_core"]
     print(f"bench serve: step times {json.dumps(phases)}", file=sys.stderr, flush=True)
-    default_slo = SLO(ttft_s=5 * one["prefill_s"][prompt_med], tpot_s=3 * one["decode_step_s"][1])
-    slo = parse_goodput(goodput, default_slo)
-    # Rates: fractions of the prefill ceiling (median prompts per second of the faster placement's prefill).
-    ceiling = 1.0 / min(p["prefill_s"][prompt_med] for p in phases.values())
-    rates = (
-        list(rates)
-        if rates
-        else [round(f * ceiling, 3) for f in ((0.15, 0.3, 0.5) if quick else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8))]
-    )
-    timeout_s = 120.0 if quick else 300.0
+    one = phases["one_core"]
+    plan: dict[str, dict[str, Any]] = {}
+    for w in loads:
+        default_slo = SLO(ttft_s=w.ttft_x * one["prefill_s"][w.prompt], tpot_s=w.tpot_x * one["decode_step_s"][1])
+        ceiling = 1.0 / min(p["prefill_s"][w.prompt] for p in phases.values())
+        plan[w.name] = {
+            "workload": w,
+            "requests": workload(w.n, w.prompt, w.output, vocab, prompt_range=w.prompt_range),
+            "slo": parse_goodput(goodput, default_slo),
+            "rates": list(rates) if rates else [round(f * ceiling, 3) for f in w.rate_fractions],
+            "timeout_s": (120.0 if quick else 300.0) * (3 if w.name == "long" else 1),
+        }
 
-    results: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    results: dict[str, dict[str, list[tuple[float, dict[str, Any]]]]] = {w.name: {} for w in loads}
     unavailable: dict[str, str] = {}
     vllm_info: dict[str, Any] = {}
     clients: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-serve-") as tmp:
         logs = Path(tmp)
         if endpoint is not None:
-            results["endpoint"] = sweep(endpoint, model, reqs, rates, slo, timeout_s, vocab)
+            pl = plan["chat"]
+            results["chat"]["endpoint"] = sweep(
+                endpoint, model, pl["requests"], pl["rates"], pl["slo"], pl["timeout_s"], vocab
+            )
         else:
-            for kind in ("unified", "disaggregated"):
+            for kind in ("unified", "disaggregated", "conditional"):
                 print(f"bench serve: {kind}", file=sys.stderr, flush=True)
                 cluster, http, served = _pdserve_side(kind, model, cores, logs)
                 try:
-                    results[kind] = sweep(http, served, reqs, rates, slo, timeout_s, vocab)
+                    for name, pl in plan.items():
+                        print(f" workload {name}", file=sys.stderr, flush=True)
+                        results[name][kind] = sweep(
+                            http, served, pl["requests"], pl["rates"], pl["slo"], pl["timeout_s"], vocab
+                        )
                     if kind == "disaggregated":  # a third-party client on the front, at the sweep's middle rate
+                        pl, w = plan["chat"], plan["chat"]["workload"]
                         try:
                             clients[kind] = vllm_client(
-                                http, served, model, n, prompt_med, output_med, rates[len(rates) // 2], logs
+                                http, served, model, w.n, w.prompt, w.output, _middle(pl["rates"]), logs
                             )
                         except BenchUnavailable as e:
                             unavailable["vllm_bench_serve"] = str(e)
                 finally:
                     cluster.stop(grace=10.0)
-            print("bench serve: vllm", file=sys.stderr, flush=True)
+            print("bench serve: vllm (chat workload)", file=sys.stderr, flush=True)
             try:
                 vllm = _VLLMServer(model, cores[:2], logs / "vllm.log")
             except BenchUnavailable as e:
@@ -515,16 +567,97 @@ def run(
             else:
                 try:
                     vllm_info = {"settings": vllm.settings, "api": "vllm.entrypoints.openai.api_server"}
-                    results["vllm"] = sweep(vllm.url, model, reqs, rates, slo, timeout_s, vocab)
+                    pl = plan["chat"]
+                    results["chat"]["vllm"] = sweep(
+                        vllm.url, model, pl["requests"], pl["rates"], pl["slo"], pl["timeout_s"], vocab
+                    )
                 finally:
                     vllm.close()
 
-    rows, per_side = [], {}
-    for name, sw in results.items():
+    rows: list[dict[str, Any]] = []
+    per_workload = {name: _sides(name, res, rows) for name, res in results.items()}
+    for name, by_backend in clients.items():
+        mid = _middle(plan["chat"]["rates"])
+        rows.append(_client_row(f"chat: {name} (pdserve load)", mid, dict(results["chat"][name])[mid]))
+        for backend, r in by_backend.items():
+            rows.append(
+                {
+                    "side": f"chat: {name} (vllm bench serve, {backend})",
+                    "rate rps": r["request_rate"],
+                    "tput rps": r["request_throughput"],
+                    **{
+                        f"{m.upper()} p50/p90/p99 ms": "/".join(f"{r[f'p{q}_{m}_ms']:.0f}" for q in (50, 90, 99))
+                        for m in ("ttft", "tpot", "itl")
+                    },
+                    "failed": r["failed"],
+                }
+            )
+    ratios, lower_bounds = _goodput_ratios(per_workload)
+    chat = plan["chat"]
+    result = {
+        "benchmark": "serve",
+        "quick": quick,
+        "machine": machine(),
+        "table": rows,
+        "ratios": ratios,
+        "slo": {
+            name: {
+                "ttft_s": pl["slo"].ttft_s,
+                "tpot_s": pl["slo"].tpot_s,
+                "default": f"TTFT {pl['workload'].ttft_x:g} x one-core prefill of the median prompt, TPOT "
+                f"{pl['workload'].tpot_x:g} x one-core decode step at batch 1",
+                "attainment_target": 0.9,
+            }
+            for name, pl in plan.items()
+        },
+        "workloads": {
+            name: {
+                "requests_per_rate": pl["workload"].n,
+                "prompt_median": pl["workload"].prompt,
+                "prompt_range": pl["workload"].prompt_range or (16, 4 * pl["workload"].prompt),
+                "output_median": pl["workload"].output,
+                "distribution": "lognormal sigma 0.5, prompts clipped to prompt_range, outputs to [4, 4x]",
+                "seed": SEED,
+                "prompts": "fresh random token ids per rate (seed + 1000 + rate index), the same lengths at every rate",
+                "rates_rps": pl["rates"],
+            }
+            for name, pl in plan.items()
+        },
+        "conditional": f"the disaggregated pair with router --local-prefill-max-tokens {CONDITIONAL_LOCAL_MAX}",
+        "ratios_are_lower_bounds": lower_bounds,
+        "sides": per_workload,
+        "unavailable": unavailable,
+        "vllm": vllm_info,
+        "vllm_bench_serve": {
+            "what": "vLLM's serving benchmark client, unchanged, against pdserve's OpenAI front (random dataset, the "
+            "chat workload's median lengths and middle rate); the row before it is pdserve's own load at that rate",
+            "results": clients,
+        },
+        "phases": phases,
+        "model": _serve_model(phases, chat, results["chat"].get("disaggregated"), vocab),
+        "cores": cores[:2],
+        "seconds": time.perf_counter() - t_start,
+    }
+    if out and any(results.values()):
+        for name, res in results.items():
+            png = Path(out).with_suffix(".png" if name == "chat" else f".{name}.png")
+            plot(res, plan[name]["slo"], png)
+            result.setdefault("plots", {})[name] = str(png)
+    return result
+
+
+def _middle(rates: Sequence[float]) -> float:
+    return rates[len(rates) // 2]
+
+
+def _sides(workload_name: str, res: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Table rows (appended to ``rows``) and per-side figures of one workload's sweeps."""
+    per_side = {}
+    for name, sw in res.items():
         for rate, s in sw:
             rows.append(
                 {
-                    "side": name,
+                    "side": f"{workload_name}: {name}",
                     "rate rps": rate,
                     "attain %": 100 * s["slo_attainment"],
                     "goodput rps": s["goodput_rps"],
@@ -540,91 +673,65 @@ def run(
             "slo_capacity_rps": slo_capacity(sw),
             "sweep": [{"rate_rps": r, **s} for r, s in sw],
         }
-    for name, by_backend in clients.items():
-        mid = dict(results[name])[rates[len(rates) // 2]]
-        rows.append(_client_row(f"{name} (pdserve load)", rates[len(rates) // 2], mid))
-        for backend, r in by_backend.items():
-            rows.append(
-                {
-                    "side": f"{name} (vllm bench serve, {backend})",
-                    "rate rps": r["request_rate"],
-                    "tput rps": r["request_throughput"],
-                    **{
-                        f"{m.upper()} p50/p90/p99 ms": "/".join(f"{r[f'p{q}_{m}_ms']:.0f}" for q in (50, 90, 99))
-                        for m in ("ttft", "tpot", "itl")
-                    },
-                    "failed": r["failed"],
-                }
-            )
+    return per_side
+
+
+def _goodput_ratios(per_workload: dict[str, dict[str, Any]]) -> tuple[dict[str, float], list[str]]:
+    """Best goodput of one side over another's, per workload; a side that met no SLO counts as one good request
+    over its run (the ratio is then a lower bound, named in the second value)."""
     ratios: dict[str, float] = {}
-    lower_bounds = []
+    lower_bounds: list[str] = []
 
-    def ratio(name: str, a: float, b: str) -> None:
-        if per_side[b]["max_goodput_rps"] == 0:
+    def best(sides: dict[str, Any], b: str) -> tuple[float, float]:
+        return sides[b]["max_goodput_rps"], 1.0 / max(s["duration_s"] for s in sides[b]["sweep"])
+
+    def ratio(name: str, a: float, sides: dict[str, Any], b: str) -> float:
+        g, resolution = best(sides, b)
+        if g == 0:
             lower_bounds.append(name)
-        ratios[name] = _ratio(
-            a, per_side[b]["max_goodput_rps"], 1.0 / max(s["duration_s"] for s in per_side[b]["sweep"])
-        )
+        ratios[name] = _ratio(a, g, resolution)
+        return ratios[name]
 
-    if "unified" in per_side and "disaggregated" in per_side:
-        ratio("goodput_disaggregated_vs_unified", per_side["disaggregated"]["max_goodput_rps"], "unified")
-    if "vllm" in per_side:
-        best = max(per_side[k]["max_goodput_rps"] for k in ("unified", "disaggregated") if k in per_side)
-        ratio("goodput_pdserve_best_vs_vllm", best, "vllm")
+    conditional = []
+    for wl, sides in per_workload.items():
+        suffix = "" if wl == "chat" else f"_{wl}"
+        if "unified" in sides and "disaggregated" in sides:
+            ratio(
+                f"goodput{suffix}_disaggregated_vs_unified", sides["disaggregated"]["max_goodput_rps"], sides, "unified"
+            )
+            if "conditional" in sides:
+                better = max(("unified", "disaggregated"), key=lambda k: sides[k]["max_goodput_rps"])
+                name = f"goodput{suffix}_conditional_vs_best_of_both"
+                conditional.append(ratio(name, sides["conditional"]["max_goodput_rps"], sides, better))
+        if "vllm" in sides:
+            pd = max(sides[k]["max_goodput_rps"] for k in ("unified", "disaggregated", "conditional") if k in sides)
+            ratio(f"goodput{suffix}_pdserve_best_vs_vllm", pd, sides, "vllm")
+    if conditional:  # the target: on every workload, at least the better of the two fixed placements
+        ratios["goodput_conditional_vs_best_of_both_worst_workload"] = min(conditional)
+    return ratios, lower_bounds
 
-    # The model: single-core step times (the disaggregated placement's), the measured transfer cost.
+
+def _serve_model(
+    phases: dict[str, Any], chat: dict[str, Any], disaggregated: list[tuple[float, dict[str, Any]]] | None, vocab: int
+) -> dict[str, Any]:
+    """The discrete-event model (bench/serve_model.py) on the chat workload, driven by the single-core step times
+    (the disaggregated placement's) and the measured transfer cost: at what core count the split would win."""
+    from bench.serve_model import StepTimes, crossover, fit_line
+
+    one, w = phases["one_core"], chat["workload"]
     pa, pb = fit_line(list(one["prefill_s"]), list(one["prefill_s"].values()))
     dc, dd = fit_line(list(one["decode_step_s"]), list(one["decode_step_s"].values()))
     st = StepTimes(pa, pb, dc, dd)
-    transfer_s = _transfer_estimate(results.get("disaggregated"), one["prefill_s"][prompt_med])
-    model_reqs = [(len(ids), o) for ids, o in workload(200, prompt_med, output_med, vocab, seed=SEED + 1)]
-    sim = crossover(model_reqs, st, slo, chunk=1024, budget=4096, transfer_s=transfer_s, max_cores=8)
+    transfer_s = _transfer_estimate(disaggregated, one["prefill_s"][w.prompt])
+    model_reqs = [(len(ids), o) for ids, o in workload(200, w.prompt, w.output, vocab, seed=SEED + 1)]
+    sim = crossover(model_reqs, st, chat["slo"], chunk=1024, budget=4096, transfer_s=transfer_s, max_cores=8)
     sim["inputs"] = {
         "prefill_s": [pa, pb],
         "decode_step_s": [dc, dd],
         "transfer_s": transfer_s,
         "assumptions": "bench/serve_model.py docstring",
     }
-
-    result = {
-        "benchmark": "serve",
-        "quick": quick,
-        "table": rows,
-        "ratios": ratios,
-        "slo": {
-            "ttft_s": slo.ttft_s,
-            "tpot_s": slo.tpot_s,
-            "default": "TTFT 5 x one-core prefill of the median prompt, TPOT 3 x one-core decode step at batch 1",
-            "attainment_target": 0.9,
-        },
-        "workload": {
-            "requests_per_rate": n,
-            "prompt_median": prompt_med,
-            "output_median": output_med,
-            "distribution": "lognormal sigma 0.5, clipped [16, 4x] / [4, 4x]",
-            "seed": SEED,
-            "prompts": "fresh random token ids per rate (seed + 1000 + rate index), the lengths the same at every rate",
-        },
-        "ratios_are_lower_bounds": lower_bounds,
-        "rates_rps": rates,
-        "sides": per_side,
-        "unavailable": unavailable,
-        "vllm": vllm_info,
-        "vllm_bench_serve": {
-            "what": "vLLM's serving benchmark client, unchanged, against pdserve's OpenAI front (random dataset, the "
-            "sweep's median lengths and middle rate); the row before it is pdserve's own load at that rate",
-            "results": clients,
-        },
-        "phases": phases,
-        "model": sim,
-        "cores": cores[:2],
-        "seconds": time.perf_counter() - t_start,
-    }
-    if out and results:
-        png = Path(out).with_suffix(".png")
-        plot(results, slo, png)
-        result["plot"] = str(png)
-    return result
+    return sim
 
 
 def _client_row(side: str, rate: float, s: dict[str, Any]) -> dict[str, Any]:

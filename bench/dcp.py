@@ -24,9 +24,11 @@ batch + c * local KV tokens``, fitted on every step of a layout, predicts each p
 ratio of the same per-rank model.
 
 Models (random weights, written with transformers' own classes so the pods load real checkpoints): an MLA + MoE
-model with DeepSeek-V3's attention dims (kv_lora_rank 512 + rope 64, qk_nope 128, v 128) at 16 heads, hidden 2048,
-4 layers (one dense), 16 routed experts (top 4 in 2 of 4 groups) + 1 shared; an MQA Llama of about the same weight
-bytes per rank (16 query heads of 128, one KV head). SmolLM2-135M at TP 9 x DCP 1 and DCP 3 in the full run only.
+model with DeepSeek-V3's attention dims (kv_lora_rank 512 + rope 64, qk_nope 128, v 128) and 16 heads (V3's heads
+per rank at TP 8), hidden 1024, 4 layers (one dense), 8 routed experts (top 2 in 2 of 4 groups) + 1 shared: ~170 MB
+of fp32 weights per rank at TP 2, so that a batch-1 step reads weights for longer than its Python takes; an MQA
+Llama of about the same weight bytes per rank (16 query heads of 128, one KV head). SmolLM2-135M at TP 9 x DCP 1
+and DCP 3 in the full run only.
 
 Quick mode: shorter prompts and outputs, concurrency 4-64, a shorter window, no SmolLM2 (the JSON's ``workload``).
 """
@@ -52,19 +54,19 @@ BLOCK = 16
 FIT_SEQS = 24  # TP-only pod holds this many requests of the mean length (the issue: 16-32)
 
 MLA_SHAPE: dict[str, Any] = dict(
-    vocab_size=16384,
-    hidden_size=2048,
-    intermediate_size=4096,
+    vocab_size=8192,
+    hidden_size=1024,
+    intermediate_size=2048,
     num_hidden_layers=4,
     num_attention_heads=16,
     num_key_value_heads=16,
-    q_lora_rank=768,
+    q_lora_rank=384,
     kv_lora_rank=512,
     qk_nope_head_dim=128,
     qk_rope_head_dim=64,
     v_head_dim=128,
-    n_routed_experts=16,
-    num_experts_per_tok=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
     moe_intermediate_size=512,
     n_shared_experts=1,
     n_group=4,
@@ -73,9 +75,9 @@ MLA_SHAPE: dict[str, Any] = dict(
     max_position_embeddings=8192,
 )
 MQA_SHAPE: dict[str, Any] = dict(
-    vocab_size=16384,
-    hidden_size=2048,
-    intermediate_size=8192,
+    vocab_size=8192,
+    hidden_size=1024,
+    intermediate_size=4096,
     num_hidden_layers=4,
     num_attention_heads=16,
     num_key_value_heads=1,
@@ -98,7 +100,7 @@ class Workload:
         return statistics.mean(self.prompt_lens) + statistics.mean(self.output_lens)
 
 
-QUICK = Workload((768, 896, 1024, 1152), (32, 48, 64, 80, 96), (4, 8, 16, 32, 64), 12.0)
+QUICK = Workload((512, 640, 768, 896), (32, 48, 64, 80, 96), (4, 8, 16, 32, 64), 12.0)
 FULL = Workload(
     (1024, 1365, 1707, 2048),
     (128, 160, 192, 224, 256),
@@ -341,6 +343,7 @@ def run_point(
                     window_end = tnow + wl.window_s
                 new_request(tnow)
     window = time.perf_counter() - (window_start or t0)
+    seen = done + list(live.values())  # TTFT counts requests whose first token came in the window, finished or not
     for rid in list(live):
         pod.cancel(rid)
     for r in waiting:
@@ -354,7 +357,7 @@ def run_point(
         for r in done
         if r.t_first is not None and r.t_last is not None and r.t_last >= window_start and r.made > 1
     ]
-    started = [r for r in done if r.t_first is not None and r.t_first >= window_start]
+    started = [r for r in seen if r.t_first is not None and r.t_first >= window_start]
     ttft = [r.t_first - r.t_submit for r in started if r.t_first is not None]
     run_mean = statistics.mean(s[0] for s in samples) if samples else 0.0
     point = {
@@ -582,10 +585,15 @@ def summarize(key: str, res: dict[str, Any], dcp_hi: int) -> tuple[list[dict[str
     if errs:
         ratios[f"{key}_step_model_max_error"] = max(errs)
     m = lo.get("step_model")
-    if m:  # the same per-rank model at 8 ranks: DCP 8 holds 8x the requests over the same local KV tokens
+    if m:
+        # The TP-only fit carried to 8 ranks: DCP 8 holds 8x the requests in the same blocks. Each rank attends with
+        # its whole DCP group's heads over 1/DCP of the tokens, so its attention FLOPs grow 8x with the batch while
+        # the bytes it reads stay those of the TP-only pod: two bounds, by which of them the attention is bound by.
         n = max_conc(lo)
         k = peak(lo).get("local_kv_tokens_mean", 0.0)
-        ratios[f"{key}_model_dcp8_vs_dcp1_peak_tok_s_8_ranks"] = predict_tok_s(m, 8 * n, k) / predict_tok_s(m, n, k)
+        base = predict_tok_s(m, n, k)
+        ratios[f"{key}_model_8_ranks_dcp8_vs_dcp1_attention_bytes_bound"] = predict_tok_s(m, 8 * n, k) / base
+        ratios[f"{key}_model_8_ranks_dcp8_vs_dcp1_attention_flops_bound"] = predict_tok_s(m, 8 * n, 8 * k) / base
     return rows, ratios
 
 
@@ -602,7 +610,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
-    for ax, (key, res) in zip(axes[0], results.items()):
+    for ax, res in zip(axes[0], results.values()):
         for lay in res["layouts"].values():
             pts = lay["points"]
             c = [p["concurrency"] for p in pts]
@@ -663,7 +671,7 @@ def run(quick: bool = False, device: str = "cpu", out: str | None = None) -> dic
             "kv_path": "kv_transfer TCP from a TP 1 engine publishing each prompt's KV (prefilled once before the "
             "sweep; every request pulls its own copy on a fresh lease), --kv-load async",
             "admission": "prompt + whole output reserved before the transfer (AllocateKV), so no preemption",
-            "quick_note": "quick: prompts 768-1152 (full 1024-2048), outputs 32-96 (full 128-256), C 4-64 (full "
+            "quick_note": "quick: prompts 512-896 (full 1024-2048), outputs 32-96 (full 128-256), C 4-64 (full "
             "4-256), 12 s windows (full 40 s), no SmolLM2"
             if quick
             else "",

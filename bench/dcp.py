@@ -324,9 +324,10 @@ def run_point(
         for ev in events:
             if isinstance(ev, Failure):
                 raise RuntimeError(f"request {ev.request_id} failed: {ev.message}")
-            r = live.get(ev.request_id)
-            if r is None:
+            req = live.get(ev.request_id)
+            if req is None:
                 continue
+            r = req
             n = len(ev.new_token_ids)
             if n and r.t_first is None:
                 r.t_first = tnow

@@ -31,7 +31,8 @@ class TorchMLABackend:
         new_latent: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         bs, c = latent_layer.shape[1], latent_layer.shape[2]
-        outs, lses = [], []
+        outs: list[torch.Tensor | None] = []
+        lses: list[torch.Tensor] = []
         for i in range(meta.num_seqs):
             a, b = meta.cu_seqlens_q[i], meta.cu_seqlens_q[i + 1]
             qi = q[a:b]
@@ -58,13 +59,13 @@ class TorchMLABackend:
         dv = next((o.shape[-1] for o in outs if o is not None), None)
         if dv is None:  # no local keys for any sequence: the width comes from one (empty) expansion
             dv = expand(latent_layer.view(-1, c)[:0])[1].shape[-1]
-        outs = [
+        full = [
             torch.zeros(lse.shape[0], q.shape[1], dv, dtype=q.dtype, device=q.device) if o is None else o
             for o, lse in zip(outs, lses)
         ]
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return torch.cat(outs), torch.cat(lses)
+        if len(full) == 1:
+            return full[0], lses[0]
+        return torch.cat(full), torch.cat(lses)
 
     def forward_decode(
         self, q: torch.Tensor, latent_layer: torch.Tensor, meta: AttentionMetadata, scale: float, v_dim: int

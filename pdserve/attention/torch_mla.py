@@ -10,12 +10,16 @@ from typing import Callable
 
 import torch
 
+from pdserve import kernels
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.torch_backend import TorchAttentionBackend, attend, attend_prefill_seq
 
 
 class TorchMLABackend:
     name = "torch"
+
+    def __init__(self) -> None:
+        self.cpu_kernels: bool | None = None  # decided on the first CPU decode (building the kernels needs a compiler)
 
     def forward_prefill(
         self,
@@ -68,6 +72,17 @@ class TorchMLABackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, c = q.shape
         bs = latent_layer.shape[1]
+        if q.device.type == "cpu" and meta.sliding_window is None:
+            if self.cpu_kernels is None:
+                self.cpu_kernels = kernels.available()
+            if self.cpu_kernels:
+                # The latent rows in place as one shared K = V head: no gathered, padded copy of every row per
+                # layer, which took most of a large batch's step (docs/performance.md, "bench dcp").
+                cache = latent_layer.view(latent_layer.shape[0], bs, 1, c)
+                o, lse = kernels.paged_decode_attention(
+                    q, cache, cache, meta.block_tables, meta.context_lens, None, scale
+                )
+                return o[..., :v_dim], lse
         plan = meta.derived.get("decode") or TorchAttentionBackend._decode_plan(meta, bs, q.dtype, q.device)
         slots, mask, empty = plan
         max_ctx = mask.shape[-1]

@@ -19,6 +19,7 @@ BENCHMARKS = (
     "peer",
     "serve",
     "interference",
+    "dcp",
 )
 
 
@@ -27,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     p.add_argument("--out", help="write the JSON result here")
-    p.add_argument("--device", default="cpu", help="torch device of the benchmarks that take one (engine)")
+    p.add_argument("--device", default="cpu", help="torch device of the benchmarks that take one (engine, dcp)")
     p.add_argument(
         "--goodput",
         nargs="+",

@@ -480,7 +480,7 @@ def workloads(quick: bool) -> list[Workload]:
     if quick:
         return [
             Workload("chat", 8, 64, 12, None, 5.0, 3.0, (0.15, 0.3, 0.5)),
-            Workload("long", 6, 2560, 16, (2048, 4096), 3.0, 1.5, (0.2, 0.4, 0.6)),
+            Workload("long", 4, 2304, 16, (2048, 3072), 3.0, 1.5, (0.3, 0.6)),
         ]
     return [
         Workload("chat", 40, 256, 48, None, 5.0, 3.0, (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)),

@@ -63,7 +63,13 @@ def test_refused_configs(tiny_models, model, tp, dcp, interleave, message):
     assert ei.value.message == message
 
 
-@pytest.mark.parametrize("model,tp,dcp,interleave", VALID, ids=[f"{m}-tp{t}-dcp{d}-i{i}" for m, t, d, i in VALID])
+def _case(model: str, tp: int, dcp: int, interleave: int) -> object:
+    # more ranks than two cores take most of this file's time: the full suite runs them, --quick the rest
+    slow = [pytest.mark.slow] if tp > 2 else []
+    return pytest.param(model, tp, dcp, interleave, id=f"{model}-tp{tp}-dcp{dcp}-i{interleave}", marks=slow)
+
+
+@pytest.mark.parametrize("model,tp,dcp,interleave", [_case(*v) for v in VALID])
 def test_greedy_identical_to_transformers(tiny_models, prefill_standins, model, tp, dcp, interleave):
     path = tiny_models[model]
     want = hf_greedy(path, PROMPTS, NEW_TOKENS)

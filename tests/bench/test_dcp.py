@@ -37,6 +37,7 @@ def test_step_model_recovers_a_linear_step_time():
     assert dcp.predict_tok_s(m, 8, 500) == pytest.approx(8 / (0.01 + 0.008 + 0.0005))
 
 
+@pytest.mark.slow
 def test_tiny_sweep_writes_every_field(tmp_path):
     # MLA (the main case); the MQA Llama goes through the same pod code with the native decode step.
     path = write_tiny_checkpoint(

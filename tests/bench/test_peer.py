@@ -9,6 +9,8 @@ import pytest
 
 from pdserve.commands.bench import run_bench
 
+pytestmark = pytest.mark.slow  # a venv made and torn down
+
 
 def test_failed_install_is_a_clear_error_and_exit_2(tmp_path, monkeypatch, capsys):
     import bench.peer as peer

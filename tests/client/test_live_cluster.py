@@ -33,6 +33,8 @@ from pdserve.client import (
     NotFoundError,
 )
 
+pytestmark = pytest.mark.slow  # a whole local cluster
+
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 

@@ -16,6 +16,8 @@ from e2e_helpers import e2e_cluster
 from pdserve.client import Client
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+pytestmark = pytest.mark.slow  # clusters stopped under load, drain timeouts
+
 DRAIN_S = 3.0
 SLACK_S = 2.0  # the bound: exit within drain timeout + 2 s
 

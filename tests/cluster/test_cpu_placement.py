@@ -16,6 +16,8 @@ from up_helpers import UpProcess
 from pdserve.cluster.topology import FRONT_NICE, Topology, TopologyError, format_cpus, parse_cpus
 from pdserve.sched import may_set_nice
 
+pytestmark = pytest.mark.slow  # pdserve up with pinned pods
+
 
 def test_core_lists_parse_and_print_like_cpuset():
     assert parse_cpus("0-2,5") == (0, 1, 2, 5)

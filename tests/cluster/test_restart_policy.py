@@ -19,6 +19,8 @@ from pdserve.client import Client, UnavailableError
 from pdserve.cluster.restart import RestartPolicy
 from pdserve_api.v1 import common_pb2
 
+pytestmark = pytest.mark.slow  # restarts real services, minutes
+
 PROMPT = [5, 17, 99, 3, 250, 41, 7]
 
 

@@ -56,6 +56,7 @@ def _gone(pids: list[int], timeout: float) -> list[int]:
     return _alive(pids)
 
 
+@pytest.mark.slow
 def test_stop_kills_every_group_member_including_stubborn_ones(tmp_path):
     c = LocalCluster(Topology(), log_dir=tmp_path)
     c.services = [
@@ -81,6 +82,7 @@ def test_stop_kills_every_group_member_including_stubborn_ones(tmp_path):
     c.stop()  # idempotent
 
 
+@pytest.mark.slow
 def test_sigkilled_supervisor_takes_its_services_with_it(tmp_path):
     sup = subprocess.Popen(
         [sys.executable, HELPER, "supervise", "2", str(tmp_path)],

@@ -181,6 +181,7 @@ def test_model_directory_checks(tmp_path):
         Topology(model=str(d)).resolve()
 
 
+@pytest.mark.slow
 def test_up_dry_run_prints_the_checked_plan(tmp_path):
     d = _ckpt(tmp_path, heads=8, kv=1)
     out = subprocess.run(
@@ -287,6 +288,7 @@ def test_several_routers_from_yaml_and_flags(tmp_path, monkeypatch):
         Topology().with_overrides(num_routers=0)
 
 
+@pytest.mark.slow
 def test_up_dry_run_points_every_pod_at_every_router(tmp_path):
     d = _ckpt(tmp_path, heads=8, kv=1)
     out = subprocess.run(

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from up_helpers import UpProcess
 
+pytestmark = pytest.mark.slow  # pdserve up in a subprocess per test
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_factory):

@@ -39,6 +39,8 @@ from hypothesis import strategies as st
 from pdserve_api.v1 import common_pb2 as pb
 from pdserve_api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 
+pytestmark = pytest.mark.slow  # a fuzz barrage against a running pod
+
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NEG32 = st.integers(-(2**31), -1)
 BAD_IDS = st.one_of(

@@ -30,7 +30,8 @@ from kv_transfer.transport import (
 )
 from pdserve.net import free_port
 
-pytestmark = pytest.mark.timeout(120)
+# slow: publisher and puller processes per layout (the planner's tests stay quick)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 BACKENDS = ["nixl", "tcp"]
 NUM_LAYERS, HEAD_DIM, BLOCK, NUM_BLOCKS, NUM_TOKENS = 4, 8, 16, 24, 70

@@ -17,7 +17,11 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.lease import new_lease_id
 from kv_transfer.transport import KVHandoff
 
-pytestmark = pytest.mark.skipif(not nixl_available()[0], reason=f"NIXL unusable: {nixl_available()[1]}")
+# slow: UCX endpoints per case
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not nixl_available()[0], reason=f"NIXL unusable: {nixl_available()[1]}"),
+]
 
 NUM_LAYERS, HEAD_DIM, BLOCK, NUM_BLOCKS, NUM_TOKENS = 4, 8, 16, 24, 70
 LOOPBACK = {"UCX_NET_DEVICES": "lo"}  # UCX's TCP would otherwise also dial the host's other interfaces

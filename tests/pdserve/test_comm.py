@@ -13,7 +13,11 @@ from pdserve.engine.comm import init_groups, plan_groups
 from pdserve.engine.shm import RankFailure, ShmRegion, shm_supported
 from pdserve.net import free_port
 
-pytestmark = pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}")
+# slow: up to nine rank processes
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shm_supported() is not None, reason=f"shared memory: {shm_supported()}"),
+]
 
 
 @pytest.mark.parametrize("n", [3, 9])

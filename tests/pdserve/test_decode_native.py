@@ -14,7 +14,11 @@ from pdserve.engine.shm import Barrier, RankFailure, shm_supported
 from pdserve.model.parallel_state import ParallelState
 from pdserve.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="pdserve's CPU kernels do not build here")
+# slow: multi-rank decode steps per shape
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not kernels.available(), reason="pdserve's CPU kernels do not build here"),
+]
 
 PROMPTS = [[1, 17, 42, 99, 7, 3, 240, 11, 64], [5, 6, 7], [200, 100, 50, 25, 12, 6, 3, 1, 2, 4, 8, 16, 32]]
 

@@ -122,6 +122,7 @@ def test_tiny_greedy_batch_matches_transformers(tiny_factory, name):
     assert batch == want
 
 
+@pytest.mark.slow
 def test_smollm2_prefill_logits_match_transformers(smollm2_path):
     from pdserve.tokenizer import Tokenizer
 
@@ -135,6 +136,7 @@ def test_smollm2_prefill_logits_match_transformers(smollm2_path):
     assert torch.equal(exact, want), (exact - want).abs().max().item()
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_single_and_batch_match_transformers(smollm2_path):
     with LLMEngine(EngineConfig(model=str(smollm2_path))) as eng:
         tok = eng.tokenizer
@@ -148,6 +150,7 @@ def test_smollm2_greedy_single_and_batch_match_transformers(smollm2_path):
     assert batch == want
 
 
+@pytest.mark.slow
 def test_smollm2_answers_paris(smollm2_path):
     with LLMEngine(EngineConfig(model=str(smollm2_path))) as eng:
         prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])

@@ -31,7 +31,7 @@ from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.sampling_params import SamplingParams
 from tests.pdserve.test_model_reference import full_logits
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # slow: SmolLM2 in bf16 against transformers, minutes
 
 U = 2.0**-8  # bf16 unit roundoff (8 significant bits)
 TEXTS = [

@@ -73,6 +73,7 @@ def test_logprobs_are_log_softmax_of_chosen_tokens(engine):
     assert all(lp <= 0 and math.isfinite(lp) for lp in out["logprobs"])
 
 
+@pytest.mark.slow
 def test_seeded_generation_reproduces_through_the_engine(engine):
     p = _chat(engine, "Tell me a story.")
     a = engine.generate([p], SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=123, max_tokens=12))[0]
@@ -93,6 +94,7 @@ def test_prefix_cache_hit_gives_identical_output_and_skips_compute(engine):
     assert computed == len(engine.tokenizer.encode(p)) - second["cached_tokens"]
 
 
+@pytest.mark.slow
 def test_chunked_prefill_equals_unchunked(smollm2_path):
     text = " ".join(f"item {i}" for i in range(120))
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

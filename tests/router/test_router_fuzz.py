@@ -32,6 +32,8 @@ from hypothesis import strategies as st
 
 from pdserve_api.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+pytestmark = pytest.mark.slow  # a fuzz barrage against a running cluster
+
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 INT32 = st.integers(-(2**31), 2**31 - 1)
 

@@ -136,6 +136,7 @@ def _router_at_info(*flags: str):
             p.wait()
 
 
+@pytest.mark.slow
 def test_python_m_router_runs_on_the_chosen_event_loop(smollm2_path):
     """`--event-loop asyncio` runs the router on asyncio's own loop and the default on uvloop (a dev dependency,
     installed here): the process says which loop serves it once it listens, and that it froze its startup heap out
@@ -148,6 +149,7 @@ def test_python_m_router_runs_on_the_chosen_event_loop(smollm2_path):
             assert frozen and frozen[0] > 10_000, seen  # torch, grpc and protobuf alone leave ~10^5
 
 
+@pytest.mark.slow
 def test_python_m_router_puts_grpc_helper_threads_under_sched_batch(smollm2_path):
     """By default every thread of the router but its event loop's runs under SCHED_BATCH (pdserve/sched.py), so
     gRPC's helpers stop preempting the loop; --helper-threads normal leaves every thread as it started."""
@@ -162,6 +164,7 @@ def test_python_m_router_puts_grpc_helper_threads_under_sched_batch(smollm2_path
             assert said is (helpers == os.SCHED_BATCH), seen
 
 
+@pytest.mark.slow
 def test_router_and_openai_front_start_without_importing_torch():
     """The router validates requests with the torch-free pdserve.sampling_params: its process stays small (no
     torch heap to hold or collect) and starts in a fraction of a second of imports."""

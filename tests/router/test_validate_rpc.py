@@ -101,6 +101,7 @@ def request(h, kv, mla, sw, tp, dcp, pp, inter, bs, role):
     )
 
 
+@pytest.mark.slow
 def test_grid_over_rpc():
     async def body():
         async with running_router() as (server, ch):

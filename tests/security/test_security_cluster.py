@@ -29,7 +29,7 @@ from pdserve.security import MAX_MESSAGE_BYTES, TLSConfig, sync_channel
 from pdserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prefill_svc.config import PrefillConfig
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # slow: an mTLS cluster with pods
 
 TOKEN = "cluster-s3cret"
 KEY = "client-k3y"

@@ -21,7 +21,7 @@ from up_helpers import UpProcess
 
 from pdserve.client import Client
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # slow: an mTLS cluster
 KEY = "up-k3y"
 
 

@@ -132,7 +132,19 @@ class TorchAttentionBackend:
 
     def _decode(self, q, kv_layer, meta, scale, kv_scales=None):
         # One query per sequence: view its Hq heads as [Hkv, group] rows so GQA needs no KV copy per head.
-        if self.cpu_kernels and q.device.type == "cpu" and kv_scales is None:
+        if self.cpu_kernels and q.device.type == "cpu" and kv_scales is not None:  # fp8, dequantised in registers
+            return kernels.paged_decode_attention_fp8(
+                q,
+                kv_layer[0],
+                kv_layer[1],
+                kv_scales[0],
+                kv_scales[1],
+                meta.block_tables,
+                meta.context_lens,
+                meta.sliding_window,
+                scale,
+            )
+        if self.cpu_kernels and q.device.type == "cpu":
             return kernels.paged_decode_attention(
                 q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens, meta.sliding_window, scale
             )

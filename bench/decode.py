@@ -16,6 +16,13 @@
    token bitmask, a JSON schema), each decode step timed, side by side in interleaved rounds; the ratio compares the
    fastest steps (robust to other load), medians are reported too. Target: ratio <= 1.15.
 
+4. fp8 KV cache (--kv-cache-dtype fp8) against bf16: (a) AllocateKV admission at a fixed per-rank budget for
+   SmolLM2 at TP 9, DCP 1 and 3; (b) sequences actually decoding at once in an in-process engine (a tiny 4q/1kv
+   checkpoint, 64-dim heads) whose cache is sized from one byte budget, at DCP 1 and TP 2 x DCP 2; (c) one decode step
+   of SmolLM2 (bf16 weights) at 8K context and batch 16 over a filled cache, fp8 against bf16 KV, alternating.
+   Targets: ratios.kv_capacity_fp8_vs_bf16 >= 1.95, kv_capacity_fp8_dcp{d}_vs_bf16_dcp1_x_{d} >= 0.95 (1.9 x d),
+   decode_step_8k_bs16_fp8_vs_bf16 <= 1.0.
+
 Quick mode: fewer tokens, batches 1 and 32, and the TP 9 x DCP 3 pod only (shared memory and gloo); fewer sampling
 rounds."""
 
@@ -190,25 +197,41 @@ def _throughput(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, An
 
 
 # --- KV capacity: the AllocateKV admission path (DecodePod.reserve) over the engine's block manager ---
-def _kv_bytes_per_block(model_path: str, tp: int, block_size: int) -> tuple[int, str]:
-    """Bytes one KV block takes on one rank, from the engine's own cache layout (GQA or MLA) and KV dtype."""
+def _kv_bytes_per_block(
+    model_path: str, tp: int, block_size: int, kv_cache_dtype: str = "auto", dtype: str = "auto"
+) -> tuple[int, str]:
+    """Bytes one KV block takes on one rank, from the engine's own cache layout (GQA or MLA) and KV dtype; an fp8
+    block counts its float32 scales too."""
+    from pdserve.engine import kv_quant
     from pdserve.engine.kv_cache import KVCacheLayout
     from pdserve.engine.llm_engine import resolve_dtype
     from pdserve.model.config import ModelConfig
 
     mc = ModelConfig.from_path(model_path)
-    dtype = resolve_dtype("auto", mc)
-    return KVCacheLayout.for_model(mc, tp, block_size).bytes_per_block(getattr(torch, dtype)), dtype
+    layout = KVCacheLayout.for_model(mc, tp, block_size)
+    cache = kv_quant.cache_dtype(kv_cache_dtype, getattr(torch, resolve_dtype(dtype, mc)))
+    nbytes = layout.bytes_per_block(cache)
+    if kv_quant.is_fp8(cache):
+        nbytes += math.prod(layout.scales_shape(1)) * 4
+    return nbytes, str(cache).removeprefix("torch.")
 
 
-def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int, seq_len: int = CAPACITY_SEQ_LEN) -> dict[str, Any]:
+def _admitted(
+    model_path: str,
+    tp: int,
+    dcp: int,
+    budget_bytes: int,
+    seq_len: int = CAPACITY_SEQ_LEN,
+    kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
+) -> dict[str, Any]:
     from decode_svc.config import DecodeConfig
     from decode_svc.pod import DecodePod
     from pdserve.cli_config import build
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.parallel_config import ParallelConfigError
 
-    block_bytes, dtype = _kv_bytes_per_block(model_path, tp, CAPACITY_BLOCK)
+    block_bytes, kv_dtype = _kv_bytes_per_block(model_path, tp, CAPACITY_BLOCK, kv_cache_dtype, dtype)
     num_blocks = budget_bytes // block_bytes
     try:
         cfg = build(
@@ -233,7 +256,7 @@ def _admitted(model_path: str, tp: int, dcp: int, budget_bytes: int, seq_len: in
         "admitted": n,
         "blocks_per_rank": num_blocks,
         "block_bytes": block_bytes,
-        "kv_dtype": dtype,
+        "kv_dtype": kv_dtype,
         "blocks_per_seq_per_rank": per_seq,
         "used_blocks_per_rank": pod.used_blocks_per_rank(),
     }
@@ -466,18 +489,184 @@ def _kv_bytes_row(mla: str, gqa: str, raw: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+# --- fp8 KV cache against bf16 ---
+FP8_BUDGET_MIB = 64  # per rank, for admission at SmolLM2's shape
+FP8_DECODED_BUDGET_KIB = 1024  # per rank, for the engines that actually decode
+FP8_LONG_CTX, FP8_LONG_BATCH = 8192, 16
+
+
+def _fp8_admission(ratios: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    from pdserve.default_model import ensure_default_model
+
+    path = str(ensure_default_model())
+    res = {
+        (kv, dcp): _admitted(path, 9, dcp, FP8_BUDGET_MIB << 20, CAPACITY_SEQ_LEN, kv, "bfloat16")
+        for kv in ("auto", "fp8")
+        for dcp in (1, 3)
+    }
+    base = res[("auto", 1)]["admitted"]
+    ratios["kv_capacity_admitted_fp8_vs_bf16"] = res[("fp8", 1)]["admitted"] / base
+    ratios["kv_capacity_admitted_fp8_dcp3_vs_bf16_dcp1_x_3"] = res[("fp8", 3)]["admitted"] / (3 * base)
+    row = {
+        "metric": f"{CAPACITY_SEQ_LEN}-token seqs admitted, {FP8_BUDGET_MIB} MiB/rank, SmolLM2 TP 9",
+        **{f"{'fp8' if kv == 'fp8' else 'bf16'} DCP{d}": r["admitted"] for (kv, d), r in res.items()},
+    }
+    return row, {f"{kv}_dcp{d}": r for (kv, d), r in res.items()}
+
+
+def _decoding_at_once(model: str, kv: str, tp: int, dcp: int, budget: int, prompt_len: int, n: int) -> dict:
+    """Sequences decoding in the same step at most, in an engine whose per-rank cache is ``budget`` bytes."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.sampling_params import SamplingParams
+
+    block_bytes, kv_dtype = _kv_bytes_per_block(model, tp, CAPACITY_BLOCK, kv, "bfloat16")
+    blocks = budget // block_bytes
+    cfg = EngineConfig(
+        model=model,
+        dtype="bfloat16",
+        kv_cache_dtype=kv,
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        num_kv_blocks=blocks,
+        block_size=CAPACITY_BLOCK,
+        max_num_seqs=256,
+        max_model_len=prompt_len + 64,
+    )
+    with LLMEngine(cfg) as eng:
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(_prompts(n, prompt_len, 250)):
+            eng.add_request(p, sp, f"cap{i}")
+        most, tokens = 0, 0
+        while eng.has_unfinished():
+            decoding = sum(1 for s in eng.scheduler.running if not s.prefilling)
+            outs = eng.step()
+            tokens += sum(len(o.new_token_ids) for o in outs)
+            most = max(most, decoding)
+    return {"kv_dtype": kv_dtype, "blocks_per_rank": blocks, "decoding_at_once": most, "tokens": tokens}
+
+
+def _fp8_decoded(ratios: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    from pdserve.default_model import ensure_default_model
+    from pdserve.testing import write_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-fp8-") as tmp:
+        shape = dict(num_heads=4, num_kv_heads=1, head_dim=64, hidden_size=256)
+        model = str(write_tiny_checkpoint(Path(tmp), "llama", tokenizer_from=ensure_default_model(), **shape))
+        budget, plen = FP8_DECODED_BUDGET_KIB << 10, 240
+        res = {
+            "bf16_dcp1": _decoding_at_once(model, "auto", 1, 1, budget, plen, 96),
+            "fp8_dcp1": _decoding_at_once(model, "fp8", 1, 1, budget, plen, 96),
+            "fp8_dcp2": _decoding_at_once(model, "fp8", 2, 2, budget, plen, 160),
+        }
+    base = res["bf16_dcp1"]["decoding_at_once"]
+    ratios["kv_capacity_fp8_vs_bf16"] = res["fp8_dcp1"]["decoding_at_once"] / base
+    ratios["kv_capacity_fp8_dcp2_vs_bf16_dcp1_x_2"] = res["fp8_dcp2"]["decoding_at_once"] / (2 * base)
+    row = {
+        "metric": f"{plen}+8-token seqs decoding at once, {FP8_DECODED_BUDGET_KIB} KiB/rank, tiny 4q/1kv",
+        **{k: v["decoding_at_once"] for k, v in res.items()},
+    }
+    return row, res
+
+
+def _filled_runner(model: str, kv: str, blocks: int):
+    from pdserve.attention.torch_backend import TorchAttentionBackend
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.parallel_state import ParallelState
+
+    r = ModelRunner(
+        model,
+        ModelConfig.from_path(model),
+        ParallelState(),
+        TorchAttentionBackend(),
+        blocks,
+        CAPACITY_BLOCK,
+        FP8_LONG_CTX + 16,
+        dtype=torch.bfloat16,
+        kv_cache_dtype=kv,
+    )
+    # post-rope K / V of SmolLM2 are O(1)-O(10): random values of that size, scales as prefill would set them
+    g = torch.Generator().manual_seed(0)
+    flat = r.kv_cache.view(-1)
+    for a in range(0, flat.numel(), 1 << 24):
+        chunk = torch.randn(min(1 << 24, flat.numel() - a), generator=g) * 3
+        if r.kv_scales is not None:
+            flat.view(torch.uint8)[a : a + chunk.numel()] = (
+                (chunk / (24 / 448)).clamp(-448, 448).to(r.kv_cache.dtype).view(torch.uint8)
+            )
+        else:
+            flat[a : a + chunk.numel()] = chunk.to(flat.dtype)
+    if r.kv_scales is not None:
+        r.kv_scales.fill_(24 / 448)
+    return r
+
+
+def _long_ctx_step(quick: bool, ratios: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One decode step at FP8_LONG_CTX context for FP8_LONG_BATCH sequences over a filled cache: fp8 vs bf16 KV."""
+    from pdserve.default_model import ensure_default_model
+    from pdserve.engine.model_runner import StepInput
+
+    model = str(ensure_default_model())
+    b, ctx = FP8_LONG_BATCH, FP8_LONG_CTX
+    per_seq = ctx // CAPACITY_BLOCK + 1
+    tables = torch.arange(b * per_seq).view(b, per_seq)
+    step = StepInput(
+        False,
+        torch.full((b,), 42),
+        torch.full((b,), ctx),
+        list(range(b + 1)),
+        [ctx] * b,
+        torch.arange(b),
+        list(range(b)),
+        [tables[:, -1] * CAPACITY_BLOCK],
+        [torch.full((b,), ctx + 1)],
+        [tables],
+    )
+    times: dict[str, list[float]] = {"bf16": [], "fp8": []}
+    runners = {}
+    for name, kv in (("bf16", "auto"), ("fp8", "fp8")):
+        runners[name] = _filled_runner(model, kv, b * per_seq)
+        runners[name].execute(step)  # warm-up
+    for _ in range(2 if quick else 4):
+        for name in ("bf16", "fp8"):
+            t = time.perf_counter()
+            runners[name].execute(step)
+            times[name].append(time.perf_counter() - t)
+    best = {k: min(v) for k, v in times.items()}
+    ratios[f"decode_step_{ctx // 1024}k_bs{b}_fp8_vs_bf16"] = best["fp8"] / best["bf16"]
+    row = {
+        "metric": f"decode step, SmolLM2 bf16 weights, {ctx} ctx x batch {b} (ms)",
+        "bf16 KV": best["bf16"] * 1e3,
+        "fp8 KV": best["fp8"] * 1e3,
+        "KV GB bf16": runners["bf16"].kv_cache.nbytes / 1e9,
+        "KV GB fp8": runners["fp8"].kv_cache.nbytes / 1e9,
+    }
+    return row, {"seconds": times}
+
+
+def _fp8(quick: bool) -> tuple[list[dict], dict[str, float], dict[str, Any]]:
+    ratios: dict[str, float] = {}
+    r1, a = _fp8_admission(ratios)
+    r2, d = _fp8_decoded(ratios)
+    r3, s = _long_ctx_step(quick, ratios)
+    return [r1, r2, r3], ratios, {"fp8_kv": {"admission": a, "decoded": d, "long_context_step": s}}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
+    f_rows, f_ratios, f_raw = _fp8(quick)
     cap_rows, cap_ratios, cap_raw = _capacity()
     s_rows, s_ratios, s_raw = _sampling_cost(quick)
     tp_rows, tp_ratios, tp_raw = _throughput(quick)
     return {
         "benchmark": "decode",
         "quick": quick,
-        "table": tp_rows + s_rows + cap_rows,
-        "ratios": {**tp_ratios, **s_ratios, **cap_ratios},
+        "table": tp_rows + s_rows + cap_rows + f_rows,
+        "ratios": {**tp_ratios, **s_ratios, **cap_ratios, **f_ratios},
         **tp_raw,
         **s_raw,
         **cap_raw,
+        **f_raw,
         "seconds": time.perf_counter() - t0,
     }

@@ -37,6 +37,11 @@ Checksum rows: the cost of the KV block checksums (pdserve/pod/kv_checksum.py, o
 prefill pod): the prefill pod's sums over its region and the decode pod's over what its ranks read (decode TP/DCP as
 above; ranks one after the other here, in parallel in a pod). ratios: checksum_vs_transfer_N = (prefill + decode
 checksum seconds) / seconds of the TP 1 pull of the same request on the fastest path measured.
+
+fp8 rows: the same SmolLM2 shape stored bf16 against fp8 (--kv-cache-dtype fp8: 8-bit bytes plus float32 scales per
+layer, plane and KV head, which ride on the control channel), a 2,048-token prompt, prefill TP 1 to decode TP 1 and
+TP 9 x DCP 3, publisher and pullers in this process, each path, best of N alternating. ratios:
+kv_transfer_bytes_fp8_vs_bf16 (target <= 0.52) and kv_transfer_time_fp8_vs_bf16_{path}_tp{t}dcp{d} (<= 0.6).
 """
 
 from __future__ import annotations
@@ -467,6 +472,86 @@ def _checksum_cost(
     return rows, out, ratios
 
 
+def _fp8_rows(quick: bool, backends: list[str]) -> tuple[list[dict], dict[str, Any], dict[str, float]]:
+    from kv_transfer.factory import make_publisher, make_puller
+    from kv_transfer.layout import KVLayout
+
+    tokens, repeat = 2048, 3 if quick else 6
+    rows: list[dict] = []
+    raw: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+
+    def layout(dtype: str, tp: int = 1, dcp: int = 1) -> KVLayout:
+        blocks = -(-tokens // dcp // BLOCK) + 8
+        return KVLayout(LAYERS, KV_HEADS, HEAD_DIM, dtype, BLOCK, tp_size=tp, dcp_size=dcp, num_blocks=blocks)
+
+    def region(lay: KVLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        r = empty_kv(*lay.region_shape(), dtype=getattr(torch, lay.dtype))
+        r.view(torch.uint8).view(-1).random_(0, 120)  # finite values in both dtypes
+        return r, (torch.rand(lay.scales_shape()) + 0.1 if lay.has_scales else None)
+
+    for backend in backends:
+        for tp, dcp in ((1, 1), (9, 3)):
+            sides = {}
+            for name, dtype in (("bf16", "bfloat16"), ("fp8", "float8_e4m3fn")):
+                src, dst = layout(dtype), layout(dtype, tp, dcp)
+                reg, sc = region(src)
+                pub = make_publisher(
+                    src, {0: reg}, backend=backend, lease_timeout_s=60, scales=None if sc is None else {0: sc}
+                )
+                dregs = [region(dst) for _ in range(tp)]
+                pullers = [make_puller(dst, r, dregs[r][0], backend=backend, scales=dregs[r][1]) for r in range(tp)]
+                sides[name] = (src, dst, pub, pullers)
+            try:
+                best: dict[str, float] = {}
+                # the first round opens the sessions (handshakes, NIXL metadata): not timed
+                for it in range(repeat + 1):
+                    for name, (src, dst, pub, pullers) in sides.items():
+                        table = list(range(src.blocks_needed(tokens, 0)))
+                        handoff = pub.handoff(pub.publish("b", {0: table}, tokens, layers_ready=LAYERS))
+                        res: list[Any] = [None] * tp
+
+                        def pull(r: int, pullers=pullers, handoff=handoff, res=res, dst=dst) -> None:
+                            res[r] = pullers[r].pull(handoff, list(range(dst.blocks_needed(tokens, r))), timeout_s=120)
+
+                        threads = [threading.Thread(target=pull, args=(r,)) for r in range(tp)]
+                        t0 = time.perf_counter()
+                        for t in threads:
+                            t.start()
+                        for t in threads:
+                            t.join()
+                        dt = time.perf_counter() - t0
+                        if any(x is None for x in res):
+                            raise RuntimeError(f"fp8 bench pull failed ({backend}, tp {tp} dcp {dcp})")
+                        if it == 0:
+                            continue
+                        # the scales cross as float32 values: one per (layer, plane, head) and prefill rank
+                        scale_bytes = src.num_layers * 2 * KV_HEADS * 4 if src.has_scales else 0
+                        nbytes = sum(x.nbytes for x in res) + scale_bytes * tp
+                        best[name] = min(best.get(name, float("inf")), dt)
+                        raw[f"fp8_{backend}_tp{tp}dcp{dcp}_{name}"] = {"bytes": nbytes, "seconds": best[name]}
+            finally:
+                for _, _, pub, pullers in sides.values():
+                    for p in pullers:
+                        p.close()
+                    pub.close()
+            b, f = raw[f"fp8_{backend}_tp{tp}dcp{dcp}_bf16"], raw[f"fp8_{backend}_tp{tp}dcp{dcp}_fp8"]
+            ratios["kv_transfer_bytes_fp8_vs_bf16"] = f["bytes"] / b["bytes"]
+            ratios[f"kv_transfer_time_fp8_vs_bf16_{backend}_tp{tp}dcp{dcp}"] = f["seconds"] / b["seconds"]
+            for name, r in (("bf16", b), ("fp8", f)):
+                rows.append(
+                    {
+                        "path": f"{backend} {name} KV",
+                        "decode tp/dcp": f"{tp}/{dcp}",
+                        "tokens": tokens,
+                        "MB": r["bytes"] / 1e6,
+                        "seconds": r["seconds"],
+                        "GB/s": r["bytes"] / r["seconds"] / 1e9,
+                    }
+                )
+    return rows, raw, ratios
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     from kv_transfer.factory import make_puller, nixl_available
     from kv_transfer.plan import plan_reshard
@@ -582,6 +667,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     rows += c_rows
     raw.update(c_raw)
     ratios.update(c_ratios)
+    f_rows, f_raw, f_ratios = _fp8_rows(quick, backends)
+    rows += f_rows
+    raw.update(f_raw)
+    ratios.update(f_ratios)
     s_rows, s_raw, s_ratios = _streaming(quick, "nixl" if nixl_ok else "tcp")
     rows += s_rows
     raw.update(s_raw)

@@ -100,7 +100,13 @@ class TransferKVSource:
         from pdserve.pod.kv_checksum import partial_checksums
 
         return nbytes, partial_checksums(
-            puller.layout, runner.ps.tp_rank, runner.kv_cache, block_table, self.num_tokens, self.checksum_block_tokens
+            puller.layout,
+            runner.ps.tp_rank,
+            runner.kv_cache,
+            block_table,
+            self.num_tokens,
+            self.checksum_block_tokens,
+            runner.kv_scales,
         )
 
 
@@ -151,6 +157,7 @@ class PullerFactory:
             auth_token=self.auth_token,
             tls=self.tls,
             ucx_transports=self.ucx_transports,
+            scales=runner.kv_scales,
         )
 
 

@@ -211,6 +211,21 @@ class KVLayout:
             + local_head * self.head_nbytes
         )
 
+    # ---- fp8 scales ---------------------------------------------------------------------------
+    @property
+    def has_scales(self) -> bool:
+        """fp8 caches keep float32 scales beside the region (pdserve/engine/kv_quant.py), which travel with the KV."""
+        return self.dtype.startswith("float8")
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales per (layer, plane, block) of a rank: one per local KV head, or the latent and its rope part."""
+        return 2 if self.use_mla else self.kv_heads_per_rank
+
+    def scales_shape(self, num_blocks: int | None = None) -> tuple[int, ...]:
+        """A rank's scale tensor: [layers, planes, blocks, groups] float32."""
+        return (self.num_layers, self.kv_planes, self._num_blocks(num_blocks), self.scale_groups)
+
     # ---- misc -------------------------------------------------------------------------------
     def same_model(self, other: "KVLayout") -> bool:
         """Both sides describe the same KV tensor (the only thing a re-shard cannot change)."""

@@ -204,6 +204,28 @@ def _plan_rank_plane0(
     return coalesce(Segments.concat(parts))
 
 
+def plan_scales(src: KVLayout, dst: KVLayout, d: int) -> list[list[tuple[int, int]]]:
+    """Where decode rank ``d`` can take each of its fp8 scale groups (a KV head, or the MLA latent's two parts)
+    from: per local group, every ``(prefill rank, its local group)`` holding it (replicas hold the same values).
+
+    A sequence's blocks on one rank share one scale per (layer, plane, group) (pdserve/engine/kv_quant.py), so a
+    group's scales are one value per (layer, plane), read from any prefill rank holding that head; the decode rank
+    writes it into every block of the request, whichever prefill blocks the tokens came from. A DCP > 1 source
+    would give each of its DCP ranks a scale of its own for one head, which one decode block could not hold, so it
+    is refused."""
+    if not src.same_model(dst):
+        raise ValueError(f"layouts describe different KV tensors: {src} vs {dst}")
+    if not dst.has_scales:
+        return []
+    if src.dcp_size != 1:
+        raise ValueError(f"fp8 KV moves from a prefill side without DCP only (its dcp_size is {src.dcp_size})")
+    if dst.use_mla:  # the latent is replicated on every rank, with the same scales
+        return [[(r, g) for r in range(src.tp_size)] for g in range(dst.scale_groups)]
+    return [
+        [(r, h - src.kv_heads_of_rank(r).start) for r in src.ranks_holding_head(h)] for h in dst.kv_heads_of_rank(d)
+    ]
+
+
 def coalesce(segs: Segments) -> Segments:
     """Sort by destination and merge rows contiguous on both sides (same source rank)."""
     if len(segs) == 0:

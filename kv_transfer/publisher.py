@@ -75,6 +75,7 @@ class Publisher(KVPublisher):
         chunk_bytes: int = 4 << 20,
         auth_token: str = "",
         tls: "TLSConfig | None" = None,
+        scales: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         if layout.num_blocks <= 0:
             raise ValueError("publisher layout needs num_blocks")
@@ -85,6 +86,17 @@ class Publisher(KVPublisher):
             check_region(layout, t, f"prefill rank {r}")
         self.layout = layout
         self.regions = dict(sorted(regions.items()))
+        # fp8: each hosted rank's scale tensor [layers, planes, blocks, groups]; the "wait" replies carry a lease's
+        # scales for its ready layers, so they reach decode whichever data path moves the bytes
+        self.scales = dict(scales or {})
+        if layout.has_scales:
+            for r in self.regions:
+                got = self.scales.get(r)
+                if got is None or tuple(got.shape) != layout.scales_shape() or got.dtype != torch.float32:
+                    raise ValueError(
+                        f"prefill rank {r}: an fp8 ({layout.dtype}) region needs its float32 scales "
+                        f"{layout.scales_shape()}, got {None if got is None else (tuple(got.shape), got.dtype)}"
+                    )
         self._bytes = {r: RegionBytes(t) for r, t in self.regions.items()}
         self._user_on_free = on_free
         self.chunk_bytes = max(chunk_bytes, DIRECT_SEND_BYTES)
@@ -207,7 +219,10 @@ class Publisher(KVPublisher):
         elif op == "wait":
             wait_s = min(float(msg.get("wait_s", 1.0)), MAX_WAIT_S)
             ready = self.leases.wait_layers(lease_id, int(msg.get("after", 0)), wait_s, rank, world)
-            conn.send({"ok": True, "ready": ready})
+            reply: dict[str, Any] = {"ok": True, "ready": ready}
+            if self.layout.has_scales and ready > 0:
+                reply["scales"] = self._lease_scales(self.leases.check(lease_id, rank, world), ready)
+            conn.send(reply)
         elif op == "pin":
             self.leases.check(lease_id, rank, world)
             pin = self.leases.pin(lease_id, int(rank), int(msg["layers_needed"]))
@@ -238,6 +253,16 @@ class Publisher(KVPublisher):
             conn.send({"ok": True, "expires_in_s": self.leases.renew(lease_id)})
         else:
             raise BadTransferRequest(f"unknown control op {op!r}")
+
+    def _lease_scales(self, lease: Lease, ready: int) -> dict[str, list]:
+        """Per hosted rank, the lease's scales of layers [0, ready) as [layer][plane][group]: those of its first
+        block, which every block of the request on that rank shares (pdserve/engine/kv_quant.py)."""
+        pub: _Published = lease.data
+        out = {}
+        for r, table in pub.block_tables.items():
+            if len(table):
+                out[str(r)] = self.scales[r][:ready, :, int(table[0])].tolist()
+        return out
 
     def _serve_read(self, conn: ServerConn, msg: dict[str, Any], payload: bytearray) -> None:
         """TCP data path: stream the requested base-plane segments for planes of layers [a, b)."""

@@ -24,7 +24,7 @@ import torch
 
 from kv_transfer.control import ControlClient
 from kv_transfer.layout import KVLayout
-from kv_transfer.plan import RankPlan, Segments, plan_reshard
+from kv_transfer.plan import RankPlan, Segments, plan_reshard, plan_scales
 from kv_transfer.region import RegionBytes, check_region
 from kv_transfer.transport import (
     PROTOCOL_VERSION,
@@ -116,11 +116,19 @@ class BasePuller(KVPuller):
         transfer_timeout_s: float = 300.0,
         auth_token: str = "",
         tls: "TLSConfig | None" = None,
+        scales: torch.Tensor | None = None,
     ) -> None:
         if layout.num_blocks <= 0:
             raise ValueError("puller layout needs num_blocks")
         layout.kv_heads_of_rank(rank)  # rank in range
         check_region(layout, region, f"decode rank {rank}")
+        if layout.has_scales and (
+            scales is None or tuple(scales.shape) != layout.scales_shape() or scales.dtype != torch.float32
+        ):
+            raise ValueError(
+                f"decode rank {rank}: an fp8 ({layout.dtype}) region needs its float32 scales {layout.scales_shape()}"
+            )
+        self.scales = scales  # fp8: written for the request's blocks once its KV landed
         self.layout = layout
         self.rank = rank
         self.region = region
@@ -162,8 +170,9 @@ class BasePuller(KVPuller):
             waits = [(s.session, s.client) for s in sources.values()] or list(conns.values())
             landed, times, nbytes = 0, [], 0
             num_layers = self.layout.num_layers
+            got_scales: dict[int, list] = {}  # prefill rank -> its lease scales [layer][plane][group]
             while landed < num_layers:
-                ready = min(self._wait(s, c, handoff, landed, deadline, cancelled) for s, c in waits)
+                ready = min(self._wait(s, c, handoff, landed, deadline, cancelled, got_scales) for s, c in waits)
                 # Everything ready goes in one read (up to max_layers_per_read): one layer at a time while
                 # streaming behind prefill, all at once when prefill is already done.
                 for a in range(landed, ready, self.max_layers_per_read):
@@ -177,6 +186,8 @@ class BasePuller(KVPuller):
                         for n in range(group.start + 1, group.stop + 1):
                             on_layers_landed(n)
                 landed = ready
+            if self.layout.has_scales:
+                self._write_scales(handoff, block_table, got_scales)
             for session, client in conns.values():
                 self._report_done(session, client, handoff)
         except KVTransferError as e:
@@ -243,6 +254,31 @@ class BasePuller(KVPuller):
         for ep in eps:
             self._drop_session(ep)
 
+    def _write_scales(self, handoff: KVHandoff, block_table: Sequence[int], got: dict[int, list]) -> None:
+        """Every block of the request here takes its groups' scales from the prefill ranks plan_scales names."""
+        assert self.scales is not None
+        try:
+            sources = plan_scales(handoff.layout, self.layout, self.rank)
+        except ValueError as e:
+            raise BadTransferRequest(str(e)) from e
+        n = self.layout.blocks_needed(handoff.num_tokens, self.rank)
+        if n == 0:
+            return  # no token of this prompt lives here; the first one decoded here opens a block with its own
+        cols = []
+        for cands in sources:
+            r, g = next(((r, g) for r, g in cands if r in got), cands[0])
+            if r not in got:
+                raise BadTransferRequest(f"lease {handoff.lease_id}: prefill rank {r} sent no fp8 scales")
+            vals = torch.tensor(got[r], dtype=torch.float32)  # [layers, planes, groups]
+            if tuple(vals.shape[:2]) != (self.layout.num_layers, self.layout.kv_planes) or not 0 <= g < vals.shape[2]:
+                raise BadTransferRequest(f"lease {handoff.lease_id}: prefill rank {r} sent scales {tuple(vals.shape)}")
+            if not bool(torch.isfinite(vals).all() and (vals > 0).all()):
+                raise BadTransferRequest(f"lease {handoff.lease_id}: prefill rank {r} sent non-positive scales")
+            cols.append(vals[:, :, g])
+        per_group = torch.stack(cols, dim=-1).to(self.scales.device)  # [layers, planes, groups]
+        blocks = torch.as_tensor(list(block_table[:n]), dtype=torch.int64, device=self.scales.device)
+        self.scales[:, :, blocks] = per_group.unsqueeze(2).expand(-1, -1, n, -1)
+
     # ---- for subclasses -----------------------------------------------------------------------
     def _read(self, src: _Source, handoff: KVHandoff, rp: RankPlan, layers: range, deadline: float) -> int:
         """Move layers ``layers`` of ``src.base`` into the region; returns bytes written."""
@@ -268,6 +304,7 @@ class BasePuller(KVPuller):
         if not handoff.complete:
             raise BadTransferRequest("handoff misses some prefill ranks' endpoints (merge the partial handoffs)")
         try:
+            plan_scales(handoff.layout, self.layout, self.rank)  # an fp8 source it cannot take is refused up front
             plan = plan_reshard(
                 handoff.layout,
                 handoff.block_tables,
@@ -345,8 +382,10 @@ class BasePuller(KVPuller):
         after: int,
         deadline: float,
         cancelled: threading.Event | None = None,
+        scales: dict[int, list] | None = None,
     ) -> int:
-        """Long-poll until more than ``after`` layers are ready at this endpoint."""
+        """Long-poll until more than ``after`` layers are ready at this endpoint; an fp8 lease's scales of the
+        ready layers go into ``scales`` (by prefill rank)."""
         while True:
             _check_cancelled(cancelled, handoff)
             left = deadline - time.monotonic()
@@ -359,6 +398,8 @@ class BasePuller(KVPuller):
                 self._msg("wait", handoff, after=after, wait_s=wait_s), timeout_s=wait_s + self.io_timeout_s
             )
             if reply["ready"] > after:
+                if scales is not None:
+                    scales.update({int(r): v for r, v in reply.get("scales", {}).items()})
                 return int(reply["ready"])
 
 

@@ -63,6 +63,10 @@ class Unavailable(_Coded):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class FailedPrecondition(_Coded):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Unauthenticated(_Coded):
     code = grpc.StatusCode.UNAUTHENTICATED
 

@@ -675,10 +675,22 @@ def kv_dtype_mismatch(
 ) -> str | None:
     """Why KV cannot move between a prefill and a decode pod of these KV dtypes ("" = not reported); None if it can.
 
-    The bytes are moved as they are, never converted, so both sides must run the same EngineConfig.dtype."""
+    The bytes are moved as they are, never converted, so both sides must store the same KV dtype: the same
+    EngineConfig.dtype, or the same fp8 EngineConfig.kv_cache_dtype (whose scales travel beside the bytes)."""
     if not prefill or not decode or prefill == decode:
         return None
+    if prefill.startswith("float8") or decode.startswith("float8"):
+        flag = _KV_CACHE_FLAG.get(prefill, "auto")
+        return (
+            f"KV cache dtype mismatch: {prefill_name} stores its KV cache as {prefill}, {decode_name} as {decode}, "
+            f"and the KV moves between them as raw bytes: start both with the same --kv-cache-dtype "
+            f"(e.g. --kv-cache-dtype {flag} on {decode_name})"
+        )
     return (
         f"KV dtype mismatch: {prefill_name} runs {prefill}, {decode_name} runs {decode}, and KV moves between "
         f"them as raw bytes: start both with the same --dtype (e.g. --dtype {prefill} on {decode_name})"
     )
+
+
+# a cache dtype as --kv-cache-dtype names it (vLLM's values); a model-dtype cache is "auto"
+_KV_CACHE_FLAG = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}

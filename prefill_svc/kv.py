@@ -58,8 +58,10 @@ def make_publisher(
     auth_token: str = "",
     tls: "TLSConfig | None" = None,
     ucx_transports: str | None = None,
+    scales: torch.Tensor | None = None,
 ):
-    """A kv_transfer publisher for one rank's region (NIXL when usable and asked for / "auto", else TCP)."""
+    """A kv_transfer publisher for one rank's region (NIXL when usable and asked for / "auto", else TCP); an fp8
+    region's scales travel beside it."""
     from kv_transfer.factory import make_publisher as factory_make
 
     return factory_make(
@@ -72,6 +74,7 @@ def make_publisher(
         auth_token=auth_token,
         tls=tls,
         ucx_transports=ucx_transports,
+        scales=None if scales is None else {tp_rank: scales},
     )
 
 
@@ -88,6 +91,7 @@ class PrefillKVPublisher(KVConnectorWorker):
         self._errors: list[tuple[str, int, str]] = []  # (lease id, layer, what failed)
         self.wake: Callable[[], None] | None = None  # rank 0: nudges the engine loop when a lease is freed
         self.region = runner.kv_cache
+        self.scales = runner.kv_scales  # fp8 only
         self.publisher = make_publisher(
             spec.transport,
             self.layout,
@@ -99,6 +103,7 @@ class PrefillKVPublisher(KVConnectorWorker):
             spec.auth_token,
             spec.tls,
             spec.ucx_transports,
+            runner.kv_scales,
         )
 
     @property
@@ -142,7 +147,9 @@ class PrefillKVPublisher(KVConnectorWorker):
 
         if self.cuda:
             torch.cuda.current_stream().synchronize()
-        return partial_checksums(self.layout, self.tp_rank, self.region, block_ids, num_tokens, self.layout.block_size)
+        return partial_checksums(
+            self.layout, self.tp_rank, self.region, block_ids, num_tokens, self.layout.block_size, self.scales
+        )
 
     def take_finished(self) -> tuple[list[tuple[str, str]], list[tuple[str, int, str]]]:
         with self._lock:

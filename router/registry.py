@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from pdserve.errors import InvalidArgument, ServiceError, Unauthenticated
+from pdserve.errors import FailedPrecondition, InvalidArgument, ServiceError, Unauthenticated
 from pdserve.parallel_config import ParallelConfig, kv_dtype_mismatch
 from pdserve.security import secrets_match
 from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
@@ -250,8 +250,8 @@ class Registry:
                 if req.role != common_pb2.ROLE_PREFILL:
                     pre, dec = ((theirs, f"prefill pod {other.pod_id!r}"), (mine, f"decode pod {req.pod_id!r}"))
                 problem = kv_dtype_mismatch(pre[0], dec[0], pre[1], dec[1])
-                if problem:
-                    return problem, None
+                if problem:  # the pair can never move KV: refused here, never at transfer time
+                    raise FailedPrecondition(problem)
             diff = shape_mismatch(other.registration.model_shape, req.model_shape)
             if diff is not None:
                 return (

@@ -6,9 +6,12 @@ Decode Context Parallelism rests on."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_quant import KVQuant
 
 
 @dataclass
@@ -33,6 +36,8 @@ class AttentionMetadata:
     num_decodes: int = 0
     # Prefill attention through torch's SDPA kernel, as transformers computes it (EngineConfig.exact_prefill).
     exact: bool = False
+    # fp8 KV cache: the step's scale bookkeeping (pdserve/engine/kv_quant.py); None for a model-dtype cache.
+    kv_quant: KVQuant | None = None
     # Tensors derived from the fields above, built once per step by the backend and reused by every layer.
     derived: dict = field(default_factory=dict, repr=False)
 
@@ -72,7 +77,7 @@ class AttentionMetadata:
                 context_lens=self.context_lens[:d],
                 block_tables=self.block_tables[:d],
                 derived={},
-            )
+            )  # kv_quant stays whole: writes happen before the split, reads need only its scales
             pre = replace(
                 self,
                 num_decodes=0,
@@ -97,6 +102,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's K, V rows [T, Hkv, D], as written
+        kv_scales: torch.Tensor | None = None,  # fp8 cache: the layer's scales [2, blocks, Hkv] (kv_quant.py)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (out [T, Hq, D], lse [T, Hq]) with natural-log LSE; a sequence with no local KV gives out 0,
         lse -inf.
@@ -138,6 +144,8 @@ class MLAAttentionBackend(Protocol):
         scale: float,
         expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],  # latent rows [N, C] -> K, V [N, H, D]
         new_latent: torch.Tensor | None = None,  # this step's latent rows [T, C], as written
+        kv_scales: torch.Tensor | None = None,  # fp8 cache: the layer's scales [1, blocks, 2] (kv_quant.py)
+        kv_lora_rank: int = 0,  # fp8 cache: where a latent row's rope part (its second scale group) starts
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expanded form: every head's K/V built from the latent, (out [T, H, D], lse [T, H]); D = expand's width."""
         ...
@@ -149,6 +157,7 @@ class MLAAttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         v_dim: int,  # the leading v_dim values of a latent row are the value (kv_lora_rank)
+        kv_scales: torch.Tensor | None = None,  # fp8 cache: the layer's scales [1, blocks, 2] (kv_quant.py)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed form, one shared head: (out [B, H, v_dim] in latent space, lse [B, H])."""
         ...

@@ -36,7 +36,9 @@ class FlashInferAttentionBackend:
         dev = self.device
         return indptr.to(dev), indices.to(dev), last.to(dev)
 
-    def forward(self, q, kv_layer, meta: AttentionMetadata, scale: float, new_kv=None):
+    def forward(self, q, kv_layer, meta: AttentionMetadata, scale: float, new_kv=None, kv_scales=None):
+        if kv_scales is not None:  # the executor picks the torch backend for fp8 caches
+            raise ValueError("the flashinfer backend reads model-dtype KV caches only; fp8 runs on the torch backend")
         hq, d = q.shape[1], q.shape[2]
         hkv, bs = kv_layer.shape[-2], kv_layer.shape[2]
         if self._planned_for != id(meta):

@@ -60,12 +60,22 @@ class FlashInferMLABackend:
         scale: float,
         expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         new_latent: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None,
+        kv_lora_rank: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._torch.forward_prefill(q, latent_layer, meta, scale, expand, new_latent)
+        return self._torch.forward_prefill(q, latent_layer, meta, scale, expand, new_latent, kv_scales, kv_lora_rank)
 
     def forward_decode(
-        self, q: torch.Tensor, latent_layer: torch.Tensor, meta: AttentionMetadata, scale: float, v_dim: int
+        self,
+        q: torch.Tensor,
+        latent_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        v_dim: int,
+        kv_scales: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_scales is not None:  # fp8 latent: the torch kernels dequantise per block
+            return self._torch.forward_decode(q, latent_layer, meta, scale, v_dim, kv_scales)
         if q.dtype not in _KERNEL_DTYPES or latent_layer.dtype not in _KERNEL_DTYPES or meta.sliding_window:
             if not self._warned_dtype:
                 log.warning(

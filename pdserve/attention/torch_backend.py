@@ -8,6 +8,7 @@ import torch
 from pdserve import kernels
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.merge import merge_attn_states
+from pdserve.engine.kv_quant import gather_gqa
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _efficient = torch.ops.aten._scaled_dot_product_efficient_attention
@@ -62,15 +63,17 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not meta.is_prefill:
-            return self._decode(q, kv_layer, meta, scale)
+            return self._decode(q, kv_layer, meta, scale, kv_scales)
         d = meta.num_decodes
         if d == 0:
-            return self._prefill(q, kv_layer, meta, scale, new_kv)
+            return self._prefill(q, kv_layer, meta, scale, new_kv, kv_scales)
         dec, pre = meta.split_decodes()
-        o1, lse1 = self._decode(q[:d], kv_layer, dec, scale)
-        o2, lse2 = self._prefill(q[d:], kv_layer, pre, scale, new_kv and (new_kv[0][d:], new_kv[1][d:]))
+        o1, lse1 = self._decode(q[:d], kv_layer, dec, scale, kv_scales)
+        new = new_kv and (new_kv[0][d:], new_kv[1][d:])
+        o2, lse2 = self._prefill(q[d:], kv_layer, pre, scale, new, kv_scales)
         return torch.cat([o1, o2]), torch.cat([lse1, lse2])
 
     def prefill_kernel_applies(self, meta: AttentionMetadata, head_dim: int) -> bool:
@@ -79,7 +82,7 @@ class TorchAttentionBackend:
         plain = meta.sliding_window is None and meta.dcp_size == 1
         return self.cpu_kernels and plain and not meta.exact and head_dim in (64, 128)
 
-    def _prefill(self, q, kv_layer, meta, scale, new_kv):
+    def _prefill(self, q, kv_layer, meta, scale, new_kv, kv_scales=None):
         # The flash kernel takes strided [1, H, L, D] views and Hkv < Hq heads natively (bit-identical to expanding
         # K/V per query head), so queries and a first chunk's K/V go in as views of the QKV projection: no copies.
         hkv, d = kv_layer.shape[-2], q.shape[-1]
@@ -104,8 +107,12 @@ class TorchAttentionBackend:
                 kc, vc = new_kv[0][a:b], new_kv[1][a:b]
             else:
                 table = meta.block_tables[i, : (ctx + bs - 1) // bs]
-                # kv_layer[0][table], not kv_layer[0, table]: the mixed index is far slower (docs/performance.md)
-                kc, vc = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx] for j in (0, 1))
+                if kv_scales is not None:  # fp8: this sequence's rows dequantised (the cache stays 8-bit)
+                    slots = (table.unsqueeze(1) * bs + torch.arange(bs, device=table.device)).reshape(-1)[:ctx]
+                    kc, vc = (gather_gqa(kv_layer[j], kv_scales[j], slots, q.dtype) for j in (0, 1))
+                else:
+                    # kv_layer[0][table], not kv_layer[0, table]: the mixed index is far slower (docs/performance.md)
+                    kc, vc = (kv_layer[j][table].reshape(-1, hkv, d)[:ctx] for j in (0, 1))
             if kernel and start + n == ctx:
                 # a whole prompt, or a later chunk that sees every earlier key: causal with its queries at the end
                 o, lse = kernels.prefill_attention(qi, kc, vc, scale)
@@ -123,8 +130,20 @@ class TorchAttentionBackend:
             return outs[0], lses[0]
         return torch.cat(outs), torch.cat(lses)
 
-    def _decode(self, q, kv_layer, meta, scale):
+    def _decode(self, q, kv_layer, meta, scale, kv_scales=None):
         # One query per sequence: view its Hq heads as [Hkv, group] rows so GQA needs no KV copy per head.
+        if self.cpu_kernels and q.device.type == "cpu" and kv_scales is not None:  # fp8, dequantised in registers
+            return kernels.paged_decode_attention_fp8(
+                q,
+                kv_layer[0],
+                kv_layer[1],
+                kv_scales[0],
+                kv_scales[1],
+                meta.block_tables,
+                meta.context_lens,
+                meta.sliding_window,
+                scale,
+            )
         if self.cpu_kernels and q.device.type == "cpu":
             return kernels.paged_decode_attention(
                 q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens, meta.sliding_window, scale
@@ -134,8 +153,12 @@ class TorchAttentionBackend:
         slots, mask, empty = meta.derived.get("decode") or self._decode_plan(meta, bs, q.dtype, q.device)
         max_ctx = mask.shape[-1]
         # Contiguous [B, Hkv, L, D]: the CPU flash kernel is much slower on strided K/V (docs/performance.md).
-        k = kv_layer[0].view(-1, hkv, d).index_select(0, slots).view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
-        v = kv_layer[1].view(-1, hkv, d).index_select(0, slots).view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
+        if kv_scales is not None:  # fp8 (CUDA, or no C++ kernels): the batch's rows dequantised
+            k, v = (gather_gqa(kv_layer[j], kv_scales[j], slots, q.dtype) for j in (0, 1))
+        else:
+            k, v = (kv_layer[j].view(-1, hkv, d).index_select(0, slots) for j in (0, 1))
+        k = k.view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
+        v = v.view(b, max_ctx, hkv, d).transpose(1, 2).contiguous()
         qg = q.view(b, hkv, hq // hkv, d)
         o, lse = attend(qg, k, v, False, scale, mask)
         o, lse = o.reshape(b, hq, d), lse.reshape(b, hq)

@@ -13,6 +13,7 @@ import torch
 from pdserve import kernels
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.torch_backend import TorchAttentionBackend, attend, attend_prefill_seq
+from pdserve.engine.kv_quant import gather_latent
 
 
 class TorchMLABackend:
@@ -29,6 +30,8 @@ class TorchMLABackend:
         scale: float,
         expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         new_latent: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None,
+        kv_lora_rank: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         bs, c = latent_layer.shape[1], latent_layer.shape[2]
         outs: list[torch.Tensor | None] = []
@@ -48,7 +51,11 @@ class TorchMLABackend:
                 rows = new_latent[a:b]
             else:
                 table = meta.block_tables[i, : (ctx + bs - 1) // bs]
-                rows = latent_layer[table].reshape(-1, c)[:ctx]
+                if kv_scales is not None:  # fp8: this sequence's rows dequantised (the cache stays 8-bit)
+                    slots = (table.unsqueeze(1) * bs + torch.arange(bs, device=table.device)).reshape(-1)[:ctx]
+                    rows = gather_latent(latent_layer, kv_scales, slots, kv_lora_rank, q.dtype)
+                else:
+                    rows = latent_layer[table].reshape(-1, c)[:ctx]
             k, v = expand(rows)
             d = max(q.shape[-1], k.shape[-1], v.shape[-1])
             # The kernel wants one head size for Q, K and V: zero columns change neither scores nor outputs.
@@ -68,7 +75,13 @@ class TorchMLABackend:
         return torch.cat(filled), torch.cat(lses)
 
     def forward_decode(
-        self, q: torch.Tensor, latent_layer: torch.Tensor, meta: AttentionMetadata, scale: float, v_dim: int
+        self,
+        q: torch.Tensor,
+        latent_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        v_dim: int,
+        kv_scales: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, c = q.shape
         bs = latent_layer.shape[1]
@@ -87,7 +100,10 @@ class TorchMLABackend:
         slots, mask, empty = plan
         max_ctx = mask.shape[-1]
         # One shared head: K and V are the same latent rows (V reads their first v_dim values), gathered once.
-        kv = latent_layer.view(-1, c).index_select(0, slots).view(b, 1, max_ctx, c)
+        if kv_scales is not None:  # fp8: the batch's rows dequantised; v_dim is the latent part's width
+            kv = gather_latent(latent_layer, kv_scales, slots, v_dim, q.dtype).view(b, 1, max_ctx, c)
+        else:
+            kv = latent_layer.view(-1, c).index_select(0, slots).view(b, 1, max_ctx, c)
         o, lse = attend(q.view(b, 1, h, c), kv, kv, False, scale, mask)
         o, lse = o.reshape(b, h, c)[..., :v_dim], lse.reshape(b, h)
         if empty is not None:

@@ -275,6 +275,8 @@ class LocalCluster:
             common["device"] = t.device
         if t.dtype is not None:
             common["dtype"] = t.dtype
+        if t.kv_cache_dtype is not None:
+            common["kv_cache_dtype"] = t.kv_cache_dtype
         for p in t.prefill:
             argv = [
                 *py,

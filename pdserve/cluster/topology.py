@@ -8,6 +8,7 @@ YAML (every key optional; flags given on the command line override the file):
     max_model_len: 2048
     device: cpu                     # or cuda; default: the pods' own default
     dtype: bfloat16                 # auto | float32 | bfloat16 | float16, every pod alike; default: auto
+    kv_cache_dtype: fp8             # auto | fp8 | fp8_e4m3 | fp8_e5m2, every pod alike; default: auto (= dtype)
     router: {port: 50051, http_port: 8000}   # http_port: -1 or null = no OpenAI HTTP endpoint, 0 = any free port
     # router: {count: 2, ports: [50051, 50061]}  # N routers; every pod registers with all; ports default to free ones
     # router: {nice: -10}           # CPU priority of the routers and the HTTP front; default: -10 where allowed, else 0
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from pdserve.engine.config import DTYPES
+from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES
 from pdserve.net import free_port
 from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, check_parallel_config
 from pdserve.sched import NICE_RANGE, may_set_nice
@@ -140,6 +141,7 @@ class Topology:
     max_model_len: int | None = None
     device: str | None = None  # "cpu", "cuda", ...; None: the pods' default
     dtype: str | None = None  # EngineConfig.dtype of every pod (a prefill and a decode pod must agree); None: auto
+    kv_cache_dtype: str | None = None  # EngineConfig.kv_cache_dtype of every pod (they must agree); None: auto
     prefill: list[PodSpec] = field(default_factory=lambda: [default_prefill()])
     decode: list[PodSpec] = field(default_factory=lambda: [default_decode()])
     unified: list[PodSpec] = field(default_factory=list)  # colocated pods (a decode_svc started with --unified)
@@ -189,6 +191,7 @@ class Topology:
             "max_model_len",
             "device",
             "dtype",
+            "kv_cache_dtype",
             "router",
             "prefill",
             "decode",
@@ -210,6 +213,12 @@ class Topology:
             topo.dtype = _str(data["dtype"], "dtype")
             if topo.dtype not in DTYPES:
                 raise TopologyError(f"dtype must be one of {', '.join(DTYPES)}, got {topo.dtype!r}")
+        if data.get("kv_cache_dtype") is not None:
+            topo.kv_cache_dtype = _str(data["kv_cache_dtype"], "kv_cache_dtype")
+            if topo.kv_cache_dtype not in KV_CACHE_DTYPES:
+                raise TopologyError(
+                    f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {topo.kv_cache_dtype!r}"
+                )
         router = data.get("router") or {}
         if not isinstance(router, Mapping):
             raise TopologyError("router: expected a mapping like {port: 50051, http_port: 8000}")
@@ -259,7 +268,16 @@ class Topology:
             if kw["num_routers"] < 1:
                 raise TopologyError(f"--routers must be >= 1, got {kw['num_routers']}")
             t.num_routers = kw["num_routers"]
-        for name in ("model", "host", "router_port", "block_size", "max_model_len", "device", "dtype"):
+        for name in (
+            "model",
+            "host",
+            "router_port",
+            "block_size",
+            "max_model_len",
+            "device",
+            "dtype",
+            "kv_cache_dtype",
+        ):
             if kw.get(name) is not None:
                 setattr(t, name, kw[name])
         if kw.get("router_nice") is not None:

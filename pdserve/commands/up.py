@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from pdserve.cluster.topology import AUTO, Topology, TopologyError
-from pdserve.engine.config import DTYPES
+from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES
 
 
 def _size(v: str) -> int | str:
@@ -112,6 +112,12 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
         choices=DTYPES,
         help="weights, activations and KV cache of every pod (default: auto, the checkpoint's dtype)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache storage of every pod: auto (--dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, half the bytes of "
+        "bf16 to hold, move and read (default: auto)",
+    )
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -134,6 +140,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         max_model_len=args.max_model_len,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
         prefill_cpus=getattr(args, "prefill_cpus", None),
         decode_cpus=getattr(args, "decode_cpus", None),
         unified=getattr(args, "unified", None),

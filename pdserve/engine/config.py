@@ -10,6 +10,8 @@ from pdserve.parallel_config import ParallelConfig
 CPU_COLLECTIVES = ("auto", "shm", "gloo")
 CPU_PINNING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --kv-cache-dtype values; "fp8" is fp8_e4m3, as in vLLM (pdserve/engine/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 MAX_N = 128  # sequences per request (parallel sampling / best_of); more is a mistake, not a workload
 
@@ -79,6 +81,16 @@ class EngineConfig:
         },
     )
 
+    # "auto" keeps the KV cache in `dtype`; fp8 stores it in 8 bits with per (layer, block, KV head) scales.
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "choices": KV_CACHE_DTYPES,
+            "help": "KV cache storage: auto (the model dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, scaled per layer, "
+            "block and KV head from the data; a prefill and a decode pod must agree",
+        },
+    )
+
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             v = getattr(self, name)
@@ -98,6 +110,10 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.cpu_pinning not in CPU_PINNING:
             raise ValueError(
                 f"EngineConfig.cpu_pinning must be one of {', '.join(CPU_PINNING)}, got {self.cpu_pinning!r}"

@@ -63,6 +63,7 @@ class RankSpec:
     init_timeout_s: float = 600.0  # rendezvous: rank processes start slowly on a loaded host
     exact_prefill: bool = False  # EngineConfig.exact_prefill
     dtype: str = "float32"  # of weights, activations and KV cache (EngineConfig.dtype, resolved)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: "auto" keeps the KV in dtype
     collectives: str = "gloo"  # "shm" | "gloo" | "nccl" (resolved by Executor.create)
     shm: ShmRegion | None = None  # the pod's shared region (collectives == "shm")
     shm_world: ShmGroupSpec | None = None
@@ -157,7 +158,15 @@ def _build_rank(spec: RankSpec, rank: int) -> tuple[ModelRunner, "_Channel | Non
     device = spec.device if not spec.device.startswith("cuda") else f"cuda:{rank}"
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    backend = select_backend(device, spec.attention_backend)
+    prefer = spec.attention_backend
+    if (
+        spec.kv_cache_dtype != "auto"
+        and (prefer or ("flashinfer" if device.startswith("cuda") else "torch")) != "torch"
+    ):
+        # pdserve's flashinfer wrappers plan model-dtype caches only; the torch backend dequantises fp8 per block
+        log.warning("kv_cache_dtype %s: attention runs on the torch backend, not %s", spec.kv_cache_dtype, prefer)
+        prefer = "torch"
+    backend = select_backend(device, prefer)
     runner = ModelRunner(
         spec.model_path,
         cfg,
@@ -169,6 +178,7 @@ def _build_rank(spec: RankSpec, rank: int) -> tuple[ModelRunner, "_Channel | Non
         device=device,
         dtype=getattr(torch, spec.dtype),
         exact_prefill=spec.exact_prefill,
+        kv_cache_dtype=spec.kv_cache_dtype,
     )
     return runner, channel
 
@@ -360,6 +370,7 @@ class Executor:
         cpu_collectives: str = "auto",
         cpu_pinning: str = "auto",
         dtype: str = "float32",
+        kv_cache_dtype: str = "auto",
     ) -> "Executor":
         allowed = sorted(os.sched_getaffinity(0))
         cores = len(allowed)
@@ -410,6 +421,7 @@ class Executor:
             threads_per_rank=threads,
             exact_prefill=exact_prefill,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             collectives=collectives,
             shm=shm,
             shm_world=world,
@@ -429,6 +441,11 @@ class Executor:
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache
+
+    @property
+    def kv_scales(self) -> torch.Tensor | None:
+        """Rank 0's fp8 scales (kv_quant.py); None for a model-dtype cache."""
+        return self.runner.kv_scales
 
     def execute(self, step: StepInput) -> torch.Tensor:
         # The stepping thread is pinned for the step only, so that threads it starts later are not born pinned.

@@ -51,6 +51,13 @@ class KVCacheLayout:
     def bytes_per_block(self, dtype: torch.dtype) -> int:
         return self.values_per_token * self.block_size * torch.empty((), dtype=dtype).element_size()
 
+    def scales_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """fp8 caches' scales (kv_quant.py): [layers, planes, blocks, groups], groups = local KV heads or the two
+        parts of an MLA latent row."""
+        if self.kind == MLA:
+            return (self.num_layers, 1, num_blocks, 2)
+        return (self.num_layers, 2, num_blocks, self.kv_heads)
+
     def allocate(self, num_blocks: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """One contiguous zeroed region (on huge pages where the OS allows, see hugepages.py)."""
         return empty_kv(*self.shape(num_blocks), dtype=dtype, device=device)

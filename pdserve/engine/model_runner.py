@@ -13,9 +13,11 @@ from functools import partial
 import torch
 
 from pdserve.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine import kv_quant
 from pdserve.engine.block_manager import dcp_local_count, dcp_slot
 from pdserve.engine.kv_cache import MLA, KVCacheLayout
 from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorSpec, KVConnectorWorker
+from pdserve.engine.kv_quant import KVQuant
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
@@ -168,6 +170,7 @@ class ModelRunner:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         exact_prefill: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.cfg, self.ps, self.block_size, self.device = cfg, ps, block_size, torch.device(device)
         with torch.device(self.device):
@@ -178,7 +181,11 @@ class ModelRunner:
         # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once; on CPU on
         # transparent huge pages where the OS allows (NIXL's CMA reads pin source pages; docs/performance.md).
         self.kv_layout = KVCacheLayout.for_model(cfg, ps.tp_size, block_size)
-        self.kv_cache = self.kv_layout.allocate(num_blocks, dtype, self.device)
+        self.kv_cache = self.kv_layout.allocate(num_blocks, kv_quant.cache_dtype(kv_cache_dtype, dtype), self.device)
+        # fp8: one float32 scale per (layer, plane, block, group) beside the cache (kv_quant.py); None otherwise
+        self.kv_scales: torch.Tensor | None = None
+        if kv_quant.is_fp8(self.kv_cache.dtype):
+            self.kv_scales = torch.ones(self.kv_layout.scales_shape(num_blocks), device=self.device)
         # This rank's side of the pod's KV connector (LLMEngine.set_kv_connector); None costs nothing.
         self.kv_connector: KVConnectorWorker | None = None
 
@@ -200,7 +207,10 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
         axis = 1 if self.kv_layout.kind == MLA else 2  # the block axis of the cache tensor (kv_cache.py)
-        self.kv_cache.index_copy_(axis, dst, self.kv_cache.index_select(axis, src))
+        cache = self.kv_cache.view(torch.uint8) if self.kv_scales is not None else self.kv_cache  # no fp8 copy op
+        cache.index_copy_(axis, dst, cache.index_select(axis, src))
+        if self.kv_scales is not None:
+            self.kv_scales.index_copy_(2, dst, self.kv_scales.index_select(2, src))
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Logits of the rows to sample on TP rank 0; None on the other ranks."""
@@ -220,6 +230,16 @@ class ModelRunner:
             num_decodes=step.num_decodes,
             exact=self.model.exact_prefill,
         )
+        if self.kv_scales is not None:
+            meta.kv_quant = KVQuant.for_step(
+                self.kv_scales,
+                self.kv_cache.dtype,
+                self.block_size,
+                meta.slot_mapping,
+                step.cu_seqlens_q,
+                meta.context_lens,
+                step.block_tables[r],
+            )
         conn, kv_meta = self.kv_connector, step.kv_meta
         hook = None
         if conn is not None and kv_meta is not None:

@@ -166,6 +166,37 @@ def paged_decode_attention(
     )
 
 
+def paged_decode_attention_fp8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    sliding_window: int | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_decode_attention over an fp8 cache (float8_e4m3fn or float8_e5m2 [num_blocks, block_size, Hkv, D]) with
+    float32 scales [num_blocks, Hkv] per plane: each byte is dequantised in registers (csrc/paged_decode.cpp)."""
+    bits = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}.get(k_cache.dtype)
+    if bits is None or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"fp8 decode attention reads float8_e4m3fn / float8_e5m2 caches, got {k_cache.dtype}")
+    window = -1 if sliding_window is None else sliding_window
+    return torch.ops.pdserve.paged_decode_attention_fp8(
+        q,
+        k_cache.view(torch.uint8),
+        v_cache.view(torch.uint8),
+        k_scales,
+        v_scales,
+        block_tables,
+        context_lens,
+        window,
+        scale,
+        bits,
+    )
+
+
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.attention import AttentionMetadata, MLAAttentionBackend, write_latent
+from pdserve.engine.kv_quant import write_latent_fp8
 from pdserve.model import linear as plinear
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import MLP, RMSNorm
@@ -59,10 +60,11 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: MLAAttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: MLAAttentionBackend, layer: int = 0) -> None:
         super().__init__()
         assert cfg.mla is not None
         self.cfg, self.ps, self.backend = cfg, ps, backend
+        self.layer = layer  # an fp8 cache's scales are per layer (AttentionMetadata.kv_quant)
         m = self.mla = cfg.mla
         self.q_heads = q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, ps.tp_rank)
         # Under DCP every rank of a group attends with the whole group's heads over its own tokens (as GQA's
@@ -124,7 +126,12 @@ class MLAttention(nn.Module):
         pe = self.rope(cos_sin, torch.cat([q_pe, kv[:, None, m.kv_lora_rank :]], dim=1))
         q_pe, k_pe = pe[:, :nq], pe[:, nq]
         latent = torch.cat([kv_c, k_pe], dim=-1)
-        write_latent(latent_layer, latent, meta.slot_mapping, meta.all_slots_local)
+        quant = meta.kv_quant
+        if quant is not None:
+            write_latent_fp8(latent_layer, self.layer, latent, meta.slot_mapping, quant, m.kv_lora_rank)
+        else:
+            write_latent(latent_layer, latent, meta.slot_mapping, meta.all_slots_local)
+        scales = None if quant is None else quant.scales[self.layer]
         w_uk, w_uv = self._w_kv_b()
         if meta.is_prefill:
             out, lse = self.backend.forward_prefill(
@@ -134,13 +141,15 @@ class MLAttention(nn.Module):
                 self.scale,
                 self._expand,
                 latent if meta.dcp_size == 1 else None,
+                kv_scales=scales,
+                kv_lora_rank=m.kv_lora_rank,
             )
             if self.ps.dcp_size > 1:
                 out = self.ps.dcp_merge(out, lse)
         else:
             q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, nq, L]
             o_lat, lse = self.backend.forward_decode(
-                torch.cat([q_lat, q_pe], dim=-1), latent_layer, meta, self.scale, m.kv_lora_rank
+                torch.cat([q_lat, q_pe], dim=-1), latent_layer, meta, self.scale, m.kv_lora_rank, kv_scales=scales
             )
             if self.ps.dcp_size > 1:
                 o_lat = self.ps.dcp_merge(o_lat, lse)
@@ -163,7 +172,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: MLAAttentionBackend, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, ps, backend)
+        self.self_attn = MLAttention(cfg, ps, backend, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | MoE = MoE(cfg, ps) if cfg.moe is not None and cfg.moe.is_moe_layer(index) else MLP(cfg, ps)
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from pdserve import kernels
 from pdserve.attention import AttentionBackend, AttentionMetadata, write_kv
+from pdserve.engine.kv_quant import write_kv_fp8
 from pdserve.model import linear as plinear
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
@@ -41,9 +42,10 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
         self.ps, self.backend = ps, backend
+        self.layer = layer  # an fp8 cache's scales are per layer (AttentionMetadata.kv_quant)
         self.q_heads = q_heads_for_tp_rank(cfg.num_heads, ps.tp_size, ps.tp_rank)
         # Under DCP every rank of a group attends with the whole group's queries over its share of the tokens: it
         # projects its own heads and gathers its peers' (ParallelState.dcp_gather_heads), rather than streaming
@@ -88,7 +90,10 @@ class Attention(nn.Module):
             qk = apply_rope(cos_sin, qkv[:, :qk_size].view(t, -1, d))
             q, k = qk[:, :nq], qk[:, nq:]
         v = qkv[:, qk_size:].view(t, -1, d)
-        write_kv(kv_layer, k, v, meta.slot_mapping, meta.all_slots_local)
+        if meta.kv_quant is not None:
+            write_kv_fp8(kv_layer, self.layer, k, v, meta.slot_mapping, meta.kv_quant)
+        else:
+            write_kv(kv_layer, k, v, meta.slot_mapping, meta.all_slots_local)
         if self.ps.dcp_size > 1:
             q = self.ps.dcp_gather_heads(q)
         out = self._attend(q, k, v, kv_layer, meta)
@@ -103,11 +108,13 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         ps = self.ps
+        quant = meta.kv_quant
+        scales = None if quant is None else quant.scales[self.layer]
         if ps.dcp_size == 1:
-            return self.backend.forward(q, kv_layer, meta, self.scale, new_kv=(k, v))[0]
+            return self.backend.forward(q, kv_layer, meta, self.scale, new_kv=(k, v), kv_scales=scales)[0]
         # DCP: every rank of the group shares this KV head but holds 1/dcp of the tokens. Attend with the group's
         # queries over the local tokens, then merge the partials of this rank's heads by their LSE.
-        out, lse = self.backend.forward(q, kv_layer, meta, self.scale)
+        out, lse = self.backend.forward(q, kv_layer, meta, self.scale, kv_scales=scales)
         return ps.dcp_merge(out, lse)
 
 
@@ -148,10 +155,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ps, backend)
+        self.self_attn = Attention(cfg, ps, backend, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, ps)
 
@@ -180,7 +187,8 @@ class CausalLM(nn.Module):
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
         # The ModuleList registers the layers; typed as what it holds (torch types its items as Module)
         self.layers = cast(
-            "Sequence[DecoderLayer]", nn.ModuleList(DecoderLayer(cfg, ps, backend) for _ in range(cfg.num_layers))
+            "Sequence[DecoderLayer]",
+            nn.ModuleList(DecoderLayer(cfg, ps, backend, i) for i in range(cfg.num_layers)),
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
@@ -230,7 +238,8 @@ class CausalLM(nn.Module):
         # prompt's last token; none for a chunk before the last). One rank only: TP ranks reduce whole rows.
         rows = logits_indices if fused and meta.is_prefill and self.ps.tp_size == 1 else None
         last = len(self.layers) - 1
-        native = fused and on_layer_done is None
+        # the one-call layers write and read a model-dtype cache; an fp8 cache goes op by op (kv_quant.py)
+        native = fused and on_layer_done is None and meta.kv_quant is None
         groups = self._native_groups(x) if native and not meta.is_prefill else None
         layers = self.layers  # op by op, unless one C++ call runs them all
         if groups is not None:

@@ -33,10 +33,18 @@ def _designated_heads(layout: KVLayout, rank: int) -> list[int]:
 
 
 def partial_checksums(
-    layout: KVLayout, rank: int, region: torch.Tensor, block_table: Sequence[int], num_tokens: int, block_tokens: int
+    layout: KVLayout,
+    rank: int,
+    region: torch.Tensor,
+    block_table: Sequence[int],
+    num_tokens: int,
+    block_tokens: int,
+    scales: torch.Tensor | None = None,
 ) -> list[int]:
     """This rank's share of the checksum of each logical block of ``block_tokens`` tokens (of ``num_tokens``), read
-    from its KV ``region`` (shape ``[layers, 2, blocks, block_size, local heads, head_dim]``) at ``block_table``."""
+    from its KV ``region`` (shape ``[layers, 2, blocks, block_size, local heads, head_dim]``) at ``block_table``.
+    An fp8 region's rows are its 8-bit bytes followed by the scales of the row's block and head (``scales``,
+    [layers, planes, blocks, groups]), so a scale that did not arrive fails the checksum as a wrong byte does."""
     n_blocks = -(-num_tokens // block_tokens)
     sums = [0] * n_blocks
     heads = _designated_heads(layout, rank)
@@ -49,12 +57,24 @@ def partial_checksums(
     slots = table[li // layout.block_size] * layout.block_size + li % layout.block_size
     first = layout.kv_heads_of_rank(rank).start
     # gathered in the cache's own dtype (a byte-wise gather is several times slower), bytes taken after
-    planes = region.reshape(2 * layout.num_layers, -1, layout.kv_heads_per_rank, region.shape[-1])
+    n_planes = layout.kv_planes * layout.num_layers
+    planes = region.reshape(n_planes, -1, layout.kv_heads_per_rank, region.shape[-1])
+    if layout.has_scales:  # index_select has no fp8 kernel everywhere: the same bytes as uint8
+        planes = planes.view(torch.uint8)
     idx = torch.as_tensor(slots, device=region.device)
     local = torch.as_tensor([h - first for h in heads], device=region.device)
     # [planes, tokens, heads, dim] -> one contiguous row of every layer's K and V per (token, head)
     gathered = planes.index_select(1, idx).index_select(2, local).permute(1, 2, 0, 3).contiguous().cpu()
     rows: np.ndarray = gathered.view(torch.uint8).reshape(len(toks), len(heads), -1).numpy()
+    if layout.has_scales:
+        if scales is None:
+            raise ValueError(f"an fp8 ({layout.dtype}) region's checksums need its scales")
+        blocks = torch.as_tensor(slots // layout.block_size, device=scales.device)
+        sc = scales.reshape(n_planes, layout.num_blocks, -1).index_select(1, blocks)  # [planes, tokens, groups]
+        # GQA: the row's head; MLA: both parts of the one latent "head"
+        sc = sc.index_select(2, local.to(scales.device)).unsqueeze(-1) if not layout.use_mla else sc.unsqueeze(2)
+        sc_rows = sc.permute(1, 2, 0, 3).contiguous().cpu().view(torch.uint8).reshape(len(toks), len(heads), -1)
+        rows = np.concatenate([rows, sc_rows.numpy()], axis=2)
     for i, t in enumerate(toks.tolist()):
         b = t // block_tokens
         for j, h in enumerate(heads):

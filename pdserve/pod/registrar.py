@@ -112,6 +112,14 @@ class _Link:
                         self.interval_s,
                     )
                     self._warned = True
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not self._warned:
+                    log.error(
+                        "router %s refused this pod (%s); retrying every %.1fs",
+                        self.label,
+                        e.details(),
+                        self.interval_s,
+                    )
+                    self._warned = True
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT and not self._warned:
                     log.error(
                         "router %s refused this pod's registration as malformed (%s); retrying every %.1fs",

@@ -31,3 +31,20 @@ def test_kv_capacity_scales_with_dcp():
     per_tok = raw["capacity"]["kv_bytes_per_token_per_rank"]
     assert per_tok["mla_dcp8"] * 8 == per_tok["mla_dcp1"] and per_tok["mla_dcp8"] < per_tok["gqa_56q8kv_dcp1"]
     assert len(rows) == 4
+
+
+def test_fp8_kv_admits_twice_the_sequences_of_bf16():
+    """At one per-rank budget AllocateKV admits >= 1.95x the 2,048-token SmolLM2 sequences with an fp8 cache (its
+    scales counted) as with bf16, and DCP 3 multiplies that again (>= 0.95 x 3)."""
+    from bench.decode import _fp8_admission, _kv_bytes_per_block
+    from pdserve.default_model import ensure_default_model
+
+    ratios: dict[str, float] = {}
+    row, raw = _fp8_admission(ratios)
+    assert ratios["kv_capacity_admitted_fp8_vs_bf16"] >= 1.95, (ratios, row)
+    assert ratios["kv_capacity_admitted_fp8_dcp3_vs_bf16_dcp1_x_3"] >= 0.95, (ratios, row)
+    bf16, _ = _kv_bytes_per_block(str(ensure_default_model()), 9, 16, "auto", "bfloat16")
+    fp8, name = _kv_bytes_per_block(str(ensure_default_model()), 9, 16, "fp8", "bfloat16")
+    # 30 layers x K/V x one head x 64 x 16 tokens: 2 bytes against 1, plus one float32 scale per (layer, K/V, head)
+    assert (bf16, fp8, name) == (30 * 2 * 64 * 16 * 2, 30 * 2 * 64 * 16 + 30 * 2 * 4, "float8_e4m3fn")
+    assert raw["fp8_dcp1"]["kv_dtype"] == "float8_e4m3fn" and raw["auto_dcp1"]["kv_dtype"] == "bfloat16"

@@ -283,3 +283,27 @@ def test_mla_plan_speed_8k_tokens():
     plan = plan_reshard(src, st, dst, dt, 8192)
     assert plan.total_nbytes == 61 * 8192 * 576 * 2
     assert all(plan.ranks[d].base.total_nbytes == 1024 * 576 * 2 for d in range(8))
+
+
+def test_plan_scales_names_a_holder_of_every_decode_head():
+    """fp8 scales of decode rank d's heads come from prefill ranks holding that head (any replica); MLA's two
+    groups from any rank; a DCP source is refused, a model-dtype layout has none."""
+    from kv_transfer.plan import plan_scales
+
+    src = KVLayout(num_layers=2, num_kv_heads=3, head_dim=8, dtype="float8_e4m3fn", block_size=4, tp_size=3)
+    dst = KVLayout(num_layers=2, num_kv_heads=3, head_dim=8, dtype="float8_e4m3fn", block_size=4, tp_size=9, dcp_size=3)
+    for d in range(9):
+        (cands,) = plan_scales(src, dst, d)
+        head = dst.kv_heads_of_rank(d).start
+        assert cands == [(head, 0)], (d, cands)
+    wide = KVLayout(num_layers=2, num_kv_heads=3, head_dim=8, dtype="float8_e4m3fn", block_size=4, tp_size=9)
+    assert plan_scales(wide, src, 1) == [[(3, 0), (4, 0), (5, 0)]]
+    mla = KVLayout.mla(2, 24, "float8_e5m2", 4, tp_size=2)
+    assert plan_scales(mla, KVLayout.mla(2, 24, "float8_e5m2", 4, tp_size=4, dcp_size=4), 3) == [
+        [(0, 0), (1, 0)],
+        [(0, 1), (1, 1)],
+    ]
+    plain = KVLayout(num_layers=2, num_kv_heads=3, head_dim=8, dtype="float32", block_size=4)
+    assert plan_scales(plain, plain, 0) == []
+    with pytest.raises(ValueError, match="without DCP"):
+        plan_scales(dst, src, 0)

@@ -117,13 +117,42 @@ def test_kv_dtype_mismatch_between_prefill_and_decode_is_refused():
             pre = register_request("p0", PREFILL)
             pre.model_shape.dtype = pre.kv_layout.dtype = "bfloat16"
             assert (await registry.RegisterWorker(pre)).accepted
-            r = await registry.RegisterWorker(register_request("d0", DECODE))
-            assert not r.accepted
-            assert r.message == (
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await registry.RegisterWorker(register_request("d0", DECODE))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert e.value.details() == (
                 "KV dtype mismatch: prefill pod 'p0' runs bfloat16, decode pod 'd0' runs float32, and "
                 "KV moves between them as raw bytes: start both with the same --dtype (e.g. --dtype "
                 "bfloat16 on decode pod 'd0')"
-            ), r.message
+            ), e.value.details()
+            assert "d0" not in server.core.registry.pods
+
+    run(body())
+
+
+@pytest.mark.parametrize("first", [PREFILL, DECODE])
+def test_mixed_kv_cache_dtypes_are_refused_at_registration(first):
+    """An fp8 pod and a model-dtype pod of the other role: FAILED_PRECONDITION naming both pods and the flag, in
+    either order of registration; pods of the same fp8 dtype register."""
+
+    async def body():
+        async with running_router() as (server, ch):
+            _, registry = stubs(ch)
+            pre, dec = register_request("p0", PREFILL), register_request("d0", DECODE)
+            pre.kv_layout.dtype = "float8_e4m3fn"
+            pre.kv_layout.element_size = 1
+            a, b = (pre, dec) if first == PREFILL else (dec, pre)
+            assert (await registry.RegisterWorker(a)).accepted
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await registry.RegisterWorker(b)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            msg = e.value.details()
+            assert "prefill pod 'p0' stores its KV cache as float8_e4m3fn" in msg, msg
+            assert "decode pod 'd0' as float32" in msg and "--kv-cache-dtype fp8_e4m3 on decode pod 'd0'" in msg, msg
+            dec.kv_layout.dtype = "float8_e4m3fn"
+            dec.kv_layout.element_size = 1
+            assert (await registry.RegisterWorker(dec)).accepted
+            assert (await registry.RegisterWorker(pre)).accepted
 
     run(body())
 

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -145,6 +146,166 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
   return {out, lse};
 }
 
+// fp8 K/V: M mantissa bits (3: e4m3, bias 7; 2: e5m2, bias 15). The byte's sign, exponent and mantissa go into a
+// float's bit positions, which reads as the value times 2^-(127 - bias); fp8_unbias<M> undoes that. Shifts, ors and
+// a multiply: the compiler vectorises them on AVX2 and AVX-512 alike (no lookup-table gather).
+template <int M>
+constexpr float fp8_unbias = M == 3 ? 0x1p120f : 0x1p112f;
+
+template <int M>
+inline float fp8_to_f(uint8_t b) {
+  const uint32_t u = (static_cast<uint32_t>(b & 0x80u) << 24) | (static_cast<uint32_t>(b & 0x7Fu) << (23 - M));
+  return std::bit_cast<float>(u) * fp8_unbias<M>;
+}
+
+// decode_kernel over an 8-bit cache: scores are (q . k_raw) * k_scale, the value sum weighs v_raw by p * v_scale, with
+// one scale per (block, KV head) (pdserve/engine/kv_quant.py), so nothing is dequantised outside registers.
+template <typename T, int M, int64_t HD>
+void decode_kernel_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ks,
+                       const at::Tensor& vs, const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t window,
+                       double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = HD > 0 ? HD : q.size(2);
+  const int64_t bs = k.size(1), Hkv = k.size(2);
+  const int64_t G = Hq / Hkv, W = tables.size(1);
+  using S = storage_t<T>;
+  const S* qp = raw(q.data_ptr<T>());
+  const uint8_t* kp = k.data_ptr<uint8_t>();
+  const uint8_t* vp = v.data_ptr<uint8_t>();
+  const float* ksp = ks.data_ptr<float>();
+  const float* vsp = vs.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx_lens.data_ptr<int64_t>();
+  S* op = raw(out.data_ptr<T>());
+  float* lp = lse.data_ptr<float>();
+  const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), s, row_buf(D);
+    float* __restrict__ row = row_buf.data();
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t ctx = cp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t n = ctx - start;
+      if (n <= 0) {
+        for (int64_t g = 0; g < G; ++g) {
+          S* o = op + (b * Hq + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(0.f);
+          lp[b * Hq + h * G + g] = -std::numeric_limits<float>::infinity();
+        }
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const S* qg = qp + (b * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(qg[d]) * sc;
+      }
+      s.resize(G * n);
+      const int64_t* table = tp + b * W;
+      std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
+      for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
+        const int64_t stop = std::min(ctx, (blk + 1) * bs);
+        const float kscale = ksp[table[blk] * Hkv + h];
+        const uint8_t* kt = kp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        for (; t < stop; ++t, kt += tok_stride) {
+          // the row converted once for the group's G query heads (a conversion costs more than the FMA)
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) row[d] = fp8_to_f<M>(kt[d]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qv = qf.data() + g * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qv[d] * row[d];
+            dot *= kscale;
+            s[g * n + (t - start)] = dot;
+            mx[g] = std::max(mx[g], dot);
+          }
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> sum(G, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s.data() + g * n;
+        const float m = mx[g];
+        float tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+        for (int64_t i = 0; i < n; ++i) {
+          sg[i] = exp_nonpositive(sg[i] - m);
+          tot += sg[i];
+        }
+        sum[g] = tot;
+      }
+      for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
+        const int64_t stop = std::min(ctx, (blk + 1) * bs);
+        const float vscale = vsp[table[blk] * Hkv + h];
+        const uint8_t* vt = vp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        for (; t < stop; ++t, vt += tok_stride) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) row[d] = fp8_to_f<M>(vt[d]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * n + (t - start)] * vscale;
+            float* __restrict__ a = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        S* o = op + (b * Hq + h * G + g) * D;
+        const float inv = 1.f / sum[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * D + d] * inv);
+        lp[b * Hq + h * G + g] = mx[g] + std::log(sum[g]);
+      }
+    }
+  });
+}
+
+template <int M>
+void dispatch_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ks,
+                  const at::Tensor& vs, const at::Tensor& tables, const at::Tensor& ctx, int64_t window, double scale,
+                  at::Tensor& out, at::Tensor& lse) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_fp8", [&] {
+    switch (q.size(2)) {
+      case 64:
+        decode_kernel_fp8<scalar_t, M, 64>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+        break;
+      case 128:
+        decode_kernel_fp8<scalar_t, M, 128>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+        break;
+      default:
+        decode_kernel_fp8<scalar_t, M, 0>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+    }
+  });
+}
+
+// k_cache / v_cache: the fp8 planes viewed as uint8 [blocks, bs, Hkv, D]; k_scales / v_scales float32 [blocks, Hkv];
+// mantissa_bits 3 (e4m3) or 2 (e5m2).
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_fp8(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scales,
+    const at::Tensor& v_scales, const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t window,
+    double scale, int64_t mantissa_bits) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "q heads / head size mismatch");
+  TORCH_CHECK(k_cache.scalar_type() == at::kByte && v_cache.scalar_type() == at::kByte, "fp8 caches as uint8");
+  TORCH_CHECK(k_scales.scalar_type() == at::kFloat && v_scales.scalar_type() == at::kFloat, "float32 scales");
+  TORCH_CHECK(k_scales.dim() == 2 && k_scales.size(0) == k_cache.size(0) && k_scales.size(1) == k_cache.size(2) &&
+                  v_scales.sizes() == k_scales.sizes(),
+              "scales must be [blocks, kv heads]");
+  TORCH_CHECK(mantissa_bits == 3 || mantissa_bits == 2, "mantissa_bits: 3 (e4m3) or 2 (e5m2)");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  auto qc = q.contiguous();
+  auto ks = k_scales.contiguous(), vs = v_scales.contiguous();
+  auto tables = block_tables.contiguous();
+  auto ctx = context_lens.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  if (mantissa_bits == 3)
+    dispatch_fp8<3>(qc, k_cache, v_cache, ks, vs, tables, ctx, window, scale, out, lse);
+  else
+    dispatch_fp8<2>(qc, k_cache, v_cache, ks, vs, tables, ctx, window, scale, out, lse);
+  return {out, lse};
+}
+
 }  // namespace
 
 namespace pdserve_kernels {  // the entry points for other kernels (ops.h)
@@ -163,4 +324,8 @@ TORCH_LIBRARY(pdserve, m) {
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
       "int window, float scale) -> (Tensor, Tensor)");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.def(
+      "paged_decode_attention_fp8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scales, Tensor v_scales, "
+      "Tensor block_tables, Tensor context_lens, int window, float scale, int mantissa_bits) -> (Tensor, Tensor)");
+  m.impl("paged_decode_attention_fp8", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention_fp8));
 }

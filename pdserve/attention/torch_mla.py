@@ -85,7 +85,8 @@ class TorchMLABackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, c = q.shape
         bs = latent_layer.shape[1]
-        if q.device.type == "cpu" and meta.sliding_window is None:
+        # fp8 latents carry two scales per row (latent, rope part): they take the gather path below
+        if q.device.type == "cpu" and meta.sliding_window is None and kv_scales is None:
             if self.cpu_kernels is None:
                 self.cpu_kernels = kernels.available()
             if self.cpu_kernels:

@@ -133,7 +133,6 @@ def test_busy_prefill_pod_stops_within_the_drain_timeout(cluster):
             decode_target=prefill_pb2.DecodeTarget(
                 decode_pod_id="d0",
                 layout=alloc.layout,
-                block_tables=alloc.block_tables,
                 transfer_modes=alloc.transfer_modes,
             ),
         ),

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -28,17 +29,59 @@ using pdserve_kernels::raw;
 using pdserve_kernels::storage_t;
 using pdserve_kernels::to_f;
 
-// HD > 0: the head size known at compile time (fully unrolled loops); 0: read from q.
-template <typename T, int64_t HD>
-void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
-                   const at::Tensor& ctx_lens, int64_t window, double scale, at::Tensor& out, at::Tensor& lse) {
+// fp8 K/V: M mantissa bits (3: e4m3, bias 7; 2: e5m2, bias 15). The byte's sign, exponent and mantissa go into a
+// float's bit positions, which reads as the value times 2^-(127 - bias); fp8_unbias<M> undoes that. Shifts, ors and
+// a multiply: the compiler vectorises them on AVX2 and AVX-512 alike (no lookup-table gather).
+template <int M>
+constexpr float fp8_unbias = M == 3 ? 0x1p120f : 0x1p112f;
+
+template <int M>
+inline float fp8_to_f(uint8_t b) {
+  const uint32_t u = (static_cast<uint32_t>(b & 0x80u) << 24) | (static_cast<uint32_t>(b & 0x7Fu) << (23 - M));
+  return std::bit_cast<float>(u) * fp8_unbias<M>;
+}
+
+// How the kernel reads one token's head row of the cache: as float, converted once for the group's G query heads
+// (a conversion costs more than the FMA), and the (block, KV head) scale that multiplies it.
+template <typename T>
+struct ModelDtypeRows {  // the cache in the model's dtype: no scale; float rows are read in place
+  using E = storage_t<T>;
+  static const float* row(const E* src, float* buf, int64_t D) {
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) buf[d] = to_f<T>(src[d]);
+      return buf;
+    }
+  }
+};
+
+template <int M>
+struct Fp8Rows {  // an 8-bit cache with one scale per (block, KV head) (pdserve/engine/kv_quant.py)
+  using E = uint8_t;
+  static const float* row(const E* src, float* buf, int64_t D) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) buf[d] = fp8_to_f<M>(src[d]);
+    return buf;
+  }
+};
+
+// HD > 0: the head size known at compile time (fully unrolled loops); 0: read from q. Rows: ModelDtypeRows or
+// Fp8Rows. ks / vs: float32 [blocks, KV heads] scales, or null (scale 1). Scores are (q . k_row) * k_scale and the
+// value sum weighs v_row by p * v_scale, so nothing is dequantised outside registers.
+template <typename T, typename Rows, int64_t HD>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ksp, const float* vsp,
+                   const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t window, double scale, at::Tensor& out,
+                   at::Tensor& lse) {
   const int64_t B = q.size(0), Hq = q.size(1), D = HD > 0 ? HD : q.size(2);
   const int64_t bs = k.size(1), Hkv = k.size(2);
   const int64_t G = Hq / Hkv, W = tables.size(1);
   using S = storage_t<T>;
+  using E = typename Rows::E;
   const S* qp = raw(q.data_ptr<T>());
-  const S* kp = raw(k.data_ptr<T>());
-  const S* vp = raw(v.data_ptr<T>());
+  const E* kp = static_cast<const E*>(k.data_ptr());
+  const E* vp = static_cast<const E*>(v.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = ctx_lens.data_ptr<int64_t>();
   S* op = raw(out.data_ptr<T>());
@@ -46,7 +89,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), s;
+    std::vector<float> qf(G * D), acc(G * D), s, row_buf(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t ctx = cp[b];
@@ -70,146 +113,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       // Walk the keys block by block: no division per key (64-bit idiv costs tens of cycles).
       for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
         const int64_t stop = std::min(ctx, (blk + 1) * bs);
-        const S* kt = kp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        const float kscale = ksp ? ksp[table[blk] * Hkv + h] : 1.f;
+        const E* kt = kp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
         for (; t < stop; ++t, kt += tok_stride) {
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qv = qf.data() + g * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qv[d] * to_f<T>(kt[d]);
-            s[g * n + (t - start)] = dot;
-            mx[g] = std::max(mx[g], dot);
-          }
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> sum(G, 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = s.data() + g * n;
-        const float m = mx[g];
-        float tot = 0.f;
-#pragma omp simd reduction(+ : tot)
-        for (int64_t i = 0; i < n; ++i) {
-          sg[i] = exp_nonpositive(sg[i] - m);
-          tot += sg[i];
-        }
-        sum[g] = tot;
-      }
-      for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
-        const int64_t stop = std::min(ctx, (blk + 1) * bs);
-        const S* vt = vp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
-        for (; t < stop; ++t, vt += tok_stride) {
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = s[g * n + (t - start)];
-            float* __restrict__ a = acc.data() + g * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * to_f<T>(vt[d]);
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        S* o = op + (b * Hq + h * G + g) * D;
-        const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * D + d] * inv);
-        lp[b * Hq + h * G + g] = mx[g] + std::log(sum[g]);
-      }
-    }
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                                          const at::Tensor& context_lens, int64_t window,
-                                                          double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "q heads / head size mismatch");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "dtypes");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
-  auto qc = q.contiguous();
-  auto tables = block_tables.contiguous();
-  auto ctx = context_lens.contiguous();
-  auto out = at::empty_like(qc);
-  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    switch (q.size(2)) {
-      case 64:
-        decode_kernel<scalar_t, 64>(qc, k_cache, v_cache, tables, ctx, window, scale, out, lse);
-        break;
-      case 128:
-        decode_kernel<scalar_t, 128>(qc, k_cache, v_cache, tables, ctx, window, scale, out, lse);
-        break;
-      default:
-        decode_kernel<scalar_t, 0>(qc, k_cache, v_cache, tables, ctx, window, scale, out, lse);
-    }
-  });
-  return {out, lse};
-}
-
-// fp8 K/V: M mantissa bits (3: e4m3, bias 7; 2: e5m2, bias 15). The byte's sign, exponent and mantissa go into a
-// float's bit positions, which reads as the value times 2^-(127 - bias); fp8_unbias<M> undoes that. Shifts, ors and
-// a multiply: the compiler vectorises them on AVX2 and AVX-512 alike (no lookup-table gather).
-template <int M>
-constexpr float fp8_unbias = M == 3 ? 0x1p120f : 0x1p112f;
-
-template <int M>
-inline float fp8_to_f(uint8_t b) {
-  const uint32_t u = (static_cast<uint32_t>(b & 0x80u) << 24) | (static_cast<uint32_t>(b & 0x7Fu) << (23 - M));
-  return std::bit_cast<float>(u) * fp8_unbias<M>;
-}
-
-// decode_kernel over an 8-bit cache: scores are (q . k_raw) * k_scale, the value sum weighs v_raw by p * v_scale, with
-// one scale per (block, KV head) (pdserve/engine/kv_quant.py), so nothing is dequantised outside registers.
-template <typename T, int M, int64_t HD>
-void decode_kernel_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ks,
-                       const at::Tensor& vs, const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t window,
-                       double scale, at::Tensor& out, at::Tensor& lse) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = HD > 0 ? HD : q.size(2);
-  const int64_t bs = k.size(1), Hkv = k.size(2);
-  const int64_t G = Hq / Hkv, W = tables.size(1);
-  using S = storage_t<T>;
-  const S* qp = raw(q.data_ptr<T>());
-  const uint8_t* kp = k.data_ptr<uint8_t>();
-  const uint8_t* vp = v.data_ptr<uint8_t>();
-  const float* ksp = ks.data_ptr<float>();
-  const float* vsp = vs.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* cp = ctx_lens.data_ptr<int64_t>();
-  S* op = raw(out.data_ptr<T>());
-  float* lp = lse.data_ptr<float>();
-  const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), s, row_buf(D);
-    float* __restrict__ row = row_buf.data();
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t ctx = cp[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      const int64_t n = ctx - start;
-      if (n <= 0) {
-        for (int64_t g = 0; g < G; ++g) {
-          S* o = op + (b * Hq + h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(0.f);
-          lp[b * Hq + h * G + g] = -std::numeric_limits<float>::infinity();
-        }
-        continue;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const S* qg = qp + (b * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(qg[d]) * sc;
-      }
-      s.resize(G * n);
-      const int64_t* table = tp + b * W;
-      std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
-      for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
-        const int64_t stop = std::min(ctx, (blk + 1) * bs);
-        const float kscale = ksp[table[blk] * Hkv + h];
-        const uint8_t* kt = kp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
-        for (; t < stop; ++t, kt += tok_stride) {
-          // the row converted once for the group's G query heads (a conversion costs more than the FMA)
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row[d] = fp8_to_f<M>(kt[d]);
+          const float* __restrict__ row = Rows::row(kt, row_buf.data(), D);
           for (int64_t g = 0; g < G; ++g) {
             const float* qv = qf.data() + g * D;
             float dot = 0.f;
@@ -236,11 +143,10 @@ void decode_kernel_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       }
       for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
         const int64_t stop = std::min(ctx, (blk + 1) * bs);
-        const float vscale = vsp[table[blk] * Hkv + h];
-        const uint8_t* vt = vp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        const float vscale = vsp ? vsp[table[blk] * Hkv + h] : 1.f;
+        const E* vt = vp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
         for (; t < stop; ++t, vt += tok_stride) {
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row[d] = fp8_to_f<M>(vt[d]);
+          const float* __restrict__ row = Rows::row(vt, row_buf.data(), D);
           for (int64_t g = 0; g < G; ++g) {
             const float p = s[g * n + (t - start)] * vscale;
             float* __restrict__ a = acc.data() + g * D;
@@ -259,22 +165,47 @@ void decode_kernel_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   });
 }
 
-template <int M>
-void dispatch_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ks,
-                  const at::Tensor& vs, const at::Tensor& tables, const at::Tensor& ctx, int64_t window, double scale,
-                  at::Tensor& out, at::Tensor& lse) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_fp8", [&] {
+// The kernel for q's dtype and head size, reading the cache through Rows<scalar_t> (RowsOf maps q's dtype to it).
+template <template <typename> class RowsOf>
+void dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ks, const float* vs,
+              const at::Tensor& tables, const at::Tensor& ctx, int64_t window, double scale, at::Tensor& out,
+              at::Tensor& lse) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    using Rows = RowsOf<scalar_t>;
     switch (q.size(2)) {
       case 64:
-        decode_kernel_fp8<scalar_t, M, 64>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+        decode_kernel<scalar_t, Rows, 64>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
         break;
       case 128:
-        decode_kernel_fp8<scalar_t, M, 128>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+        decode_kernel<scalar_t, Rows, 128>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
         break;
       default:
-        decode_kernel_fp8<scalar_t, M, 0>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+        decode_kernel<scalar_t, Rows, 0>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
     }
   });
+}
+
+template <typename T>
+using E4m3Rows = Fp8Rows<3>;
+template <typename T>
+using E5m2Rows = Fp8Rows<2>;
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                          const at::Tensor& context_lens, int64_t window,
+                                                          double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "q heads / head size mismatch");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "dtypes");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  auto qc = q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto ctx = context_lens.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  dispatch<ModelDtypeRows>(qc, k_cache, v_cache, nullptr, nullptr, tables, ctx, window, scale, out, lse);
+  return {out, lse};
 }
 
 // k_cache / v_cache: the fp8 planes viewed as uint8 [blocks, bs, Hkv, D]; k_scales / v_scales float32 [blocks, Hkv];
@@ -299,10 +230,12 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_fp8(
   auto ctx = context_lens.contiguous();
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  const float* ksp = ks.data_ptr<float>();
+  const float* vsp = vs.data_ptr<float>();
   if (mantissa_bits == 3)
-    dispatch_fp8<3>(qc, k_cache, v_cache, ks, vs, tables, ctx, window, scale, out, lse);
+    dispatch<E4m3Rows>(qc, k_cache, v_cache, ksp, vsp, tables, ctx, window, scale, out, lse);
   else
-    dispatch_fp8<2>(qc, k_cache, v_cache, ks, vs, tables, ctx, window, scale, out, lse);
+    dispatch<E5m2Rows>(qc, k_cache, v_cache, ksp, vsp, tables, ctx, window, scale, out, lse);
   return {out, lse};
 }
 

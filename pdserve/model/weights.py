@@ -1,4 +1,5 @@
-"""Loading HF safetensors into the (possibly TP-sliced) model, with errors that name the file and key."""
+"""Loading HF safetensors into the (possibly TP-sliced) model, with errors that name the file and key; int8 layers
+(quant.make_int8) are quantised from the whole tensor before it is sliced."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pdserve.model.config import ModelConfigError
 from pdserve.model.deepseek import DeepseekCausalLM
 from pdserve.model.llama import MLP, CausalLM
 from pdserve.model.moe import MoE
+from pdserve.model.quant import quantize_per_channel, scale_view, scales_by_storage
 
 
 class WeightLoadError(ModelConfigError):
@@ -168,6 +170,7 @@ def load_weights(model: CausalLM | DeepseekCausalLM, path: str | Path) -> None:
     if not files:
         raise WeightLoadError(f"{path}: no *.safetensors files found")
     targets = _targets(model)
+    scales = scales_by_storage(model)
     seen: set[str] = set()
     with torch.no_grad():
         for f in files:
@@ -179,7 +182,15 @@ def load_weights(model: CausalLM | DeepseekCausalLM, path: str | Path) -> None:
                     got = tuple(st.get_slice(key).get_shape())
                     if got != shape:
                         raise WeightLoadError(f"{f.name}: tensor {key!r} has shape {list(got)}, expected {list(shape)}")
-                    dst.copy_(slicer(st.get_tensor(key)).to(dst.dtype))
+                    full = st.get_tensor(key)
+                    if dst.dtype == torch.int8:
+                        q, s = quantize_per_channel(full)
+                        dst.copy_(slicer(q))
+                        # the slicer picks rows (column parallel) or columns (row parallel): applied to each
+                        # row's scale repeated along the row, it keeps the scales of the rows it keeps
+                        scale_view(dst, scales).copy_(slicer(s.unsqueeze(-1).expand(q.shape))[..., 0])
+                    else:
+                        dst.copy_(slicer(full).to(dst.dtype))
                     seen.add(key)
     missing = sorted(set(targets) - seen)
     if missing:

@@ -1,0 +1,137 @@
+"""--quantization int8 against the full-precision model on SmolLM2 (the default model), in-process engines:
+batch-1 decode ms/token of each, and int8's accuracy: greedy continuations of the same prompts (how many agree with
+full precision on their first tokens) and the perplexity of each on a fixed English text (pdserve's design doc).
+
+    python -m bench.quant [--prompts 64] [--tokens 64] [--decode-tokens 64]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pdserve.default_model import ensure_default_model
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.sampling_params import SamplingParams
+
+_SUBJECTS = ("The history of", "A short guide to", "Why scientists study", "The best way to learn", "My opinion on")
+_TOPICS = (
+    "the Roman empire",
+    "photosynthesis",
+    "black holes",
+    "baking bread",
+    "the Python language",
+    "ocean tides",
+    "jazz music",
+    "volcanoes",
+    "chess openings",
+    "the human heart",
+    "electric cars",
+    "honey bees",
+    "the printing press",
+)
+_TEXT = Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md"
+
+
+def prompts(n: int) -> list[str]:
+    """n distinct English prompt openings (subject x topic)."""
+    out = [f"{s} {t}" for t in _TOPICS for s in _SUBJECTS]
+    if n > len(out):
+        raise ValueError(f"at most {len(out)} prompts")
+    return out[:n]
+
+
+def engine(model: str, quantization: str) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model=model, quantization=quantization, enable_prefix_caching=False, num_kv_blocks=256)
+    )
+
+
+def decode_ms_per_token(eng: LLMEngine, new_tokens: int, repeats: int = 3) -> float:
+    """Batch-1 decode: the best of `repeats` runs of ms per token after the first (prefill) token."""
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    best = math.inf
+    for r in range(repeats):
+        eng.add_request(eng.tokenizer.encode(prompts(r + 1)[-1]), sp)
+        eng.step()  # prefill and the first token
+        t0 = time.perf_counter()
+        produced = 0
+        while eng.has_unfinished():
+            produced += sum(len(o.new_token_ids) for o in eng.step())
+        best = min(best, (time.perf_counter() - t0) * 1e3 / produced)
+    return best
+
+
+def greedy(eng: LLMEngine, texts: list[str], new_tokens: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    return [r["token_ids"] for r in eng.generate(texts, sp)]
+
+
+def perplexity(eng: LLMEngine, max_tokens: int = 1024) -> float:
+    """exp of the mean negative log-likelihood of the first max_tokens tokens of the design doc."""
+    ids = eng.tokenizer.encode(_TEXT.read_text())[:max_tokens]
+    res = eng.generate([ids], SamplingParams(temperature=0, max_tokens=1), prompt_logprobs=0)[0]
+    lps = [lp[0] for lp in res["prompt_logprobs"] if lp is not None and lp[0] is not None]
+    return math.exp(-sum(lps) / len(lps))
+
+
+@dataclass
+class Report:
+    prompts: int
+    tokens: int
+    ms_per_token_none: float
+    ms_per_token_int8: float
+    same_first_32: float  # fraction of prompts whose first 32 greedy tokens match full precision's
+    same_all: float  # fraction whose every token matches
+    mean_matching_prefix: float  # tokens before the first difference, averaged
+    ppl_none: float
+    ppl_int8: float
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run(model: str, num_prompts: int, new_tokens: int, decode_tokens: int) -> Report:
+    texts = prompts(num_prompts)
+    res = {}
+    for q in ("none", "int8"):
+        with engine(model, q) as eng:
+            res[q] = (decode_ms_per_token(eng, decode_tokens), greedy(eng, texts, new_tokens), perplexity(eng))
+    ref, got = res["none"][1], res["int8"][1]
+    prefix = [matching_prefix(a, b) for a, b in zip(ref, got)]
+    first = min(32, new_tokens)
+    return Report(
+        prompts=num_prompts,
+        tokens=new_tokens,
+        ms_per_token_none=res["none"][0],
+        ms_per_token_int8=res["int8"][0],
+        same_first_32=sum(p >= first for p in prefix) / num_prompts,
+        same_all=sum(p == new_tokens for p in prefix) / num_prompts,
+        mean_matching_prefix=sum(prefix) / num_prompts,
+        ppl_none=res["none"][2],
+        ppl_int8=res["int8"][2],
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bundled SmolLM2)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    a = ap.parse_args()
+    model = a.model or str(ensure_default_model())
+    print(json.dumps(asdict(run(model, a.prompts, a.tokens, a.decode_tokens)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

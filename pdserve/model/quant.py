@@ -4,7 +4,11 @@ scale per output channel; activations are quantised per token at run time (kerne
 Each weight is quantised whole, before tensor-parallel slicing (weights.py): a scale belongs to an output row of the
 full weight, so column-parallel shards (rows) and row-parallel shards (columns) hold exactly the int8 values and
 scales of the unsharded model's, for every TP size. Embeddings, the LM head, norms, the MoE router and MLA's
-kv_b_proj (absorbed into the attention as a matrix) stay in the model dtype."""
+kv_b_proj (absorbed into the attention as a matrix) stay in the model dtype.
+
+A compressed-tensors W8A8 checkpoint (config.json quantization_config, format "int-quantized" or "naive-quantized":
+symmetric 8-bit int weights per channel or per tensor, dynamic per-token activations) loads its int8 weights and
+weight_scale as they are (checkpoint_int8)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 from torch import nn
 
 from pdserve import kernels
-from pdserve.model.config import ModelConfigError
+from pdserve.model.config import ModelConfig, ModelConfigError
 from pdserve.model.deepseek import DeepseekCausalLM, MLAttention
 from pdserve.model.llama import MLP, CausalLM
 from pdserve.model.moe import MoE
@@ -29,6 +33,36 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w32 / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+def checkpoint_int8(cfg: ModelConfig) -> bool:
+    """Whether the checkpoint holds compressed-tensors W8A8 weights (loaded as int8 whatever --quantization says:
+    there is no full-precision weight to keep); other quantised checkpoints are refused with what pdserve reads."""
+    qc = cfg.raw.get("quantization_config")
+    if not qc:
+        return False
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    why = None
+    if method != "compressed-tensors" or fmt not in ("int-quantized", "naive-quantized"):
+        why = f"quant_method {method!r}, format {fmt!r}"
+    for name, group in (qc.get("config_groups") or {}).items():
+        w, a = group.get("weights") or {}, group.get("input_activations") or {}
+        if why is None and not (
+            w.get("num_bits") == 8
+            and w.get("type", "int") == "int"
+            and w.get("symmetric", True)
+            and w.get("strategy") in ("channel", "tensor")
+        ):
+            why = f"{name}: weights {w}"
+        if why is None and a and not (a.get("num_bits") == 8 and a.get("dynamic") and a.get("strategy") == "token"):
+            why = f"{name}: input_activations {a}"
+    if why is not None:
+        raise ModelConfigError(
+            f"unsupported quantization_config ({why}): pdserve loads compressed-tensors W8A8 checkpoints (format "
+            "int-quantized, symmetric 8-bit int weights per channel or tensor, dynamic per-token activations); "
+            "for others use the full-precision checkpoint with --quantization int8"
+        )
+    return True
 
 
 def quantized_linears(model: CausalLM | DeepseekCausalLM) -> list[tuple[nn.Module, str]]:

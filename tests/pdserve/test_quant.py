@@ -15,11 +15,12 @@ from pdserve.attention import select_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model import quant
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import ModelConfig, ModelConfigError
 from pdserve.model.parallel_state import ParallelState
 from pdserve.model.registry import build_model
 from pdserve.model.weights import load_weights
 from pdserve.sampling_params import SamplingParams
+from pdserve.testing import write_w8a8_checkpoint
 from prefill_svc.config import PrefillConfig
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="pdserve's CPU kernels are unavailable")
@@ -137,3 +138,36 @@ def test_int8_engine_scores_prompts_close_to_full_precision(tiny_factory, family
     assert len(got) == len(ref) == len(prompt) - 1
     # perplexity within a few percent on a random model, whose logits int8 error moves more than a trained one's
     assert abs(math.exp(-sum(got) / len(got)) / math.exp(-sum(ref) / len(ref)) - 1) < 0.05
+
+
+@needs_kernels
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_w8a8_checkpoint_loads_the_int8_weights_that_quantising_at_load_makes(tiny_factory, tp, tmp_path):
+    src = tiny_factory("llama", num_heads=4, num_kv_heads=2, intermediate_size=96)
+    ct = write_w8a8_checkpoint(src, tmp_path / "w8a8")
+    cfg = ModelConfig.from_path(ct)
+    assert quant.checkpoint_int8(cfg)
+    for rank in range(tp):
+        ours, theirs = _int8_model(src, tp, rank), _int8_model(ct, tp, rank)
+        for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+            assert torch.equal(a, b), name
+
+
+def test_other_quantised_checkpoints_are_refused_with_what_pdserve_reads(tiny_factory, tmp_path):
+    cfg = ModelConfig.from_path(tiny_factory("llama"))
+    cfg.raw["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    with pytest.raises(ModelConfigError, match="pdserve loads compressed-tensors W8A8 checkpoints"):
+        quant.checkpoint_int8(cfg)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_smollm2_as_a_w8a8_checkpoint_generates_what_quantising_at_load_generates(smollm2_path, tmp_path):
+    ct = write_w8a8_checkpoint(smollm2_path, tmp_path / "smollm2-w8a8")
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for path, q in [(smollm2_path, "int8"), (ct, "none")]:
+        cfg = EngineConfig(model=str(path), quantization=q, num_kv_blocks=64, enable_prefix_caching=False)
+        with LLMEngine(cfg) as eng:
+            outs.append([r["token_ids"] for r in eng.generate(["The capital of France is", "def add(a, b):"], sp)])
+    assert outs[0] == outs[1]

@@ -2,6 +2,7 @@
 batch-1 decode ms/token of each, and int8's accuracy: greedy continuations of the same prompts (how many agree with
 full precision on their first tokens) and the perplexity of each on a fixed English text (pdserve's design doc).
 
+    pdserve bench quant [--quick]    (quick: 8 prompts x 32 tokens)
     python -m bench.quant [--prompts 64] [--tokens 64] [--decode-tokens 64]"""
 
 from __future__ import annotations
@@ -34,6 +35,40 @@ _TOPICS = (
     "the printing press",
 )
 _TEXT = Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md"
+
+
+def linear_us(n: int, k: int, rows: int, repeats: int = 200) -> dict[str, float]:
+    """Microseconds per call of one [n, k] layer on `rows` activation rows: fp32 through oneDNN's packed weight
+    (and pdserve's gemv for one row) against int8_linear."""
+    import torch
+
+    from pdserve import kernels
+    from pdserve.model import linear as plinear
+    from pdserve.model.quant import quantize_per_channel
+
+    if not kernels.available():
+        raise RuntimeError("pdserve's CPU kernels are unavailable (see the log)")
+    w, x = torch.randn(n, k) * 0.05, torch.randn(rows, k)
+    packed = plinear.pack(w)
+    wq, ws = quantize_per_channel(w)
+    calls = {
+        "fp32_packed": lambda: plinear.linear(x, w, packed),
+        "int8": lambda: kernels.int8_linear(x, wq, ws),
+    }
+    if rows == 1:
+        calls["fp32_gemv"] = lambda: kernels.gemv(x, w)
+    out = {}
+    for name, fn in calls.items():
+        for _ in range(10):
+            fn()
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / repeats)
+        out[name] = best * 1e6
+    return out
 
 
 def prompts(n: int) -> list[str]:
@@ -100,7 +135,7 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def run(model: str, num_prompts: int, new_tokens: int, decode_tokens: int) -> Report:
+def measure(model: str, num_prompts: int, new_tokens: int, decode_tokens: int) -> Report:
     texts = prompts(num_prompts)
     res = {}
     for q in ("none", "int8"):
@@ -122,6 +157,26 @@ def run(model: str, num_prompts: int, new_tokens: int, decode_tokens: int) -> Re
     )
 
 
+def run(quick: bool = False) -> dict:
+    """`pdserve bench quant`: the issue's accuracy check (64 prompts x 64 tokens; quick: 8 x 32) and decode speed."""
+    n, tokens = (8, 32) if quick else (64, 64)
+    r = measure(str(ensure_default_model()), n, tokens, 16 if quick else 64)
+    table = [
+        {
+            "quantization": q,
+            "decode_ms_per_token": getattr(r, f"ms_per_token_{q}"),
+            "perplexity": getattr(r, f"ppl_{q}"),
+        }
+        for q in ("none", "int8")
+    ]
+    ratios = {
+        "decode_speedup_int8": r.ms_per_token_none / r.ms_per_token_int8,
+        "perplexity_ratio_int8": r.ppl_int8 / r.ppl_none,
+        "same_first_32": r.same_first_32,
+    }
+    return {"benchmark": "quant", "quick": quick, "table": table, "ratios": ratios, **asdict(r)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundled SmolLM2)")
@@ -130,7 +185,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     a = ap.parse_args()
     model = a.model or str(ensure_default_model())
-    print(json.dumps(asdict(run(model, a.prompts, a.tokens, a.decode_tokens)), indent=2))
+    print(json.dumps(asdict(measure(model, a.prompts, a.tokens, a.decode_tokens)), indent=2))
 
 
 if __name__ == "__main__":

@@ -113,6 +113,33 @@ def perplexity(eng: LLMEngine, max_tokens: int = 1024) -> float:
     return math.exp(-sum(lps) / len(lps))
 
 
+def fake_quant_perplexity(model: str, mode: str, max_tokens: int = 300) -> float:
+    """transformers' model with its decoder linears' weights rounded as int8 would round them (mode "w8"), and
+    their input rows too ("w8a8"), or neither ("fp32"): where int8's loss comes from, apart from pdserve's kernels."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdserve.model.quant import quantize_per_channel
+
+    def round_rows(_module, args):
+        x = args[0]
+        amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+        return (torch.round(x * (127 / amax)) * (amax / 127),)
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    if mode != "fp32":
+        for name, mod in m.named_modules():
+            if name.startswith("model.layers.") and isinstance(mod, torch.nn.Linear):
+                q, s = quantize_per_channel(mod.weight.data)
+                mod.weight.data = q.float() * s[:, None]
+                if mode == "w8a8":
+                    mod.register_forward_pre_hook(round_rows)
+    ids = AutoTokenizer.from_pretrained(model).encode(_TEXT.read_text())[:max_tokens]
+    with torch.no_grad():
+        lp = m(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    return math.exp(-lp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
+
+
 @dataclass
 class Report:
     prompts: int

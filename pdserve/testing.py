@@ -1,5 +1,6 @@
 """What tests and benchmarks build on: tiny random-initialised HF checkpoints for fast tests of odd shapes (written
-with transformers itself), a recording KV connector, and an engine that publishes prompt KV as a prefill pod does."""
+with transformers itself), compressed-tensors W8A8 copies of checkpoints, a recording KV connector, and an engine
+that publishes prompt KV as a prefill pod does."""
 
 from __future__ import annotations
 
@@ -103,6 +104,58 @@ def write_tiny_checkpoint(
             if src.is_file():
                 shutil.copy(src, path / f)
     return path
+
+
+# The decoder linears a compressed-tensors W8A8 checkpoint of a Llama-family model quantises (llm-compressor's
+# recipe targets Linear and ignores lm_head).
+_W8A8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_w8a8_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """A compressed-tensors W8A8 copy of the Llama-family checkpoint src, as llm-compressor writes one (format
+    int-quantized): each decoder linear's weight int8 with weight_scale [N, 1] per channel, dynamic per-token
+    activations; the rest as it is."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.model.quant import quantize_per_channel
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    for f in sorted(src.glob("*.safetensors")):
+        out: dict[str, torch.Tensor] = {}
+        for key, t in load_file(str(f)).items():
+            if key.startswith("model.layers.") and key.endswith(".weight") and key.split(".")[-2] in _W8A8_LINEARS:
+                q, s = quantize_per_channel(t)
+                out[key], out[key + "_scale"] = q, s.unsqueeze(-1)
+            else:
+                out[key] = t
+        save_file(out, str(dst / f.name), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "token",
+                    "dynamic": True,
+                },
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 class RecordingKVConnector(KVConnectorWorker):

@@ -277,6 +277,8 @@ class LocalCluster:
             common["dtype"] = t.dtype
         if t.kv_cache_dtype is not None:
             common["kv_cache_dtype"] = t.kv_cache_dtype
+        if t.quantization is not None:
+            common["quantization"] = t.quantization
         for p in t.prefill:
             argv = [
                 *py,

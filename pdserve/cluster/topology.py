@@ -9,6 +9,7 @@ YAML (every key optional; flags given on the command line override the file):
     device: cpu                     # or cuda; default: the pods' own default
     dtype: bfloat16                 # auto | float32 | bfloat16 | float16, every pod alike; default: auto
     kv_cache_dtype: fp8             # auto | fp8 | fp8_e4m3 | fp8_e5m2, every pod alike; default: auto (= dtype)
+    quantization: int8              # none | int8 (W8A8 decoder linears, CPU), every pod alike; default: none
     router: {port: 50051, http_port: 8000}   # http_port: -1 or null = no OpenAI HTTP endpoint, 0 = any free port
     # router: {count: 2, ports: [50051, 50061]}  # N routers; every pod registers with all; ports default to free ones
     # router: {nice: -10}           # CPU priority of the routers and the HTTP front; default: -10 where allowed, else 0
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES
+from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from pdserve.net import free_port
 from pdserve.parallel_config import ModelParallelInfo, ParallelConfig, check_parallel_config
 from pdserve.sched import NICE_RANGE, may_set_nice
@@ -142,6 +143,7 @@ class Topology:
     device: str | None = None  # "cpu", "cuda", ...; None: the pods' default
     dtype: str | None = None  # EngineConfig.dtype of every pod (a prefill and a decode pod must agree); None: auto
     kv_cache_dtype: str | None = None  # EngineConfig.kv_cache_dtype of every pod (they must agree); None: auto
+    quantization: str | None = None  # EngineConfig.quantization of every pod; None: none
     prefill: list[PodSpec] = field(default_factory=lambda: [default_prefill()])
     decode: list[PodSpec] = field(default_factory=lambda: [default_decode()])
     unified: list[PodSpec] = field(default_factory=list)  # colocated pods (a decode_svc started with --unified)
@@ -192,6 +194,7 @@ class Topology:
             "device",
             "dtype",
             "kv_cache_dtype",
+            "quantization",
             "router",
             "prefill",
             "decode",
@@ -218,6 +221,12 @@ class Topology:
             if topo.kv_cache_dtype not in KV_CACHE_DTYPES:
                 raise TopologyError(
                     f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {topo.kv_cache_dtype!r}"
+                )
+        if data.get("quantization") is not None:
+            topo.quantization = _str(data["quantization"], "quantization")
+            if topo.quantization not in QUANTIZATIONS:
+                raise TopologyError(
+                    f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {topo.quantization!r}"
                 )
         router = data.get("router") or {}
         if not isinstance(router, Mapping):
@@ -277,6 +286,7 @@ class Topology:
             "device",
             "dtype",
             "kv_cache_dtype",
+            "quantization",
         ):
             if kw.get(name) is not None:
                 setattr(t, name, kw[name])

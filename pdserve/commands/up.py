@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from pdserve.cluster.topology import AUTO, Topology, TopologyError
-from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES
+from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _size(v: str) -> int | str:
@@ -118,6 +118,12 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
         help="KV cache storage of every pod: auto (--dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, half the bytes of "
         "bf16 to hold, move and read (default: auto)",
     )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="CPU: int8 quantises every pod's decoder linear weights at load (W8A8, per output channel), a "
+        "quarter of fp32's bytes to stream per token (default: none)",
+    )
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -141,6 +147,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+        quantization=getattr(args, "quantization", None),
         prefill_cpus=getattr(args, "prefill_cpus", None),
         decode_cpus=getattr(args, "decode_cpus", None),
         unified=getattr(args, "unified", None),

@@ -12,6 +12,8 @@ CPU_PINNING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --kv-cache-dtype values; "fp8" is fp8_e4m3, as in vLLM (pdserve/engine/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's --quantization values that pdserve implements: int8 is W8A8 (pdserve/model/quant.py)
+QUANTIZATIONS = ("none", "int8")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 MAX_N = 128  # sequences per request (parallel sampling / best_of); more is a mistake, not a workload
 
@@ -91,6 +93,17 @@ class EngineConfig:
         },
     )
 
+    # "int8": the decoder layers' linear weights quantised at load (per output channel) and their activations per
+    # token, int32 sums (pdserve/model/quant.py); embeddings and the LM head stay in `dtype`.
+    quantization: str = field(
+        default="none",
+        metadata={
+            "choices": QUANTIZATIONS,
+            "help": "CPU: int8 quantises the decoder layers' linear weights at load (per output channel, W8A8 with "
+            "activations per token); none keeps them in the model dtype",
+        },
+    )
+
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             v = getattr(self, name)
@@ -113,6 +126,16 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"EngineConfig.quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r} "
+                "(int8: W8A8 from the full-precision checkpoint)"
+            )
+        if self.quantization != "none" and self.exact_prefill:
+            raise ValueError(
+                "exact_prefill computes prompts on the full-precision weights, which quantization "
+                f"{self.quantization} does not keep: drop one of the two"
             )
         if self.cpu_pinning not in CPU_PINNING:
             raise ValueError(

@@ -64,6 +64,7 @@ class RankSpec:
     exact_prefill: bool = False  # EngineConfig.exact_prefill
     dtype: str = "float32"  # of weights, activations and KV cache (EngineConfig.dtype, resolved)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: "auto" keeps the KV in dtype
+    quantization: str = "none"  # EngineConfig.quantization
     collectives: str = "gloo"  # "shm" | "gloo" | "nccl" (resolved by Executor.create)
     shm: ShmRegion | None = None  # the pod's shared region (collectives == "shm")
     shm_world: ShmGroupSpec | None = None
@@ -179,6 +180,7 @@ def _build_rank(spec: RankSpec, rank: int) -> tuple[ModelRunner, "_Channel | Non
         dtype=getattr(torch, spec.dtype),
         exact_prefill=spec.exact_prefill,
         kv_cache_dtype=spec.kv_cache_dtype,
+        quantization=spec.quantization,
     )
     return runner, channel
 
@@ -371,6 +373,7 @@ class Executor:
         cpu_pinning: str = "auto",
         dtype: str = "float32",
         kv_cache_dtype: str = "auto",
+        quantization: str = "none",
     ) -> "Executor":
         allowed = sorted(os.sched_getaffinity(0))
         cores = len(allowed)
@@ -422,6 +425,7 @@ class Executor:
             exact_prefill=exact_prefill,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization,
             collectives=collectives,
             shm=shm,
             shm_world=world,

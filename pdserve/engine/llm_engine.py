@@ -127,6 +127,7 @@ class LLMEngine:
             cpu_pinning=cfg.cpu_pinning,
             dtype=self.dtype,
             kv_cache_dtype=cfg.kv_cache_dtype,
+            quantization=cfg.quantization,
         )
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

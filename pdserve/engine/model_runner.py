@@ -19,6 +19,7 @@ from pdserve.engine.kv_cache import MLA, KVCacheLayout
 from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorSpec, KVConnectorWorker
 from pdserve.engine.kv_quant import KVQuant
 from pdserve.engine.scheduler import ScheduledStep
+from pdserve.model import quant
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 from pdserve.model.registry import build_model
@@ -171,10 +172,13 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         exact_prefill: bool = False,
         kv_cache_dtype: str = "auto",
+        quantization: str = "none",
     ) -> None:
         self.cfg, self.ps, self.block_size, self.device = cfg, ps, block_size, torch.device(device)
         with torch.device(self.device):
             self.model = build_model(cfg, ps, backend, max_positions=max_model_len).to(dtype)
+        if quantization == quant.INT8 or quant.checkpoint_int8(cfg):
+            quant.make_int8(self.model)
         load_weights(self.model, model_path)
         self.model.pack_weights()  # no-op off CPU
         self.model.exact_prefill = exact_prefill

@@ -2,8 +2,9 @@
 cached under the pdserve cache, loaded as torch ops (``torch.ops.pdserve.*``): decode attention over the paged cache
 (csrc/paged_decode.cpp), causal prefill attention (csrc/prefill_attention.cpp), a decoder layer's small ops fused
 (csrc/fused.cpp), the local sums of the shared-memory collectives and the DCP merge (csrc/collectives.cpp), the
-pinning of torch's OpenMP threads (csrc/threads.cpp), one row through a linear layer (csrc/gemv.cpp), and a
-tensor-parallel decode step's layers with their shared-memory collectives in one call (csrc/decode_step.cpp).
+pinning of torch's OpenMP threads (csrc/threads.cpp), one row through a linear layer (csrc/gemv.cpp), W8A8 linear
+layers on int8 weights (csrc/int8_gemm.cpp), and a tensor-parallel decode step's layers with their shared-memory
+collectives in one call (csrc/decode_step.cpp).
 
 Built with -march=native, so the cache key holds this CPU's flags as well as the source, torch's version and the
 compiler flags. Where nothing can be built (no compiler, no headers), ``available()`` is False, the reason is logged
@@ -37,6 +38,7 @@ _SOURCES = (
     "threads.cpp",
     "decode_step.cpp",
     "gemv.cpp",
+    "int8_gemm.cpp",
 )
 _HEADERS = ("convert.h", "exp_nonpositive.h", "ops.h")
 # Reassociation lets the compiler vectorise the float reductions. Not -ffast-math: linking a library with it pulls in
@@ -252,6 +254,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """F.linear(x, weight, bias) for one row x [1, K] from weight [N, K] as stored, streaming the weight with
     prefetch (csrc/gemv.cpp): for a TP rank's shard several times faster than the packed oneDNN call."""
     return torch.ops.pdserve.gemv(x, weight, bias)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 rows of x [M, K] (any float dtype): (q [M, K] int8 in [-127, 127], scale [M] float32) with
+    q = round(x * 127 / amax) and scale = amax / 127 per row (1 for an all-zero row)."""
+    return torch.ops.pdserve.quantize_per_token(x)
+
+
+def int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """The exact int32 sums xq [M, K] @ wq [N, K]^T of int8 operands (xq in [-127, 127]): int8_linear's
+    accumulator, for checking it."""
+    return torch.ops.pdserve.int8_matmul(xq, wq)
+
+
+def int8_linear(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W8A8 F.linear for x [M, K] (float32 / bfloat16 / float16) and int8 wq [N, K] with float32 w_scale [N]: x is
+    quantised per row (quantize_per_token), summed in int32 and scaled back, acc * x_scale[m] * w_scale[n] + bias,
+    in x's dtype (csrc/int8_gemm.cpp)."""
+    return torch.ops.pdserve.int8_linear(x, wq, w_scale, bias)
 
 
 def decode_layers(

@@ -37,10 +37,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
-        self.packed: torch.Tensor | None = None
+        self.packed: plinear.Packed = None
 
     def pack(self) -> None:
-        self.packed = plinear.pack(self.weight)
+        self.packed = plinear.pack_of(self, "weight")
 
     def forward(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
         return plinear.linear(x, self.weight, self.packed if packed else None, self.bias)
@@ -195,7 +195,7 @@ class DeepseekCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg, max_positions)  # cfg.head_dim is qk_rope_head_dim for these models
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: plinear.Packed = None
         self.exact_prefill = False  # as llama.CausalLM: prefill on F.linear when set
 
     def pack_weights(self) -> None:
@@ -206,7 +206,10 @@ class DeepseekCausalLM(nn.Module):
             if isinstance(mlp, MoE):
                 mlp.pack_weights()
             else:
-                mlp.gate_up_packed, mlp.down_packed = plinear.pack(mlp.gate_up_weight), plinear.pack(mlp.down_weight)
+                mlp.gate_up_packed, mlp.down_packed = (
+                    plinear.pack_of(mlp, "gate_up_weight"),
+                    plinear.pack_of(mlp, "down_weight"),
+                )
         first, n = self.ps.vocab_shard(self.lm_head.shape[0])
         self.lm_head_packed = plinear.pack(self.lm_head[first : first + n])  # this rank's shard only
 

@@ -12,9 +12,14 @@ bfloat16 on a CPU without bf16 instructions (no AVX512_BF16 / AMX): oneDNN canno
 bf16 GEMM falls back to a slow generic loop (an 8x576 step 7x slower than fp32). The packed copy is then fp32, and
 rows go through it upcast: bf16 -> fp32 is exact and so is every bf16 x bf16 product, so this is a bf16 GEMM with
 fp32 accumulation, as oneDNN's bf16 kernels compute, rounded back to bf16. A single row (batch-1 decode) stays on
-the bf16 weights, where streaming half the bytes wins (figures: docs/performance.md, "Linear layers")."""
+the bf16 weights, where streaming half the bytes wins (figures: docs/performance.md, "Linear layers").
+
+Under --quantization int8 (quant.py) a layer's "packed" slot holds an Int8Weight instead: int8 rows with one scale
+each, computed by pdserve's W8A8 kernel (kernels.int8_linear), and no oneDNN copy."""
 
 from __future__ import annotations
+
+from typing import NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,15 +32,29 @@ _PACK_HINT = 8
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
 
+class Int8Weight(NamedTuple):
+    """A W8A8 layer's weight: int8 [..., N, K] and float32 scales [..., N], one per output row."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+
+# What a layer keeps beside its weight: oneDNN's copy, the int8 weight and scales, or nothing.
+Packed = Union[torch.Tensor, Int8Weight, None]
+
+
 def packing_supported(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return weight.dtype in (torch.float32, torch.bfloat16)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
+def pack(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Packed:
     """oneDNN's blocked copy of an [out, in] weight (fp32 for a bf16 weight where the CPU has no bf16 kernels), or
-    None where the runtime cannot pack it."""
+    None where the runtime cannot pack it; an int8 weight with its scales as an Int8Weight."""
+    if weight.dtype == torch.int8:
+        assert scale is not None, "an int8 weight needs its scales"
+        return Int8Weight(weight, scale)
     if not packing_supported(weight):
         return None
     w = weight.detach().contiguous()
@@ -44,10 +63,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT)
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None
-) -> torch.Tensor:
+def pack_of(module: torch.nn.Module, name: str) -> Packed:
+    """pack() of module's weight attribute `name`, with its `name`_scale when the weight is int8 (quant.py)."""
+    return pack(getattr(module, name), getattr(module, name + "_scale", None))
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 F.linear of x [..., K] (kernels.int8_linear: activations quantised per row)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return kernels.int8_linear(rows, w.qweight, w.scale, bias).view(*x.shape[:-1], w.qweight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), computed from the packed weight when one is given."""
+    if isinstance(packed, Int8Weight):
+        return int8_linear(x, packed, bias)
     if packed is not None and x.dim() == 2:
         if packed.dtype == x.dtype:
             return _linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
@@ -58,13 +88,13 @@ def linear(
 
 
 def rank_linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None, shard: bool
+    x: torch.Tensor, weight: torch.Tensor, packed: Packed, bias: torch.Tensor | None, shard: bool
 ) -> torch.Tensor:
     """linear(), except that one row on a tensor-parallel shard (shard True) goes through pdserve's gemv kernel
     from the weight as stored: on a shard of a few hundred rows oneDNN's per-call setup costs more than streaming
     the weight (docs/performance.md, "Shared-memory collectives"). The native decode step (kernels.decode_layers)
     makes the same choice, so both give the same bits."""
     one_row = x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
-    if shard and packed is not None and one_row and kernels.available():
+    if shard and isinstance(packed, torch.Tensor) and one_row and kernels.available():
         return kernels.gemv(x, weight, bias)
     return linear(x, weight, packed, bias)

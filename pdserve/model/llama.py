@@ -65,8 +65,8 @@ class Attention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
         self.o_weight = _param(cfg.hidden_size, self.o_size)
         self.o_bias = _param(cfg.hidden_size) if cfg.o_bias else None
-        self.qkv_packed: torch.Tensor | None = None  # set by CausalLM.pack_weights()
-        self.o_packed: torch.Tensor | None = None
+        self.qkv_packed: plinear.Packed = None  # set by CausalLM.pack_weights()
+        self.o_packed: plinear.Packed = None
 
     def forward(
         self,
@@ -135,8 +135,8 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * self.inter) if cfg.mlp_bias else None
         self.down_weight = _param(cfg.hidden_size, self.inter)
         self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
-        self.gate_up_packed: torch.Tensor | None = None  # set by CausalLM.pack_weights()
-        self.down_packed: torch.Tensor | None = None
+        self.gate_up_packed: plinear.Packed = None  # set by CausalLM.pack_weights()
+        self.down_packed: plinear.Packed = None
 
     def forward(self, x: torch.Tensor, packed: bool, fused: bool = False) -> torch.Tensor:
         gu_p, down_p = (self.gate_up_packed, self.down_packed) if packed else (None, None)
@@ -193,7 +193,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg, max_positions)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: plinear.Packed = None
         # Prefill runs on the packed weights too unless this is set: then prefill keeps F.linear, whose logits are
         # bit-identical to transformers' (linear.py: what the packed path gains and costs).
         self.exact_prefill = False
@@ -211,8 +211,8 @@ class CausalLM(nn.Module):
         """Prepack every linear weight for oneDNN (see linear.py); call after the weights are loaded."""
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            a.qkv_packed, a.o_packed = plinear.pack(a.qkv_weight), plinear.pack(a.o_weight)
-            m.gate_up_packed, m.down_packed = plinear.pack(m.gate_up_weight), plinear.pack(m.down_weight)
+            a.qkv_packed, a.o_packed = plinear.pack_of(a, "qkv_weight"), plinear.pack_of(a, "o_weight")
+            m.gate_up_packed, m.down_packed = plinear.pack_of(m, "gate_up_weight"), plinear.pack_of(m, "down_weight")
         first, n = self.ps.vocab_shard(self.lm_head.shape[0])
         self.lm_head_packed = plinear.pack(self.lm_head[first : first + n])  # this rank's shard only
 
@@ -279,7 +279,8 @@ class CausalLM(nn.Module):
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
                 all_packed = a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed
-                packed = [p for p in all_packed if p is not None and p.dtype == x.dtype]
+                # int8 layers (Int8Weight) go op by op: the one-call layers take float weights only
+                packed = [p for p in all_packed if isinstance(p, torch.Tensor) and p.dtype == x.dtype]
                 if len(packed) < len(all_packed):
                     self.native_layers = False
                     return False

@@ -93,8 +93,8 @@ class MoE(nn.Module):
             sel = order[at : at + n]
             at += n
             tok = sel // k
-            gate, up = F.linear(x[tok], self.gate_up_weight[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_weight[e])
+            gate, up = self._expert_linear(x[tok], "gate_up_weight", e).chunk(2, dim=-1)
+            y = self._expert_linear(F.silu(gate) * up, "down_weight", e)
             out.index_add_(0, tok, (y * weights.reshape(-1)[sel, None]).to(out.dtype))
         if self.shared_experts is not None:
             out += self.shared_experts(x, packed)
@@ -102,10 +102,20 @@ class MoE(nn.Module):
         se = self.shared_experts
         return out if se is None or se.down_bias is None else out + se.down_bias
 
+    def _expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """Expert e's layer `name` on x: F.linear, or W8A8 where quant.py made the experts int8."""
+        w = getattr(self, name)[e]
+        if w.dtype == torch.int8:
+            return plinear.int8_linear(x, plinear.Int8Weight(w, getattr(self, name + "_scale")[e]))
+        return F.linear(x, w)
+
     def pack_weights(self) -> None:
         if self.shared_experts is not None:
             se = self.shared_experts
-            se.gate_up_packed, se.down_packed = plinear.pack(se.gate_up_weight), plinear.pack(se.down_weight)
+            se.gate_up_packed, se.down_packed = (
+                plinear.pack_of(se, "gate_up_weight"),
+                plinear.pack_of(se, "down_weight"),
+            )
 
 
 __all__ = ["MoE", "Router"]

@@ -1,4 +1,6 @@
-"""Loading HF safetensors into the (possibly TP-sliced) model, with errors that name the file and key."""
+"""Loading HF safetensors into the (possibly TP-sliced) model, with errors that name the file and key; int8 layers
+(quant.make_int8) are quantised from the whole tensor before it is sliced, or taken as they are with their
+weight_scale from a compressed-tensors W8A8 checkpoint."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pdserve.model.config import ModelConfigError
 from pdserve.model.deepseek import DeepseekCausalLM
 from pdserve.model.llama import MLP, CausalLM
 from pdserve.model.moe import MoE
+from pdserve.model.quant import quantize_per_channel, scale_view, scales_by_storage
 
 
 class WeightLoadError(ModelConfigError):
@@ -26,6 +29,7 @@ Slicer = Callable[[torch.Tensor], torch.Tensor]
 
 
 Targets = dict[str, tuple[torch.Tensor, tuple[int, ...], Slicer]]
+ScaleMap = dict[int, torch.Tensor]
 
 
 def _take_rows(rows: torch.Tensor) -> Slicer:
@@ -162,12 +166,33 @@ def _expert_targets(p: str, moe: MoE, h: int, full: int) -> Targets:
     return out
 
 
+def _load_scale(
+    files: list[Path], key: str, near: Path, dst: torch.Tensor, full_k: int, slicer: Slicer, scales: ScaleMap
+) -> None:
+    """A compressed-tensors weight_scale ([N, 1] per channel, or one value per tensor) into dst's scales, sliced
+    as its weight's rows (full_k: the whole weight's columns, which a row-parallel slicer indexes)."""
+    for f in [near, *(g for g in files if g != near)]:  # almost always in the weight's own file
+        with safe_open(str(f), framework="pt") as st:
+            if key not in st.keys():
+                continue
+            s = st.get_tensor(key).float().reshape(-1)
+            view = scale_view(dst, scales)
+            if s.numel() == 1:
+                view.fill_(s.item())
+            else:
+                view.copy_(slicer(s.unsqueeze(-1).expand(-1, full_k))[..., 0])
+            return
+    raise WeightLoadError(f"{near.name}: int8 {key.removesuffix('_scale')!r} without its {key!r}")
+
+
 def load_weights(model: CausalLM | DeepseekCausalLM, path: str | Path) -> None:
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"{path}: no *.safetensors files found")
     targets = _targets(model)
+    scales = scales_by_storage(model)
+    prequantised: dict[str, tuple[Path, torch.Tensor, int, Slicer]] = {}
     seen: set[str] = set()
     with torch.no_grad():
         for f in files:
@@ -179,8 +204,23 @@ def load_weights(model: CausalLM | DeepseekCausalLM, path: str | Path) -> None:
                     got = tuple(st.get_slice(key).get_shape())
                     if got != shape:
                         raise WeightLoadError(f"{f.name}: tensor {key!r} has shape {list(got)}, expected {list(shape)}")
-                    dst.copy_(slicer(st.get_tensor(key)).to(dst.dtype))
+                    full = st.get_tensor(key)
+                    if full.dtype == torch.int8:  # compressed-tensors W8A8: its scales come as <key>_scale
+                        if dst.dtype != torch.int8:
+                            raise WeightLoadError(f"{f.name}: {key!r} is int8 where pdserve keeps {dst.dtype}")
+                        dst.copy_(slicer(full))
+                        prequantised[key] = (f, dst, shape[-1], slicer)
+                    elif dst.dtype == torch.int8:
+                        q, s = quantize_per_channel(full)
+                        dst.copy_(slicer(q))
+                        # the slicer picks rows (column parallel) or columns (row parallel): applied to each
+                        # row's scale repeated along the row, it keeps the scales of the rows it keeps
+                        scale_view(dst, scales).copy_(slicer(s.unsqueeze(-1).expand(q.shape))[..., 0])
+                    else:
+                        dst.copy_(slicer(full).to(dst.dtype))
                     seen.add(key)
+    for key, (f, dst, full_k, slicer) in prequantised.items():
+        _load_scale(files, key + "_scale", f, dst, full_k, slicer, scales)
     missing = sorted(set(targets) - seen)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""

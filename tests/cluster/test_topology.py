@@ -133,6 +133,7 @@ decode:
         ("decode: {count: 2, port: 7000}", "cannot be shared"),
         ("- a\n- b", "must be a mapping"),
         ("dtype: fp8", "dtype must be one of auto, float32, bfloat16, float16"),
+        ("quantization: int4", "quantization must be one of none, int8, got 'int4'"),
         ("prefill: [{tp: 1", "not valid YAML"),
     ],
 )
@@ -179,6 +180,21 @@ def test_model_directory_checks(tmp_path):
     (d / "tokenizer.json").unlink()
     with pytest.raises(TopologyError, match="tokenizer.json"):
         Topology(model=str(d)).resolve()
+
+
+@pytest.mark.slow
+def test_up_quantization_reaches_every_pod_and_not_the_router(tmp_path):
+    d = _ckpt(tmp_path, heads=8, kv=1)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--quantization", "int8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    for argv in json.loads(out.stdout)["commands"].values():
+        assert ("--quantization" in argv) == (argv[2] in ("prefill_svc", "decode_svc"))
+        assert "--quantization" not in argv or argv[argv.index("--quantization") + 1] == "int8"
 
 
 @pytest.mark.slow

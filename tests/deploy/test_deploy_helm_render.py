@@ -283,6 +283,19 @@ def test_model_dtype_reaches_both_pods_as_one_flag(render):
     assert not bad.ok and "dtype" in bad.output
 
 
+def test_model_quantization_reaches_both_pods_as_one_flag(render):
+    docs = _rendered(render, sets=["model.quantization=int8"])
+    (cm,) = find(docs, "ConfigMap")
+    cfg = yaml.safe_load(cm["data"]["pdserve.yaml"])
+    for role in ("prefill", "decode"):
+        argv = entrypoint.to_flags(
+            entrypoint.fit_to_service(role, entrypoint.resolve(role, cfg, {}), entrypoint.service_flags(role))
+        )
+        assert argv[argv.index("--quantization") + 1] == "int8"
+    bad = render([], ["model.quantization=int4"], ())
+    assert not bad.ok and "quantization" in bad.output
+
+
 def test_headless_router_service_points_the_pods_at_every_router(render):
     """multi-node.yaml (two routers, HPA up to 6): beside the ClusterIP Service a headless one (one A record per router
     pod), and prefill and decode pods register through it, on the routers' container port; with it disabled the

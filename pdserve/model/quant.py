@@ -1,0 +1,116 @@
+"""--quantization int8 (W8A8): the decoder layers' linear weights quantised at load, symmetric int8 with one float32
+scale per output channel; activations are quantised per token at run time (kernels.int8_linear).
+
+Each weight is quantised whole, before tensor-parallel slicing (weights.py): a scale belongs to an output row of the
+full weight, so column-parallel shards (rows) and row-parallel shards (columns) hold exactly the int8 values and
+scales of the unsharded model's, for every TP size. Embeddings, the LM head, norms, the MoE router and MLA's
+kv_b_proj (absorbed into the attention as a matrix) stay in the model dtype.
+
+A compressed-tensors W8A8 checkpoint (config.json quantization_config, format "int-quantized" or "naive-quantized":
+symmetric 8-bit int weights per channel or per tensor, dynamic per-token activations) loads its int8 weights and
+weight_scale as they are (checkpoint_int8)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve import kernels
+from pdserve.model.config import ModelConfig, ModelConfigError
+from pdserve.model.deepseek import DeepseekCausalLM, MLAttention
+from pdserve.model.llama import MLP, CausalLM
+from pdserve.model.moe import MoE
+
+# vLLM's --quantization values that pdserve implements (EngineConfig.quantization)
+NONE, INT8 = "none", "int8"
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 rows of w [..., N, K]: (q int8, scale float32 [..., N]) with scale = amax / 127 and
+    q = round(w / scale) (an all-zero row: scale 1, q 0)."""
+    w32 = w.float()
+    amax = w32.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w32 / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def checkpoint_int8(cfg: ModelConfig) -> bool:
+    """Whether the checkpoint holds compressed-tensors W8A8 weights (loaded as int8 whatever --quantization says:
+    there is no full-precision weight to keep); other quantised checkpoints are refused with what pdserve reads."""
+    qc = cfg.raw.get("quantization_config")
+    if not qc:
+        return False
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    why = None
+    if method != "compressed-tensors" or fmt not in ("int-quantized", "naive-quantized"):
+        why = f"quant_method {method!r}, format {fmt!r}"
+    for name, group in (qc.get("config_groups") or {}).items():
+        w, a = group.get("weights") or {}, group.get("input_activations") or {}
+        if why is None and not (
+            w.get("num_bits") == 8
+            and w.get("type", "int") == "int"
+            and w.get("symmetric", True)
+            and w.get("strategy") in ("channel", "tensor")
+        ):
+            why = f"{name}: weights {w}"
+        if why is None and a and not (a.get("num_bits") == 8 and a.get("dynamic") and a.get("strategy") == "token"):
+            why = f"{name}: input_activations {a}"
+    if why is not None:
+        raise ModelConfigError(
+            f"unsupported quantization_config ({why}): pdserve loads compressed-tensors W8A8 checkpoints (format "
+            "int-quantized, symmetric 8-bit int weights per channel or tensor, dynamic per-token activations); "
+            "for others use the full-precision checkpoint with --quantization int8"
+        )
+    return True
+
+
+def quantized_linears(model: CausalLM | DeepseekCausalLM) -> list[tuple[nn.Module, str]]:
+    """(module, weight attribute) of every linear layer that int8 quantises."""
+    out: list[tuple[nn.Module, str]] = []
+    for layer in model.layers:
+        a = layer.self_attn
+        if isinstance(a, MLAttention):
+            out += [(lin, "weight") for lin in a.linears()]
+        else:
+            out += [(a, "qkv_weight"), (a, "o_weight")]
+        mlp = layer.mlp
+        out += [(mlp, "gate_up_weight"), (mlp, "down_weight")]
+        if isinstance(mlp, MoE) and mlp.shared_experts is not None:
+            se: MLP = mlp.shared_experts
+            out += [(se, "gate_up_weight"), (se, "down_weight")]
+    return out
+
+
+def make_int8(model: CausalLM | DeepseekCausalLM) -> None:
+    """Turn the model's quantised linears into int8 weights with a float32 `<name>_scale` each, for load_weights to
+    fill (call after the model is built and cast, before loading)."""
+    if not kernels.available():
+        raise ModelConfigError(
+            "--quantization int8 runs on pdserve's CPU kernels, which are unavailable here (see the log for why; a "
+            "C++ compiler and torch's headers are needed); use --quantization none"
+        )
+    for module, name in quantized_linears(model):
+        w = getattr(module, name)
+        if w.device.type != "cpu":
+            raise ModelConfigError("--quantization int8 runs on CPU only; use --quantization none with --device cuda")
+        setattr(module, name, nn.Parameter(torch.empty(w.shape, dtype=torch.int8), requires_grad=False))
+        setattr(module, name + "_scale", nn.Parameter(torch.empty(w.shape[:-1]), requires_grad=False))
+
+
+def scales_by_storage(model: nn.Module) -> dict[int, torch.Tensor]:
+    """Each int8 weight's storage address -> its scale tensor (make_int8's `<name>_scale`)."""
+    out: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.dtype == torch.int8:
+                out[p.untyped_storage().data_ptr()] = getattr(module, name + "_scale")
+    return out
+
+
+def scale_view(dst: torch.Tensor, scales: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The scales of dst, a view of whole rows of an int8 weight [..., N, K] (its rows contiguous)."""
+    scale = scales[dst.untyped_storage().data_ptr()].view(-1)
+    k = dst.shape[-1]
+    first = dst.storage_offset() // k
+    return scale[first : first + dst.numel() // k].view(dst.shape[:-1])

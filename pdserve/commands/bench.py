@@ -20,6 +20,7 @@ BENCHMARKS = (
     "serve",
     "interference",
     "dcp",
+    "llamacpp",
 )
 
 

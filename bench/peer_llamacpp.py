@@ -246,10 +246,30 @@ class LlamaServer:
         self._log.close()
 
 
+def sdist_sha256() -> str | None:
+    """The sdist's digest: the build's identity where llama-server, built outside git, reports no commit."""
+    tarballs = sorted((home() / "sdist").glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
+    return hashlib.sha256(tarballs[0].read_bytes()).hexdigest() if tarballs else None
+
+
+def source_commit() -> str | None:
+    """llama.cpp's commit as the sdist's git metadata for its vendored tree records it, when it does."""
+    src = home() / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    try:
+        done = subprocess.run(["git", "-C", str(src), "log", "-1", "--format=%H %s"], capture_output=True, text=True)
+    except OSError:
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
 def describe(binary: Path) -> dict[str, Any]:
     """What the JSON records about the llama.cpp side."""
     return {
         "source": f"llama-cpp-python=={LLAMA_CPP_PYTHON} sdist, vendor/llama.cpp",
+        "sdist_sha256": sdist_sha256(),
+        "commit": source_commit(),
         "version": server_version(binary),
         "cmake_flags": list(CMAKE_FLAGS),
         "build_dir_key": home().name,

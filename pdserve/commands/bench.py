@@ -21,6 +21,7 @@ BENCHMARKS = (
     "interference",
     "dcp",
     "quant",
+    "llamacpp",
 )
 
 

@@ -6,8 +6,7 @@ alternating every repeat. pdserve is `pdserve up --unified` (one pod doing prefi
 fastest layout on one machine); llama-server is built from source and fed the same checkpoint converted to GGUF
 (bench/peer_llamacpp.py), with `--parallel 8 --cont-batching` and as many threads as pdserve's pod has cores.
 
-Matched precisions: fp32 vs F32, bf16 vs BF16, and pdserve's `--quantization int8` vs Q8_0. A pdserve that refuses
-`--quantization` gets that row recorded as not run (no number) rather than compared at another precision.
+Matched precisions: fp32 vs F32, bf16 vs BF16, and pdserve's `--quantization int8` vs Q8_0.
 
 Workloads, fresh prompts per repeat on both sides (each server caches prompts it has seen):
 - one stream: decode tok/s = (tokens - 1) / (last token time - first token time);
@@ -43,7 +42,6 @@ QUICK_PRECISIONS = ("fp32", "int8")
 LLAMA_NAMES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}
 PARALLEL = 8  # llama-server's slots: the largest concurrency measured
 CONCURRENCY = (4, PARALLEL)
-NOT_RUN_NO_QUANTIZATION = "not run: pdserve has no --quantization"
 # Percentiles only: no request is judged against an SLO here.
 _NO_SLO = SLO(1e9, 1e9)
 
@@ -78,15 +76,6 @@ def pdserve_flags(precision: str) -> list[str]:
     if precision == "int8":
         return ["--dtype", "float32", "--quantization", "int8"]
     raise ValueError(f"unknown precision {precision!r}; known: {list(PRECISIONS)}")
-
-
-def refused_quantization(returncode: int | None, output: str) -> bool:
-    """Whether `pdserve up` exited on argparse's rejection of --quantization (an older pdserve), not on a crash."""
-    return (
-        returncode == 2
-        and "--quantization" in output
-        and ("unrecognized arguments" in output or "invalid choice" in output)
-    )
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -221,19 +210,14 @@ def compare(
 
 
 def assemble(
-    results: dict[str, dict[str, dict[str, dict[str, Any]]] | str], cfg: Config, llama_info: dict[str, Any]
+    results: dict[str, dict[str, dict[str, dict[str, Any]]]], cfg: Config, llama_info: dict[str, Any]
 ) -> dict[str, Any]:
-    """The benchmark's JSON from {precision: {workload: {"pdserve"|"llamacpp": figures}} or a not-run reason}."""
+    """The benchmark's JSON from {precision: {workload: {"pdserve"|"llamacpp": figures}}}."""
     rows: list[dict[str, Any]] = []
     ratios: dict[str, float] = {}
-    not_run: dict[str, str] = {}
     c_top = f"c{PARALLEL}"
     for precision, per in results.items():
         other = LLAMA_NAMES[precision]
-        if isinstance(per, str):
-            not_run[precision] = per
-            rows.append({"precision": f"{precision} / {other}", "workload": "-", "result": per})
-            continue
         for workload, sides in per.items():
             p, q = sides.get("pdserve", {}), sides.get("llamacpp", {})
             key = "decode_tok_s" if workload == "single" else "output_tok_s"
@@ -261,8 +245,7 @@ def assemble(
         "benchmark": "llamacpp",
         "table": rows,
         "ratios": ratios,
-        "not_run": not_run,
-        "results": {k: v for k, v in results.items() if not isinstance(v, str)},
+        "results": results,
         "config": {
             "precisions": list(cfg.precisions),
             "repeats": cfg.repeats,
@@ -304,9 +287,6 @@ def run(quick: bool = False) -> dict[str, Any]:
         up_args += ["--unified-cpus", unified_cpus, "--max-model-len", "2048", *pdserve_flags(precision)]
         pds = PdserveUp(up_args, logs / f"pdserve-{precision}")
         if not pds.started:
-            if refused_quantization(pds.proc.returncode, pds.tail()):
-                results[precision] = NOT_RUN_NO_QUANTIZATION
-                continue
             raise BenchUnavailable(f"pdserve up ({precision}) did not start:\n{pds.tail()}")
         server = None
         try:

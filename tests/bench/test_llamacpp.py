@@ -38,15 +38,6 @@ def test_pdserve_flags_per_precision() -> None:
         L.pdserve_flags("fp8")
 
 
-def test_quantization_refusal_is_argparse_rejection_only() -> None:
-    argparse_says = "usage: pdserve ...\npdserve: error: unrecognized arguments: --quantization int8"
-    assert L.refused_quantization(2, argparse_says)
-    assert L.refused_quantization(2, "error: argument --quantization: invalid choice: 'int8'")
-    assert not L.refused_quantization(1, argparse_says)  # a crash at start is an error, not an absence
-    assert not L.refused_quantization(2, "error: unrecognized arguments: --foo")
-    assert not L.refused_quantization(None, argparse_says)
-
-
 def test_decode_rate_is_tokens_after_first_over_time_after_first() -> None:
     assert L.decode_tok_s([1.0, 1.5, 2.0, 3.0], 5) == pytest.approx(4 / 2.0)  # a chunk may carry several tokens
     assert L.decode_tok_s([1.0], 1) is None
@@ -60,12 +51,11 @@ def test_ratio_and_median() -> None:
     assert m == {"a": 2.0, "b": None, "repeats": 3}
 
 
-def test_assemble_ratios_minimum_and_not_run() -> None:
+def test_assemble_ratios_and_minimum() -> None:
     cfg = L.Config.make(quick=False, threads=2)
     results = {
         "fp32": _precision(single=(60.0, 40.0), c8=(160.0, 200.0)),
         "bf16": _precision(single=(30.0, 60.0), c8=(150.0, 100.0)),
-        "int8": L.NOT_RUN_NO_QUANTIZATION,
     }
     out = L.assemble(results, cfg, {"version": "test"})
     r = out["ratios"]
@@ -74,9 +64,6 @@ def test_assemble_ratios_minimum_and_not_run() -> None:
     assert r["c8_out_tok_s_vs_llamacpp_parallel_fp32"] == pytest.approx(0.8)
     assert r["c8_out_tok_s_vs_llamacpp_parallel_bf16"] == pytest.approx(1.5)
     assert r["c8_out_tok_s_vs_llamacpp_parallel"] == pytest.approx(0.8)  # the worst precision
-    assert "single_stream_int8_vs_llamacpp_q8_0" not in r  # an absence, not a number
-    assert out["not_run"] == {"int8": "not run: pdserve has no --quantization"}
-    assert {row["result"] for row in out["table"] if "result" in row} == {L.NOT_RUN_NO_QUANTIZATION}
     assert set(out["results"]) == {"fp32", "bf16"}
     assert out["config"]["pdserve_flags"]["int8"] == ["--unified", "--dtype", "float32", "--quantization", "int8"]
     single_fp32 = next(row for row in out["table"] if row["precision"] == "fp32 / f32" and row["workload"] == "single")
@@ -84,8 +71,9 @@ def test_assemble_ratios_minimum_and_not_run() -> None:
 
 
 def test_assemble_without_any_c8_has_no_minimum() -> None:
-    out = L.assemble({"int8": L.NOT_RUN_NO_QUANTIZATION}, L.Config.make(quick=True, threads=2), {})
-    assert out["ratios"] == {}
+    single_only = {"fp32": {"single": _precision(single=(60.0, 40.0), c8=(1.0, 1.0))["single"]}}
+    out = L.assemble(single_only, L.Config.make(quick=True, threads=2), {})
+    assert set(out["ratios"]) == {"single_stream_fp32_vs_llamacpp_f32"}
 
 
 def test_quick_config_is_smaller() -> None:

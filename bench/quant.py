@@ -39,21 +39,24 @@ _TEXT = Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md"
 
 def linear_us(n: int, k: int, rows: int, repeats: int = 200) -> dict[str, float]:
     """Microseconds per call of one [n, k] layer on `rows` activation rows: fp32 through oneDNN's packed weight
-    (and pdserve's gemv for one row) against int8_linear."""
+    (and pdserve's gemv for one row) against int8_linear (per row) and int8_linear_grouped (32-column blocks, what
+    --quantization int8 runs)."""
     import torch
 
     from pdserve import kernels
     from pdserve.model import linear as plinear
-    from pdserve.model.quant import quantize_per_channel
+    from pdserve.model.quant import GROUP, quantize_per_channel, quantize_per_group
 
     if not kernels.available():
         raise RuntimeError("pdserve's CPU kernels are unavailable (see the log)")
     w, x = torch.randn(n, k) * 0.05, torch.randn(rows, k)
     packed = plinear.pack(w)
     wq, ws = quantize_per_channel(w)
+    gq, gs = quantize_per_group(w)
     calls = {
         "fp32_packed": lambda: plinear.linear(x, w, packed),
-        "int8": lambda: kernels.int8_linear(x, wq, ws),
+        "int8_per_row": lambda: kernels.int8_linear(x, wq, ws),
+        "int8_q8_0": lambda: kernels.int8_linear_grouped(x, gq, gs, GROUP),
     }
     if rows == 1:
         calls["fp32_gemv"] = lambda: kernels.gemv(x, w)

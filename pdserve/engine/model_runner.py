@@ -177,7 +177,9 @@ class ModelRunner:
         self.cfg, self.ps, self.block_size, self.device = cfg, ps, block_size, torch.device(device)
         with torch.device(self.device):
             self.model = build_model(cfg, ps, backend, max_positions=max_model_len).to(dtype)
-        if quantization == quant.INT8 or quant.checkpoint_int8(cfg):
+        if quant.checkpoint_int8(cfg):  # its scales are per channel, as the checkpoint holds them
+            quant.make_int8(self.model, group=0)
+        elif quantization == quant.INT8:
             quant.make_int8(self.model)
         load_weights(self.model, model_path)
         self.model.pack_weights()  # no-op off CPU

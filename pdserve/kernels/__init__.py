@@ -277,6 +277,21 @@ def int8_linear(
     return torch.ops.pdserve.int8_linear(x, wq, w_scale, bias)
 
 
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 blocks of `group` columns of x [M, K] (the last block may be shorter): (q [M, K] int8,
+    scale [M, ceil(K / group)] float32), each block as quantize_per_token quantises a row."""
+    return torch.ops.pdserve.quantize_per_group(x, group)
+
+
+def int8_linear_grouped(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, group: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Group-wise W8A8 F.linear (llama.cpp's Q8_0): int8 wq [N, K] with float32 w_scale [N, ceil(K / group)], x
+    [M, K] quantised per block of `group` columns (quantize_per_group); each block's int32 dot is exact and is
+    summed in fp32 times x_scale[m, g] * w_scale[n, g], + bias, in x's dtype (csrc/int8_gemm.cpp)."""
+    return torch.ops.pdserve.int8_linear_grouped(x, wq, w_scale, group, bias)
+
+
 def decode_layers(
     x: torch.Tensor,
     cos: torch.Tensor,

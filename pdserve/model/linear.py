@@ -14,8 +14,8 @@ rows go through it upcast: bf16 -> fp32 is exact and so is every bf16 x bf16 pro
 fp32 accumulation, as oneDNN's bf16 kernels compute, rounded back to bf16. A single row (batch-1 decode) stays on
 the bf16 weights, where streaming half the bytes wins (figures: docs/performance.md, "Linear layers").
 
-Under --quantization int8 (quant.py) a layer's "packed" slot holds an Int8Weight instead: int8 rows with one scale
-each, computed by pdserve's W8A8 kernel (kernels.int8_linear), and no oneDNN copy."""
+Under --quantization int8 (quant.py) a layer's "packed" slot holds an Int8Weight instead: int8 rows with a scale per
+block of columns (or per row), computed by pdserve's W8A8 kernels, and no oneDNN copy."""
 
 from __future__ import annotations
 
@@ -31,9 +31,13 @@ _PACK_HINT = 8
 
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
+# --quantization int8's block: 32 input columns per scale as llama.cpp's Q8_0, 4 bytes of scale per 32 weight bytes
+INT8_GROUP = 32
+
 
 class Int8Weight(NamedTuple):
-    """A W8A8 layer's weight: int8 [..., N, K] and float32 scales [..., N], one per output row."""
+    """A W8A8 layer's weight: int8 [..., N, K] and float32 scales, [..., N, ceil(K / INT8_GROUP)] one per block of
+    an output row (quantised at load), or [..., N] one per row (a compressed-tensors checkpoint's)."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
@@ -69,9 +73,14 @@ def pack_of(module: torch.nn.Module, name: str) -> Packed:
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A8 F.linear of x [..., K] (kernels.int8_linear: activations quantised per row)."""
+    """W8A8 F.linear of x [..., K]: activations quantised per block like the weight (kernels.int8_linear_grouped),
+    or per row for per-row weight scales (kernels.int8_linear)."""
     rows = x.reshape(-1, x.shape[-1])
-    return kernels.int8_linear(rows, w.qweight, w.scale, bias).view(*x.shape[:-1], w.qweight.shape[0])
+    if w.scale.dim() == w.qweight.dim():
+        y = kernels.int8_linear_grouped(rows, w.qweight, w.scale, INT8_GROUP, bias)
+    else:
+        y = kernels.int8_linear(rows, w.qweight, w.scale, bias)
+    return y.view(*x.shape[:-1], w.qweight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:

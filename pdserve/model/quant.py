@@ -1,14 +1,16 @@
-"""--quantization int8 (W8A8): the decoder layers' linear weights quantised at load, symmetric int8 with one float32
-scale per output channel; activations are quantised per token at run time (kernels.int8_linear).
+"""--quantization int8 (W8A8): the decoder layers' linear weights quantised at load group-wise, as llama.cpp's Q8_0:
+symmetric int8 with one float32 scale per block of GROUP input columns of each output row; activations are quantised
+per block of GROUP columns of each token at run time (kernels.int8_linear_grouped). Per-token activation scales
+cost too much accuracy (docs/performance.md, "int8"); a K not a multiple of GROUP ends in a shorter block.
 
-Each weight is quantised whole, before tensor-parallel slicing (weights.py): a scale belongs to an output row of the
-full weight, so column-parallel shards (rows) and row-parallel shards (columns) hold exactly the int8 values and
-scales of the unsharded model's, for every TP size. Embeddings, the LM head, norms, the MoE router and MLA's
-kv_b_proj (absorbed into the attention as a matrix) stay in the model dtype.
+Each weight is quantised whole, before tensor-parallel slicing (weights.py): a scale belongs to a block of an output
+row of the full weight, so column-parallel shards (rows) and row-parallel shards (columns, cut on block boundaries;
+shard_groups refuses other cuts) hold exactly the int8 values and scales of the unsharded model's. Embeddings, the
+LM head, norms, the MoE router and MLA's kv_b_proj (absorbed into the attention as a matrix) stay in the model dtype.
 
 A compressed-tensors W8A8 checkpoint (config.json quantization_config, format "int-quantized" or "naive-quantized":
 symmetric 8-bit int weights per channel or per tensor, dynamic per-token activations) loads its int8 weights and
-weight_scale as they are (checkpoint_int8)."""
+weight_scale as they are (checkpoint_int8), per channel with per-token activations (kernels.int8_linear)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ from torch import nn
 from pdserve import kernels
 from pdserve.model.config import ModelConfig, ModelConfigError
 from pdserve.model.deepseek import DeepseekCausalLM, MLAttention
+from pdserve.model.linear import INT8_GROUP
 from pdserve.model.llama import MLP, CausalLM
 from pdserve.model.moe import MoE
 
 # vLLM's --quantization values that pdserve implements (EngineConfig.quantization)
 NONE, INT8 = "none", "int8"
+GROUP = INT8_GROUP  # the kernels' block of input columns (linear.py)
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +37,27 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w32 / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+def quantize_per_group(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 blocks of `group` columns of w [..., N, K]: (q int8 [..., N, K], scale float32
+    [..., N, ceil(K / group)]), each block as quantize_per_channel quantises a row (a short last block included)."""
+    k = w.shape[-1]
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(w.float(), (0, groups * group - k))  # zeros change no block's amax
+    q, scale = quantize_per_channel(padded.unflatten(-1, (groups, group)))
+    return q.flatten(-2)[..., :k].contiguous(), scale
+
+
+def shard_groups(name: str, k: int, full_k: int, group: int = GROUP) -> None:
+    """Refuse a row-parallel shard of k of full_k columns that cuts a block: its activation blocks would span
+    ranks, so no split could give the unsharded model's values."""
+    if k != full_k and k % group:
+        raise ModelConfigError(
+            f"--quantization int8 quantises in blocks of {group} input columns, and {name!r} splits its {full_k} "
+            f"columns into shards of {k}, which cut a block; use a tensor-parallel size whose shards hold whole "
+            "blocks, or --quantization none"
+        )
 
 
 def checkpoint_int8(cfg: ModelConfig) -> bool:
@@ -82,9 +107,10 @@ def quantized_linears(model: CausalLM | DeepseekCausalLM) -> list[tuple[nn.Modul
     return out
 
 
-def make_int8(model: CausalLM | DeepseekCausalLM) -> None:
+def make_int8(model: CausalLM | DeepseekCausalLM, group: int = GROUP) -> None:
     """Turn the model's quantised linears into int8 weights with a float32 `<name>_scale` each, for load_weights to
-    fill (call after the model is built and cast, before loading)."""
+    fill (call after the model is built and cast, before loading): [..., N, ceil(K / group)] block scales, or with
+    group 0 one per output row [..., N] (a compressed-tensors checkpoint's per-channel scales)."""
     if not kernels.available():
         raise ModelConfigError(
             "--quantization int8 runs on pdserve's CPU kernels, which are unavailable here (see the log for why; a "
@@ -95,22 +121,33 @@ def make_int8(model: CausalLM | DeepseekCausalLM) -> None:
         if w.device.type != "cpu":
             raise ModelConfigError("--quantization int8 runs on CPU only; use --quantization none with --device cuda")
         setattr(module, name, nn.Parameter(torch.empty(w.shape, dtype=torch.int8), requires_grad=False))
-        setattr(module, name + "_scale", nn.Parameter(torch.empty(w.shape[:-1]), requires_grad=False))
+        shape = w.shape[:-1] + ((-(-w.shape[-1] // group),) if group else ())
+        setattr(module, name + "_scale", nn.Parameter(torch.empty(shape), requires_grad=False))
 
 
-def scales_by_storage(model: nn.Module) -> dict[int, torch.Tensor]:
-    """Each int8 weight's storage address -> its scale tensor (make_int8's `<name>_scale`)."""
-    out: dict[int, torch.Tensor] = {}
+def grouped(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether an int8 weight's scales are per block ([..., N, groups]) rather than per row ([..., N])."""
+    return scale.dim() == weight.dim()
+
+
+def scales_by_storage(model: nn.Module) -> dict[int, tuple[torch.Tensor, bool]]:
+    """Each int8 weight's storage address -> its scale tensor (make_int8's `<name>_scale`) and whether per block."""
+    out: dict[int, tuple[torch.Tensor, bool]] = {}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if p.dtype == torch.int8:
-                out[p.untyped_storage().data_ptr()] = getattr(module, name + "_scale")
+                scale = getattr(module, name + "_scale")
+                out[p.untyped_storage().data_ptr()] = (scale, grouped(p, scale))
     return out
 
 
-def scale_view(dst: torch.Tensor, scales: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The scales of dst, a view of whole rows of an int8 weight [..., N, K] (its rows contiguous)."""
-    scale = scales[dst.untyped_storage().data_ptr()].view(-1)
+def scale_view(dst: torch.Tensor, scales: dict[int, tuple[torch.Tensor, bool]]) -> torch.Tensor:
+    """The scales of dst, a view of whole rows of an int8 weight [..., N, K] (its rows contiguous): [..., N], or
+    [..., N, groups] for block scales."""
+    full, blocks = scales[dst.untyped_storage().data_ptr()]
+    per_row = full.shape[-1] if blocks else 1
+    scale = full.view(-1, per_row)
     k = dst.shape[-1]
     first = dst.storage_offset() // k
-    return scale[first : first + dst.numel() // k].view(dst.shape[:-1])
+    rows = scale[first : first + dst.numel() // k]
+    return rows.view(dst.shape[:-1] + ((per_row,) if blocks else ()))

@@ -1,6 +1,6 @@
 """Loading HF safetensors into the (possibly TP-sliced) model, with errors that name the file and key; int8 layers
-(quant.make_int8) are quantised from the whole tensor before it is sliced, or taken as they are with their
-weight_scale from a compressed-tensors W8A8 checkpoint."""
+(quant.make_int8) are quantised (per block of columns, or per row) from the whole tensor before it is sliced, or
+taken as they are with their weight_scale from a compressed-tensors W8A8 checkpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ from pdserve.model.config import ModelConfigError
 from pdserve.model.deepseek import DeepseekCausalLM
 from pdserve.model.llama import MLP, CausalLM
 from pdserve.model.moe import MoE
-from pdserve.model.quant import quantize_per_channel, scale_view, scales_by_storage
+from pdserve.model.quant import (
+    GROUP,
+    quantize_per_channel,
+    quantize_per_group,
+    scale_view,
+    scales_by_storage,
+    shard_groups,
+)
 
 
 class WeightLoadError(ModelConfigError):
@@ -29,7 +36,7 @@ Slicer = Callable[[torch.Tensor], torch.Tensor]
 
 
 Targets = dict[str, tuple[torch.Tensor, tuple[int, ...], Slicer]]
-ScaleMap = dict[int, torch.Tensor]
+ScaleMap = dict[int, tuple[torch.Tensor, bool]]
 
 
 def _take_rows(rows: torch.Tensor) -> Slicer:
@@ -210,6 +217,14 @@ def load_weights(model: CausalLM | DeepseekCausalLM, path: str | Path) -> None:
                             raise WeightLoadError(f"{f.name}: {key!r} is int8 where pdserve keeps {dst.dtype}")
                         dst.copy_(slicer(full))
                         prequantised[key] = (f, dst, shape[-1], slicer)
+                    elif dst.dtype == torch.int8 and scales[dst.untyped_storage().data_ptr()][1]:
+                        shard_groups(key, dst.shape[-1], shape[-1])
+                        q, s = quantize_per_group(full)
+                        dst.copy_(slicer(q))
+                        # each block's scale repeated over its columns, sliced as the weight, then one per block:
+                        # a shard cut on block boundaries keeps exactly the blocks of the columns it keeps
+                        per_col = slicer(s.repeat_interleave(GROUP, dim=-1)[..., : shape[-1]])
+                        scale_view(dst, scales).copy_(per_col[..., ::GROUP])
                     elif dst.dtype == torch.int8:
                         q, s = quantize_per_channel(full)
                         dst.copy_(slicer(q))

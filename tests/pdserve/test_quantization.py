@@ -1,5 +1,6 @@
-"""--quantization int8 (pdserve/model/quant.py): per-channel weight quantisation at load that every TP split
-shares, the flag's validation, and int8 engines on Llama and DeepSeek (MLA + MoE) checkpoints."""
+"""--quantization int8 (pdserve/model/quant.py): block-wise (Q8_0) weight quantisation at load that every TP split
+shares, refused where a split would cut a block, per-channel compressed-tensors checkpoints, the flag's validation,
+and int8 engines on Llama and DeepSeek (MLA + MoE) checkpoints."""
 
 from __future__ import annotations
 
@@ -35,37 +36,63 @@ def test_quantize_per_channel_rounds_each_row_to_its_own_scale():
     assert (err <= s[:, None] / 2 * (1 + 1e-6)).all()
 
 
-def _int8_model(path, tp: int, rank: int):
+def test_quantize_per_group_rounds_each_block_of_a_row_to_its_own_scale_with_a_short_last_block():
+    w = torch.randn(3, 70, generator=torch.Generator().manual_seed(0))
+    w[1, 32:64] *= 100
+    w[2, 64:] = 0
+    q, s = quant.quantize_per_group(w)
+    assert q.shape == (3, 70) and s.shape == (3, 3)
+    for g, (c0, c1) in enumerate([(0, 32), (32, 64), (64, 70)]):
+        qb, sb = quant.quantize_per_channel(w[:, c0:c1])
+        assert torch.equal(q[:, c0:c1], qb) and torch.equal(s[:, g], sb), g
+    assert s[2, 2].item() == 1.0
+
+
+def _int8_model(path, tp: int, rank: int, group: int = quant.GROUP):
     cfg = ModelConfig.from_path(path)
     model = build_model(cfg, ParallelState(tp_size=tp, tp_rank=rank), select_backend("cpu"), max_positions=64)
-    quant.make_int8(model)
+    quant.make_int8(model, group=group)
     load_weights(model, path)
     return model
 
 
 @needs_kernels
 @pytest.mark.slow
+@pytest.mark.parametrize("group", [quant.GROUP, 0])
 @pytest.mark.parametrize("tp", [2, 3])
-def test_every_tp_split_holds_the_int8_values_and_scales_of_the_whole_weight(tiny_factory, tp):
-    # 130 does not divide by 3 (44, 43, 43 columns); six heads split 3 / 2 per rank
-    path = tiny_factory("llama", num_heads=6, num_kv_heads=6, hidden_size=96, intermediate_size=130)
-    whole = _int8_model(path, 1, 0)
-    ranks = [_int8_model(path, tp, r) for r in range(tp)]
+def test_every_tp_split_holds_the_int8_values_and_scales_of_the_whole_weight(tiny_factory, tp, group):
+    # six heads of 32 split 3 / 2 per rank and 192 columns 96 / 64: row-parallel shards hold whole blocks
+    path = tiny_factory("llama", num_heads=6, num_kv_heads=6, head_dim=32, hidden_size=192, intermediate_size=192)
+    whole = _int8_model(path, 1, 0, group)
+    ranks = [_int8_model(path, tp, r, group) for r in range(tp)]
     with safe_open(str(path / "model.safetensors"), framework="pt") as st:
-        q, s = quant.quantize_per_channel(st.get_tensor("model.layers.1.mlp.down_proj.weight"))
+        w_full = st.get_tensor("model.layers.1.mlp.down_proj.weight")
+    q, s = quant.quantize_per_group(w_full) if group else quant.quantize_per_channel(w_full)
     assert torch.equal(whole.layers[1].mlp.down_weight, q) and torch.equal(whole.layers[1].mlp.down_weight_scale, s)
     for i, layer in enumerate(whole.layers):
         parts = [r.layers[i] for r in ranks]
-        # row parallel (o, down): columns split, every rank keeps the whole weight's per-row scales
+        # row parallel (o, down): columns split with their blocks' scales, or every rank keeps the per-row scales
         for mod, name in [("self_attn", "o_weight"), ("mlp", "down_weight")]:
             w, s = _weight(layer, mod, name)
             assert torch.equal(torch.cat([_weight(p, mod, name)[0] for p in parts], dim=1), w), (i, name)
-            assert all(torch.equal(_weight(p, mod, name)[1], s) for p in parts), (i, name)
+            if group:
+                assert torch.equal(torch.cat([_weight(p, mod, name)[1] for p in parts], dim=1), s), (i, name)
+            else:
+                assert all(torch.equal(_weight(p, mod, name)[1], s) for p in parts), (i, name)
         # column parallel (gate/up, q/k/v): rows split with their scales
         for cut in (_gate, _up, _q, _k, _v):
             for t in range(2):  # the weight, then its scales
                 got = torch.cat([cut(p)[t] for p in parts])
                 assert torch.equal(got, cut(layer)[t]), (i, cut.__name__)
+
+
+@needs_kernels
+def test_a_tp_split_that_cuts_a_block_is_refused_with_what_to_use(tiny_factory):
+    # down_proj's 130 columns split 65 / 65: the second rank's first block would start mid-block
+    path = tiny_factory("llama", num_heads=4, num_kv_heads=2, hidden_size=128, intermediate_size=130)
+    with pytest.raises(ModelConfigError, match=r"blocks of 32 input columns.*shards of 65"):
+        _int8_model(path, 2, 0)
+    assert _int8_model(path, 1, 0).layers[0].mlp.down_weight_scale.shape == (128, 5)  # 4 blocks + a short one
 
 
 def _weight(layer, mod: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,13 +169,13 @@ def test_int8_engine_scores_prompts_close_to_full_precision(tiny_factory, family
 
 @needs_kernels
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_w8a8_checkpoint_loads_the_int8_weights_that_quantising_at_load_makes(tiny_factory, tp, tmp_path):
+def test_a_w8a8_checkpoint_loads_the_int8_weights_that_per_channel_quantising_at_load_makes(tiny_factory, tp, tmp_path):
     src = tiny_factory("llama", num_heads=4, num_kv_heads=2, intermediate_size=96)
     ct = write_w8a8_checkpoint(src, tmp_path / "w8a8")
     cfg = ModelConfig.from_path(ct)
     assert quant.checkpoint_int8(cfg)
-    for rank in range(tp):
-        ours, theirs = _int8_model(src, tp, rank), _int8_model(ct, tp, rank)
+    for rank in range(tp):  # per channel, as the checkpoint stores its scales
+        ours, theirs = _int8_model(src, tp, rank, group=0), _int8_model(ct, tp, rank, group=0)
         for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
             assert torch.equal(a, b), name
 
@@ -162,12 +189,13 @@ def test_other_quantised_checkpoints_are_refused_with_what_pdserve_reads(tiny_fa
 
 @needs_kernels
 @pytest.mark.slow
-def test_smollm2_as_a_w8a8_checkpoint_generates_what_quantising_at_load_generates(smollm2_path, tmp_path):
+def test_smollm2_as_a_w8a8_checkpoint_loads_its_per_channel_scales_into_an_engine_that_generates(
+    smollm2_path, tmp_path
+):
     ct = write_w8a8_checkpoint(smollm2_path, tmp_path / "smollm2-w8a8")
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = []
-    for path, q in [(smollm2_path, "int8"), (ct, "none")]:
-        cfg = EngineConfig(model=str(path), quantization=q, num_kv_blocks=64, enable_prefix_caching=False)
-        with LLMEngine(cfg) as eng:
-            outs.append([r["token_ids"] for r in eng.generate(["The capital of France is", "def add(a, b):"], sp)])
-    assert outs[0] == outs[1]
+    cfg = EngineConfig(model=str(ct), quantization="none", num_kv_blocks=64, enable_prefix_caching=False)
+    # block scales ([N, K / 32]) could not take the checkpoint's [N, 1] weight_scale: loading proves per channel
+    with LLMEngine(cfg) as eng:
+        outs = [r["token_ids"] for r in eng.generate(["The capital of France is", "def add(a, b):"], sp)]
+    assert [len(o) for o in outs] == [12, 12]

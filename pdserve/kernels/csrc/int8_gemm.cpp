@@ -1,6 +1,7 @@
 // W8A8 linear layers: int8 weights [N, K] with one fp32 scale per output row, activations quantised per row (token)
 // to int8 on the fly, int32 sums, y = acc * x_scale[row] * w_scale[col] (+ bias), as vLLM's CPU backend computes
-// compressed-tensors' "int8 dynamic per-token" layers. Integer sums are exact, so every path below (AVX512_VNNI,
+// compressed-tensors' "int8 dynamic per-token" layers. The group-wise layers (int8_linear_grouped, llama.cpp's
+// Q8_0) give weights and activations one scale per `group` columns and sum each group's exact int32 dot in fp32. Integer sums are exact, so every path below (AVX512_VNNI,
 // AVX_VNNI, AVX2, scalar) gives the same bits. Built and loaded by pdserve/kernels/__init__.py.
 //
 // The vector paths multiply |w| (unsigned) by x * sign(w) (signed): activations are in [-127, 127], so neither
@@ -145,6 +146,106 @@ void for_each_block(const int8_t* xq, const int8_t* wq, int64_t m, int64_t n, in
   });
 }
 
+// Row m of x [M, K] -> int8 q[m] with one scale per `group` columns (the last group may be shorter): Q8_0's
+// activation blocks, scale amax / 127 per block (1 for an all-zero block).
+template <typename T>
+void quantize_row_groups(const at::Tensor& x, int64_t group, int8_t* q, float* scales) {
+  using S = storage_t<T>;
+  const int64_t m = x.size(0), k = x.size(1), groups = (k + group - 1) / group;
+  const S* xp = raw(x.data_ptr<T>());
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t c0 = g * group, c1 = std::min(k, c0 + group);
+        const S* row = xp + i * k;
+        float amax = 0.0f;
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(to_f<T>(row[c])));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        scales[i * groups + g] = amax > 0.0f ? amax / 127.0f : 1.0f;
+        for (int64_t c = c0; c < c1; ++c) q[i * k + c] = static_cast<int8_t>(std::nearbyint(to_f<T>(row[c]) * inv));
+      }
+    }
+  });
+}
+
+#if defined(__AVX2__)
+// The exact int32 lane sums of one 32-byte group, |w| x (x * sign(w)) as in vdot (at most 4 * 128 * 127 per lane,
+// so the lane converts to fp32 exactly).
+inline __m256i group_dot32(__m256i x, __m256i w) {
+  const __m256i aw = _mm256_sign_epi8(w, w);
+  const __m256i sx = _mm256_sign_epi8(x, w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, sx);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// Q8_0's dot product of one activation row against `rows` (<= kRows) weight rows: each group's int32 sum is exact,
+// then scaled by x_scale[g] * w_scale[row, g] and summed in fp32 (ggml's vec_dot_q8_0_q8_0). The AVX2 path keeps
+// eight fp32 lanes per row and adds them once at the end, so its fp32 order differs from the scalar path's.
+inline void group_dot_rows(const int8_t* x, const float* xs, const int8_t* w, const float* ws, int64_t k,
+                           int64_t group, int64_t rows, float* out) {
+  const int64_t groups = (k + group - 1) / group;
+  int64_t full = 0;  // groups the vector path covers
+#if defined(__AVX2__)
+  if (group == 32) {
+    full = k / 32;
+    if (rows == kRows) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      const int8_t *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
+      const float *s0 = ws, *s1 = ws + groups, *s2 = ws + 2 * groups, *s3 = ws + 3 * groups;
+      for (int64_t g = 0; g < full; ++g) {
+        const int64_t c = g * 32;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c));
+        const __m256 d = _mm256_set1_ps(xs[g]);
+#define PDSERVE_GROUP_ROW(A, W, S)                                                                        \
+  A = _mm256_fmadd_ps(                                                                                    \
+      _mm256_cvtepi32_ps(group_dot32(xv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + c)))), \
+      _mm256_mul_ps(d, _mm256_set1_ps(S[g])), A)
+        PDSERVE_GROUP_ROW(a0, w0, s0);
+        PDSERVE_GROUP_ROW(a1, w1, s1);
+        PDSERVE_GROUP_ROW(a2, w2, s2);
+        PDSERVE_GROUP_ROW(a3, w3, s3);
+#undef PDSERVE_GROUP_ROW
+      }
+      out[0] = hsum_ps(a0), out[1] = hsum_ps(a1), out[2] = hsum_ps(a2), out[3] = hsum_ps(a3);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t g = 0; g < full; ++g) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + g * 32));
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * k + g * 32));
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot32(xv, wv)), _mm256_set1_ps(xs[g] * ws[r * groups + g]), a);
+        }
+        out[r] = hsum_ps(a);
+      }
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) out[r] = 0.0f;
+  }
+#else
+  for (int64_t r = 0; r < rows; ++r) out[r] = 0.0f;
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = full; g < groups; ++g) {
+      const int64_t c0 = g * group, c1 = std::min(k, c0 + group);
+      const int32_t s = dot_tail(x + c0, w + r * k + c0, 0, c1 - c0);
+      out[r] += static_cast<float>(s) * (xs[g] * ws[r * groups + g]);
+    }
+  }
+}
+
 void check_weight(const at::Tensor& x, const at::Tensor& wq, const char* what) {
   TORCH_CHECK(x.dim() == 2 && wq.dim() == 2 && x.size(1) == wq.size(1), what, ": x [M, K] and weight [N, K]");
   TORCH_CHECK(wq.scalar_type() == at::kChar, what, ": the weight must be int8");
@@ -212,6 +313,62 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   return y;
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize_per_group(const at::Tensor& x, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && group > 0, "quantize_per_group: x [M, K] and a positive group size");
+  auto xc = x.contiguous();
+  const int64_t groups = (xc.size(1) + group - 1) / group;
+  auto q = at::empty(xc.sizes(), xc.options().dtype(at::kChar));
+  auto s = at::empty({xc.size(0), groups}, xc.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "quantize_per_group", [&] {
+    quantize_row_groups<scalar_t>(xc, group, q.data_ptr<int8_t>(), s.data_ptr<float>());
+  });
+  return {q, s};
+}
+
+at::Tensor int8_linear_grouped(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale, int64_t group,
+                               const std::optional<at::Tensor>& bias) {
+  check_weight(x, wq, "int8_linear_grouped");
+  TORCH_CHECK(group > 0, "int8_linear_grouped: a positive group size");
+  const int64_t m = x.size(0), n = wq.size(0), k = x.size(1), groups = (k + group - 1) / group;
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.dim() == 2 && w_scale.size(0) == n &&
+                  w_scale.size(1) == groups,
+              "int8_linear_grouped: float32 weight scales [N, ceil(K / group)]");
+  auto [xq, xs] = quantize_per_group(x, group);
+  auto w = wq.contiguous();
+  auto ws = w_scale.contiguous();
+  auto y = at::empty({m, n}, x.options());
+  at::Tensor b;
+  if (bias) b = bias->to(at::kFloat).contiguous();
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  const int8_t* wqp = w.data_ptr<int8_t>();
+  const float* xsp = xs.data_ptr<float>();
+  const float* wsp = ws.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear_grouped", [&] {
+    using S = storage_t<scalar_t>;
+    S* yp = raw(y.data_ptr<scalar_t>());
+    // as for_each_block: a task streams its weight-row blocks once, meeting every activation row
+    const int64_t blocks = (n + kRows - 1) / kRows;
+    at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+      float sums[kRows];
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t r0 = blk * kRows, rows = std::min(kRows, n - r0);
+        const int64_t ahead = std::min(n, r0 + 2 * kRows);
+        prefetch(wqp + ahead * k, std::min(kRows, n - ahead) * k);
+        for (int64_t i = 0; i < m; ++i) {
+          group_dot_rows(xqp + i * k, xsp + i * groups, wqp + r0 * k, wsp + r0 * groups, k, group, rows, sums);
+          for (int64_t r = 0; r < rows; ++r) {
+            float v = sums[r];
+            if (bp) v += bp[r0 + r];
+            yp[i * n + r0 + r] = from_f<scalar_t>(v);
+          }
+        }
+      }
+    });
+  });
+  return y;
+}
+
 }  // namespace pdserve_kernels
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
@@ -221,4 +378,8 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.impl("int8_matmul", c10::DispatchKey::CPU, TORCH_FN(pdserve_kernels::int8_matmul));
   m.def("int8_linear(Tensor x, Tensor wq, Tensor w_scale, Tensor? bias) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(pdserve_kernels::int8_linear));
+  m.def("quantize_per_group(Tensor x, int group) -> (Tensor, Tensor)");
+  m.impl("quantize_per_group", c10::DispatchKey::CPU, TORCH_FN(pdserve_kernels::quantize_per_group));
+  m.def("int8_linear_grouped(Tensor x, Tensor wq, Tensor w_scale, int group, Tensor? bias) -> Tensor");
+  m.impl("int8_linear_grouped", c10::DispatchKey::CPU, TORCH_FN(pdserve_kernels::int8_linear_grouped));
 }

@@ -1,6 +1,6 @@
 """--quantization int8 against the full-precision model on SmolLM2 (the default model), in-process engines:
 batch-1 decode ms/token of each, and int8's accuracy: greedy continuations of the same prompts (how many agree with
-full precision on their first tokens) and the perplexity of each on a fixed English text (pdserve's design doc).
+full precision on their first tokens) and the perplexity of each on a fixed text (bench/data/perplexity_text.md).
 
     pdserve bench quant [--quick]    (quick: 8 prompts x 32 tokens)
     python -m bench.quant [--prompts 64] [--tokens 64] [--decode-tokens 64]"""
@@ -34,7 +34,8 @@ _TOPICS = (
     "honey bees",
     "the printing press",
 )
-_TEXT = Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md"
+# The opening of pdserve's design doc, frozen here so the figures stay comparable as the doc changes
+_TEXT = Path(__file__).resolve().parent / "data" / "perplexity_text.md"
 
 
 def linear_us(n: int, k: int, rows: int, repeats: int = 200) -> dict[str, float]:
@@ -109,7 +110,7 @@ def greedy(eng: LLMEngine, texts: list[str], new_tokens: int) -> list[list[int]]
 
 
 def perplexity(eng: LLMEngine, max_tokens: int = 1024) -> float:
-    """exp of the mean negative log-likelihood of the first max_tokens tokens of the design doc."""
+    """exp of the mean negative log-likelihood of the first max_tokens tokens of the fixed text."""
     ids = eng.tokenizer.encode(_TEXT.read_text())[:max_tokens]
     res = eng.generate([ids], SamplingParams(temperature=0, max_tokens=1), prompt_logprobs=0)[0]
     lps = [lp[0] for lp in res["prompt_logprobs"] if lp is not None and lp[0] is not None]

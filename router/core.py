@@ -81,6 +81,7 @@ class RouterCore:
         self._tls = config.tls  # built once: the certificate files are read when a channel is made
         self._tasks: set[asyncio.Task] = set()
         self.registry.on_evict(self._pod_lost)
+        self.registry.on_register(self._pod_registered)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -122,6 +123,18 @@ class RouterCore:
 
     def decode_stub(self, pod_id: str) -> decode_pb2_grpc.DecodeWorkerStub:
         return self._stub(pod_id, decode_pb2_grpc.DecodeWorkerStub)
+
+    def _pod_registered(self, pod_id: str, address: str) -> None:
+        """A pod registering may be a new process behind an address whose channel still waits out gRPC's reconnect
+        backoff from the old one (seconds to minutes), failing every call at once with the old error. A channel
+        that is not connected is replaced, so the next call connects now; a connected one is kept with its calls."""
+        ch = self._channels.get(address)
+        if ch is None or ch.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY:
+            return
+        del self._channels[address]
+        for key in [k for k in self._stubs if k[0] == address]:
+            del self._stubs[key]
+        self.spawn(ch.close(grace=self.config.cleanup_timeout_s))
 
     def _pod_lost(self, pod_id: str) -> None:
         self.prefix.forget_pod(pod_id)

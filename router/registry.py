@@ -109,6 +109,7 @@ class Registry:
         self.pods: dict[str, PodEntry] = {}
         self._on_change: list[Callable[[], None]] = []
         self._on_evict: list[Callable[[str], None]] = []
+        self._on_register: list[Callable[[str, str], None]] = []
 
     # --- listeners ---
     def on_change(self, fn: Callable[[], None]) -> None:
@@ -118,6 +119,11 @@ class Registry:
     def on_evict(self, fn: Callable[[str], None]) -> None:
         """Called with the pod id when a pod is dropped (evicted or deregistered)."""
         self._on_evict.append(fn)
+
+    def on_register(self, fn: Callable[[str, str], None]) -> None:
+        """Called with the pod id and its address when a pod is accepted at registration (its start, or again after
+        a router restart or its eviction)."""
+        self._on_register.append(fn)
 
     def changed(self) -> None:
         for fn in self._on_change:
@@ -180,6 +186,8 @@ class Registry:
             entry.dcp,
             common_pb2.PodState.Name(state),
         )
+        for fn in self._on_register:
+            fn(req.pod_id, req.address)
         resp.accepted = True
         resp.message = f"welcome {req.pod_id}: serving {self.model_name!r} as {common_pb2.Role.Name(req.role)}"
         self.changed()

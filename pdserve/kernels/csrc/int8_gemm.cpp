@@ -127,23 +127,33 @@ void quantize_rows(const at::Tensor& x, int8_t* q, float* scales) {
   });
 }
 
-// acc [M, N] int32 sums of xq [M, K] against wq [N, K]; each task owns a run of weight-row blocks and streams them
-// once, meeting every activation row while the block is in L1 (prefill's batch reuses each weight byte M times).
-template <typename F>
-void for_each_block(const int8_t* xq, const int8_t* wq, int64_t m, int64_t n, int64_t k, F&& emit) {
+// Each task owns a run of weight-row blocks of wq [N, K] and streams them once, meeting every one of the M activation
+// rows while the block is in L1 (prefill's batch reuses each weight byte M times): dot(i, r0, rows, sums) fills the
+// block's Acc sums for row i, emit(i, r0, rows, sums) writes them.
+template <typename Acc, typename Dot, typename Emit>
+void blocks_of_rows(const int8_t* wq, int64_t m, int64_t n, int64_t k, Dot&& dot, Emit&& emit) {
   const int64_t blocks = (n + kRows - 1) / kRows;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-    int32_t sums[kRows];
+    Acc sums[kRows];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r0 = blk * kRows, rows = std::min(kRows, n - r0);
       const int64_t ahead = std::min(n, r0 + 2 * kRows);
       prefetch(wq + ahead * k, std::min(kRows, n - ahead) * k);
       for (int64_t i = 0; i < m; ++i) {
-        dot_rows(xq + i * k, wq + r0 * k, k, rows, sums);
-        emit(i, r0, rows, sums);
+        dot(i, r0, rows, sums);
+        emit(i, r0, rows, static_cast<const Acc*>(sums));
       }
     }
   });
+}
+
+// acc [M, N] int32 sums of xq [M, K] against wq [N, K], through blocks_of_rows.
+template <typename F>
+void for_each_block(const int8_t* xq, const int8_t* wq, int64_t m, int64_t n, int64_t k, F&& emit) {
+  blocks_of_rows<int32_t>(
+      wq, m, n, k,
+      [&](int64_t i, int64_t r0, int64_t rows, int32_t* sums) { dot_rows(xq + i * k, wq + r0 * k, k, rows, sums); },
+      emit);
 }
 
 // Row m of x [M, K] -> int8 q[m] with one scale per `group` columns (the last group may be shorter): Q8_0's
@@ -347,24 +357,18 @@ at::Tensor int8_linear_grouped(const at::Tensor& x, const at::Tensor& wq, const 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear_grouped", [&] {
     using S = storage_t<scalar_t>;
     S* yp = raw(y.data_ptr<scalar_t>());
-    // as for_each_block: a task streams its weight-row blocks once, meeting every activation row
-    const int64_t blocks = (n + kRows - 1) / kRows;
-    at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-      float sums[kRows];
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t r0 = blk * kRows, rows = std::min(kRows, n - r0);
-        const int64_t ahead = std::min(n, r0 + 2 * kRows);
-        prefetch(wqp + ahead * k, std::min(kRows, n - ahead) * k);
-        for (int64_t i = 0; i < m; ++i) {
+    blocks_of_rows<float>(
+        wqp, m, n, k,
+        [&](int64_t i, int64_t r0, int64_t rows, float* sums) {
           group_dot_rows(xqp + i * k, xsp + i * groups, wqp + r0 * k, wsp + r0 * groups, k, group, rows, sums);
+        },
+        [&](int64_t i, int64_t r0, int64_t rows, const float* sums) {
           for (int64_t r = 0; r < rows; ++r) {
             float v = sums[r];
             if (bp) v += bp[r0 + r];
             yp[i * n + r0 + r] = from_f<scalar_t>(v);
           }
-        }
-      }
-    });
+        });
   });
   return y;
 }

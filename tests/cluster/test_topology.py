@@ -182,15 +182,20 @@ def test_model_directory_checks(tmp_path):
         Topology(model=str(d)).resolve()
 
 
-@pytest.mark.slow
-def test_up_quantization_reaches_every_pod_and_not_the_router(tmp_path):
-    d = _ckpt(tmp_path, heads=8, kv=1)
-    out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--quantization", "int8"],
+def _dry_run(d, *args: str) -> subprocess.CompletedProcess:
+    """`pdserve up --model d --dry-run *args` in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.slow
+def test_up_quantization_reaches_every_pod_and_not_the_router(tmp_path):
+    d = _ckpt(tmp_path, heads=8, kv=1)
+    out = _dry_run(d, "--quantization", "int8")
     assert out.returncode == 0, out.stderr
     for argv in json.loads(out.stdout)["commands"].values():
         assert ("--quantization" in argv) == (argv[2] in ("prefill_svc", "decode_svc"))
@@ -200,12 +205,7 @@ def test_up_quantization_reaches_every_pod_and_not_the_router(tmp_path):
 @pytest.mark.slow
 def test_up_dry_run_prints_the_checked_plan(tmp_path):
     d = _ckpt(tmp_path, heads=8, kv=1)
-    out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--port", "0", "--http-port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _dry_run(d, "--port", "0", "--http-port", "0")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     dec = [p for p in plan["pods"] if p["role"] == "decode"][0]
@@ -216,12 +216,7 @@ def test_up_dry_run_prints_the_checked_plan(tmp_path):
     assert "--router" in plan["commands"]["prefill-0"] and "--device" not in cmd
     assert "--router" in cmd  # decode pods register with the router too
     assert "--dtype" not in cmd  # auto unless asked
-    bf16 = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(d), "--dry-run", "--dtype", "bfloat16"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bf16 = _dry_run(d, "--dtype", "bfloat16")
     assert bf16.returncode == 0, bf16.stderr
     for argv in json.loads(bf16.stdout)["commands"].values():  # the same dtype on every pod, none on the router
         assert ("--dtype" in argv) == (argv[2] in ("prefill_svc", "decode_svc"))

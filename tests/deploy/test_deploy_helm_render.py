@@ -269,14 +269,19 @@ def test_rendered_tls_env_reaches_the_services_as_mutual_tls(render, role, monke
     assert settings["tls_cert_file"] == str(pki.server_cert) and settings["tls_ca_file"] == str(pki.ca)
 
 
+def _pod_argv(role: str, cfg: dict) -> list[str]:
+    """The command-line flags the image's entrypoint gives a pod of ``role`` from the rendered pdserve.yaml."""
+    return entrypoint.to_flags(
+        entrypoint.fit_to_service(role, entrypoint.resolve(role, cfg, {}), entrypoint.service_flags(role))
+    )
+
+
 def test_model_dtype_reaches_both_pods_as_one_flag(render):
     docs = _rendered(render, sets=["model.dtype=bfloat16"])
     (cm,) = find(docs, "ConfigMap")
     cfg = yaml.safe_load(cm["data"]["pdserve.yaml"])
     for role in ("prefill", "decode"):
-        argv = entrypoint.to_flags(
-            entrypoint.fit_to_service(role, entrypoint.resolve(role, cfg, {}), entrypoint.service_flags(role))
-        )
+        argv = _pod_argv(role, cfg)
         assert argv[argv.index("--dtype") + 1] == "bfloat16"
     assert "dtype" not in entrypoint.resolve("router", cfg, {})
     bad = render([], ["model.dtype=fp8"], ())
@@ -288,9 +293,7 @@ def test_model_quantization_reaches_both_pods_as_one_flag(render):
     (cm,) = find(docs, "ConfigMap")
     cfg = yaml.safe_load(cm["data"]["pdserve.yaml"])
     for role in ("prefill", "decode"):
-        argv = entrypoint.to_flags(
-            entrypoint.fit_to_service(role, entrypoint.resolve(role, cfg, {}), entrypoint.service_flags(role))
-        )
+        argv = _pod_argv(role, cfg)
         assert argv[argv.index("--quantization") + 1] == "int8"
     bad = render([], ["model.quantization=int4"], ())
     assert not bad.ok and "quantization" in bad.output

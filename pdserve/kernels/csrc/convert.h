@@ -2,7 +2,7 @@
 // c10::BFloat16 values stay scalar (a struct per element, and c10's rounding branches on NaN), so kernels read and
 // write bfloat16 as its raw 16 bits and convert with the same arithmetic as c10 (round to nearest even,
 // NaN -> 0x7FC0) in branch-free bit operations. Use: S = storage_t<T>, p = raw(tensor.data_ptr<T>()),
-// to_f<T>(p[i]) and p[i] = from_f<T>(x).
+// to_f<T>(p[i]) and p[i] = from_f<T>(x). Also the prefetch of weight rows that the streaming kernels share.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -59,6 +59,13 @@ inline storage_t<T> from_f(float x) {
   } else {
     return static_cast<T>(x);
   }
+}
+
+// Weight rows ahead of the ones being summed, into every cache level: decode streams each weight once.
+template <typename S>
+inline void prefetch_rows(const S* p, int64_t elems) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < elems * static_cast<int64_t>(sizeof(S)); b += 64) __builtin_prefetch(c + b, 0, 3);
 }
 
 }  // namespace pdserve_kernels

@@ -22,6 +22,7 @@
 namespace {
 
 using pdserve_kernels::from_f;
+using pdserve_kernels::prefetch_rows;
 using pdserve_kernels::raw;
 using pdserve_kernels::storage_t;
 using pdserve_kernels::to_f;
@@ -29,12 +30,6 @@ using pdserve_kernels::to_f;
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 4;  // weight rows per block
 constexpr int64_t kAhead = 2;  // blocks prefetched ahead
-
-template <typename S>
-inline void prefetch_rows(const S* p, int64_t elems) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < elems * static_cast<int64_t>(sizeof(S)); b += 64) __builtin_prefetch(c + b, 0, 3);
-}
 
 #ifdef __AVX512F__
 // 16 weights of row w from element c (masked where fewer remain), as fp32

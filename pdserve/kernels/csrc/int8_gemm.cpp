@@ -25,6 +25,7 @@
 namespace {
 
 using pdserve_kernels::from_f;
+using pdserve_kernels::prefetch_rows;
 using pdserve_kernels::raw;
 using pdserve_kernels::storage_t;
 using pdserve_kernels::to_f;
@@ -104,10 +105,6 @@ inline void dot_rows(const int8_t* x, const int8_t* w, int64_t k, int64_t rows, 
   for (int64_t r = 0; r < rows; ++r) out[r] += dot_tail(x, w + r * k, body, k);
 }
 
-inline void prefetch(const int8_t* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
-}
-
 // Row m of x [M, K] -> int8 q[m] and its scale amax / 127 (1 for an all-zero row, whose q is all zeros).
 template <typename T>
 void quantize_rows(const at::Tensor& x, int8_t* q, float* scales) {
@@ -138,7 +135,7 @@ void blocks_of_rows(const int8_t* wq, int64_t m, int64_t n, int64_t k, Dot&& dot
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r0 = blk * kRows, rows = std::min(kRows, n - r0);
       const int64_t ahead = std::min(n, r0 + 2 * kRows);
-      prefetch(wq + ahead * k, std::min(kRows, n - ahead) * k);
+      prefetch_rows(wq + ahead * k, std::min(kRows, n - ahead) * k);
       for (int64_t i = 0; i < m; ++i) {
         dot(i, r0, rows, sums);
         emit(i, r0, rows, static_cast<const Acc*>(sums));

@@ -177,12 +177,16 @@ class ModelRunner:
         self.cfg, self.ps, self.block_size, self.device = cfg, ps, block_size, torch.device(device)
         with torch.device(self.device):
             self.model = build_model(cfg, ps, backend, max_positions=max_model_len).to(dtype)
+        q8_0 = False
         if quant.checkpoint_int8(cfg):  # its scales are per channel, as the checkpoint holds them
             quant.make_int8(self.model, group=0)
         elif quantization == quant.INT8:
             quant.make_int8(self.model)
+            q8_0 = True
         load_weights(self.model, model_path)
         self.model.pack_weights()  # no-op off CPU
+        if q8_0:  # llama.cpp's Q8_0 files hold the output matrix in Q8_0 too
+            quant.quantize_lm_head(self.model)
         self.model.exact_prefill = exact_prefill
         # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once; on CPU on
         # transparent huge pages where the OS allows (NIXL's CMA reads pin source pages; docs/performance.md).

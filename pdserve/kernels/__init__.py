@@ -309,11 +309,12 @@ def decode_layers(
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Every decoder layer of a decode step on this rank, as DecoderLayer.forward_fused computes them, with the TP
     all-reduces and the DCP merge through the shared-memory groups (ShmComm.native handles; both empty: a single
-    rank, no collectives). weights: per layer
-    (input norm, qkv, o, post-attention norm, gate_up, down), the linears packed in x's dtype; biases: per layer
-    (qkv, o, gate_up, down); dims: (layers, head_dim, q_size, kv_size, window or -1, dcp_size); floats: (eps,
-    scale). Returns (the residual stream, the last MLP output, each group's barrier count after the step). A broken
-    group raises RuntimeError starting "RankFailure[rank]: " (ParallelState.native_failure)."""
+    rank, no collectives). weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), the linears
+    packed in x's dtype (an int8 linear: its float32 scales, computed as int8_linear_grouped / int8_linear compute
+    it), then (qkv, o, gate_up, down) as stored; biases: per layer (qkv, o, gate_up, down); dims: (layers,
+    head_dim, q_size, kv_size, window or -1, dcp_size, int8 group); floats: (eps, scale). Returns (the residual
+    stream, the last MLP output, each group's barrier count after the step). A broken group raises RuntimeError
+    starting "RankFailure[rank]: " (ParallelState.native_failure)."""
     return torch.ops.pdserve.decode_layers(
         x,
         cos,
@@ -347,7 +348,7 @@ def prefill_layers(
     """Every decoder layer of a single rank's prefill of whole prompts (each sequence's keys are exactly its rows,
     cu_seqlens its row offsets), as DecoderLayer.forward_fused computes them; past the last layer's attention only
     ``rows`` go on (None: all). weights, biases, floats as decode_layers'; dims: (layers, head_dim, q_size,
-    kv_size). Returns (the residual stream, the last MLP output)."""
+    kv_size, int8 group). Returns (the residual stream, the last MLP output)."""
     return torch.ops.pdserve.prefill_layers(
         x, cos, sin, kv_cache, slot_mapping, cu_seqlens, weights, biases, dims, floats, rows
     )

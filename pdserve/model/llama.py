@@ -269,7 +269,7 @@ class CausalLM(nn.Module):
         )
 
     def _native_weights(self, x: torch.Tensor) -> bool:
-        """Whether the native calls can run this model on x's dtype (every linear packed in it); gathers their
+        """Whether the native calls can run this model on x's dtype (every linear packed in it, or int8); gathers their
         weight and bias lists once."""
         if not self.native_layers:
             return False
@@ -278,10 +278,13 @@ class CausalLM(nn.Module):
             biases: list[torch.Tensor | None] = []
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
-                all_packed = a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed
-                # int8 layers (Int8Weight) go op by op: the one-call layers take float weights only
-                packed = [p for p in all_packed if isinstance(p, torch.Tensor) and p.dtype == x.dtype]
-                if len(packed) < len(all_packed):
+                # an int8 layer passes its scales where a float layer passes oneDNN's copy (csrc/decode_step.cpp)
+                packed = [
+                    p.scale if isinstance(p, plinear.Int8Weight) else p
+                    for p in (a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed)
+                    if isinstance(p, plinear.Int8Weight) or (isinstance(p, torch.Tensor) and p.dtype == x.dtype)
+                ]
+                if len(packed) < 4:
                     self.native_layers = False
                     return False
                 qkv_packed, o_packed, gate_up_packed, down_packed = packed
@@ -319,7 +322,7 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._native_args is not None
         a = self.layers[0].self_attn
-        dims = [len(self.layers), a.head_dim, a.q_size, a.kv_size]
+        dims = [len(self.layers), a.head_dim, a.q_size, a.kv_size, plinear.INT8_GROUP]
         eps = self.layers[0].input_layernorm.eps
         return kernels.prefill_layers(
             x,
@@ -345,7 +348,7 @@ class CausalLM(nn.Module):
         assert self._native_args is not None
         a = self.layers[0].self_attn
         window = -1 if meta.sliding_window is None else meta.sliding_window
-        dims = [len(self.layers), a.head_dim, a.q_size, a.kv_size, window, self.ps.dcp_size]
+        dims = [len(self.layers), a.head_dim, a.q_size, a.kv_size, window, self.ps.dcp_size, plinear.INT8_GROUP]
         eps = self.layers[0].input_layernorm.eps
         try:
             x, delta, tp_seq, dcp_seq = kernels.decode_layers(

@@ -5,8 +5,9 @@ cost too much accuracy (docs/performance.md, "int8"); a K not a multiple of GROU
 
 Each weight is quantised whole, before tensor-parallel slicing (weights.py): a scale belongs to a block of an output
 row of the full weight, so column-parallel shards (rows) and row-parallel shards (columns, cut on block boundaries;
-shard_groups refuses other cuts) hold exactly the int8 values and scales of the unsharded model's. Embeddings, the
-LM head, norms, the MoE router and MLA's kv_b_proj (absorbed into the attention as a matrix) stay in the model dtype.
+shard_groups refuses other cuts) hold exactly the int8 values and scales of the unsharded model's. The LM head is
+quantised the same way, per rank's vocab shard, as llama.cpp's Q8_0 files hold it (quantize_lm_head); embeddings,
+norms, the MoE router and MLA's kv_b_proj (absorbed into the attention as a matrix) stay in the model dtype.
 
 A compressed-tensors W8A8 checkpoint (config.json quantization_config, format "int-quantized" or "naive-quantized":
 symmetric 8-bit int weights per channel or per tensor, dynamic per-token activations) loads its int8 weights and
@@ -151,3 +152,12 @@ def scale_view(dst: torch.Tensor, scales: dict[int, tuple[torch.Tensor, bool]]) 
     first = dst.storage_offset() // k
     rows = scale[first : first + dst.numel() // k]
     return rows.view(dst.shape[:-1] + ((per_row,) if blocks else ()))
+
+
+def quantize_lm_head(model: CausalLM | DeepseekCausalLM, group: int = GROUP) -> None:
+    """This rank's shard of the LM head in Q8_0 blocks, as llama.cpp's Q8_0 files hold the output matrix (call after
+    pack_weights; replaces its packed copy). The embedding keeps the model dtype: a lookup reads a few rows."""
+    from pdserve.model.linear import Int8Weight
+
+    first, n = model.ps.vocab_shard(model.lm_head.shape[0])
+    model.lm_head_packed = Int8Weight(*quantize_per_group(model.lm_head[first : first + n].detach(), group))

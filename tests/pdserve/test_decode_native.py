@@ -57,6 +57,10 @@ def _run(path, monkeypatch, native: bool, **kw) -> dict[str, list]:
         ),
         ("qwen2", dict(num_heads=4, num_kv_heads=2), dict(tensor_parallel_size=2)),  # a qkv bias
         ("llama", dict(num_heads=8, num_kv_heads=2), dict(tensor_parallel_size=2, dtype="bfloat16")),
+        # int8 linears: their scales ride where a float layer's packed copy does
+        ("llama", dict(num_heads=4, num_kv_heads=2, head_dim=64), dict(quantization="int8")),
+        ("qwen2", dict(num_heads=4, num_kv_heads=2, head_dim=64), dict(quantization="int8", dtype="bfloat16")),
+        ("llama", dict(num_heads=8, num_kv_heads=2), dict(tensor_parallel_size=2, quantization="int8")),
     ],
 )
 def test_native_steps_are_bit_identical_to_the_op_by_op_steps(tiny_factory, monkeypatch, family, shape, parallel):
@@ -65,6 +69,22 @@ def test_native_steps_are_bit_identical_to_the_op_by_op_steps(tiny_factory, monk
     ops = _run(path, monkeypatch, False, **parallel)
     assert native == ops
     assert all(len(v) == 10 for v in native.values())
+
+
+def test_int8_layers_take_the_one_call_step(tiny_factory, monkeypatch):
+    """--quantization int8 decodes and prefills through the one-call layers, not op by op."""
+    calls = {"decode_layers": 0, "prefill_layers": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(kernels, name, counted)
+    path = tiny_factory("llama", num_heads=4, num_kv_heads=2, head_dim=64)
+    _run(path, monkeypatch, True, quantization="int8")
+    assert calls["prefill_layers"] >= 1 and calls["decode_layers"] >= 9
 
 
 def test_vocab_shards_cover_the_vocab_in_rank_order():

@@ -87,6 +87,24 @@ def test_every_tp_split_holds_the_int8_values_and_scales_of_the_whole_weight(tin
 
 
 @needs_kernels
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_each_rank_holds_the_q8_0_rows_of_its_lm_head_shard(tiny_factory, tp):
+    # uneven vocab shards (250 rows over 3 ranks)
+    path = tiny_factory(
+        "llama", num_heads=6, num_kv_heads=6, head_dim=32, hidden_size=192, intermediate_size=192, vocab_size=250
+    )
+    q, s = quant.quantize_per_group(_int8_model(path, 1, 0).lm_head.detach())
+    heads = []
+    for r in range(tp):
+        model = _int8_model(path, tp, r)
+        model.pack_weights()
+        quant.quantize_lm_head(model)
+        heads.append(model.lm_head_packed)
+    assert torch.equal(torch.cat([h.qweight for h in heads]), q)
+    assert torch.equal(torch.cat([h.scale for h in heads]), s)
+
+
+@needs_kernels
 def test_a_tp_split_that_cuts_a_block_is_refused_with_what_to_use(tiny_factory):
     # down_proj's 130 columns split 65 / 65: the second rank's first block would start mid-block
     path = tiny_factory("llama", num_heads=4, num_kv_heads=2, hidden_size=128, intermediate_size=130)

@@ -254,10 +254,14 @@ at::Tensor dcp_merge(Group& dcp, const at::Tensor& out, const at::Tensor& lse) {
   return std::get<0>(pdserve_kernels::merge_partials(outs, lses)).to(out.scalar_type());
 }
 
-// One step row (batch 1) on a TP shard: the weight as stored through gemv.cpp, faster than oneDNN on a shard; else
-// the packed one (plinear.rank_linear's rule).
+// plinear.rank_linear's rule: an int8 weight (`packed` then holds its scales) through the W8A8 kernels as
+// plinear.int8_linear calls them; one step row (batch 1) on a TP shard through gemv.cpp, faster than oneDNN on a
+// shard; else the packed weight.
 at::Tensor rank_linear(const at::Tensor& x, const at::Tensor& plain, const at::Tensor& packed,
-                       const std::optional<at::Tensor>& bias, bool shard) {
+                       const std::optional<at::Tensor>& bias, bool shard, int64_t group) {
+  if (plain.scalar_type() == at::kChar)
+    return packed.dim() == plain.dim() ? pdserve_kernels::int8_linear_grouped(x, plain, packed, group, bias)
+                                       : pdserve_kernels::int8_linear(x, plain, packed, bias);
   return shard && x.size(0) == 1 ? pdserve_kernels::gemv(x, plain, bias) : packed_linear(x, packed, bias);
 }
 
@@ -270,13 +274,15 @@ void check_layers(const char* who, const at::Tensor& x, const at::Tensor& slot_m
 }
 
 // One layer's weights and sizes, and the two halves of DecoderLayer.forward_fused around its attention, which a
-// decode step and a prefill compute alike. shard: a TP rank's (its one-row linears go through gemv).
+// decode step and a prefill compute alike. shard: a TP rank's (its one-row linears go through gemv); group: the
+// int8 weights' block of input columns.
 struct Layer {
   const at::Tensor* w;  // the layer's 10 weights (decode_layers' order)
   const c10::List<std::optional<at::Tensor>>& biases;
   int64_t index, hd, q_size, kv_size;
   double eps;
   bool shard;
+  int64_t group;
 
   std::optional<at::Tensor> bias(int64_t j) const { return biases.get(4 * index + j); }
 
@@ -284,7 +290,7 @@ struct Layer {
   at::Tensor attention_input(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& cos,
                              const at::Tensor& sin, const at::Tensor& kv_layer, const int64_t* slots) const {
     auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, delta, w[0], eps));
-    auto qkv = rank_linear(h, w[6], w[1], bias(0), shard);
+    auto qkv = rank_linear(h, w[6], w[1], bias(0), shard, group);
     pdserve_kernels::rope_(qkv, cos, sin, (q_size + kv_size) / hd, hd);
     write_kv(kv_layer, qkv, slots, x.size(0), q_size, kv_size);
     return qkv;
@@ -294,28 +300,28 @@ struct Layer {
   // projection reduced, + bias). reduce: the TP all-reduce, or nothing on one rank. Returns the MLP's output.
   template <typename Reduce>
   at::Tensor attention_output_and_mlp(at::Tensor& x, const at::Tensor& out, Reduce reduce) const {
-    auto attn = reduce(rank_linear(out.reshape({out.size(0), q_size}), w[7], w[2], std::nullopt, shard));
+    auto attn = reduce(rank_linear(out.reshape({out.size(0), q_size}), w[7], w[2], std::nullopt, shard, group));
     if (auto b = bias(1)) attn = attn + *b;
     auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, attn, w[3], eps));
-    auto act = pdserve_kernels::silu_mul(rank_linear(h, w[8], w[4], bias(2), shard));
-    auto mlp = reduce(rank_linear(act, w[9], w[5], std::nullopt, shard));
+    auto act = pdserve_kernels::silu_mul(rank_linear(h, w[8], w[4], bias(2), shard, group));
+    auto mlp = reduce(rank_linear(act, w[9], w[5], std::nullopt, shard, group));
     if (auto b = bias(3)) mlp = mlp + *b;
     return mlp;
   }
 };
 
 // weights: per layer [input norm, qkv packed, o packed, post-attention norm, gate_up packed, down packed, then the
-// four linears' weights as stored: qkv, o, gate_up, down];
-// biases: per layer [qkv, o, gate_up, down]; dims: [layers, head_dim, q_size, kv_size, window, dcp_size];
+// four linears' weights as stored: qkv, o, gate_up, down] (an int8 weight's "packed" is its float32 scales);
+// biases: per layer [qkv, o, gate_up, down]; dims: [layers, head_dim, q_size, kv_size, window, dcp_size, group];
 // floats: [eps, scale]. Returns (the residual stream, the last MLP's output, the TP and DCP groups' barrier counts).
 std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
     at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
     at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims,
     at::ArrayRef<double> floats, at::IntArrayRef tp_comm, at::IntArrayRef dcp_comm) {
-  TORCH_CHECK(dims.size() == 6 && floats.size() == 2, "decode_layers: dims / floats");
+  TORCH_CHECK(dims.size() == 7 && floats.size() == 2, "decode_layers: dims / floats");
   const int64_t layers = dims[0], hd = dims[1], q_size = dims[2], kv_size = dims[3], window = dims[4];
-  const int64_t dcp_size = dims[5];
+  const int64_t dcp_size = dims[5], group = dims[6];
   const double eps = floats[0], scale = floats[1];
   check_layers("decode_layers", x, slot_mapping, weights, biases, layers);
   std::optional<Group> tp;  // none: a single rank, whose step has no collectives
@@ -329,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
   const int64_t* sp = slots.data_ptr<int64_t>();
   std::optional<at::Tensor> delta;
   for (int64_t i = 0; i < layers; ++i) {
-    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, shard};
+    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, shard, group};
     auto kv_layer = kv_cache[i];
     auto qkv = layer.attention_input(x, delta, cos, sin, kv_layer, sp);
     auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
@@ -345,15 +351,16 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
 // Every decoder layer of a single rank's prefill of whole prompts (each sequence's keys are exactly its new rows) in
 // one call: DecoderLayer.forward_fused op for op, so the same bits. cu_seqlens: the sequences' row offsets; rows:
 // past the last layer's attention only these rows go on (CausalLM.forward's logits rows), none: every row.
-// weights, biases, floats as decode_layers'; dims: [layers, head_dim, q_size, kv_size]. Returns (stream, last MLP out).
+// weights, biases, floats as decode_layers'; dims: [layers, head_dim, q_size, kv_size, group]. Returns (stream, last
+// MLP out).
 std::tuple<at::Tensor, at::Tensor> prefill_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                                   const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                                                   at::IntArrayRef cu_seqlens, at::TensorList weights,
                                                   const c10::List<std::optional<at::Tensor>>& biases,
                                                   at::IntArrayRef dims, at::ArrayRef<double> floats,
                                                   const std::optional<at::Tensor>& rows) {
-  TORCH_CHECK(dims.size() == 4 && floats.size() == 2, "prefill_layers: dims / floats");
-  const int64_t layers = dims[0], hd = dims[1], q_size = dims[2], kv_size = dims[3];
+  TORCH_CHECK(dims.size() == 5 && floats.size() == 2, "prefill_layers: dims / floats");
+  const int64_t layers = dims[0], hd = dims[1], q_size = dims[2], kv_size = dims[3], group = dims[4];
   const double eps = floats[0], scale = floats[1];
   check_layers("prefill_layers", x, slot_mapping, weights, biases, layers);
   const int64_t t = x.size(0), nseq = static_cast<int64_t>(cu_seqlens.size()) - 1;
@@ -362,7 +369,7 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(at::Tensor x, const at::Tensor
   const int64_t* sp = slots.data_ptr<int64_t>();
   std::optional<at::Tensor> delta;
   for (int64_t i = 0; i < layers; ++i) {
-    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, /*shard=*/false};
+    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, /*shard=*/false, group};
     auto qkv = layer.attention_input(x, delta, cos, sin, kv_cache[i], sp);
     auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
     auto k = qkv.narrow(1, q_size, kv_size).view({t, kv_size / hd, hd});

@@ -22,5 +22,9 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const 
 void sum_in_order(const at::Tensor& rows, at::Tensor& out);
 std::tuple<at::Tensor, at::Tensor> merge_partials(const at::Tensor& outs, const at::Tensor& lses);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor int8_linear_grouped(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale, int64_t group,
+                               const std::optional<at::Tensor>& bias);
 
 }  // namespace pdserve_kernels

@@ -107,6 +107,6 @@ def auto_threshold(profile: registry_pb2.StepProfile | None) -> Threshold:
     capped = " (the longest length measured)" if lo == points[-1][0] and lo > 1 else ""
     return Threshold(
         lo,
-        f"a prefill of {lo} tokens{capped} takes ~{prefill_seconds(lo, points) * 1e3:.0f} ms on the pod, within "
+        f"a prefill of {lo} tokens{capped} takes ~{prefill_seconds(lo, points) * 1e3:.1f} ms on the pod, within "
         f"{STEP_BUDGET:g} decode steps of {step * 1e3:.1f} ms",
     )

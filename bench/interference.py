@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchUnavailable, machine
+from bench.common import BenchUnavailable, machine, start_side
 from bench.serve import RequestRecord, _one, _VLLMServer, check_loopback
 from bench.serve_stats import itls, percentiles, ttft
 
@@ -64,38 +64,19 @@ def _side(
     local_prefill_max_tokens: int = 0,
 ) -> Any:
     """A running cluster of this side: (cluster, OpenAI base URL, model name)."""
-    from pdserve.cluster.supervisor import LocalCluster
-    from pdserve.cluster.topology import PodSpec, Topology
-
-    common: dict[str, Any] = {"num_kv_blocks": 4096, "max_num_seqs": 32}
-    if kind == "unified":
-        pods: dict[str, Any] = {
-            "prefill": [],
-            "decode": [],
-            "unified": [PodSpec("unified", cpus=tuple(cores[:2]), **common)],
-        }
-    else:
-        args = ["--kv-load", kv_load, "--kv-transfer-backend", backend]
-        pods = {
-            "prefill": [PodSpec("prefill", cpus=(cores[0],), **common)],
-            "decode": [PodSpec("decode", 1, 1, cpus=(cores[1],), extra_args=args, **common)],
-        }
-    router_args = ["--local-prefill-max-tokens", str(local_prefill_max_tokens)] if local_prefill_max_tokens else []
-    topo = Topology(
-        model=model,
-        router_port=0,
-        http_port=0,
-        dtype="float32",
+    local = local_prefill_max_tokens != 0
+    name = f"{kind}-{kv_load}-{backend}" + (f"-local{local_prefill_max_tokens}" if local else "")
+    return start_side(
+        kind,
+        model,
+        cores,
+        logs / name,
+        num_kv_blocks=4096,
+        max_num_seqs=32,
         max_model_len=MAX_MODEL_LEN,
-        router_args=router_args,
-        **pods,
+        decode_args=["--kv-load", kv_load, "--kv-transfer-backend", backend],
+        router_args=["--local-prefill-max-tokens", str(local_prefill_max_tokens)] if local else [],
     )
-    topo.resolve()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    name = f"{kind}-{kv_load}-{backend}" + (f"-local{local_prefill_max_tokens}" if local_prefill_max_tokens else "")
-    cluster = LocalCluster(topo, log_dir=logs / name, env=env, echo=lambda line: None)
-    eps = cluster.start(timeout=600)
-    return cluster, eps.http, eps.model
 
 
 async def _measure(

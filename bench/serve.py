@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.common import BenchUnavailable, machine
+from bench.common import BenchUnavailable, machine, start_side
 from bench.serve_stats import SLO, RequestRecord, parse_goodput, slo_capacity, summarize
 
 SEED = 0
@@ -276,39 +276,18 @@ def step_times(
 
 
 def _pdserve_side(kind: str, model: str, cores: list[int], logs: Path) -> Any:
-    from pdserve.cluster.supervisor import LocalCluster
-    from pdserve.cluster.topology import PodSpec, Topology
-
-    common = {"num_kv_blocks": 2048, "max_num_seqs": 64}
     # conditional: the disaggregated pair, short prompts prefilled on the decode pod (Dynamo's conditional rule)
-    router_args = ["--local-prefill-max-tokens", str(CONDITIONAL_LOCAL_MAX)] if kind == "conditional" else []
-    if kind == "unified":
-        topo = Topology(
-            model=model,
-            router_port=0,
-            http_port=0,
-            dtype="float32",
-            max_model_len=MAX_MODEL_LEN,
-            prefill=[],
-            decode=[],
-            unified=[PodSpec("unified", cpus=tuple(cores[:2]), **common)],
-        )
-    else:
-        topo = Topology(
-            model=model,
-            router_port=0,
-            http_port=0,
-            dtype="float32",
-            max_model_len=MAX_MODEL_LEN,
-            prefill=[PodSpec("prefill", cpus=(cores[0],), **common)],
-            decode=[PodSpec("decode", 1, 1, cpus=(cores[1],), **common)],
-            router_args=router_args,
-        )
-    topo.resolve()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    cluster = LocalCluster(topo, log_dir=logs / kind, env=env, echo=lambda line: None)
-    eps = cluster.start(timeout=600)
-    return cluster, eps.http, eps.model
+    local = kind == "conditional"
+    return start_side(
+        kind,
+        model,
+        cores,
+        logs / kind,
+        num_kv_blocks=2048,
+        max_num_seqs=64,
+        max_model_len=MAX_MODEL_LEN,
+        router_args=["--local-prefill-max-tokens", str(CONDITIONAL_LOCAL_MAX)] if local else [],
+    )
 
 
 def vllm_client(

@@ -143,6 +143,16 @@ def start_side(
     return cluster, eps.http, eps.model
 
 
+def local_prefill_thresholds(cluster: Any) -> dict[str, int]:
+    """Each decode pod's local-prefill threshold as the cluster's router reports it (ClusterStatus): what
+    ``--local-prefill-max-tokens`` (or auto, from the pod's step times) set."""
+    from pdserve.client import Client
+
+    with Client(cluster.endpoints.router) as client:
+        st = client.cluster_status()
+    return {p.pod_id: p.local_prefill_max_tokens for p in st.pods if p.local_prefill_max_tokens}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The load the soak and chaos benchmarks both drive (bench/soak.py, bench/chaos.py)
 # ----------------------------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class PodServing:
     step_profile: bool = field(
         default=True,
         metadata={
-            "help": "with a router: time a few prefills and decode steps at start (about a second on a small CPU "
+            "help": "with a router: time a few prefills and decode steps at start (a second or two on a small CPU "
             "model) and send them with the registration, for the router's --local-prefill-max-tokens auto "
             "(pdserve/pod/step_profile.py); off: nothing sent, and auto never prefills on this pod"
         },

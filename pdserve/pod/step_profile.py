@@ -18,7 +18,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve_api.v1 import registry_pb2
 
 # Prompt lengths timed, as fractions of the engine's prefill chunk: the short prompts a local prefill is for, up to
-# a quarter chunk so the whole measurement stays near a second on a small CPU model (docs/DESIGN.md).
+# a quarter chunk so the whole measurement stays within a second or two on a small CPU model (docs/DESIGN.md).
 CHUNK_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4)
 DECODE_STEPS = 8  # decode steps timed (their mean is the profile's step time)
 # Token ids of the timed prompts step through the vocabulary by this stride: distinct from one length to the next

@@ -1,6 +1,7 @@
-"""What every benchmark shares: timing, the table printer and the JSON writer used by `pdserve bench`; and the load
-that the soak and the chaos soak both drive (its config, the request plan, one streamed request, cluster snapshots,
-the offline reference), so neither of those imports the other."""
+"""What every benchmark shares: timing, the table printer and the JSON writer used by `pdserve bench`; the cluster
+side the serve and interference benchmarks start (a unified pod on two cores, or a prefill pod and a decode pod on one
+core each); and the load that the soak and the chaos soak both drive (its config, the request plan, one streamed
+request, cluster snapshots, the offline reference), so neither of those imports the other."""
 
 from __future__ import annotations
 
@@ -86,6 +87,70 @@ def write_result(result: dict[str, Any], out: str | Path | None) -> None:
     result.setdefault("machine", machine())
     if out:
         Path(out).write_text(json.dumps(result, indent=2, default=str))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A cluster side of bench serve and bench interference
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def start_side(
+    kind: str,
+    model: str,
+    cores: list[int],
+    log_dir: Path,
+    *,
+    num_kv_blocks: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    dtype: str = "float32",
+    decode_args: list[str] | None = None,
+    router_args: list[str] | None = None,
+) -> tuple[Any, str, str]:
+    """Start one side on loopback with an OpenAI front: ``kind`` "unified" is one unified pod on ``cores[:2]``; any
+    other kind a prefill pod on ``cores[0]`` and a decode pod (TP 1, with ``decode_args``) on ``cores[1]``. Returns
+    (the started LocalCluster, the front's base URL, the served model name)."""
+    from pdserve.cluster.supervisor import LocalCluster
+    from pdserve.cluster.topology import PodSpec, Topology
+
+    common: dict[str, Any] = {"num_kv_blocks": num_kv_blocks, "max_num_seqs": max_num_seqs}
+    if kind == "unified":
+        pods: dict[str, Any] = {
+            "prefill": [],
+            "decode": [],
+            "unified": [PodSpec("unified", cpus=tuple(cores[:2]), **common)],
+        }
+    else:
+        pods = {
+            "prefill": [PodSpec("prefill", cpus=(cores[0],), **common)],
+            "decode": [PodSpec("decode", 1, 1, cpus=(cores[1],), extra_args=list(decode_args or []), **common)],
+        }
+    topo = Topology(
+        model=model,
+        router_port=0,
+        http_port=0,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        router_args=list(router_args or []),
+        **pods,
+    )
+    topo.resolve()
+    # the pods pick their own thread counts from their pinned cores
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    cluster = LocalCluster(topo, log_dir=log_dir, env=env, echo=lambda line: None)
+    eps = cluster.start(timeout=600)
+    assert eps.http is not None  # http_port=0 asks for the front
+    return cluster, eps.http, eps.model
+
+
+def local_prefill_thresholds(cluster: Any) -> dict[str, int]:
+    """Each decode pod's local-prefill threshold as the cluster's router reports it (ClusterStatus): what
+    ``--local-prefill-max-tokens`` (or auto, from the pod's step times) set."""
+    from pdserve.client import Client
+
+    with Client(cluster.endpoints.router) as client:
+        st = client.cluster_status()
+    return {p.pod_id: p.local_prefill_max_tokens for p in st.pods if p.local_prefill_max_tokens}
 
 
 # ----------------------------------------------------------------------------------------------------------------

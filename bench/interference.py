@@ -8,8 +8,10 @@ greedy, ignore_eos):
   synchronously (``--kv-load sync``: the decode engine thread waits for each transfer) or asynchronously (the
   default: the ranks receive on transfer threads while the batch steps), over the TCP fallback and over NIXL (UCX
   held to TCP and shared memory, as the pods pick) where NIXL is installed;
-- conditional: the async TCP pair with the router's conditional disaggregation on (``--local-prefill-max-tokens``):
-  the low-load prompts prefill on the decode pod (no transfer), the long ones on the prefill pod;
+- conditional: the async TCP pair with the router's conditional disaggregation on (``--local-prefill-max-tokens``,
+  ``auto`` unless ``pdserve bench --local-prefill-max-tokens N`` says otherwise): prompts up to the decode pod's
+  threshold prefill there (no transfer), longer ones on the prefill pod; the JSON records the threshold the router
+  chose;
 - unified: one unified pod (prefill and decode in one engine, chunked prefill between decode steps) on both cores;
 - vllm: vLLM's CPU build on both cores (full runs, where its venv installs here).
 
@@ -39,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchUnavailable, machine
+from bench.common import BenchUnavailable, local_prefill_thresholds, machine, start_side
 from bench.serve import RequestRecord, _one, _VLLMServer, check_loopback
 from bench.serve_stats import itls, percentiles, ttft
 
@@ -47,7 +49,6 @@ SEED = 7
 MAX_MODEL_LEN = 8192
 SHORT_PROMPT = 64  # tokens of a low-load request
 SHORT_OUTPUT = 8
-CONDITIONAL_LOCAL_MAX = 512  # the conditional side's threshold: the low-load prompts local, the long ones remote
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -61,41 +62,22 @@ def _side(
     logs: Path,
     kv_load: str = "async",
     backend: str = "tcp",
-    local_prefill_max_tokens: int = 0,
+    local_prefill_max_tokens: int | str = 0,
 ) -> Any:
     """A running cluster of this side: (cluster, OpenAI base URL, model name)."""
-    from pdserve.cluster.supervisor import LocalCluster
-    from pdserve.cluster.topology import PodSpec, Topology
-
-    common: dict[str, Any] = {"num_kv_blocks": 4096, "max_num_seqs": 32}
-    if kind == "unified":
-        pods: dict[str, Any] = {
-            "prefill": [],
-            "decode": [],
-            "unified": [PodSpec("unified", cpus=tuple(cores[:2]), **common)],
-        }
-    else:
-        args = ["--kv-load", kv_load, "--kv-transfer-backend", backend]
-        pods = {
-            "prefill": [PodSpec("prefill", cpus=(cores[0],), **common)],
-            "decode": [PodSpec("decode", 1, 1, cpus=(cores[1],), extra_args=args, **common)],
-        }
-    router_args = ["--local-prefill-max-tokens", str(local_prefill_max_tokens)] if local_prefill_max_tokens else []
-    topo = Topology(
-        model=model,
-        router_port=0,
-        http_port=0,
-        dtype="float32",
+    local = local_prefill_max_tokens != 0
+    name = f"{kind}-{kv_load}-{backend}" + (f"-local{local_prefill_max_tokens}" if local else "")
+    return start_side(
+        kind,
+        model,
+        cores,
+        logs / name,
+        num_kv_blocks=4096,
+        max_num_seqs=32,
         max_model_len=MAX_MODEL_LEN,
-        router_args=router_args,
-        **pods,
+        decode_args=["--kv-load", kv_load, "--kv-transfer-backend", backend],
+        router_args=["--local-prefill-max-tokens", str(local_prefill_max_tokens)] if local else [],
     )
-    topo.resolve()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    name = f"{kind}-{kv_load}-{backend}" + (f"-local{local_prefill_max_tokens}" if local_prefill_max_tokens else "")
-    cluster = LocalCluster(topo, log_dir=logs / name, env=env, echo=lambda line: None)
-    eps = cluster.start(timeout=600)
-    return cluster, eps.http, eps.model
 
 
 async def _measure(
@@ -208,7 +190,9 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
+def run(quick: bool = False, out: str | None = None, local_prefill_max_tokens: int | str = "auto") -> dict[str, Any]:
+    """``local_prefill_max_tokens``: the conditional side's router threshold (auto: each decode pod's, derived from
+    its step times; the JSON records what the router chose)."""
     from kv_transfer.factory import nixl_available
     from pdserve.default_model import ensure_default_model
     from pdserve.model.config import ModelConfig
@@ -228,8 +212,9 @@ def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     for b in backends:
         sides += [(f"async_{b}", {"kind": "disaggregated", "kv_load": "async", "backend": b})]
         sides += [(f"sync_{b}", {"kind": "disaggregated", "kv_load": "sync", "backend": b})]
-    # conditional disaggregation: prompts up to CONDITIONAL_LOCAL_MAX tokens prefill on the decode pod, longer remotely
-    sides.append(("conditional_tcp", {"kind": "disaggregated", "local_prefill_max_tokens": CONDITIONAL_LOCAL_MAX}))
+    # conditional disaggregation: short prompts prefill on the decode pod, longer ones remotely
+    local = local_prefill_max_tokens
+    sides.append(("conditional_tcp", {"kind": "disaggregated", "local_prefill_max_tokens": local}))
     sides.append(("unified", {"kind": "unified"}))
     results: dict[str, Any] = {}
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-interference-"))
@@ -239,6 +224,8 @@ def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
         cluster, url, served = _side(kind, model, cores, logs, **spec)
         try:
             results[name] = asyncio.run(_measure(url, served, streams, stream_tokens, long_lens, quiet_s, vocab))
+            if spec.get("local_prefill_max_tokens"):  # what the router chose per decode pod (auto: measured)
+                results[name]["local_prefill_max_tokens"] = local_prefill_thresholds(cluster)
         finally:
             cluster.stop()
     if quick:
@@ -319,7 +306,8 @@ def run(quick: bool = False, out: str | None = None) -> dict[str, Any]:
             "arrivals": "one after another, each sent when the previous one's first token came",
             "quiet_window_s": quiet_s,
             "low_load": f"{SHORT_PROMPT}-token prompts, {SHORT_OUTPUT} tokens, one at a time",
-            "conditional": f"router --local-prefill-max-tokens {CONDITIONAL_LOCAL_MAX} (async KV load, TCP fallback)",
+            "conditional": f"router --local-prefill-max-tokens {local} (async KV load, TCP fallback; the thresholds "
+            "the router chose per decode pod: sides.conditional_tcp.local_prefill_max_tokens)",
             "transports": backends,
         },
         "sides": results,

@@ -15,7 +15,8 @@ the table next to this load generator's at that rate.
 Two workloads (bench/serve.py ``workloads``): chat (below) and long (prompts of 2-4K tokens, a TPOT SLO of 1.5 x the
 one-core decode step: tight enough that prompt chunks sharing the decode core miss it). A third pdserve side,
 conditional, is the disaggregated pair with the router's ``--local-prefill-max-tokens`` on (short prompts prefill on
-the decode pod). vLLM runs the chat workload.
+the decode pod; ``auto`` unless ``pdserve bench --local-prefill-max-tokens N`` says otherwise, and the JSON records the
+threshold the router chose). vLLM runs the chat workload.
 
 Chat workload (fixed seed): prompt tokens lognormal (median `prompt`, sigma 0.5, clipped to [16, 4 x median]),
 output tokens lognormal (median `output`, sigma 0.5, clipped to [4, 4 x median]), random token ids, greedy,
@@ -50,12 +51,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.common import BenchUnavailable, machine
+from bench.common import BenchUnavailable, local_prefill_thresholds, machine, start_side
 from bench.serve_stats import SLO, RequestRecord, parse_goodput, slo_capacity, summarize
 
 SEED = 0
 MAX_MODEL_LEN = 8192
-CONDITIONAL_LOCAL_MAX = 512  # the conditional side prefills prompts up to this many tokens on the decode pod
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -275,40 +275,19 @@ def step_times(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _pdserve_side(kind: str, model: str, cores: list[int], logs: Path) -> Any:
-    from pdserve.cluster.supervisor import LocalCluster
-    from pdserve.cluster.topology import PodSpec, Topology
-
-    common = {"num_kv_blocks": 2048, "max_num_seqs": 64}
+def _pdserve_side(kind: str, model: str, cores: list[int], logs: Path, local_prefill_max_tokens: int | str) -> Any:
     # conditional: the disaggregated pair, short prompts prefilled on the decode pod (Dynamo's conditional rule)
-    router_args = ["--local-prefill-max-tokens", str(CONDITIONAL_LOCAL_MAX)] if kind == "conditional" else []
-    if kind == "unified":
-        topo = Topology(
-            model=model,
-            router_port=0,
-            http_port=0,
-            dtype="float32",
-            max_model_len=MAX_MODEL_LEN,
-            prefill=[],
-            decode=[],
-            unified=[PodSpec("unified", cpus=tuple(cores[:2]), **common)],
-        )
-    else:
-        topo = Topology(
-            model=model,
-            router_port=0,
-            http_port=0,
-            dtype="float32",
-            max_model_len=MAX_MODEL_LEN,
-            prefill=[PodSpec("prefill", cpus=(cores[0],), **common)],
-            decode=[PodSpec("decode", 1, 1, cpus=(cores[1],), **common)],
-            router_args=router_args,
-        )
-    topo.resolve()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    cluster = LocalCluster(topo, log_dir=logs / kind, env=env, echo=lambda line: None)
-    eps = cluster.start(timeout=600)
-    return cluster, eps.http, eps.model
+    local = kind == "conditional" and local_prefill_max_tokens != 0
+    return start_side(
+        kind,
+        model,
+        cores,
+        logs / kind,
+        num_kv_blocks=2048,
+        max_num_seqs=64,
+        max_model_len=MAX_MODEL_LEN,
+        router_args=["--local-prefill-max-tokens", str(local_prefill_max_tokens)] if local else [],
+    )
 
 
 def vllm_client(
@@ -494,7 +473,10 @@ def run(
     goodput: Sequence[str] = (),
     endpoint: str | None = None,
     rates: Sequence[float] | None = None,
+    local_prefill_max_tokens: int | str = "auto",
 ) -> dict[str, Any]:
+    """``local_prefill_max_tokens``: the conditional side's router threshold (auto: each decode pod's, derived from
+    its step times; the JSON records what the router chose)."""
     from pdserve.default_model import ensure_default_model
 
     t_start = time.perf_counter()
@@ -529,6 +511,7 @@ def run(
         }
 
     results: dict[str, dict[str, list[tuple[float, dict[str, Any]]]]] = {w.name: {} for w in loads}
+    chosen_thresholds: dict[str, int] = {}  # the conditional side's per decode pod, as its router reports them
     unavailable: dict[str, str] = {}
     vllm_info: dict[str, Any] = {}
     clients: dict[str, dict[str, dict[str, Any]]] = {}
@@ -542,8 +525,10 @@ def run(
         else:
             for kind in ("unified", "disaggregated", "conditional"):
                 print(f"bench serve: {kind}", file=sys.stderr, flush=True)
-                cluster, http, served = _pdserve_side(kind, model, cores, logs)
+                cluster, http, served = _pdserve_side(kind, model, cores, logs, local_prefill_max_tokens)
                 try:
+                    if kind == "conditional":  # what the router chose per decode pod (auto: from its step times)
+                        chosen_thresholds = local_prefill_thresholds(cluster)
                     for name, pl in plan.items():
                         print(f" workload {name}", file=sys.stderr, flush=True)
                         results[name][kind] = sweep(
@@ -623,7 +608,8 @@ def run(
             }
             for name, pl in plan.items()
         },
-        "conditional": f"the disaggregated pair with router --local-prefill-max-tokens {CONDITIONAL_LOCAL_MAX}",
+        "conditional": f"the disaggregated pair with router --local-prefill-max-tokens {local_prefill_max_tokens}",
+        "conditional_local_prefill_max_tokens": chosen_thresholds,
         "ratios_are_lower_bounds": lower_bounds,
         "sides": per_workload,
         "unavailable": unavailable,

@@ -35,6 +35,7 @@ from pdserve.errors import (
 )
 from pdserve.heap import freeze_startup_heap
 from pdserve.parallel_config import kv_dtype_mismatch
+from pdserve.pod import step_profile
 from pdserve.pod.convert import (
     kv_handle_to_handoff,
     kv_layout_for_model,
@@ -93,12 +94,16 @@ class DecodeServer:
         self._rate = 0.0
         self.transfer_modes: list[common_pb2.TransferMode] = []
         self._stopped = asyncio.Event()
+        self._step_profile: step_profile.StepProfile | None = None  # measured at start (pdserve/pod/step_profile.py)
 
     # --- lifecycle ---
     async def start(self) -> None:
         aloop = asyncio.get_running_loop()
         self.engine.on_failure = lambda e: aloop.call_soon_threadsafe(self._engine_failed, e)
         await asyncio.to_thread(self.engine.start)
+        if step_profile.wanted(self.config.serving):  # before serving: the engine is idle, its times are its own
+            self._step_profile = await self.call(lambda pod: step_profile.measure(pod.engine))
+            log.info("step profile: %s", self._step_profile.describe() if self._step_profile else "cache too small")
         self._layout = await self.call(self._layout_of)
         self.max_model_len = await self.call(lambda pod: pod.max_model_len)
         backend, token, tls = self.config.kv_transfer_backend, self.config.serving.cluster_token, self.config.tls
@@ -254,6 +259,7 @@ class DecodeServer:
             version=version(),
             state=common_pb2.POD_STATE_READY,
             kv=self._kv_stats(),
+            step_profile=self._step_profile.to_proto() if self._step_profile else None,
         )
 
     def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:

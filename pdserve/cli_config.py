@@ -7,7 +7,8 @@ every service that holds it, with the same name and meaning everywhere.
   ``--x`` / ``--no-x``; an optional value also takes ``none``.
 - ``field(metadata=...)`` keys: ``help``, ``choices``, ``metavar``, ``flag`` (name without ``--``), ``aliases``
   (``("-tp",)``), ``env`` (default read from that environment variable), ``secret`` (never shown in --help nor put on a
-  command line by ``to_argv``), ``cli`` (False: not a flag).
+  command line by ``to_argv``), ``cli`` (False: not a flag), ``parse`` (a function from the flag's text to the value,
+  for a field of more than one type such as ``int | str`` "a count or auto"; its ValueError is the flag's error).
 
 ``add_arguments`` / ``from_args`` go from a class to argparse and back; ``flags_of`` says which flags a class
 takes; ``argv_for`` / ``to_argv`` build the command line of values (a supervisor starting services).
@@ -44,6 +45,7 @@ class Flag:
     metavar: str | None
     env: str | None
     secret: bool
+    parse: Callable[[str], Any] | None = None  # the field's own parser (metadata "parse")
 
     def env_default(self, environ: Mapping[str, str]) -> Any:
         raw = environ.get(self.env, "") if self.env else ""
@@ -84,6 +86,8 @@ def _walk(cls: type, defaults: Any, path: tuple[str, ...]) -> list[Flag]:
         if isinstance(typ, type) and dataclasses.is_dataclass(typ):
             out += _walk(typ, default if default is not dataclasses.MISSING else None, (*path, f.name))
             continue
+        if "parse" in meta:  # the command-line form is text the field's parser reads
+            typ = str
         if typ not in _SCALARS:
             raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for {hints[f.name]!r}")
         if default is dataclasses.MISSING:
@@ -103,6 +107,7 @@ def _walk(cls: type, defaults: Any, path: tuple[str, ...]) -> list[Flag]:
                 metavar=meta.get("metavar"),
                 env=meta.get("env"),
                 secret=bool(meta.get("secret")),
+                parse=meta.get("parse"),
             )
         )
     return out
@@ -132,6 +137,14 @@ def flags_of(cls: type) -> set[str]:
 
 def _parser_of(fl: Flag) -> Callable[[str], Any]:
     base: Callable[[str], Any] = fl.type
+    if fl.parse is not None:
+        own = fl.parse
+
+        def base(raw: str) -> Any:
+            try:
+                return own(raw)
+            except ValueError as e:  # argparse would print only "invalid value"; the parser's text says what to pass
+                raise argparse.ArgumentTypeError(str(e)) from None
 
     def parse(raw: str) -> Any:
         if fl.optional and raw.strip().lower() == "none":

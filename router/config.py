@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.pod.config import CLUSTER_TOKEN_ENV
 from pdserve.security import API_KEY_ENV, ENV, HTTP_ENV, tls_field
+from router.local_prefill import max_tokens_problem, parse_max_tokens
 
 if TYPE_CHECKING:
     from pdserve.security import TLSConfig
@@ -69,12 +70,17 @@ class RouterConfig:
     affinity_hash_blocks: int = 4
     reserve_output_tokens: int = 16  # decode KV reserved per request beyond the prompt (AllocateKV)
     # Conditional disaggregation (NVIDIA Dynamo's rule): prefill on the decode pod itself (chunked between its decode
-    # steps, no KV transfer) when the prompt is this short, or when the prefill pods are this busy; 0: never.
-    local_prefill_max_tokens: int = field(
+    # steps, no KV transfer) when the prompt is this short (auto: per decode pod, from its step times), or when the
+    # prefill pods are this busy; 0: never.
+    local_prefill_max_tokens: int | str = field(
         default=0,
         metadata={
+            "parse": parse_max_tokens,
+            "metavar": "N|auto",
             "help": "prefill a request on its decode pod (chunked, no KV transfer) when its prompt has at most this "
-            "many tokens (decode pods keep no prefix cache: the whole prompt is computed); 0: always on a prefill pod"
+            "many tokens (decode pods keep no prefix cache: the whole prompt is computed); auto: each decode pod's "
+            "own threshold, derived from the step times it measured at start and logged (router/local_prefill.py); "
+            "0: always on a prefill pod",
         },
     )
     kv_load_failure_policy: str = field(
@@ -89,8 +95,8 @@ class RouterConfig:
     local_prefill_queue_tokens: int = field(
         default=0,
         metadata={
-            "help": "with local_prefill_max_tokens > 0, also prefill on the decode pod when every prefill pod has at "
-            "least this many prompt tokens queued; 0: the prefill queue is not considered"
+            "help": "with local_prefill_max_tokens > 0 or auto, also prefill on the decode pod when every prefill pod "
+            "has at least this many prompt tokens queued; 0: the prefill queue is not considered"
         },
     )
 
@@ -148,12 +154,14 @@ class RouterConfig:
             "affinity_hash_blocks",
             "reserve_output_tokens",
             "max_queue_len",
-            "local_prefill_max_tokens",
             "local_prefill_queue_tokens",
         ):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 bad(name, "must be an integer >= 0")
+        problem = max_tokens_problem(self.local_prefill_max_tokens)
+        if problem:
+            bad("local_prefill_max_tokens", problem)
         if self.eviction_timeout_s <= self.heartbeat_interval_s * self.missed_heartbeats_unhealthy:
             bad(
                 "eviction_timeout_s",
@@ -193,6 +201,11 @@ class RouterConfig:
             server_name=self.tls_server_name or None,
         )
         return tls if tls.enabled or tls.require_client_cert else None
+
+    @property
+    def local_prefill(self) -> bool:
+        """Conditional disaggregation is on (a fixed threshold > 0, or auto)."""
+        return self.local_prefill_max_tokens != 0
 
     @property
     def uses_uvloop(self) -> bool:

@@ -29,7 +29,7 @@ from router.config import RouterConfig
 from router.flight import Flight
 from router.metrics import RouterMetrics
 from router.placement import PrefixIndex, block_hashes, pick_prefill, prefill_locally, prefix_key, rendezvous
-from router.registry import Registry
+from router.registry import DECODE, Registry
 
 log = logging.getLogger("router")
 
@@ -82,6 +82,7 @@ class RouterCore:
         self._tasks: set[asyncio.Task] = set()
         self.registry.on_evict(self._pod_lost)
         self.registry.on_register(self._pod_registered)
+        self.registry.on_register(self._show_threshold)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -136,20 +137,30 @@ class RouterCore:
             del self._stubs[key]
         self.spawn(ch.close(grace=self.config.cleanup_timeout_s))
 
+    def _show_threshold(self, pod_id: str, address: str) -> None:
+        e = self.registry.pods[pod_id]
+        if e.role == DECODE and self.config.local_prefill:
+            self.metrics.local_prefill_max_tokens.labels(pod_id).set(e.local_prefill_max_tokens)
+
     def _pod_lost(self, pod_id: str) -> None:
+        self.metrics.forget_pod(pod_id)
         self.prefix.forget_pod(pod_id)
         for f in list(self.flights.values()):
             f.pod_lost(pod_id)
 
-    def prefill_locally(self, prep: Prepared) -> bool:
-        """Conditional disaggregation: compute this request's prompt on its decode pod instead of a prefill pod
-        (placement.prefill_locally). Prompt logprobs are a prefill pod's job, so those requests never are."""
+    def local_prefill_pods(self, prep: Prepared) -> frozenset[str]:
+        """Conditional disaggregation: the READY decode pods that would compute this request's prompt themselves
+        instead of a prefill pod (placement.prefill_locally with each pod's own threshold, router/local_prefill.py);
+        empty: prefill on a prefill pod. Prompt logprobs are a prefill pod's job, so those requests never are."""
         cfg = self.config
-        if cfg.local_prefill_max_tokens <= 0 or prep.prefill_only or prep.params.HasField("prompt_logprobs"):
-            return False
+        if not cfg.local_prefill or prep.prefill_only or prep.params.HasField("prompt_logprobs"):
+            return frozenset()
         queued = min((v.queued_tokens for v in self.registry.prefill_views()), default=None)
-        return prefill_locally(
-            len(prep.prompt_ids), cfg.local_prefill_max_tokens, queued, cfg.local_prefill_queue_tokens
+        n, most = len(prep.prompt_ids), cfg.local_prefill_queue_tokens
+        return frozenset(
+            e.pod_id
+            for e in self.registry.ready(DECODE)
+            if prefill_locally(n, e.local_prefill_max_tokens, queued, most)
         )
 
     def pick_prefill(self, prep: Prepared, exclude: set[str]) -> str | None:

@@ -72,9 +72,9 @@ async def generate(
         if core.registry.serves_unified():  # colocated pods
             _refuse_prompt_logprobs_on_unified(prep)
             on_one_pod = _on_one_pod(core, flight, prep, ans, deadline, common_pb2.ROLE_DECODE, "unified pod")
-        elif core.prefill_locally(prep):  # conditional disaggregation: a short prompt costs less than its transfer
+        elif local := core.local_prefill_pods(prep):  # conditional disaggregation: short prompt, or busy prefill
             core.metrics.prefill_local.inc()
-            on_one_pod = _on_one_pod(core, flight, prep, ans, deadline, common_pb2.ROLE_UNIFIED, "decode pod")
+            on_one_pod = _on_one_pod(core, flight, prep, ans, deadline, common_pb2.ROLE_UNIFIED, "decode pod", local)
         if on_one_pod is not None:
             async with contextlib.aclosing(on_one_pod) as tokens:
                 async for msg in tokens:
@@ -365,12 +365,15 @@ async def _on_one_pod(
     deadline: float | None,
     other_role: int,
     what: str,
+    only: frozenset[str] | None = None,
 ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-    """Book the request's KV as for a decode pod, on a pod not of ``other_role`` (queue if none has room), then one
+    """Book the request's KV as for a decode pod, on a pod not of ``other_role`` and, when given, among ``only`` (the
+    decode pods whose local-prefill threshold takes the prompt) (queue if none has room), then one
     Decode call without a KV handle; the pod prefills in its own engine (chunked between its decode steps) and
     streams every token, the first one included. A unified pod's journey, and conditional disaggregation's local
     path on a decode pod."""
-    exclude = frozenset(v.pod_id for v in core.registry.decode_views((other_role,)))
+    roles = (other_role,) if only is None else (common_pb2.ROLE_DECODE, common_pb2.ROLE_UNIFIED)
+    exclude = frozenset(v.pod_id for v in core.registry.decode_views(roles) if only is None or v.pod_id not in only)
     flight.admitted = await _admit(core, flight, prep, deadline, exclude)
     ans.timing.queue_s = flight.admitted.queue_s
     core.metrics.queue.observe(ans.timing.queue_s)

@@ -45,6 +45,13 @@ class RouterMetrics:
             registry=r,
         )
         self.prefill_remote, self.prefill_local = choice.labels("remote"), choice.labels("local")
+        self.local_prefill_max_tokens = Gauge(
+            "pdserve_router_local_prefill_max_tokens",
+            "Longest prompt (tokens) the router prefills on this decode pod itself (--local-prefill-max-tokens, or "
+            "what auto derived from the pod's step profile); 0: never",
+            ["pod"],
+            registry=r,
+        )
         self.tokens = Counter("pdserve_router_generated_tokens", "Tokens streamed to clients", registry=r)
         self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r)
         self.inflight = Gauge("pdserve_router_inflight_requests", "Generate calls in progress", registry=r)
@@ -60,6 +67,13 @@ class RouterMetrics:
         if child is None:
             child = self._outcomes[outcome] = self.requests.labels(outcome)
         child.inc()
+
+    def forget_pod(self, pod_id: str) -> None:
+        """A pod left: its per-pod series go (a gauge of a gone pod would read as a live one)."""
+        try:
+            self.local_prefill_max_tokens.remove(pod_id)
+        except KeyError:  # never set: not a decode pod, or conditional disaggregation off
+            pass
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

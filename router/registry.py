@@ -22,6 +22,7 @@ from pdserve.parallel_config import ParallelConfig, kv_dtype_mismatch
 from pdserve.security import secrets_match
 from pdserve_api.v1 import common_pb2, registry_pb2, router_pb2
 from router.config import RouterConfig
+from router.local_prefill import AUTO, auto_threshold
 from router.placement import DecodeView, PrefillView, blocks_needed
 from router.registry_checks import heartbeat_problem, kv_stats_problem, register_problem
 from router.validation import check_for_role, facts_from_shape, parallel_from_proto, shape_mismatch
@@ -57,6 +58,8 @@ class PodEntry:
     inflight_prompt_tokens: int = 0  # prefill: prompt tokens of Prefill calls in flight
     pending_blocks: list[int] = field(default_factory=list)  # decode: reserved by the router since last report
     routed_total: int = 0  # requests ever placed here
+    # decode pods: prompts this short are prefilled here, without a KV transfer (router/local_prefill.py); 0: never
+    local_prefill_max_tokens: int = 0
     desired_state: common_pb2.PodState = common_pb2.POD_STATE_UNSPECIFIED
 
     @property
@@ -110,6 +113,7 @@ class Registry:
         self._on_change: list[Callable[[], None]] = []
         self._on_evict: list[Callable[[str], None]] = []
         self._on_register: list[Callable[[str, str], None]] = []
+        self._threshold_logged: dict[str, int] = {}  # decode pod -> the auto threshold last logged for it
 
     # --- listeners ---
     def on_change(self, fn: Callable[[], None]) -> None:
@@ -130,6 +134,7 @@ class Registry:
             fn()
 
     def _lost(self, pod_id: str) -> None:
+        self._threshold_logged.pop(pod_id, None)
         for fn in self._on_evict:
             fn(pod_id)
 
@@ -176,6 +181,8 @@ class Registry:
             entry.inflight, entry.inflight_prompt_tokens = old.inflight, old.inflight_prompt_tokens
             entry.routed_total = old.routed_total
         self._apply_kv(entry, req.kv)
+        if req.role == DECODE:
+            entry.local_prefill_max_tokens = self._local_threshold(req)
         self.pods[req.pod_id] = entry
         log.info(
             "registered %s pod %r at %s (tp=%d dcp=%d, %s)",
@@ -192,6 +199,19 @@ class Registry:
         resp.message = f"welcome {req.pod_id}: serving {self.model_name!r} as {common_pb2.Role.Name(req.role)}"
         self.changed()
         return resp
+
+    def _local_threshold(self, req: registry_pb2.RegisterWorkerRequest) -> int:
+        """The decode pod's local-prefill threshold: the router's fixed one, or auto's from the pod's profile
+        (logged when a pod first gets one and when it changes)."""
+        fixed = self.config.local_prefill_max_tokens
+        if fixed != AUTO:
+            assert isinstance(fixed, int)  # RouterConfig checked it
+            return fixed
+        t = auto_threshold(req.step_profile if req.HasField("step_profile") else None)
+        if self._threshold_logged.get(req.pod_id) != t.tokens:  # a heartbeat-lost router re-registers pods often
+            log.info("local prefill threshold for pod %s: %d tokens (auto: %s)", req.pod_id, t.tokens, t.why)
+            self._threshold_logged[req.pod_id] = t.tokens
+        return t.tokens
 
     @staticmethod
     def _malformed(req: registry_pb2.RegisterWorkerRequest) -> str | None:
@@ -443,6 +463,7 @@ class Registry:
             last_heartbeat_age_s=now - e.last_heartbeat,
             uptime_s=now - e.registered_at,
             num_inflight_requests=e.inflight,
+            local_prefill_max_tokens=e.local_prefill_max_tokens,
         )
         st.parallel.CopyFrom(e.registration.parallel)
         st.load.CopyFrom(e.load)

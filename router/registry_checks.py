@@ -9,6 +9,7 @@ import math
 from typing import Iterable
 
 from pdserve_api.v1 import common_pb2, registry_pb2
+from router.local_prefill import profile_problem
 
 MAX_POD_ID_LEN = 253  # a Kubernetes pod name's limit
 _POD_STATES = set(common_pb2.PodState.values())
@@ -94,6 +95,10 @@ def register_problem(req: registry_pb2.RegisterWorkerRequest) -> str | None:
     ):
         if getattr(lay, name) < 0:
             return f"kv_layout.{name} must be >= 0 (0: not reported), got {getattr(lay, name)}"
+    if req.HasField("step_profile"):
+        problem = profile_problem(req.step_profile)
+        if problem:
+            return problem
     cap = req.capacity
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_concurrent_transfers"):
         if getattr(cap, name) < 0:

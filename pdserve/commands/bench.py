@@ -44,8 +44,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve: load an OpenAI-compatible server already running on loopback instead of the sides",
     )
     p.add_argument("--rates", type=float, nargs="+", metavar="RPS", help="serve: request rates to sweep")
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=_local_prefill,
+        metavar="N|auto",
+        help="serve, interference: the conditional side's router threshold (default: auto, from the decode pod's "
+        "measured step times; the JSON records what the router chose)",
+    )
     p.add_argument("--chaos", action="store_true", help="soak: inject faults (kills, freezes, KV path drops) in load")
     p.set_defaults(func=run_bench)
+
+
+def _local_prefill(raw: str) -> int | str:
+    from router.local_prefill import parse_max_tokens
+
+    try:
+        return parse_max_tokens(raw)
+    except ValueError as e:  # argparse prints this text rather than "invalid value"
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -69,12 +85,13 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
         kw["device"] = args.device
     params = inspect.signature(module.run).parameters
-    for opt in ("out", "goodput", "endpoint", "rates"):  # options only some benchmarks take
+    for opt in ("out", "goodput", "endpoint", "rates", "local_prefill_max_tokens"):  # only some benchmarks take these
         value = getattr(args, opt, None)
-        if value and opt != "out" and opt not in params:
-            print(f"benchmark {args.name!r} takes no --{opt}")
+        given = value is not None and value != []  # a threshold of 0 is given too
+        if given and opt != "out" and opt not in params:
+            print(f"benchmark {args.name!r} takes no --{opt.replace('_', '-')}")
             return 2
-        if value and opt in params:
+        if given and opt in params:
             kw[opt] = value
     try:
         result = module.run(quick=args.quick, **kw)

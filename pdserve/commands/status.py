@@ -55,6 +55,7 @@ def format_status(st: Any) -> str:
             "RUN",
             "WAIT",
             "INFLIGHT",
+            "LOCAL PREFILL<=",
             "HB AGE",
         )
     ]
@@ -73,6 +74,8 @@ def format_status(st: Any) -> str:
                 str(p.load.num_running_seqs),
                 str(p.load.num_waiting_seqs),
                 str(p.num_inflight_requests),
+                # the router's conditional-disaggregation threshold; only decode pods have one
+                str(p.local_prefill_max_tokens) if p.role == common_pb2.ROLE_DECODE else "-",
                 f"{p.last_heartbeat_age_s:.1f}s",
             )
         )

@@ -66,6 +66,14 @@ class PodServing:
     drain_timeout_s: float = field(
         default=60.0, metadata={"help": "SIGTERM: longest wait for in-flight work before the pod stops anyway"}
     )
+    step_profile: bool = field(
+        default=True,
+        metadata={
+            "help": "with a router: time a few prefills and decode steps at start (a second or two on a small CPU "
+            "model) and send them with the registration, for the router's --local-prefill-max-tokens auto "
+            "(pdserve/pod/step_profile.py); off: nothing sent, and auto never prefills on this pod"
+        },
+    )
     # --- security (pdserve.security): all unset = plaintext ---
     tls_cert_file: str | None = tls_field("cert_file")
     tls_key_file: str | None = tls_field("key_file")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve_api.v1 import common_pb2 as pdserve__api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve_api/v1/registry.proto\x12\npdserve.v1\x1a\x1bpdserve_api/v1/common.proto\"\xa8\x03\n\x15RegisterWorkerRequest\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12+\n\x0bmodel_shape\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.ModelShape\x12,\n\x08parallel\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.ParallelConfig\x12\'\n\tkv_layout\x18\x08 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12,\n\x08\x63\x61pacity\x18\t \x01(\x0b\x32\x1a.pdserve.v1.WorkerCapacity\x12\x15\n\rcluster_token\x18\n \x01(\t\x12\x0f\n\x07version\x18\x0b \x01(\t\x12#\n\x05state\x18\x0c \x01(\x0e\x32\x14.pdserve.v1.PodState\x12#\n\x02kv\x18\r \x03(\x0b\x32\x17.pdserve.v1.RankKVStats\"l\n\x16RegisterWorkerResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x11\n\trouter_id\x18\x04 \x01(\t\"\xa8\x01\n\x10HeartbeatRequest\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.pdserve.v1.LoadStats\x12#\n\x02kv\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.RankKVStats\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.pdserve.v1.PodState\x12\x15\n\rcluster_token\x18\x05 \x01(\t\"m\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12+\n\rdesired_state\x18\x02 \x01(\x0e\x32\x14.pdserve.v1.PodState\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"@\n\x17\x44\x65registerWorkerRequest\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\x15\n\rcluster_token\x18\x02 \x01(\t\")\n\x18\x44\x65registerWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x8c\x02\n\x08Registry\x12W\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\".pdserve.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12]\n\x10\x44\x65registerWorker\x12#.pdserve.v1.DeregisterWorkerRequest\x1a$.pdserve.v1.DeregisterWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve_api/v1/registry.proto\x12\npdserve.v1\x1a\x1bpdserve_api/v1/common.proto\"\xd7\x03\n\x15RegisterWorkerRequest\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12+\n\x0bmodel_shape\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.ModelShape\x12,\n\x08parallel\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.ParallelConfig\x12\'\n\tkv_layout\x18\x08 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12,\n\x08\x63\x61pacity\x18\t \x01(\x0b\x32\x1a.pdserve.v1.WorkerCapacity\x12\x15\n\rcluster_token\x18\n \x01(\t\x12\x0f\n\x07version\x18\x0b \x01(\t\x12#\n\x05state\x18\x0c \x01(\x0e\x32\x14.pdserve.v1.PodState\x12#\n\x02kv\x18\r \x03(\x0b\x32\x17.pdserve.v1.RankKVStats\x12-\n\x0cstep_profile\x18\x0e \x01(\x0b\x32\x17.pdserve.v1.StepProfile\"O\n\x0bStepProfile\x12\x16\n\x0eprefill_tokens\x18\x01 \x03(\x05\x12\x11\n\tprefill_s\x18\x02 \x03(\x01\x12\x15\n\rdecode_step_s\x18\x03 \x01(\x01\"l\n\x16RegisterWorkerResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x11\n\trouter_id\x18\x04 \x01(\t\"\xa8\x01\n\x10HeartbeatRequest\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.pdserve.v1.LoadStats\x12#\n\x02kv\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.RankKVStats\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.pdserve.v1.PodState\x12\x15\n\rcluster_token\x18\x05 \x01(\t\"m\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12+\n\rdesired_state\x18\x02 \x01(\x0e\x32\x14.pdserve.v1.PodState\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"@\n\x17\x44\x65registerWorkerRequest\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\x15\n\rcluster_token\x18\x02 \x01(\t\")\n\x18\x44\x65registerWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x8c\x02\n\x08Registry\x12W\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\".pdserve.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12]\n\x10\x44\x65registerWorker\x12#.pdserve.v1.DeregisterWorkerRequest\x1a$.pdserve.v1.DeregisterWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_api.v1.registry_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERWORKERREQUEST']._serialized_start=75
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=499
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=501
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=609
-  _globals['_HEARTBEATREQUEST']._serialized_start=612
-  _globals['_HEARTBEATREQUEST']._serialized_end=780
-  _globals['_HEARTBEATRESPONSE']._serialized_start=782
-  _globals['_HEARTBEATRESPONSE']._serialized_end=891
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=893
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=957
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=959
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1000
-  _globals['_REGISTRY']._serialized_start=1003
-  _globals['_REGISTRY']._serialized_end=1271
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=546
+  _globals['_STEPPROFILE']._serialized_start=548
+  _globals['_STEPPROFILE']._serialized_end=627
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=629
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=737
+  _globals['_HEARTBEATREQUEST']._serialized_start=740
+  _globals['_HEARTBEATREQUEST']._serialized_end=908
+  _globals['_HEARTBEATRESPONSE']._serialized_start=910
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1019
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1021
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1085
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1087
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1128
+  _globals['_REGISTRY']._serialized_start=1131
+  _globals['_REGISTRY']._serialized_end=1399
 # @@protoc_insertion_point(module_scope)

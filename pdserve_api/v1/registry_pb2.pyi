@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("pod_id", "role", "address", "kv_transfer_address", "model", "model_shape", "parallel", "kv_layout", "capacity", "cluster_token", "version", "state", "kv")
+    __slots__ = ("pod_id", "role", "address", "kv_transfer_address", "model", "model_shape", "parallel", "kv_layout", "capacity", "cluster_token", "version", "state", "kv", "step_profile")
     POD_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class RegisterWorkerRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    STEP_PROFILE_FIELD_NUMBER: _ClassVar[int]
     pod_id: str
     role: _common_pb2.Role
     address: str
@@ -35,7 +36,18 @@ class RegisterWorkerRequest(_message.Message):
     version: str
     state: _common_pb2.PodState
     kv: _containers.RepeatedCompositeFieldContainer[_common_pb2.RankKVStats]
-    def __init__(self, pod_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., model: _Optional[str] = ..., model_shape: _Optional[_Union[_common_pb2.ModelShape, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.ParallelConfig, _Mapping]] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., capacity: _Optional[_Union[_common_pb2.WorkerCapacity, _Mapping]] = ..., cluster_token: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.PodState, str]] = ..., kv: _Optional[_Iterable[_Union[_common_pb2.RankKVStats, _Mapping]]] = ...) -> None: ...
+    step_profile: StepProfile
+    def __init__(self, pod_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., model: _Optional[str] = ..., model_shape: _Optional[_Union[_common_pb2.ModelShape, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.ParallelConfig, _Mapping]] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., capacity: _Optional[_Union[_common_pb2.WorkerCapacity, _Mapping]] = ..., cluster_token: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.PodState, str]] = ..., kv: _Optional[_Iterable[_Union[_common_pb2.RankKVStats, _Mapping]]] = ..., step_profile: _Optional[_Union[StepProfile, _Mapping]] = ...) -> None: ...
+
+class StepProfile(_message.Message):
+    __slots__ = ("prefill_tokens", "prefill_s", "decode_step_s")
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    prefill_tokens: _containers.RepeatedScalarFieldContainer[int]
+    prefill_s: _containers.RepeatedScalarFieldContainer[float]
+    decode_step_s: float
+    def __init__(self, prefill_tokens: _Optional[_Iterable[int]] = ..., prefill_s: _Optional[_Iterable[float]] = ..., decode_step_s: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("accepted", "message", "heartbeat_interval_s", "router_id")

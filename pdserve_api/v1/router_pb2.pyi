@@ -150,7 +150,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PodStatus(_message.Message):
-    __slots__ = ("pod_id", "role", "address", "kv_transfer_address", "model", "parallel", "state", "load", "kv", "last_heartbeat_age_s", "kv_layout", "uptime_s", "num_inflight_requests")
+    __slots__ = ("pod_id", "role", "address", "kv_transfer_address", "model", "parallel", "state", "load", "kv", "last_heartbeat_age_s", "kv_layout", "uptime_s", "num_inflight_requests", "local_prefill_max_tokens")
     POD_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class PodStatus(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pod_id: str
     role: _common_pb2.Role
     address: str
@@ -177,7 +178,8 @@ class PodStatus(_message.Message):
     kv_layout: _common_pb2.KVLayout
     uptime_s: float
     num_inflight_requests: int
-    def __init__(self, pod_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelConfig, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.PodState, str]] = ..., load: _Optional[_Union[_common_pb2.LoadStats, _Mapping]] = ..., kv: _Optional[_Iterable[_Union[_common_pb2.RankKVStats, _Mapping]]] = ..., last_heartbeat_age_s: _Optional[float] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., uptime_s: _Optional[float] = ..., num_inflight_requests: _Optional[int] = ...) -> None: ...
+    local_prefill_max_tokens: int
+    def __init__(self, pod_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelConfig, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.PodState, str]] = ..., load: _Optional[_Union[_common_pb2.LoadStats, _Mapping]] = ..., kv: _Optional[_Iterable[_Union[_common_pb2.RankKVStats, _Mapping]]] = ..., last_heartbeat_age_s: _Optional[float] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., uptime_s: _Optional[float] = ..., num_inflight_requests: _Optional[int] = ..., local_prefill_max_tokens: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("pods", "router_queue_depth", "num_inflight_requests", "ready_models")

@@ -243,3 +243,18 @@ def test_healthcheck_probes_the_openai_front_over_http(tmp_path, monkeypatch, ca
         srv.shutdown()
     ok, why = healthcheck.probe_http("127.0.0.1", srv.server_port, timeout=1.0)
     assert not ok and "127.0.0.1" in why
+
+
+@pytest.mark.parametrize("value,want", [("auto", "auto"), (64, 64)])
+def test_router_local_prefill_setting_reaches_the_router_parser(value, want):
+    """`local_prefill_max_tokens: auto` (or a count) in the router's section of pdserve.yaml (compose, Helm's
+    router.config) is a flag the router parses."""
+    from pdserve import cli_config
+    from router.__main__ import _parser
+    from router.config import RouterConfig
+
+    settings = entrypoint.resolve_model(
+        entrypoint.resolve("router", {"router": {"local_prefill_max_tokens": value}}, {})
+    )
+    argv = entrypoint.to_flags(entrypoint.fit_to_service("router", settings, entrypoint.service_flags("router")))
+    assert cli_config.from_args(RouterConfig, _parser().parse_args(argv)).local_prefill_max_tokens == want

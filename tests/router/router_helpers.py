@@ -7,6 +7,7 @@ import contextlib
 from typing import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
 
 from pdserve_api.v1 import common_pb2, registry_pb2, registry_pb2_grpc, router_pb2_grpc
 from router.config import RouterConfig
@@ -91,7 +92,10 @@ def register_request(
         kv=[common_pb2.RankKVStats(rank=r, free_blocks=f, total_blocks=num_blocks) for r, f in enumerate(free)],
     )
     for k, v in extra.items():
-        setattr(req, k, v)
+        if isinstance(v, Message):  # a message field is copied in, never assigned
+            getattr(req, k).CopyFrom(v)
+        else:
+            setattr(req, k, v)
     return req
 
 

@@ -1,7 +1,8 @@
 """Conditional disaggregation through the router (--local-prefill-max-tokens): short prompts are computed on their
 decode pod (a TP 2 x DCP 2 pod computing the prompt in 16-token chunks between its decode steps, no prefill pod, no
 KV transfer), long ones on the prefill pod with their KV transferred; both give transformers' greedy tokens, and
-the router counts each choice. Real processes on loopback."""
+the router counts each choice. With ``auto`` the threshold is the one the router derived from the decode pod's
+measured step times, logged and shown in ClusterStatus. Real processes on loopback."""
 
 from __future__ import annotations
 
@@ -106,3 +107,59 @@ def test_prompt_logprobs_go_to_the_prefill_pod(cluster, tiny):
     msgs = asyncio.run(body())
     assert msgs[-1].routing.prefill_pod_id == "p0"
     assert msgs[0].HasField("prompt_logprobs")
+
+
+@pytest.fixture(scope="module")
+def auto_cluster(tmp_path_factory, tiny):
+    c = e2e_cluster(
+        tmp_path_factory.mktemp("conditional-auto"),
+        tiny,
+        num_prefill=1,
+        num_decode=1,
+        decode_tp=1,
+        decode_dcp=1,
+        router_args=["--local-prefill-max-tokens", "auto"],
+    )
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_auto_threshold_splits_short_and_long_prompts(auto_cluster, tiny):
+    """The decode pod's auto threshold T (at least 1: a one-token prefill is one decode step) is logged and shown in
+    ClusterStatus; a T-token prompt is prefilled on the decode pod, a (T + 1)-token one on the prefill pod, both with
+    transformers' greedy tokens."""
+
+    async def status():
+        async with grpc.aio.insecure_channel(auto_cluster.router_address) as ch:
+            return await router_pb2_grpc.RouterStub(ch).ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=30)
+
+    pods = {p.pod_id: p for p in asyncio.run(status()).pods}
+    threshold = pods["d0"].local_prefill_max_tokens
+    assert threshold >= 1
+    assert pods["p0"].local_prefill_max_tokens == 0
+    log = (auto_cluster.log_dir / "router.log").read_text()
+    assert f"local prefill threshold for pod d0: {threshold} tokens (auto: " in log
+
+    rng = random.Random(7)
+    ps = [[rng.randrange(3, 256) for _ in range(n)] for n in (threshold, threshold + 1)]
+    want = hf_greedy(tiny, ps, NEW_TOKENS)
+
+    async def one(stub, ids):
+        req = router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=ids),
+            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        )
+        return [m async for m in stub.Generate(req, timeout=120)]
+
+    async def body():
+        async with grpc.aio.insecure_channel(auto_cluster.router_address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            return [await one(stub, p) for p in ps]
+
+    got = asyncio.run(body())
+    for ids, msgs, w in zip(ps, got, want):
+        assert [t for m in msgs for t in m.token_ids] == w, f"{len(ids)}-token prompt"
+    assert [msgs[-1].routing.prefill_pod_id for msgs in got] == ["", "p0"]

@@ -366,7 +366,6 @@ class PrefillServer:
             version=version(),
             state=pb.POD_STATE_READY,
             kv=self._kv_stats(),
-            step_profile=self.worker.step_profile.to_proto() if self.worker.step_profile else None,
         )
 
     def heartbeat_request(self) -> registry_pb2.HeartbeatRequest:

@@ -29,7 +29,6 @@ from pdserve.engine.llm_engine import LLMEngine, RequestError
 from pdserve.engine.scheduler import ScheduledStep
 from pdserve.engine.shm import RankFailure
 from pdserve.errors import ServiceError
-from pdserve.pod import step_profile
 from pdserve.pod.convert import kv_layout_for_model
 from pdserve.pod.engine_thread import EngineThread
 from pdserve.sampling_params import SamplingParams
@@ -160,7 +159,6 @@ class PrefillWorker(KVConnectorScheduler):
         self._publish_errors: dict[str, tuple[set[int], str]] = {}
         self._early_freed: dict[str, set[int]] = {}  # lease id -> ranks that freed it before _on_output
         self.on_event: Callable[[str, str], None] | None = None  # (kind, request id), engine thread; tests
-        self.step_profile: step_profile.StepProfile | None = None  # measured at start (pdserve/pod/step_profile.py)
 
     # --- life cycle ---
     def start(self, timeout_s: float = 600.0) -> None:
@@ -237,9 +235,6 @@ class PrefillWorker(KVConnectorScheduler):
     def _run(self, thread: EngineThread) -> None:
         try:
             self.engine = LLMEngine(self.config.engine)
-            if step_profile.wanted(self.config.serving):  # before the KV connector: a plain engine, idle
-                self.step_profile = step_profile.measure(self.engine)
-                log.info("step profile: %s", self.step_profile.describe() if self.step_profile else "cache too small")
             mc = self.engine.model_config
             self.layout = kv_layout_for_model(
                 mc,

@@ -269,6 +269,8 @@ class LocalCluster:
             "drain_timeout_s": self.drain_timeout_s,
             **tls,
         }
+        if not t.local_prefill_auto:  # the profile costs each pod a second or two at start, and only auto reads it
+            common["step_profile"] = False
         if t.max_model_len is not None:
             common["max_model_len"] = t.max_model_len
         if t.device is not None:

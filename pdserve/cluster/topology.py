@@ -159,6 +159,12 @@ class Topology:
         return [*self.prefill, *self.decode, *self.unified]
 
     @property
+    def local_prefill_auto(self) -> bool:
+        """Whether router.args set --local-prefill-max-tokens auto (the routers then read the pods' step profiles)."""
+        args, flag = self.router_args, "--local-prefill-max-tokens"
+        return f"{flag}=auto" in args or any(a == flag and b == "auto" for a, b in zip(args, args[1:]))
+
+    @property
     def router_ports(self) -> list[int]:
         """Every router's gRPC port, the first router's first."""
         extra = list(self.extra_router_ports[: self.num_routers - 1])

@@ -69,9 +69,10 @@ class PodServing:
     step_profile: bool = field(
         default=True,
         metadata={
-            "help": "with a router: time a few prefills and decode steps at start (a second or two on a small CPU "
-            "model) and send them with the registration, for the router's --local-prefill-max-tokens auto "
-            "(pdserve/pod/step_profile.py); off: nothing sent, and auto never prefills on this pod"
+            "help": "decode pods with a router: time a few prefills and decode steps at start (a second or two on a "
+            "small CPU model) and send them with the registration, for the router's --local-prefill-max-tokens auto "
+            "(pdserve/pod/step_profile.py); off: nothing sent, and auto never prefills on this pod. pdserve up turns "
+            "it off unless its routers run auto; prefill pods never measure (the rule reads only decode pods')"
         },
     )
     # --- security (pdserve.security): all unset = plaintext ---

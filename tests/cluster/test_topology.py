@@ -202,6 +202,20 @@ def test_up_quantization_reaches_every_pod_and_not_the_router(tmp_path):
         assert "--quantization" not in argv or argv[argv.index("--quantization") + 1] == "int8"
 
 
+@pytest.mark.parametrize(
+    "router_args,profiles",
+    [([], False), (["--local-prefill-max-tokens", "64"], False), (["--local-prefill-max-tokens", "auto"], True)],
+)
+def test_pods_time_their_step_profile_only_for_a_router_on_auto(tmp_path, router_args, profiles):
+    from pdserve.cluster.supervisor import LocalCluster
+
+    t = Topology.from_dict({"router": {"args": router_args}, "decode": [{"tp": 1, "dcp": 1}]}).resolve(GQA_1KV)
+    t.assign_ports()
+    for s in LocalCluster(t, log_dir=tmp_path)._plan():
+        if s.kind in ("prefill", "decode"):
+            assert ("--no-step-profile" in s.argv) != profiles, s.name
+
+
 @pytest.mark.slow
 def test_up_dry_run_prints_the_checked_plan(tmp_path):
     d = _ckpt(tmp_path, heads=8, kv=1)

@@ -101,7 +101,7 @@ def rank_linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed, bias: tor
     streams each weight from memory once, and gemv streams it faster than oneDNN's packed kernel, on a TP shard (a
     few hundred rows, where oneDNN's per-call setup weighs most) and on a whole weight alike (docs/performance.md,
     "Linear layers"). The native decode step (kernels.decode_layers) makes the same choice, so both give the same
-    bits."""
+    bits. Not for the LM head: its logits would then depend on how many logits rows share a step."""
     one_row = x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
     if isinstance(packed, torch.Tensor) and one_row and kernels.available():
         return kernels.gemv(x, weight, bias)

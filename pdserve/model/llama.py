@@ -263,7 +263,7 @@ class CausalLM(nn.Module):
             x = self.norm(x[logits_indices])
         head, head_packed = self.lm_head, self.lm_head_packed if packed else None
         return self.ps.vocab_parallel_logits(
-            x, lambda first, n: plinear.rank_linear(x, head[first : first + n], head_packed, None), head.shape[0]
+            x, lambda first, n: plinear.linear(x, head[first : first + n], head_packed), head.shape[0]
         )
 
     def _native_weights(self, x: torch.Tensor) -> bool:

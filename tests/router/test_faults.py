@@ -216,8 +216,8 @@ def test_router_restart_pods_register_again_and_requests_work(cluster, tiny_mode
 
     asyncio.run(before())
     log_sizes = {p: cluster.service(p).log_path.stat().st_size for p in every}
+    restarted = time.monotonic()  # before: pods may register with the new router while restart() waits for it
     cluster.restart("router")
-    restarted = time.monotonic()
 
     async def after():
         async with grpc.aio.insecure_channel(cluster.router_address) as ch:

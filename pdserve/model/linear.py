@@ -96,13 +96,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed, bias: torch.Te
     return F.linear(x, weight, bias)
 
 
-def rank_linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
-    """linear(), except that one row goes through pdserve's gemv kernel from the weight as stored: a decode step
-    streams each weight from memory once, and gemv streams it faster than oneDNN's packed kernel, on a TP shard (a
-    few hundred rows, where oneDNN's per-call setup weighs most) and on a whole weight alike (docs/performance.md,
-    "Linear layers"). The native decode step (kernels.decode_layers) makes the same choice, so both give the same
-    bits. Not for the LM head: its logits would then depend on how many logits rows share a step."""
+def rank_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: Packed, bias: torch.Tensor | None, shard: bool
+) -> torch.Tensor:
+    """linear(), except that one row on a tensor-parallel shard (shard True) goes through pdserve's gemv kernel
+    from the weight as stored: on a shard of a few hundred rows oneDNN's per-call setup costs more than streaming
+    the weight (docs/performance.md, "Shared-memory collectives"). The native decode step (kernels.decode_layers)
+    makes the same choice, so both give the same bits."""
     one_row = x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
-    if isinstance(packed, torch.Tensor) and one_row and kernels.available():
+    if shard and isinstance(packed, torch.Tensor) and one_row and kernels.available():
         return kernels.gemv(x, weight, bias)
     return linear(x, weight, packed, bias)

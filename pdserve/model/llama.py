@@ -80,7 +80,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """rows: only these rows' outputs are wanted (every row's K/V is still written)."""
         t, d = x.shape[0], self.head_dim
-        qkv = plinear.rank_linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias)
+        one = self.ps.tp_size > 1  # a TP rank's one-row steps through kernels.gemv (plinear.rank_linear)
+        qkv = plinear.rank_linear(x, self.qkv_weight, self.qkv_packed if packed else None, self.qkv_bias, one)
         nq, qk_size = self.q_size // d, self.q_size + self.kv_size
         if fused:  # rotated in place: no copies of q and k
             kernels.rope_(qkv, cos_sin[0], cos_sin[1], qk_size // d, d)
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         if rows is not None:
             out, t = out[rows], rows.numel()
         o_packed = self.o_packed if packed else None
-        out = plinear.rank_linear(out.reshape(t, self.o_size), self.o_weight, o_packed, None)
+        out = plinear.rank_linear(out.reshape(t, self.o_size), self.o_weight, o_packed, None, one)
         out = self.ps.all_reduce(out)
         return out if self.o_bias is None else out + self.o_bias
 
@@ -139,13 +140,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, packed: bool, fused: bool = False) -> torch.Tensor:
         gu_p, down_p = (self.gate_up_packed, self.down_packed) if packed else (None, None)
-        gate_up = plinear.rank_linear(x, self.gate_up_weight, gu_p, self.gate_up_bias)
+        one = self.ps.tp_size > 1
+        gate_up = plinear.rank_linear(x, self.gate_up_weight, gu_p, self.gate_up_bias, one)
         if fused:
             h = kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate, inplace=True).mul_(up)  # in place: the [T, 2*inter] buffer is the largest activation
-        out = plinear.rank_linear(h, self.down_weight, down_p, None)
+        out = plinear.rank_linear(h, self.down_weight, down_p, None, one)
         if not self.reduce:
             return out
         out = self.ps.all_reduce(out)

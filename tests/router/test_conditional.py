@@ -60,23 +60,25 @@ def choices(port: int) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
 
 
+async def _greedy(stub, ids: list[int]) -> list:
+    """Every message of a greedy generation of NEW_TOKENS tokens from the prompt ids."""
+    req = router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=ids),
+        sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+    )
+    return [m async for m in stub.Generate(req, timeout=120)]
+
+
 def test_local_and_remote_prefill_give_the_same_greedy_tokens(cluster, tiny, metrics_port):
     rng = random.Random(5)
     ps = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 17, 31, 32, 33, 48, 70, 9)]
     want = hf_greedy(tiny, ps, NEW_TOKENS)
     before = choices(metrics_port)
 
-    async def one(stub, ids):
-        req = router_pb2.GenerateRequest(
-            token_ids=common_pb2.TokenIds(ids=ids),
-            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-        )
-        return [m async for m in stub.Generate(req, timeout=120)]
-
     async def body():
         async with grpc.aio.insecure_channel(cluster.router_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            return await asyncio.gather(*(one(stub, p) for p in ps))  # concurrent: local prefill beside decoding
+            return await asyncio.gather(*(_greedy(stub, p) for p in ps))  # concurrent: local prefill beside decoding
 
     got = asyncio.run(body())
     for ids, msgs, w in zip(ps, got, want):
@@ -147,17 +149,10 @@ def test_auto_threshold_splits_short_and_long_prompts(auto_cluster, tiny):
     ps = [[rng.randrange(3, 256) for _ in range(n)] for n in (threshold, threshold + 1)]
     want = hf_greedy(tiny, ps, NEW_TOKENS)
 
-    async def one(stub, ids):
-        req = router_pb2.GenerateRequest(
-            token_ids=common_pb2.TokenIds(ids=ids),
-            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-        )
-        return [m async for m in stub.Generate(req, timeout=120)]
-
     async def body():
         async with grpc.aio.insecure_channel(auto_cluster.router_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            return [await one(stub, p) for p in ps]
+            return [await _greedy(stub, p) for p in ps]
 
     got = asyncio.run(body())
     for ids, msgs, w in zip(ps, got, want):

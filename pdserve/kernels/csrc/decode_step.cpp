@@ -255,14 +255,14 @@ at::Tensor dcp_merge(Group& dcp, const at::Tensor& out, const at::Tensor& lse) {
 }
 
 // plinear.rank_linear's rule: an int8 weight (`packed` then holds its scales) through the W8A8 kernels as
-// plinear.int8_linear calls them; one step row (batch 1) through gemv.cpp, which streams a weight faster than
-// oneDNN; else the packed weight.
+// plinear.int8_linear calls them; one step row (batch 1) on a TP shard through gemv.cpp, faster than oneDNN on a
+// shard; else the packed weight.
 at::Tensor rank_linear(const at::Tensor& x, const at::Tensor& plain, const at::Tensor& packed,
-                       const std::optional<at::Tensor>& bias, int64_t group) {
+                       const std::optional<at::Tensor>& bias, bool shard, int64_t group) {
   if (plain.scalar_type() == at::kChar)
     return packed.dim() == plain.dim() ? pdserve_kernels::int8_linear_grouped(x, plain, packed, group, bias)
                                        : pdserve_kernels::int8_linear(x, plain, packed, bias);
-  return x.size(0) == 1 ? pdserve_kernels::gemv(x, plain, bias) : packed_linear(x, packed, bias);
+  return shard && x.size(0) == 1 ? pdserve_kernels::gemv(x, plain, bias) : packed_linear(x, packed, bias);
 }
 
 // The arguments decode_layers and prefill_layers share: 10 weights and 4 biases per layer, a contiguous stream.
@@ -274,12 +274,14 @@ void check_layers(const char* who, const at::Tensor& x, const at::Tensor& slot_m
 }
 
 // One layer's weights and sizes, and the two halves of DecoderLayer.forward_fused around its attention, which a
-// decode step and a prefill compute alike. group: the int8 weights' block of input columns.
+// decode step and a prefill compute alike. shard: a TP rank's (its one-row linears go through gemv); group: the
+// int8 weights' block of input columns.
 struct Layer {
   const at::Tensor* w;  // the layer's 10 weights (decode_layers' order)
   const c10::List<std::optional<at::Tensor>>& biases;
   int64_t index, hd, q_size, kv_size;
   double eps;
+  bool shard;
   int64_t group;
 
   std::optional<at::Tensor> bias(int64_t j) const { return biases.get(4 * index + j); }
@@ -288,7 +290,7 @@ struct Layer {
   at::Tensor attention_input(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& cos,
                              const at::Tensor& sin, const at::Tensor& kv_layer, const int64_t* slots) const {
     auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, delta, w[0], eps));
-    auto qkv = rank_linear(h, w[6], w[1], bias(0), group);
+    auto qkv = rank_linear(h, w[6], w[1], bias(0), shard, group);
     pdserve_kernels::rope_(qkv, cos, sin, (q_size + kv_size) / hd, hd);
     write_kv(kv_layer, qkv, slots, x.size(0), q_size, kv_size);
     return qkv;
@@ -298,11 +300,11 @@ struct Layer {
   // projection reduced, + bias). reduce: the TP all-reduce, or nothing on one rank. Returns the MLP's output.
   template <typename Reduce>
   at::Tensor attention_output_and_mlp(at::Tensor& x, const at::Tensor& out, Reduce reduce) const {
-    auto attn = reduce(rank_linear(out.reshape({out.size(0), q_size}), w[7], w[2], std::nullopt, group));
+    auto attn = reduce(rank_linear(out.reshape({out.size(0), q_size}), w[7], w[2], std::nullopt, shard, group));
     if (auto b = bias(1)) attn = attn + *b;
     auto h = std::get<1>(pdserve_kernels::add_rms_norm(x, attn, w[3], eps));
-    auto act = pdserve_kernels::silu_mul(rank_linear(h, w[8], w[4], bias(2), group));
-    auto mlp = reduce(rank_linear(act, w[9], w[5], std::nullopt, group));
+    auto act = pdserve_kernels::silu_mul(rank_linear(h, w[8], w[4], bias(2), shard, group));
+    auto mlp = reduce(rank_linear(act, w[9], w[5], std::nullopt, shard, group));
     if (auto b = bias(3)) mlp = mlp + *b;
     return mlp;
   }
@@ -324,6 +326,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
   check_layers("decode_layers", x, slot_mapping, weights, biases, layers);
   std::optional<Group> tp;  // none: a single rank, whose step has no collectives
   if (!tp_comm.empty()) tp.emplace(tp_comm);
+  const bool shard = tp.has_value();
   auto all_reduce = [&](const at::Tensor& y) { return tp ? tp->all_reduce(y) : y; };
   std::optional<Group> dcp;
   if (dcp_size > 1) dcp.emplace(dcp_comm);
@@ -332,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> decode_layers(
   const int64_t* sp = slots.data_ptr<int64_t>();
   std::optional<at::Tensor> delta;
   for (int64_t i = 0; i < layers; ++i) {
-    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, group};
+    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, shard, group};
     auto kv_layer = kv_cache[i];
     auto qkv = layer.attention_input(x, delta, cos, sin, kv_layer, sp);
     auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
@@ -366,7 +369,7 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(at::Tensor x, const at::Tensor
   const int64_t* sp = slots.data_ptr<int64_t>();
   std::optional<at::Tensor> delta;
   for (int64_t i = 0; i < layers; ++i) {
-    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, group};
+    const Layer layer{weights.data() + 10 * i, biases, i, hd, q_size, kv_size, eps, /*shard=*/false, group};
     auto qkv = layer.attention_input(x, delta, cos, sin, kv_cache[i], sp);
     auto q = qkv.narrow(1, 0, q_size).view({t, q_size / hd, hd});
     auto k = qkv.narrow(1, q_size, kv_size).view({t, kv_size / hd, hd});

@@ -135,16 +135,21 @@ def flags_of(cls: type) -> set[str]:
     return out
 
 
-def _parser_of(fl: Flag) -> Callable[[str], Any]:
-    base: Callable[[str], Any] = fl.type
-    if fl.parse is not None:
-        own = fl.parse
+def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse ``type=``: its ValueError's text becomes the flag's error (argparse would print only
+    "invalid value"; the parser's text says what to pass)."""
 
-        def base(raw: str) -> Any:
-            try:
-                return own(raw)
-            except ValueError as e:  # argparse would print only "invalid value"; the parser's text says what to pass
-                raise argparse.ArgumentTypeError(str(e)) from None
+    def typed(raw: str) -> Any:
+        try:
+            return parse(raw)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return typed
+
+
+def _parser_of(fl: Flag) -> Callable[[str], Any]:
+    base: Callable[[str], Any] = fl.type if fl.parse is None else argparse_type(fl.parse)
 
     def parse(raw: str) -> Any:
         if fl.optional and raw.strip().lower() == "none":

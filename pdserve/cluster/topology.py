@@ -160,9 +160,18 @@ class Topology:
 
     @property
     def local_prefill_auto(self) -> bool:
-        """Whether router.args set --local-prefill-max-tokens auto (the routers then read the pods' step profiles)."""
-        args, flag = self.router_args, "--local-prefill-max-tokens"
-        return f"{flag}=auto" in args or any(a == flag and b == "auto" for a, b in zip(args, args[1:]))
+        """Whether router.args set --local-prefill-max-tokens auto (the routers then read the pods' step profiles), as
+        the router reads the value (router/local_prefill.py)."""
+        from router.local_prefill import AUTO, FLAG, parse_max_tokens
+
+        args = self.router_args
+        values = [b for a, b in zip(args, args[1:]) if a == FLAG] + [
+            a[len(FLAG) + 1 :] for a in args if a.startswith(FLAG + "=")
+        ]
+        try:
+            return any(parse_max_tokens(v) == AUTO for v in values)
+        except ValueError:  # the router refuses it at start, naming the flag
+            return False
 
     @property
     def router_ports(self) -> list[int]:

@@ -8,6 +8,8 @@ import inspect
 import json
 import sys
 
+from pdserve.cli_config import argparse_type
+
 BENCHMARKS = (
     "engine",
     "decode",
@@ -58,10 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _local_prefill(raw: str) -> int | str:
     from router.local_prefill import parse_max_tokens
 
-    try:
-        return parse_max_tokens(raw)
-    except ValueError as e:  # argparse prints this text rather than "invalid value"
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return argparse_type(parse_max_tokens)(raw)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from torch import nn
 from pdserve import kernels
 from pdserve.model.config import ModelConfig, ModelConfigError
 from pdserve.model.deepseek import DeepseekCausalLM, MLAttention
-from pdserve.model.linear import INT8_GROUP
+from pdserve.model.linear import INT8_GROUP, Int8Weight
 from pdserve.model.llama import MLP, CausalLM
 from pdserve.model.moe import MoE
 
@@ -157,7 +157,5 @@ def scale_view(dst: torch.Tensor, scales: dict[int, tuple[torch.Tensor, bool]]) 
 def quantize_lm_head(model: CausalLM | DeepseekCausalLM, group: int = GROUP) -> None:
     """This rank's shard of the LM head in Q8_0 blocks, as llama.cpp's Q8_0 files hold the output matrix (call after
     pack_weights; replaces its packed copy). The embedding keeps the model dtype: a lookup reads a few rows."""
-    from pdserve.model.linear import Int8Weight
-
     first, n = model.ps.vocab_shard(model.lm_head.shape[0])
     model.lm_head_packed = Int8Weight(*quantize_per_group(model.lm_head[first : first + n].detach(), group))

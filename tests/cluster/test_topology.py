@@ -204,7 +204,12 @@ def test_up_quantization_reaches_every_pod_and_not_the_router(tmp_path):
 
 @pytest.mark.parametrize(
     "router_args,profiles",
-    [([], False), (["--local-prefill-max-tokens", "64"], False), (["--local-prefill-max-tokens", "auto"], True)],
+    [
+        ([], False),
+        (["--local-prefill-max-tokens", "64"], False),
+        (["--local-prefill-max-tokens", "auto"], True),
+        (["--local-prefill-max-tokens=AUTO"], True),  # as the router reads it
+    ],
 )
 def test_pods_time_their_step_profile_only_for_a_router_on_auto(tmp_path, router_args, profiles):
     from pdserve.cluster.supervisor import LocalCluster

@@ -132,14 +132,17 @@ def test_select_mla_backend_keeps_torch_off_cuda(caplog):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_cpu_decode_kernel_matches_the_torch_path(dtype, window):
+# groups of 3 heads take the one-head loop; groups of 4k heads the register tiles (16 or 24 columns per tile)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 2, 64), (8, 2, 48), (16, 1, 576)])
+def test_cpu_decode_kernel_matches_the_torch_path(dtype, window, hq, hkv, d):
     """pdserve's C++ decode kernel (built on this machine) against the gather + flash path it replaces: scattered
-    blocks, GQA groups, uneven contexts, a sliding window, and a row with no keys (a DCP rank holding none)."""
+    blocks, GQA groups, uneven contexts (several of the tiled loop's chunks), a sliding window, and a row with no
+    keys (a DCP rank holding none)."""
     from pdserve import kernels
 
     assert kernels.available(), "the CPU kernels did not build here (see the log for the compiler's error)"
     g = torch.Generator().manual_seed(6)
-    b, hq, hkv, d, bs, nblk = 5, 9, 3, 64, 16, 40
+    b, bs, nblk = 5, 16, 40
     kv = torch.randn(2, nblk, bs, hkv, d, generator=g).to(dtype)
     tables = torch.stack([torch.randperm(nblk, generator=g)[:8] for _ in range(b)])
     ctx = torch.tensor([1, 17, 0, 100, 128])

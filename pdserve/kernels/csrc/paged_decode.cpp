@@ -165,6 +165,167 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   });
 }
 
+// Query groups of a multiple of 4 heads (MLA's heads over one latent row, MQA, GQA groups of 4+): one task per
+// (sequence, KV head) walks the keys in chunks of CHUNK rows, scoring 4 heads x 3 rows and summing 4 heads x NV
+// vectors of values in registers with a softmax kept online (running max and sum rescaled per chunk), so each row
+// is converted once and read from L2 twice; the one-head-at-a-time loops above reload q or the sums per row.
+using v8 = float __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void store8(float* p, v8 x) { std::memcpy(p, &x, sizeof x); }
+
+inline float hsum8(v8 x) {
+  const float a = (x[0] + x[4]) + (x[1] + x[5]), b = (x[2] + x[6]) + (x[3] + x[7]);
+  return a + b;
+}
+
+constexpr int64_t CHUNK = 64;
+
+// s[g * CHUNK + i] = q_g . row_i for 4 heads (q rows of D floats) and R rows.
+template <int R>
+inline void score_tile(const float* q, int64_t D, const float* const* rows, float* s) {
+  v8 a[4][R] = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    v8 r[R];
+    for (int i = 0; i < R; ++i) r[i] = load8(rows[i] + d);
+    for (int g = 0; g < 4; ++g) {
+      const v8 qv = load8(q + g * D + d);
+      for (int i = 0; i < R; ++i) a[g][i] += qv * r[i];
+    }
+  }
+  for (int g = 0; g < 4; ++g)
+    for (int i = 0; i < R; ++i) s[g * CHUNK + i] = hsum8(a[g][i]);
+}
+
+// acc[g * D + d0 ..] += sum_i p[g * CHUNK + i] * row_i[d0 ..] for 4 heads and NV vectors of 8 columns.
+template <int NV>
+inline void value_tile(const float* p, int64_t n, const float* const* rows, int64_t d0, int64_t D, float* acc) {
+  v8 a[4][NV];
+  for (int g = 0; g < 4; ++g)
+    for (int j = 0; j < NV; ++j) a[g][j] = load8(acc + g * D + d0 + 8 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    v8 r[NV];
+    for (int j = 0; j < NV; ++j) r[j] = load8(rows[i] + d0 + 8 * j);
+    for (int g = 0; g < 4; ++g) {
+      const float pg = p[g * CHUNK + i];
+      for (int j = 0; j < NV; ++j) a[g][j] += pg * r[j];
+    }
+  }
+  for (int g = 0; g < 4; ++g)
+    for (int j = 0; j < NV; ++j) store8(acc + g * D + d0 + 8 * j, a[g][j]);
+}
+
+// Same contract as decode_kernel; needs G % 4 == 0 and D % 16 == 0 (tiled_fits).
+template <typename T, typename Rows>
+void decode_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ksp, const float* vsp,
+                  const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t window, double scale, at::Tensor& out,
+                  at::Tensor& lse) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k.size(1), Hkv = k.size(2);
+  const int64_t G = Hq / Hkv, W = tables.size(1);
+  using S = storage_t<T>;
+  using E = typename Rows::E;
+  const S* qp = raw(q.data_ptr<T>());
+  const E* kp = static_cast<const E*>(k.data_ptr());
+  const E* vp = static_cast<const E*>(v.data_ptr());
+  const bool shared_kv = kp == vp && ksp == vsp;  // MLA: K and V are the same latent rows
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx_lens.data_ptr<int64_t>();
+  S* op = raw(out.data_ptr<T>());
+  float* lp = lse.data_ptr<float>();
+  const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
+  const float sc = static_cast<float>(scale);
+  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), s(G * CHUNK), kbuf(CHUNK * D), vbuf(CHUNK * D);
+    std::vector<float> mx(G), sum(G), kscl(CHUNK), vscl(CHUNK);
+    std::vector<const float*> krow(CHUNK), vrow(CHUNK);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t ctx = cp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      if (ctx - start <= 0) {  // this rank holds none of the sequence's keys: contributes nothing
+        for (int64_t g = 0; g < G; ++g) {
+          S* o = op + (b * Hq + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(0.f);
+          lp[b * Hq + h * G + g] = NEG_INF;
+        }
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const S* qg = qp + (b * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(qg[d]) * sc;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(mx.begin(), mx.end(), NEG_INF);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      const int64_t* table = tp + b * W;
+      for (int64_t c0 = start; c0 < ctx; c0 += CHUNK) {
+        const int64_t n = std::min(CHUNK, ctx - c0);
+        int64_t blk = c0 / bs, off = c0 - blk * bs;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t at = table[blk] * blk_stride + off * tok_stride + h * D;
+          krow[i] = Rows::row(kp + at, kbuf.data() + i * D, D);
+          vrow[i] = shared_kv ? krow[i] : Rows::row(vp + at, vbuf.data() + i * D, D);
+          kscl[i] = ksp ? ksp[table[blk] * Hkv + h] : 1.f;
+          vscl[i] = vsp ? vsp[table[blk] * Hkv + h] : 1.f;
+          if (++off == bs) off = 0, ++blk;
+        }
+        for (int64_t g = 0; g < G; g += 4) {
+          const float* qg = qf.data() + g * D;
+          float* sg = s.data() + g * CHUNK;
+          int64_t i = 0;
+          for (; i + 3 <= n; i += 3) score_tile<3>(qg, D, krow.data() + i, sg + i);
+          for (; i < n; ++i) score_tile<1>(qg, D, krow.data() + i, sg + i);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = s.data() + g * CHUNK;
+          float m = mx[g];
+          for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i] *= kscl[i]);
+          const float alpha = exp_nonpositive(mx[g] - m);  // exp(-inf) = 0 on the first chunk
+          float tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+          for (int64_t i = 0; i < n; ++i) {
+            const float e = exp_nonpositive(sg[i] - m);
+            tot += e;
+            sg[i] = e * vscl[i];
+          }
+          sum[g] = sum[g] * alpha + tot;
+          mx[g] = m;
+          if (alpha != 1.f) {
+            float* a = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+          }
+        }
+        const bool three = D % 24 == 0;
+        for (int64_t g = 0; g < G; g += 4)
+          for (int64_t d0 = 0; d0 < D; d0 += three ? 24 : 16) {
+            if (three)
+              value_tile<3>(s.data() + g * CHUNK, n, vrow.data(), d0, D, acc.data() + g * D);
+            else
+              value_tile<2>(s.data() + g * CHUNK, n, vrow.data(), d0, D, acc.data() + g * D);
+          }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        S* o = op + (b * Hq + h * G + g) * D;
+        const float inv = 1.f / sum[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * D + d] * inv);
+        lp[b * Hq + h * G + g] = mx[g] + std::log(sum[g]);
+      }
+    }
+  });
+}
+
+inline bool tiled_fits(const at::Tensor& q, const at::Tensor& k) {
+  return (q.size(1) / k.size(2)) % 4 == 0 && q.size(2) % 16 == 0;
+}
+
 // The kernel for q's dtype and head size, reading the cache through Rows<scalar_t> (RowsOf maps q's dtype to it).
 template <template <typename> class RowsOf>
 void dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ks, const float* vs,
@@ -172,6 +333,10 @@ void dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               at::Tensor& lse) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     using Rows = RowsOf<scalar_t>;
+    if (tiled_fits(q, k)) {
+      decode_tiled<scalar_t, Rows>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+      return;
+    }
     switch (q.size(2)) {
       case 64:
         decode_kernel<scalar_t, Rows, 64>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);

@@ -408,15 +408,39 @@ def _split(steps: list[StepRecord]) -> dict[str, float]:
 
 
 # --- the step-time model ---
-def fit_step_model(steps: list[StepRecord]) -> dict[str, float] | None:
-    """Least squares of step seconds = a + b * batch + c * local KV tokens (per rank)."""
-    rows = [(1.0, float(s.batch), float(s.local_kv_tokens)) for s in steps if s.batch > 0]
+def fit_step_model(points: list[list[StepRecord]]) -> dict[str, float] | None:
+    """Step seconds = a + b * batch + c * local KV tokens (per rank), fitted to each sweep point's mean step, mean
+    batch and mean local KV (a point's rate is its batch over its mean step; every point weighs the same however
+    many steps it ran) by non-negative least squares: no term of the step can cost less than nothing, and a
+    negative one fitted to noise would predict nonsense beyond the sweep (8 ranks)."""
+    rows, y = [], []
+    for steps in points:
+        sel = [s for s in steps if s.batch > 0]
+        if sel:
+            n = len(sel)
+            rows.append((1.0, sum(s.batch for s in sel) / n, sum(s.local_kv_tokens for s in sel) / n))
+            y.append(sum(s.dt for s in sel) / n)
     if len(rows) < 3:
         return None
     x = torch.tensor(rows, dtype=torch.float64)
-    y = torch.tensor([s.dt for s in steps if s.batch > 0], dtype=torch.float64)
-    sol = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
-    return {"a_s": sol[0], "b_s_per_seq": sol[1], "c_s_per_kv_token": sol[2]}
+    yt = torch.tensor(y, dtype=torch.float64).unsqueeze(1)
+    best: tuple[float, list[float]] | None = None
+    # The NNLS optimum is the least-squares fit on some subset of the terms with no negative coefficient: try all.
+    for mask in range(1, 8):
+        cols = [j for j in range(3) if mask >> j & 1]
+        sol = torch.linalg.lstsq(x[:, cols], yt).solution.squeeze(1).tolist()
+        if min(sol) < 0:
+            continue
+        coef = [0.0, 0.0, 0.0]
+        for j, v in zip(cols, sol):
+            coef[j] = v
+        resid = float(((x @ torch.tensor(coef, dtype=torch.float64).unsqueeze(1) - yt) ** 2).sum())
+        if best is None or resid < best[0]:
+            best = (resid, coef)
+    if best is None:
+        return None
+    a, b, c = best[1]
+    return {"a_s": a, "b_s_per_seq": b, "c_s_per_kv_token": c}
 
 
 def predict_tok_s(model: dict[str, float], batch: float, local_kv_tokens: float) -> float:
@@ -485,9 +509,9 @@ def run_model(
                         f"{pt['running_mean']:.1f}, waiting {pt['waiting_mean']:.1f}, KV {pt['kv_usage_mean']:.0%}",
                         flush=True,
                     )
-                model = fit_step_model(all_steps)
-                for pt, (lo, hi) in zip(points, _ranges(all_steps, points)):
-                    sel = all_steps[lo:hi]
+                per_point = [all_steps[lo:hi] for lo, hi in _ranges(all_steps, points)]
+                model = fit_step_model(per_point)
+                for pt, sel in zip(points, per_point):
                     if model and sel:
                         b = statistics.mean(s.batch for s in sel)
                         k = statistics.mean(s.local_kv_tokens for s in sel)

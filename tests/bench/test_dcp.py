@@ -25,16 +25,25 @@ def test_kv_sizing_fits_the_tp_only_count_and_dcp_doubles_it():
 
 
 def test_step_model_recovers_a_linear_step_time():
-    steps = [
-        dcp.StepRecord(0.0, 0.01 + 0.001 * b + 1e-6 * k, b, k, 0.0)
-        for b, k in ((1, 100), (4, 900), (8, 500), (16, 3000), (2, 2000))
+    points = [
+        [dcp.StepRecord(0.0, 0.01 + 0.001 * b + 1e-6 * k, b, k, 0.0)] * reps
+        for b, k, reps in ((1, 100, 3), (4, 900, 1), (8, 500, 7), (16, 3000, 2), (2, 2000, 1))
     ]
-    m = dcp.fit_step_model(steps)
+    m = dcp.fit_step_model(points)
     assert m is not None
     assert m["a_s"] == pytest.approx(0.01, rel=1e-6)
     assert m["b_s_per_seq"] == pytest.approx(0.001, rel=1e-6)
     assert m["c_s_per_kv_token"] == pytest.approx(1e-6, rel=1e-6)
     assert dcp.predict_tok_s(m, 8, 500) == pytest.approx(8 / (0.01 + 0.008 + 0.0005))
+
+
+def test_step_model_never_fits_a_negative_term():
+    # Steps that shrink as the batch grows (a machine whose share moved between points): least squares would give
+    # the batch a negative cost; the fit drops that term instead and keeps every prediction positive.
+    points = [[dcp.StepRecord(0.0, dt, b, k, 0.0)] for b, k, dt in ((4, 3000, 0.4), (8, 6000, 0.7), (16, 10000, 0.5))]
+    m = dcp.fit_step_model(points)
+    assert m is not None and min(m.values()) >= 0
+    assert all(dcp.predict_tok_s(m, b, k) > 0 for b, k in ((4, 3000), (128, 80000)))
 
 
 @pytest.mark.slow

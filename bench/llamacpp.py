@@ -6,7 +6,9 @@ alternating every repeat. pdserve is `pdserve up --unified` (one pod doing prefi
 fastest layout on one machine); llama-server is built from source and fed the same checkpoint converted to GGUF
 (bench/peer_llamacpp.py), with `--parallel 8 --cont-batching` and as many threads as pdserve's pod has cores.
 
-Matched precisions: fp32 vs F32, bf16 vs BF16, and pdserve's `--quantization int8` vs Q8_0.
+Matched precisions: fp32 vs F32, bf16 vs BF16, and pdserve's `--quantization int8` vs Q8_0; with --int8-from-gguf
+pdserve's int8 side loads the very Q8_0 file llama-server serves (pdserve/model/gguf_file.py), so both sides hold the
+same int8 values and scales.
 
 Workloads, fresh prompts per repeat on both sides (each server caches prompts it has seen):
 - one stream: decode tok/s = (tokens - 1) / (last token time - first token time);
@@ -269,7 +271,9 @@ def _pair_ms(a: float | None, b: float | None) -> str:
     return f"{ms(a)} / {ms(b)}"
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, int8_from_gguf: bool = False) -> dict[str, Any]:
+    """int8_from_gguf: pdserve's int8 side loads llama-server's Q8_0 file (its int8 values and fp16 scales as they
+    are) instead of quantising the fp32 checkpoint at load, so the two sides differ only in their kernels."""
     cores = sorted(os.sched_getaffinity(0))
     cfg = Config.make(quick, threads=min(2, len(cores)))
     model_dir = ensure_default_model()
@@ -283,7 +287,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     for i, precision in enumerate(cfg.precisions):
         gguf = llama.ensure_gguf(model_dir, precision)
         print(f"{precision}: starting pdserve up --unified and llama-server ({gguf.name})", file=sys.stderr)
-        up_args = ["--unified", "--model", str(model_dir), "--port", "0", "--http-port", "0", "--quiet"]
+        model = gguf if precision == "int8" and int8_from_gguf else model_dir
+        up_args = ["--unified", "--model", str(model), "--port", "0", "--http-port", "0", "--quiet"]
         up_args += ["--unified-cpus", unified_cpus, "--max-model-len", "2048", *pdserve_flags(precision)]
         pds = PdserveUp(up_args, logs / f"pdserve-{precision}")
         if not pds.started:
@@ -300,5 +305,6 @@ def run(quick: bool = False) -> dict[str, Any]:
             pds.close()
     out = assemble(results, cfg, {**llama.describe(binary), "threads": cfg.threads, "parallel": PARALLEL, "ctx": ctx})
     out["quick"] = quick
+    out["config"]["int8_weights"] = "llama-server's Q8_0 GGUF" if int8_from_gguf else "quantised at load from fp32"
     out["machine"] = machine()
     return out

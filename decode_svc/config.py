@@ -111,8 +111,10 @@ class DecodeConfig:
 
             e.model = str(ensure_default_model())
         e.model = os.fspath(e.model)
-        if not os.path.isfile(os.path.join(e.model, "config.json")):
-            bad(f"model {e.model!r} is not a checkpoint directory (no config.json)")
+        if not os.path.isfile(os.path.join(e.model, "config.json")) and not (
+            e.model.endswith(".gguf") and os.path.isfile(e.model)
+        ):
+            bad(f"model {e.model!r} is not a checkpoint directory (no config.json) nor a GGUF file")
         # Sizes <= 0 are reported by the parallel rules themselves, in vLLM's words.
         validate_parallel_config(ModelParallelInfo.from_model_path(e.model), self.parallel)
 

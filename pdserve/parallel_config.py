@@ -137,8 +137,13 @@ class ModelParallelInfo:
 
     @classmethod
     def from_model_path(cls, path: str | os.PathLike[str]) -> "ModelParallelInfo":
-        """Read ``config.json`` from a model directory (or the path of a config.json itself)."""
+        """Read ``config.json`` from a model directory (or the path of a config.json itself), or a GGUF file's
+        metadata."""
         p = os.fspath(path)
+        if p.endswith(".gguf"):
+            from pdserve.model import gguf_file  # torch-side: imported only for a GGUF model
+
+            return cls.from_hf_config(gguf_file.read_config(p))
         cfg_path = os.path.join(p, "config.json") if os.path.isdir(p) else p
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"no config.json at {cfg_path}")

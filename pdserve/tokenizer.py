@@ -1,4 +1,5 @@
-"""Tokenizer from tokenizer.json (HF `tokenizers`) with the checkpoint's chat template and incremental detokenizing."""
+"""Tokenizer from tokenizer.json (HF `tokenizers`), or from a GGUF file's metadata through transformers, with the
+checkpoint's chat template and incremental detokenizing."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ from tokenizers import Tokenizer as HFTokenizer
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
-        tj = path / "tokenizer.json"
-        if not tj.is_file():
-            raise FileNotFoundError(f"{tj}: not found; the model directory needs tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(tj))
         conf: dict[str, Any] = {}
-        if (path / "tokenizer_config.json").is_file():
-            conf = json.loads((path / "tokenizer_config.json").read_text())
+        if path.suffix == ".gguf":
+            self._tok, conf = _from_gguf(path)
+        else:
+            tj = path / "tokenizer.json"
+            if not tj.is_file():
+                raise FileNotFoundError(f"{tj}: not found; the model directory needs tokenizer.json")
+            self._tok = HFTokenizer.from_file(str(tj))
+            if (path / "tokenizer_config.json").is_file():
+                conf = json.loads((path / "tokenizer_config.json").read_text())
+            if (path / "chat_template.jinja").is_file():
+                conf["chat_template"] = (path / "chat_template.jinja").read_text()
         template = conf.get("chat_template")
-        if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
         self.chat_template: str | None = template
         self.bos_token = _token_str(conf.get("bos_token"))
         self.eos_token = _token_str(conf.get("eos_token"))
@@ -84,6 +88,28 @@ class IncrementalDetokenizer:
         delta = full[len(self.text) :]
         self.text = full
         return delta
+
+
+def _from_gguf(path: Path) -> tuple[HFTokenizer, dict[str, Any]]:
+    """A GGUF file's tokenizer as transformers rebuilds it from the file's metadata, with tokenizer_config.json's
+    fields that this class reads."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError(
+            f"{path}: a GGUF model's tokenizer needs the transformers package (pdserve's dependency; the runtime "
+            "image leaves it out): pip install transformers, or give the HF checkpoint directory"
+        ) from None
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    conf = {
+        "chat_template": tok.chat_template,
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "add_bos_token": bool(getattr(tok, "add_bos_token", False)),
+    }
+    return tok.backend_tokenizer, conf
 
 
 def _token_str(v: Any) -> str | None:

@@ -83,8 +83,14 @@ class PrefillConfig:
             raise PrefillConfigError(
                 f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}"
             )
-        if e.model is not None and not os.path.isdir(e.model):
-            raise PrefillConfigError(f"model {e.model!r} is not a directory (expected an HF checkpoint)")
+        if (
+            e.model is not None
+            and not os.path.isdir(e.model)
+            and not (e.model.endswith(".gguf") and os.path.isfile(e.model))
+        ):
+            raise PrefillConfigError(
+                f"model {e.model!r} is not a directory (expected an HF checkpoint) nor a GGUF file"
+            )
 
     @property
     def tls(self) -> "TLSConfig | None":

@@ -172,7 +172,8 @@ class RouterConfig:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             bad("model", "must be a model directory path or None (the default model)")
         if self.model is not None and not (Path(self.model) / "tokenizer.json").is_file():
-            bad("model", "must be a model directory containing tokenizer.json")
+            if not (self.model.endswith(".gguf") and Path(self.model).is_file()):
+                bad("model", "must be a model directory containing tokenizer.json, or a GGUF file")
         if self.served_model_name is not None and (
             not isinstance(self.served_model_name, str) or not self.served_model_name
         ):

@@ -370,9 +370,12 @@ class Topology:
             )
         if self.model is not None:
             mp = Path(self.model)
-            if not (mp / "config.json").is_file():
+            if mp.suffix == ".gguf":  # config and tokenizer come from the file's metadata
+                if not mp.is_file():
+                    raise TopologyError(f"--model {self.model}: no such GGUF file")
+            elif not (mp / "config.json").is_file():
                 raise TopologyError(f"--model {self.model}: not a checkpoint directory (no config.json)")
-            if not (mp / "tokenizer.json").is_file():
+            elif not (mp / "tokenizer.json").is_file():
                 raise TopologyError(f"--model {self.model}: the router needs tokenizer.json next to config.json")
         if model is None:
             try:

@@ -54,6 +54,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "measured step times; the JSON records what the router chose)",
     )
     p.add_argument("--chaos", action="store_true", help="soak: inject faults (kills, freezes, KV path drops) in load")
+    p.add_argument(
+        "--int8-from-gguf",
+        action="store_true",
+        default=None,  # None when absent: only llamacpp takes it (run_bench refuses it elsewhere)
+        help="llamacpp: serve pdserve's int8 side from the Q8_0 GGUF that llama-server loads, so both hold the same "
+        "int8 values and scales (default: --quantization int8 over the fp32 checkpoint)",
+    )
     p.set_defaults(func=run_bench)
 
 
@@ -84,7 +91,8 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
         kw["device"] = args.device
     params = inspect.signature(module.run).parameters
-    for opt in ("out", "goodput", "endpoint", "rates", "local_prefill_max_tokens"):  # only some benchmarks take these
+    # only some benchmarks take these
+    for opt in ("out", "goodput", "endpoint", "rates", "local_prefill_max_tokens", "int8_from_gguf"):
         value = getattr(args, opt, None)
         given = value is not None and value != []  # a threshold of 0 is given too
         if given and opt != "out" and opt not in params:

@@ -22,7 +22,11 @@ MAX_N = 128  # sequences per request (parallel sampling / best_of); more is a mi
 class EngineConfig:
     model: str | None = field(
         default=None,
-        metadata={"help": "HF checkpoint directory (default: the bundled SmolLM2 model)", "metavar": "PATH"},
+        metadata={
+            "help": "HF checkpoint directory, or a llama.cpp GGUF file (Q8_0 / F32 / F16 / BF16 tensors; Q8_0 runs "
+            "int8) (default: the bundled SmolLM2 model)",
+            "metavar": "PATH",
+        },
     )
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest sequence (default: min(max_position_embeddings, 8192))"}

@@ -21,7 +21,8 @@ from pdserve.engine.kv_connector import KVConnectorScheduler, KVConnectorSpec
 from pdserve.engine.model_runner import build_step_input
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import FinishReason, SeqStatus, Sequence
-from pdserve.model.config import ModelConfig
+from pdserve.model import gguf_file
+from pdserve.model.config import ModelConfig, ModelConfigError
 from pdserve.parallel_config import ModelParallelInfo, validate_parallel_config
 from pdserve.sampling import Sampler
 from pdserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -102,6 +103,13 @@ class LLMEngine:
 
             cfg.model = str(ensure_default_model())
         self.model_config = ModelConfig.from_path(cfg.model)
+        if gguf_file.is_gguf(cfg.model) and gguf_file.holds_q8_0(cfg.model):
+            if cfg.exact_prefill:
+                raise ModelConfigError(
+                    f"{cfg.model} holds Q8_0 weights, which run int8; exact_prefill needs full-precision weights: "
+                    "drop exact_prefill or give the HF checkpoint directory"
+                )
+            log.info("%s holds Q8_0 weights: loading them as they are and running int8 (W8A8)", cfg.model)
         validate_parallel_config(ModelParallelInfo.from_hf_config(self.model_config.raw), cfg.parallel)
         mc = self.model_config
         self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)

@@ -19,7 +19,7 @@ from pdserve.engine.kv_cache import MLA, KVCacheLayout
 from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorSpec, KVConnectorWorker
 from pdserve.engine.kv_quant import KVQuant
 from pdserve.engine.scheduler import ScheduledStep
-from pdserve.model import quant
+from pdserve.model import gguf_file, quant
 from pdserve.model.config import ModelConfig
 from pdserve.model.parallel_state import ParallelState
 from pdserve.model.registry import build_model
@@ -178,15 +178,20 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = build_model(cfg, ps, backend, max_positions=max_model_len).to(dtype)
         q8_0 = False
+        gguf = gguf_file.is_gguf(model_path)
         if quant.checkpoint_int8(cfg):  # its scales are per channel, as the checkpoint holds them
             quant.make_int8(self.model, group=0)
-        elif quantization == quant.INT8:
+        elif quantization == quant.INT8 or (gguf and gguf_file.holds_q8_0(model_path)):
             quant.make_int8(self.model)
             q8_0 = True
         load_weights(self.model, model_path)
         self.model.pack_weights()  # no-op off CPU
         if q8_0:  # llama.cpp's Q8_0 files hold the output matrix in Q8_0 too
-            quant.quantize_lm_head(self.model)
+            head = gguf_file.lm_head_q8_0(self.model, model_path) if gguf else None
+            if head is not None:  # the file's own blocks
+                self.model.lm_head_packed = head
+            else:
+                quant.quantize_lm_head(self.model)
         self.model.exact_prefill = exact_prefill
         # One contiguous region per rank (see docs/DESIGN.md), so a KV transport can register it once; on CPU on
         # transparent huge pages where the OS allows (NIXL's CMA reads pin source pages; docs/performance.md).

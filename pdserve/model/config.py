@@ -1,5 +1,5 @@
 """Model configuration read from an HF checkpoint's config.json (Llama, Mistral, Qwen2 and DeepSeek-V2/V3
-families; Kimi K2 checkpoints name DeepseekV3ForCausalLM)."""
+families; Kimi K2 checkpoints name DeepseekV3ForCausalLM), or from a GGUF file's metadata (gguf_file.py)."""
 
 from __future__ import annotations
 
@@ -113,9 +113,15 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelConfig":
+        if Path(path).suffix == ".gguf":  # llama.cpp's file: config.json's fields from its metadata
+            from pdserve.model import gguf_file  # imports torch-side modules that import this one
+
+            return cls.from_dict(gguf_file.read_config(path), source=str(path))
         cfg_file = Path(path) / "config.json"
         if not cfg_file.is_file():
-            raise ModelConfigError(f"{cfg_file}: not found; a model directory needs config.json and *.safetensors")
+            raise ModelConfigError(
+                f"{cfg_file}: not found; a model directory needs config.json and *.safetensors (or give a GGUF file)"
+            )
         try:
             raw = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:

@@ -11,7 +11,8 @@ norms, the MoE router and MLA's kv_b_proj (absorbed into the attention as a matr
 
 A compressed-tensors W8A8 checkpoint (config.json quantization_config, format "int-quantized" or "naive-quantized":
 symmetric 8-bit int weights per channel or per tensor, dynamic per-token activations) loads its int8 weights and
-weight_scale as they are (checkpoint_int8), per channel with per-token activations (kernels.int8_linear)."""
+weight_scale as they are (checkpoint_int8), per channel with per-token activations (kernels.int8_linear). A GGUF
+file's Q8_0 tensors are this module's blocks already and load as they are (gguf_file.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Loading HF safetensors into the (possibly TP-sliced) model, with errors that name the file and key; int8 layers
 (quant.make_int8) are quantised (per block of columns, or per row) from the whole tensor before it is sliced, or
-taken as they are with their weight_scale from a compressed-tensors W8A8 checkpoint."""
+taken as they are with their weight_scale from a compressed-tensors W8A8 checkpoint. A GGUF file goes to
+gguf_file.py, which stores through the same helpers (store, store_blocks)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def _mlp_targets(p: str, mlp: MLP, h: int) -> Targets:
     return out
 
 
-def _targets(model: CausalLM | DeepseekCausalLM) -> Targets:
+def targets_of(model: CausalLM | DeepseekCausalLM) -> Targets:
     """HF key -> (destination view, full shape expected in the file, slicer taking the full tensor to this rank's
     part)."""
     if isinstance(model, DeepseekCausalLM):
@@ -192,12 +193,53 @@ def _load_scale(
     raise WeightLoadError(f"{near.name}: int8 {key.removesuffix('_scale')!r} without its {key!r}")
 
 
+def store_blocks(
+    key: str,
+    dst: torch.Tensor,
+    shape: tuple[int, ...],
+    slicer: Slicer,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    scales: ScaleMap,
+) -> None:
+    """The whole weight's int8 blocks q [N, K] and block scales s [N, ceil(K / GROUP)] into dst, an int8 layer with
+    block scales, sliced to this rank's part."""
+    shard_groups(key, dst.shape[-1], shape[-1])
+    dst.copy_(slicer(q))
+    # each block's scale repeated over its columns, sliced as the weight, then one per block:
+    # a shard cut on block boundaries keeps exactly the blocks of the columns it keeps
+    per_col = slicer(s.repeat_interleave(GROUP, dim=-1)[..., : shape[-1]])
+    scale_view(dst, scales).copy_(per_col[..., ::GROUP])
+
+
+def store(
+    key: str, dst: torch.Tensor, shape: tuple[int, ...], slicer: Slicer, full: torch.Tensor, scales: ScaleMap
+) -> None:
+    """The whole full-precision tensor into dst, sliced to this rank's part: quantised first where dst is int8
+    (quant.make_int8), per block or per row as its scales are."""
+    if dst.dtype == torch.int8 and scales[dst.untyped_storage().data_ptr()][1]:
+        store_blocks(key, dst, shape, slicer, *quantize_per_group(full), scales)
+    elif dst.dtype == torch.int8:
+        q, s = quantize_per_channel(full)
+        dst.copy_(slicer(q))
+        # the slicer picks rows (column parallel) or columns (row parallel): applied to each
+        # row's scale repeated along the row, it keeps the scales of the rows it keeps
+        scale_view(dst, scales).copy_(slicer(s.unsqueeze(-1).expand(q.shape))[..., 0])
+    else:
+        dst.copy_(slicer(full).to(dst.dtype))
+
+
 def load_weights(model: CausalLM | DeepseekCausalLM, path: str | Path) -> None:
     path = Path(path)
+    if path.suffix == ".gguf":
+        from pdserve.model import gguf_file  # it builds on this module
+
+        gguf_file.load_weights(model, path)
+        return
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"{path}: no *.safetensors files found")
-    targets = _targets(model)
+    targets = targets_of(model)
     scales = scales_by_storage(model)
     prequantised: dict[str, tuple[Path, torch.Tensor, int, Slicer]] = {}
     seen: set[str] = set()
@@ -217,22 +259,8 @@ def load_weights(model: CausalLM | DeepseekCausalLM, path: str | Path) -> None:
                             raise WeightLoadError(f"{f.name}: {key!r} is int8 where pdserve keeps {dst.dtype}")
                         dst.copy_(slicer(full))
                         prequantised[key] = (f, dst, shape[-1], slicer)
-                    elif dst.dtype == torch.int8 and scales[dst.untyped_storage().data_ptr()][1]:
-                        shard_groups(key, dst.shape[-1], shape[-1])
-                        q, s = quantize_per_group(full)
-                        dst.copy_(slicer(q))
-                        # each block's scale repeated over its columns, sliced as the weight, then one per block:
-                        # a shard cut on block boundaries keeps exactly the blocks of the columns it keeps
-                        per_col = slicer(s.repeat_interleave(GROUP, dim=-1)[..., : shape[-1]])
-                        scale_view(dst, scales).copy_(per_col[..., ::GROUP])
-                    elif dst.dtype == torch.int8:
-                        q, s = quantize_per_channel(full)
-                        dst.copy_(slicer(q))
-                        # the slicer picks rows (column parallel) or columns (row parallel): applied to each
-                        # row's scale repeated along the row, it keeps the scales of the rows it keeps
-                        scale_view(dst, scales).copy_(slicer(s.unsqueeze(-1).expand(q.shape))[..., 0])
                     else:
-                        dst.copy_(slicer(full).to(dst.dtype))
+                        store(key, dst, shape, slicer, full, scales)
                     seen.add(key)
     for key, (f, dst, full_k, slicer) in prequantised.items():
         _load_scale(files, key + "_scale", f, dst, full_k, slicer, scales)

@@ -108,3 +108,17 @@ def test_gguf_types_cover_every_precision() -> None:
     assert {P.GGUF_TYPES[p] for p in L.PRECISIONS} == {L.LLAMA_NAMES[p] for p in L.PRECISIONS}
     with pytest.raises(ValueError, match="no GGUF type"):
         P.ensure_gguf(Path("unused"), "fp8")
+
+
+def test_int8_from_gguf_is_taken_by_llamacpp_alone(capsys) -> None:
+    import inspect
+
+    from pdserve.cli import build_parser
+    from pdserve.commands.bench import run_bench
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "llamacpp", "--int8-from-gguf"]).int8_from_gguf is True
+    assert parser.parse_args(["bench", "llamacpp"]).int8_from_gguf is None
+    assert inspect.signature(L.run).parameters["int8_from_gguf"].default is False
+    assert run_bench(parser.parse_args(["bench", "quant", "--int8-from-gguf"])) == 2
+    assert "takes no --int8-from-gguf" in capsys.readouterr().out

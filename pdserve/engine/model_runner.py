@@ -46,11 +46,12 @@ class StepInput:
     num_decodes: int = 0  # the leading sequences decode one token each (ScheduledStep.num_decodes)
 
     def encode(self) -> bytes:
-        """[is_prefill, decodes, T, B, L, dcp, meta bytes, table widths...], every array, then the encoded kv_meta."""
+        """[is_prefill, decodes, T, B, L, S, dcp, meta bytes, table widths...], every array, then the encoded kv_meta
+        (L logits rows: S sampled, then any prompt-logprob rows)."""
         dcp = len(self.slot_mappings)
         extra = b"" if self.kv_meta is None else self.kv_meta.encode()
         t, b, n_logits = self.input_ids.numel(), len(self.query_start_pos), self.logits_indices.numel()
-        head = [int(self.is_prefill), self.num_decodes, t, b, n_logits, dcp, len(extra)]
+        head = [int(self.is_prefill), self.num_decodes, t, b, n_logits, len(self.sample_rows), dcp, len(extra)]
         head += [bt.shape[1] for bt in self.block_tables]
         parts = [
             torch.tensor(head + self.cu_seqlens_q + self.query_start_pos + self.sample_rows, dtype=torch.int64),
@@ -65,18 +66,18 @@ class StepInput:
 
     @staticmethod
     def decode(data: bytes) -> "StepInput":
-        is_prefill, num_decodes, t, b, n_logits, dcp, n_extra = struct.unpack_from("<7q", data)
+        is_prefill, num_decodes, t, b, n_logits, n_samples, dcp, n_extra = struct.unpack_from("<8q", data)
         n_ints = (len(data) - n_extra) // 8
         a = torch.frombuffer(bytearray(data[: n_ints * 8]), dtype=torch.int64)
-        widths = a[7 : 7 + dcp].tolist()
-        at = 7 + dcp
+        widths = a[8 : 8 + dcp].tolist()
+        at = 8 + dcp
 
         def take(n: int) -> torch.Tensor:
             nonlocal at
             at += n
             return a[at - n : at]
 
-        lists = take(b + 1 + b + n_logits).tolist()
+        lists = take(b + 1 + b + n_samples).tolist()
         ids, pos, logits = take(t), take(t), take(n_logits)
         slots = [take(t) for _ in range(dcp)]
         ctx = [take(b) for _ in range(dcp)]

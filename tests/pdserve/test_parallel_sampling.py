@@ -157,6 +157,19 @@ def test_prompt_logprobs_equal_transformers_log_softmax(path):
         assert torch.allclose(torch.tensor(top_lps), vals, atol=1e-4)
 
 
+def test_prompt_logprobs_at_tp2_equal_one_ranks(path):
+    # The step a TP 2 driver broadcasts then carries more logits rows (prompt positions) than rows to sample.
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    got = {}
+    for tp in (1, 2):
+        with LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64, tensor_parallel_size=tp)) as eng:
+            got[tp] = eng.generate([PROMPT], sp, prompt_logprobs=0)[0]
+    assert got[2]["token_ids"] == got[1]["token_ids"]
+    assert len(got[2]["prompt_logprobs"]) == len(PROMPT) - 1
+    for (lp1, ids1, _), (lp2, ids2, _) in zip(got[1]["prompt_logprobs"], got[2]["prompt_logprobs"]):
+        assert abs(lp1 - lp2) < 1e-4 and ids1 == ids2
+
+
 def test_fork_copies_each_dcp_ranks_partial_block_on_a_real_cache(tiny_factory):
     path = tiny_factory("llama", num_heads=8, num_kv_heads=1)
     sp = SamplingParams(temperature=1.0, seed=99, max_tokens=8, ignore_eos=True)

@@ -49,3 +49,10 @@ def test_round_trip_without_rows_to_sample():
     step = _step(2, None, True)
     step.logits_indices, step.sample_rows = torch.zeros(0, dtype=torch.int64), []
     _same(StepInput.decode(step.encode()), step)
+
+
+def test_round_trip_with_prompt_logprob_rows():
+    # Rows scored for prompt logprobs follow the sampled ones in logits_indices: more logits rows than samples.
+    step = _step(2, None, True)
+    step.logits_indices, step.sample_rows = torch.tensor([10, 0, 1, 2, 3]), [2]
+    _same(StepInput.decode(step.encode()), step)

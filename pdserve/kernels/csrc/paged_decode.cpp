@@ -2,12 +2,8 @@
 //
 // The torch path gathers each sequence's keys and values into a contiguous copy per layer, transposes it for the
 // flash kernel, and runs a kernel tiled for long query blocks on one query row per head. This reads the cache once:
-// one task per (sequence, KV head) walks the sequence's keys in chunks of CHUNK rows; for the group of query heads
-// that share the KV head it scores up to 4 heads x R rows and sums up to 4 heads x 8-24 value columns in registers,
-// with the softmax kept online (running max and sum rescaled per chunk). So a row is read from memory once,
-// converted once (bf16, fp8), and read again from L2 for the values; a loop over one head at a time reloaded q or
-// the value sums for every row, and a two-pass softmax read a long context from memory twice. Built and loaded by
-// pdserve/kernels/__init__.py.
+// one task per (sequence, KV head) scores its group of query heads against the sequence's keys block by block,
+// then sums the values weighted by the softmax. Built and loaded by pdserve/kernels/__init__.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -71,7 +67,108 @@ struct Fp8Rows {  // an 8-bit cache with one scale per (block, KV head) (pdserve
   }
 };
 
-// 8 floats: an AVX2 register (the compiler splits it where there is none, and keeps it on AVX-512).
+// HD > 0: the head size known at compile time (fully unrolled loops); 0: read from q. Rows: ModelDtypeRows or
+// Fp8Rows. ks / vs: float32 [blocks, KV heads] scales, or null (scale 1). Scores are (q . k_row) * k_scale and the
+// value sum weighs v_row by p * v_scale, so nothing is dequantised outside registers.
+template <typename T, typename Rows, int64_t HD>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ksp, const float* vsp,
+                   const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t window, double scale, at::Tensor& out,
+                   at::Tensor& lse) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = HD > 0 ? HD : q.size(2);
+  const int64_t bs = k.size(1), Hkv = k.size(2);
+  const int64_t G = Hq / Hkv, W = tables.size(1);
+  using S = storage_t<T>;
+  using E = typename Rows::E;
+  const S* qp = raw(q.data_ptr<T>());
+  const E* kp = static_cast<const E*>(k.data_ptr());
+  const E* vp = static_cast<const E*>(v.data_ptr());
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx_lens.data_ptr<int64_t>();
+  S* op = raw(out.data_ptr<T>());
+  float* lp = lse.data_ptr<float>();
+  const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), s, row_buf(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t ctx = cp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t n = ctx - start;
+      if (n <= 0) {  // this rank holds none of the sequence's keys: contributes nothing
+        for (int64_t g = 0; g < G; ++g) {
+          S* o = op + (b * Hq + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(0.f);
+          lp[b * Hq + h * G + g] = -std::numeric_limits<float>::infinity();
+        }
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const S* qg = qp + (b * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(qg[d]) * sc;
+      }
+      s.resize(G * n);
+      const int64_t* table = tp + b * W;
+      std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
+      // Walk the keys block by block: no division per key (64-bit idiv costs tens of cycles).
+      for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
+        const int64_t stop = std::min(ctx, (blk + 1) * bs);
+        const float kscale = ksp ? ksp[table[blk] * Hkv + h] : 1.f;
+        const E* kt = kp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        for (; t < stop; ++t, kt += tok_stride) {
+          const float* __restrict__ row = Rows::row(kt, row_buf.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qv = qf.data() + g * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qv[d] * row[d];
+            dot *= kscale;
+            s[g * n + (t - start)] = dot;
+            mx[g] = std::max(mx[g], dot);
+          }
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> sum(G, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s.data() + g * n;
+        const float m = mx[g];
+        float tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+        for (int64_t i = 0; i < n; ++i) {
+          sg[i] = exp_nonpositive(sg[i] - m);
+          tot += sg[i];
+        }
+        sum[g] = tot;
+      }
+      for (int64_t blk = start / bs, t = start; t < ctx; ++blk) {
+        const int64_t stop = std::min(ctx, (blk + 1) * bs);
+        const float vscale = vsp ? vsp[table[blk] * Hkv + h] : 1.f;
+        const E* vt = vp + table[blk] * blk_stride + (t - blk * bs) * tok_stride + h * D;
+        for (; t < stop; ++t, vt += tok_stride) {
+          const float* __restrict__ row = Rows::row(vt, row_buf.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * n + (t - start)] * vscale;
+            float* __restrict__ a = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        S* o = op + (b * Hq + h * G + g) * D;
+        const float inv = 1.f / sum[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * D + d] * inv);
+        lp[b * Hq + h * G + g] = mx[g] + std::log(sum[g]);
+      }
+    }
+  });
+}
+
+// Query groups of a multiple of 4 heads (MLA's heads over one latent row, MQA, GQA groups of 4+): one task per
+// (sequence, KV head) walks the keys in chunks of CHUNK rows, scoring 4 heads x 3 rows and summing 4 heads x NV
+// vectors of values in registers with a softmax kept online (running max and sum rescaled per chunk), so each row
+// is converted once and read from L2 twice; the one-head-at-a-time loops above reload q or the sums per row.
 using v8 = float __attribute__((vector_size(32)));
 
 inline v8 load8(const float* p) {
@@ -89,74 +186,43 @@ inline float hsum8(v8 x) {
 
 constexpr int64_t CHUNK = 64;
 
-// s[g * CHUNK + i] = q_g . row_i for H heads (q rows of D floats) and R rows.
-template <int H, int R>
+// s[g * CHUNK + i] = q_g . row_i for 4 heads (q rows of D floats) and R rows.
+template <int R>
 inline void score_tile(const float* q, int64_t D, const float* const* rows, float* s) {
-  v8 a[H][R] = {};
+  v8 a[4][R] = {};
   for (int64_t d = 0; d < D; d += 8) {
     v8 r[R];
     for (int i = 0; i < R; ++i) r[i] = load8(rows[i] + d);
-    for (int g = 0; g < H; ++g) {
+    for (int g = 0; g < 4; ++g) {
       const v8 qv = load8(q + g * D + d);
       for (int i = 0; i < R; ++i) a[g][i] += qv * r[i];
     }
   }
-  for (int g = 0; g < H; ++g)
+  for (int g = 0; g < 4; ++g)
     for (int i = 0; i < R; ++i) s[g * CHUNK + i] = hsum8(a[g][i]);
 }
 
-// acc[g * D + d0 ..] += sum_i p[g * CHUNK + i] * row_i[d0 ..] for H heads and NV vectors of 8 columns.
-template <int H, int NV>
+// acc[g * D + d0 ..] += sum_i p[g * CHUNK + i] * row_i[d0 ..] for 4 heads and NV vectors of 8 columns.
+template <int NV>
 inline void value_tile(const float* p, int64_t n, const float* const* rows, int64_t d0, int64_t D, float* acc) {
-  v8 a[H][NV];
-  for (int g = 0; g < H; ++g)
+  v8 a[4][NV];
+  for (int g = 0; g < 4; ++g)
     for (int j = 0; j < NV; ++j) a[g][j] = load8(acc + g * D + d0 + 8 * j);
   for (int64_t i = 0; i < n; ++i) {
     v8 r[NV];
     for (int j = 0; j < NV; ++j) r[j] = load8(rows[i] + d0 + 8 * j);
-    for (int g = 0; g < H; ++g) {
+    for (int g = 0; g < 4; ++g) {
       const float pg = p[g * CHUNK + i];
       for (int j = 0; j < NV; ++j) a[g][j] += pg * r[j];
     }
   }
-  for (int g = 0; g < H; ++g)
+  for (int g = 0; g < 4; ++g)
     for (int j = 0; j < NV; ++j) store8(acc + g * D + d0 + 8 * j, a[g][j]);
 }
 
-// One chunk's scores and value sums for H (<= 4) heads: tiles of up to 12 accumulators, AVX2's 16 registers less
-// the operands.
-template <int H>
-inline void score_heads(const float* q, int64_t D, const float* const* rows, int64_t n, float* s) {
-  constexpr int R = H == 4 ? 3 : H == 1 ? 8 : 4;
-  int64_t i = 0;
-  for (; i + R <= n; i += R) score_tile<H, R>(q, D, rows + i, s + i);
-  for (; i < n; ++i) score_tile<H, 1>(q, D, rows + i, s + i);
-}
-
-template <int H>
-inline void value_heads(const float* p, int64_t n, const float* const* rows, int64_t D, float* acc) {
-  if (D % 24 == 0)
-    for (int64_t d0 = 0; d0 < D; d0 += 24) value_tile<H, 3>(p, n, rows, d0, D, acc);
-  else if (D % 16 == 0)
-    for (int64_t d0 = 0; d0 < D; d0 += 16) value_tile<H, 2>(p, n, rows, d0, D, acc);
-  else
-    for (int64_t d0 = 0; d0 < D; d0 += 8) value_tile<H, 1>(p, n, rows, d0, D, acc);
-}
-
-template <int H>
-inline void chunk_heads(bool scores, const float* q, const float* p, int64_t D, const float* const* rows, int64_t n,
-                        float* s, float* acc) {
-  if (scores)
-    score_heads<H>(q, D, rows, n, s);
-  else
-    value_heads<H>(p, n, rows, D, acc);
-}
-
-// Rows: ModelDtypeRows or Fp8Rows. ks / vs: float32 [blocks, KV heads] scales, or null (scale 1). Scores are
-// (q . k_row) * k_scale and the value sum weighs v_row by p * v_scale, so nothing is dequantised outside registers.
-// A head size that is no multiple of 8 works on rows copied with zeros up to the next one (zeros change no sum).
+// Same contract as decode_kernel; needs G % 4 == 0 and D % 16 == 0 (tiled_fits).
 template <typename T, typename Rows>
-void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ksp, const float* vsp,
+void decode_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ksp, const float* vsp,
                   const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t window, double scale, at::Tensor& out,
                   at::Tensor& lse) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -173,35 +239,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   S* op = raw(out.data_ptr<T>());
   float* lp = lse.data_ptr<float>();
   const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
-  const int64_t Dp = (D + 7) / 8 * 8;  // the tiles' width
   const float sc = static_cast<float>(scale);
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * Dp, 0.f), acc(G * Dp), s(G * CHUNK), kbuf(CHUNK * Dp, 0.f), vbuf(CHUNK * Dp, 0.f);
+    std::vector<float> qf(G * D), acc(G * D), s(G * CHUNK), kbuf(CHUNK * D), vbuf(CHUNK * D);
     std::vector<float> mx(G), sum(G), kscl(CHUNK), vscl(CHUNK);
     std::vector<const float*> krow(CHUNK), vrow(CHUNK);
-    // A cache row as Dp floats: in place where it is float already and needs no zeros, else in buf.
-    auto row = [&](const E* src, float* buf) -> const float* {
-      const float* r = Rows::row(src, buf, D);
-      if (Dp == D) return r;
-      if (r != buf) std::memcpy(buf, r, D * sizeof(float));
-      return buf;  // buf's columns past D stay zero
-    };
-    // The group's heads four at a time (the last tile 1-3): their scores (s) or their value sums (acc).
-    auto heads = [&](bool scores, const float* const* rows, int64_t n) {
-      for (int64_t g = 0; g < G; g += 4) {
-        const float* qg = qf.data() + g * Dp;
-        const float* pg = s.data() + g * CHUNK;
-        float* sg = s.data() + g * CHUNK;
-        float* ag = acc.data() + g * Dp;
-        switch (std::min<int64_t>(4, G - g)) {
-          case 4: chunk_heads<4>(scores, qg, pg, Dp, rows, n, sg, ag); break;
-          case 3: chunk_heads<3>(scores, qg, pg, Dp, rows, n, sg, ag); break;
-          case 2: chunk_heads<2>(scores, qg, pg, Dp, rows, n, sg, ag); break;
-          default: chunk_heads<1>(scores, qg, pg, Dp, rows, n, sg, ag);
-        }
-      }
-    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t ctx = cp[b];
@@ -216,7 +259,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       }
       for (int64_t g = 0; g < G; ++g) {
         const S* qg = qp + (b * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * Dp + d] = to_f<T>(qg[d]) * sc;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(qg[d]) * sc;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(mx.begin(), mx.end(), NEG_INF);
@@ -227,13 +270,19 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         int64_t blk = c0 / bs, off = c0 - blk * bs;
         for (int64_t i = 0; i < n; ++i) {
           const int64_t at = table[blk] * blk_stride + off * tok_stride + h * D;
-          krow[i] = row(kp + at, kbuf.data() + i * Dp);
-          vrow[i] = shared_kv ? krow[i] : row(vp + at, vbuf.data() + i * Dp);
+          krow[i] = Rows::row(kp + at, kbuf.data() + i * D, D);
+          vrow[i] = shared_kv ? krow[i] : Rows::row(vp + at, vbuf.data() + i * D, D);
           kscl[i] = ksp ? ksp[table[blk] * Hkv + h] : 1.f;
           vscl[i] = vsp ? vsp[table[blk] * Hkv + h] : 1.f;
           if (++off == bs) off = 0, ++blk;
         }
-        heads(true, krow.data(), n);
+        for (int64_t g = 0; g < G; g += 4) {
+          const float* qg = qf.data() + g * D;
+          float* sg = s.data() + g * CHUNK;
+          int64_t i = 0;
+          for (; i + 3 <= n; i += 3) score_tile<3>(qg, D, krow.data() + i, sg + i);
+          for (; i < n; ++i) score_tile<1>(qg, D, krow.data() + i, sg + i);
+        }
         for (int64_t g = 0; g < G; ++g) {
           float* sg = s.data() + g * CHUNK;
           float m = mx[g];
@@ -249,30 +298,55 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           sum[g] = sum[g] * alpha + tot;
           mx[g] = m;
           if (alpha != 1.f) {
-            float* a = acc.data() + g * Dp;
+            float* a = acc.data() + g * D;
 #pragma omp simd
-            for (int64_t d = 0; d < Dp; ++d) a[d] *= alpha;
+            for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
           }
         }
-        heads(false, vrow.data(), n);
+        const bool three = D % 24 == 0;
+        for (int64_t g = 0; g < G; g += 4)
+          for (int64_t d0 = 0; d0 < D; d0 += three ? 24 : 16) {
+            if (three)
+              value_tile<3>(s.data() + g * CHUNK, n, vrow.data(), d0, D, acc.data() + g * D);
+            else
+              value_tile<2>(s.data() + g * CHUNK, n, vrow.data(), d0, D, acc.data() + g * D);
+          }
       }
       for (int64_t g = 0; g < G; ++g) {
         S* o = op + (b * Hq + h * G + g) * D;
         const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * Dp + d] * inv);
+        for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * D + d] * inv);
         lp[b * Hq + h * G + g] = mx[g] + std::log(sum[g]);
       }
     }
   });
 }
 
-// The kernel for q's dtype, reading the cache through Rows<scalar_t> (RowsOf maps q's dtype to it).
+inline bool tiled_fits(const at::Tensor& q, const at::Tensor& k) {
+  return (q.size(1) / k.size(2)) % 4 == 0 && q.size(2) % 16 == 0;
+}
+
+// The kernel for q's dtype and head size, reading the cache through Rows<scalar_t> (RowsOf maps q's dtype to it).
 template <template <typename> class RowsOf>
 void dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ks, const float* vs,
               const at::Tensor& tables, const at::Tensor& ctx, int64_t window, double scale, at::Tensor& out,
               at::Tensor& lse) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t, RowsOf<scalar_t>>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+    using Rows = RowsOf<scalar_t>;
+    if (tiled_fits(q, k)) {
+      decode_tiled<scalar_t, Rows>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+      return;
+    }
+    switch (q.size(2)) {
+      case 64:
+        decode_kernel<scalar_t, Rows, 64>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+        break;
+      case 128:
+        decode_kernel<scalar_t, Rows, 128>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+        break;
+      default:
+        decode_kernel<scalar_t, Rows, 0>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+    }
   });
 }
 

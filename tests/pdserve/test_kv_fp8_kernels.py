@@ -38,8 +38,8 @@ def _reference(q, k8, v8, ks, vs, tables, ctx, window, scale):
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,window", [(64, None), (128, 5), (24, None)])
-@pytest.mark.parametrize("g", [3, 4])  # 4: the register-tiled loop (head sizes that are a multiple of 16)
+@pytest.mark.parametrize("head_dim,window", [(64, None), (128, 5), (24, None), (192, None)])
+@pytest.mark.parametrize("g", [3, 4])  # 4 heads of 192: the register-tiled loop
 def test_fp8_decode_kernel_matches_float64_reference(fp8, qdtype, head_dim, window, g):
     torch.manual_seed(1)
     nb, bs, hkv, b = 12, 4, 2, 4

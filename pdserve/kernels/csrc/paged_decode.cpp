@@ -165,7 +165,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   });
 }
 
-// Query groups of a multiple of 4 heads (MLA's heads over one latent row, MQA, GQA groups of 4+): one task per
+// Wide rows for query groups of a multiple of 4 heads (MLA's heads over one latent row): one task per
 // (sequence, KV head) walks the keys in chunks of CHUNK rows, scoring 4 heads x 3 rows and summing 4 heads x NV
 // vectors of values in registers with a softmax kept online (running max and sum rescaled per chunk), so each row
 // is converted once and read from L2 twice; the one-head-at-a-time loops above reload q or the sums per row.
@@ -322,8 +322,11 @@ void decode_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
+// Where the tiles win: rows wider than 128 columns (MLA's 576-wide latent), whose q and value sums outgrow L1, so
+// the one-head loop reloads them for every row (2-2.5x slower). At 64-128 columns the one-head loop with its
+// compile-time head size is as fast or faster (docs/performance.md, "Attention").
 inline bool tiled_fits(const at::Tensor& q, const at::Tensor& k) {
-  return (q.size(1) / k.size(2)) % 4 == 0 && q.size(2) % 16 == 0;
+  return (q.size(1) / k.size(2)) % 4 == 0 && q.size(2) % 16 == 0 && q.size(2) > 128;
 }
 
 // The kernel for q's dtype and head size, reading the cache through Rows<scalar_t> (RowsOf maps q's dtype to it).

@@ -408,39 +408,62 @@ def _split(steps: list[StepRecord]) -> dict[str, float]:
 
 
 # --- the step-time model ---
-def fit_step_model(points: list[list[StepRecord]]) -> dict[str, float] | None:
-    """Step seconds = a + b * batch + c * local KV tokens (per rank), fitted to each sweep point's mean step, mean
-    batch and mean local KV (a point's rate is its batch over its mean step; every point weighs the same however
-    many steps it ran) by non-negative least squares: no term of the step can cost less than nothing, and a
-    negative one fitted to noise would predict nonsense beyond the sweep (8 ranks)."""
-    rows, y = [], []
-    for steps in points:
-        sel = [s for s in steps if s.batch > 0]
-        if sel:
-            n = len(sel)
-            rows.append((1.0, sum(s.batch for s in sel) / n, sum(s.local_kv_tokens for s in sel) / n))
-            y.append(sum(s.dt for s in sel) / n)
-    if len(rows) < 3:
-        return None
+def _nnls(rows: list[tuple[float, ...]], y: list[float]) -> list[float] | None:
+    """Non-negative least squares for a few terms: the NNLS optimum is the least-squares fit on some subset of the
+    terms with no negative coefficient, so try every subset."""
     x = torch.tensor(rows, dtype=torch.float64)
     yt = torch.tensor(y, dtype=torch.float64).unsqueeze(1)
+    m = x.shape[1]
     best: tuple[float, list[float]] | None = None
-    # The NNLS optimum is the least-squares fit on some subset of the terms with no negative coefficient: try all.
-    for mask in range(1, 8):
-        cols = [j for j in range(3) if mask >> j & 1]
+    for mask in range(1, 1 << m):
+        cols = [j for j in range(m) if mask >> j & 1]
         sol = torch.linalg.lstsq(x[:, cols], yt).solution.squeeze(1).tolist()
         if min(sol) < 0:
             continue
-        coef = [0.0, 0.0, 0.0]
+        coef = [0.0] * m
         for j, v in zip(cols, sol):
             coef[j] = v
         resid = float(((x @ torch.tensor(coef, dtype=torch.float64).unsqueeze(1) - yt) ** 2).sum())
         if best is None or resid < best[0]:
             best = (resid, coef)
-    if best is None:
+    return None if best is None else best[1]
+
+
+def fit_step_model(points: list[list[StepRecord]]) -> dict[str, float] | None:
+    """Step seconds = a + b * batch + c * local KV tokens (per rank), fitted to each sweep point's mean step, batch
+    and local KV (a point's rate is its batch over its mean step; every point weighs the same however many steps it
+    ran), with no negative term: no part of a step costs less than nothing.
+
+    In a sweep whose prompts come from one distribution, KV grows with the batch, so the step time alone cannot tell
+    a per-sequence cost from a per-KV-token one. Where the driver timed its attention (the op-by-op path), c comes
+    from that time against the local KV and a, b from the rest of the step; else all three from the step
+    (``attention_timed`` 0: b and c then share what they cannot be told apart by)."""
+    pts = []
+    for steps in points:
+        sel = [s for s in steps if s.batch > 0]
+        if sel:
+            n = len(sel)
+            att = [s.parts.get("attention") for s in sel]
+            pts.append(
+                (
+                    sum(s.batch for s in sel) / n,
+                    sum(s.local_kv_tokens for s in sel) / n,
+                    sum(s.dt for s in sel) / n,
+                    None if None in att else sum(a for a in att if a is not None) / n,
+                )
+            )
+    if len(pts) < 3:
         return None
-    a, b, c = best[1]
-    return {"a_s": a, "b_s_per_seq": b, "c_s_per_kv_token": c}
+    if all(p[3] is not None for p in pts):
+        (c,) = _nnls([(k,) for _, k, _, _ in pts], [att for _, _, _, att in pts if att is not None]) or [0.0]
+        ab = _nnls([(1.0, b) for b, _, _, _ in pts], [dt - c * k for _, k, dt, _ in pts])
+        if ab is None:
+            return None
+        return {"a_s": ab[0], "b_s_per_seq": ab[1], "c_s_per_kv_token": c, "attention_timed": 1.0}
+    abc = _nnls([(1.0, b, k) for b, k, _, _ in pts], [dt for _, _, dt, _ in pts])
+    if abc is None:
+        return None
+    return {"a_s": abc[0], "b_s_per_seq": abc[1], "c_s_per_kv_token": abc[2], "attention_timed": 0.0}
 
 
 def predict_tok_s(model: dict[str, float], batch: float, local_kv_tokens: float) -> float:

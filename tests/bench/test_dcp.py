@@ -37,6 +37,20 @@ def test_step_model_recovers_a_linear_step_time():
     assert dcp.predict_tok_s(m, 8, 500) == pytest.approx(8 / (0.01 + 0.008 + 0.0005))
 
 
+def test_step_model_separates_batch_and_kv_costs_with_timed_attention():
+    # KV proportional to the batch, as in a sweep of one prompt distribution: the step alone cannot separate b from
+    # c, the driver's attention time can.
+    points = [
+        [dcp.StepRecord(0.0, 0.04 + 0.002 * b + 3e-6 * 700 * b, b, 700 * b, 0.0, {"attention": 3e-6 * 700 * b})]
+        for b in (4, 8, 16, 22)
+    ]
+    m = dcp.fit_step_model(points)
+    assert m is not None and m["attention_timed"] == 1.0
+    assert m["a_s"] == pytest.approx(0.04, rel=1e-6)
+    assert m["b_s_per_seq"] == pytest.approx(0.002, rel=1e-6)
+    assert m["c_s_per_kv_token"] == pytest.approx(3e-6, rel=1e-6)
+
+
 def test_step_model_never_fits_a_negative_term():
     # Steps that shrink as the batch grows (a machine whose share moved between points): least squares would give
     # the batch a negative cost; the fit drops that term instead and keeps every prediction positive.

@@ -633,7 +633,9 @@ def summarize(key: str, res: dict[str, Any], dcp_hi: int) -> tuple[list[dict[str
     if errs:
         ratios[f"{key}_step_model_max_error"] = max(errs)
     m = lo.get("step_model")
-    if m:
+    # Only a fit that tells per-sequence from per-KV-token costs apart (attention timed) says how 8x the requests
+    # would cost; the other's split between them is arbitrary.
+    if m and m.get("attention_timed"):
         # The TP-only fit carried to 8 ranks: DCP 8 holds 8x the requests in the same blocks. Each rank attends with
         # its whole DCP group's heads over 1/DCP of the tokens, so its attention FLOPs grow 8x with the batch while
         # the bytes it reads stay those of the TP-only pod: two bounds, by which of them the attention is bound by.

@@ -67,6 +67,54 @@ struct Fp8Rows {  // an 8-bit cache with one scale per (block, KV head) (pdserve
   }
 };
 
+// A (sequence, KV head) task's query rows in and its outputs and LSE out, shared by both kernels below: the G
+// query heads of KV head h are rows b * Hq + h * G + g of q, out and lse.
+template <typename T>
+struct GroupIO {
+  using S = storage_t<T>;
+  const S* q;
+  S* out;
+  float* lse;
+  int64_t Hq, G, D;
+
+  GroupIO(const at::Tensor& qt, at::Tensor& o, at::Tensor& l, int64_t groups)
+      : q(raw(qt.data_ptr<T>())),
+        out(raw(o.data_ptr<T>())),
+        lse(l.data_ptr<float>()),
+        Hq(qt.size(1)),
+        G(groups),
+        D(qt.size(2)) {}
+
+  int64_t row(int64_t b, int64_t h, int64_t g) const { return b * Hq + h * G + g; }
+
+  // A rank that holds none of the sequence's keys contributes nothing: zeros, LSE -inf.
+  void empty(int64_t b, int64_t h) const {
+    for (int64_t g = 0; g < G; ++g) {
+      S* o = out + row(b, h, g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(0.f);
+      lse[row(b, h, g)] = -std::numeric_limits<float>::infinity();
+    }
+  }
+
+  // qf [G, D]: the group's query rows as float, times the softmax scale.
+  void load_q(int64_t b, int64_t h, float sc, float* qf) const {
+    for (int64_t g = 0; g < G; ++g) {
+      const S* qg = q + row(b, h, g) * D;
+      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(qg[d]) * sc;
+    }
+  }
+
+  // The value sums acc [G, D] over their softmax sums, and each head's LSE from its running max mx.
+  void store(int64_t b, int64_t h, const float* acc, const float* mx, const float* sum) const {
+    for (int64_t g = 0; g < G; ++g) {
+      S* o = out + row(b, h, g) * D;
+      const float inv = 1.f / sum[g];
+      for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * D + d] * inv);
+      lse[row(b, h, g)] = mx[g] + std::log(sum[g]);
+    }
+  }
+};
+
 // HD > 0: the head size known at compile time (fully unrolled loops); 0: read from q. Rows: ModelDtypeRows or
 // Fp8Rows. ks / vs: float32 [blocks, KV heads] scales, or null (scale 1). Scores are (q . k_row) * k_scale and the
 // value sum weighs v_row by p * v_scale, so nothing is dequantised outside registers.
@@ -77,15 +125,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t B = q.size(0), Hq = q.size(1), D = HD > 0 ? HD : q.size(2);
   const int64_t bs = k.size(1), Hkv = k.size(2);
   const int64_t G = Hq / Hkv, W = tables.size(1);
-  using S = storage_t<T>;
   using E = typename Rows::E;
-  const S* qp = raw(q.data_ptr<T>());
+  const GroupIO<T> io(q, out, lse, G);
   const E* kp = static_cast<const E*>(k.data_ptr());
   const E* vp = static_cast<const E*>(v.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = ctx_lens.data_ptr<int64_t>();
-  S* op = raw(out.data_ptr<T>());
-  float* lp = lse.data_ptr<float>();
   const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -95,18 +140,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       const int64_t ctx = cp[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       const int64_t n = ctx - start;
-      if (n <= 0) {  // this rank holds none of the sequence's keys: contributes nothing
-        for (int64_t g = 0; g < G; ++g) {
-          S* o = op + (b * Hq + h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(0.f);
-          lp[b * Hq + h * G + g] = -std::numeric_limits<float>::infinity();
-        }
+      if (n <= 0) {
+        io.empty(b, h);
         continue;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const S* qg = qp + (b * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(qg[d]) * sc;
-      }
+      io.load_q(b, h, sc, qf.data());
       s.resize(G * n);
       const int64_t* table = tp + b * W;
       std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
@@ -155,12 +193,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        S* o = op + (b * Hq + h * G + g) * D;
-        const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * D + d] * inv);
-        lp[b * Hq + h * G + g] = mx[g] + std::log(sum[g]);
-      }
+      io.store(b, h, acc.data(), mx.data(), sum.data());
     }
   });
 }
@@ -220,7 +253,7 @@ inline void value_tile(const float* p, int64_t n, const float* const* rows, int6
     for (int j = 0; j < NV; ++j) store8(acc + g * D + d0 + 8 * j, a[g][j]);
 }
 
-// Same contract as decode_kernel; needs G % 4 == 0 and D % 16 == 0 (tiled_fits).
+// Same contract as decode_kernel; needs G % 4 == 0 and D % 16 == 0 (tiled_fits adds where it wins).
 template <typename T, typename Rows>
 void decode_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ksp, const float* vsp,
                   const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t window, double scale, at::Tensor& out,
@@ -228,16 +261,13 @@ void decode_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k.size(1), Hkv = k.size(2);
   const int64_t G = Hq / Hkv, W = tables.size(1);
-  using S = storage_t<T>;
   using E = typename Rows::E;
-  const S* qp = raw(q.data_ptr<T>());
+  const GroupIO<T> io(q, out, lse, G);
   const E* kp = static_cast<const E*>(k.data_ptr());
   const E* vp = static_cast<const E*>(v.data_ptr());
   const bool shared_kv = kp == vp && ksp == vsp;  // MLA: K and V are the same latent rows
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = ctx_lens.data_ptr<int64_t>();
-  S* op = raw(out.data_ptr<T>());
-  float* lp = lse.data_ptr<float>();
   const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
   const float sc = static_cast<float>(scale);
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -249,18 +279,11 @@ void decode_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t ctx = cp[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      if (ctx - start <= 0) {  // this rank holds none of the sequence's keys: contributes nothing
-        for (int64_t g = 0; g < G; ++g) {
-          S* o = op + (b * Hq + h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(0.f);
-          lp[b * Hq + h * G + g] = NEG_INF;
-        }
+      if (ctx - start <= 0) {
+        io.empty(b, h);
         continue;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const S* qg = qp + (b * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(qg[d]) * sc;
-      }
+      io.load_q(b, h, sc, qf.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(mx.begin(), mx.end(), NEG_INF);
       std::fill(sum.begin(), sum.end(), 0.f);
@@ -312,12 +335,7 @@ void decode_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               value_tile<2>(s.data() + g * CHUNK, n, vrow.data(), d0, D, acc.data() + g * D);
           }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        S* o = op + (b * Hq + h * G + g) * D;
-        const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[g * D + d] * inv);
-        lp[b * Hq + h * G + g] = mx[g] + std::log(sum[g]);
-      }
+      io.store(b, h, acc.data(), mx.data(), sum.data());
     }
   });
 }

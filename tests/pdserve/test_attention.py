@@ -132,9 +132,11 @@ def test_select_mla_backend_keeps_torch_off_cuda(caplog):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-# rows of up to 128 columns take the one-head loop; wider rows of groups of 4k heads the register tiles (16 or 24
-# columns per tile)
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 2, 64), (8, 2, 48), (16, 1, 576), (8, 2, 256), (6, 2, 20)])
+# heads of 64 and 128 columns take the 8-row score loop (several chunks of 64 / 32 rows, a last partial 8); other
+# sizes up to 128 the one-head loop; wider rows of groups of 4k heads the register tiles (16 or 24 columns per tile)
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(9, 3, 64), (16, 2, 64), (8, 1, 128), (8, 2, 48), (16, 1, 576), (8, 2, 256), (6, 2, 20)]
+)
 def test_cpu_decode_kernel_matches_the_torch_path(dtype, window, hq, hkv, d):
     """pdserve's C++ decode kernel (built on this machine) against the gather + flash path it replaces: scattered
     blocks, GQA groups, uneven contexts (several of the tiled loop's chunks), a sliding window, and a row with no

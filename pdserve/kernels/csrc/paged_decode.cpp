@@ -17,6 +17,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "convert.h"
 #include "ops.h"
 #include "exp_nonpositive.h"
@@ -61,8 +65,25 @@ template <int M>
 struct Fp8Rows {  // an 8-bit cache with one scale per (block, KV head) (pdserve/engine/kv_quant.py)
   using E = uint8_t;
   static const float* row(const E* src, float* buf, int64_t D) {
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) buf[d] = fp8_to_f<M>(src[d]);
+    int64_t d = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    // Through half precision: e5m2 is a half's high byte, e4m3 a half scaled by 2^-8. fp8 subnormals become half
+    // subnormals, which vcvtph2ps converts at full speed; the float route above makes float subnormals, and every
+    // multiply of one took a microcode assist (e4m3 decode attention 10-20% slower than bf16's).
+    for (; d + 16 <= D; d += 16) {
+      const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+      __m256i h;
+      if constexpr (M == 3)
+        h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                            _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+      else
+        h = _mm256_slli_epi16(w, 8);
+      const __m256 unbias = _mm256_set1_ps(M == 3 ? 0x1p8f : 1.f);
+      _mm256_storeu_ps(buf + d, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), unbias));
+      _mm256_storeu_ps(buf + d + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), unbias));
+    }
+#endif
+    for (; d < D; ++d) buf[d] = fp8_to_f<M>(src[d]);
     return buf;
   }
 };
@@ -340,9 +361,142 @@ void decode_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
+// One (sequence, KV head) task's K and V rows, fetched a chunk ahead of the chunk being converted: a task reads one
+// head's slice of each token row of scattered blocks, a pattern the hardware prefetchers do not follow (2x on
+// SmolLM2's heads at 8K keys; nothing on MLA's latent, whose whole rows stream: docs/performance.md "Attention").
+template <typename E>
+struct RowPrefetch {
+  const E *k, *v;
+  const int64_t* table;
+  int64_t bs, blk_stride, tok_stride, col, elems, ctx, t, blk, off;
+
+  RowPrefetch(const E* k_, const E* v_, const int64_t* table_, int64_t bs_, int64_t blk_stride_, int64_t tok_stride_,
+              int64_t col_, int64_t elems_, int64_t ctx_, int64_t start)
+      : k(k_), v(v_), table(table_), bs(bs_), blk_stride(blk_stride_), tok_stride(tok_stride_), col(col_),
+        elems(elems_), ctx(ctx_), t(start), blk(start / bs_), off(start - start / bs_ * bs_) {}
+
+  void next() {
+    if (t >= ctx) return;
+    const int64_t at = table[blk] * blk_stride + off * tok_stride + col;
+    pdserve_kernels::prefetch_rows(k + at, elems);
+    pdserve_kernels::prefetch_rows(v + at, elems);
+    ++t;
+    if (++off == bs) off = 0, ++blk;
+  }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Heads of 64 or 128 columns (Llama-style GQA and MQA). The one-head loop (decode_kernel) sums each (head, row) dot
+// to a scalar (a horizontal sum per dot) and converts every row twice; here one task per (sequence, KV head) walks
+// the keys in chunks (64 rows of 64 columns: K and V converted once into L1), scores 8 rows per head at a time into
+// one vector (8 accumulators, one transposing sum), keeps the softmax online, and sums values with the head's whole
+// row of sums in registers.
+inline __m256 sum8_each(const __m256* a) {  // [hsum(a[0]), ..., hsum(a[7])]
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <typename T, typename Rows, int64_t HD>
+void decode_rows8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ksp, const float* vsp,
+                  const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t window, double scale, at::Tensor& out,
+                  at::Tensor& lse) {
+  constexpr int64_t NV = HD / 8, R = 4096 / HD;  // vectors per row; rows per chunk (16 KB of float per plane)
+  const int64_t B = q.size(0), Hq = q.size(1);
+  const int64_t bs = k.size(1), Hkv = k.size(2);
+  const int64_t G = Hq / Hkv, W = tables.size(1);
+  using E = typename Rows::E;
+  const GroupIO<T> io(q, out, lse, G);
+  const E* kp = static_cast<const E*>(k.data_ptr());
+  const E* vp = static_cast<const E*>(v.data_ptr());
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx_lens.data_ptr<int64_t>();
+  const int64_t tok_stride = Hkv * HD, blk_stride = bs * Hkv * HD;
+  const float sc = static_cast<float>(scale);
+  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * HD), acc(G * HD), s(G * R), kbuf(R * HD), vbuf(R * HD);
+    std::vector<float> mx(G), sum(G), alpha(G), kscl(R + 8), vscl(R);
+    std::vector<const float*> krow(R + 8), vrow(R);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t ctx = cp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      if (ctx - start <= 0) {
+        io.empty(b, h);
+        continue;
+      }
+      io.load_q(b, h, sc, qf.data());
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(mx.begin(), mx.end(), NEG_INF);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      const int64_t* table = tp + b * W;
+      RowPrefetch<E> ahead{kp, vp, table, bs, blk_stride, tok_stride, h * HD, HD, ctx, start};
+      for (int64_t i = 0; i < R; ++i) ahead.next();
+      for (int64_t c0 = start; c0 < ctx; c0 += R) {
+        const int64_t n = std::min(R, ctx - c0), n8 = (n + 7) / 8 * 8;
+        int64_t blk = c0 / bs, off = c0 - blk * bs;
+        for (int64_t i = 0; i < n; ++i) {
+          ahead.next();
+          const int64_t at = table[blk] * blk_stride + off * tok_stride + h * HD;
+          krow[i] = Rows::row(kp + at, kbuf.data() + i * HD, HD);
+          vrow[i] = Rows::row(vp + at, vbuf.data() + i * HD, HD);
+          kscl[i] = ksp ? ksp[table[blk] * Hkv + h] : 1.f;
+          vscl[i] = vsp ? vsp[table[blk] * Hkv + h] : 1.f;
+          if (++off == bs) off = 0, ++blk;
+        }
+        for (int64_t i = n; i < n8; ++i) krow[i] = krow[0], kscl[i] = 0.f;  // a last partial 8: scored, not used
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * HD;
+          float* sg = s.data() + g * R;
+          __m256 m8 = _mm256_set1_ps(mx[g]);
+          for (int64_t i = 0; i < n8; i += 8) {
+            __m256 a[8];
+            for (int r = 0; r < 8; ++r) a[r] = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(krow[i + r]));
+            for (int64_t j = 1; j < NV; ++j) {
+              const __m256 qv = _mm256_loadu_ps(qg + 8 * j);
+              for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[i + r] + 8 * j), a[r]);
+            }
+            const __m256 sv = _mm256_mul_ps(sum8_each(a), _mm256_loadu_ps(kscl.data() + i));
+            _mm256_storeu_ps(sg + i, sv);
+            if (i + 8 <= n) m8 = _mm256_max_ps(m8, sv);
+          }
+          float m = mx[g];
+          for (int lane = 0; lane < 8; ++lane) m = std::max(m, m8[lane]);
+          for (int64_t i = n / 8 * 8; i < n; ++i) m = std::max(m, sg[i]);
+          alpha[g] = exp_nonpositive(mx[g] - m);  // exp(-inf) = 0 on the first chunk
+          float tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+          for (int64_t i = 0; i < n; ++i) {
+            const float e = exp_nonpositive(sg[i] - m);
+            tot += e;
+            sg[i] = e * vscl[i];
+          }
+          sum[g] = sum[g] * alpha[g] + tot;
+          mx[g] = m;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float* pg = s.data() + g * R;
+          float* ag = acc.data() + g * HD;
+          const __m256 al = _mm256_set1_ps(alpha[g]);
+          __m256 a[NV];
+          for (int64_t j = 0; j < NV; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * j), al);
+          for (int64_t i = 0; i < n; ++i) {
+            const __m256 p = _mm256_set1_ps(pg[i]);
+            for (int64_t j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow[i] + 8 * j), a[j]);
+          }
+          for (int64_t j = 0; j < NV; ++j) _mm256_storeu_ps(ag + 8 * j, a[j]);
+        }
+      }
+      io.store(b, h, acc.data(), mx.data(), sum.data());
+    }
+  });
+}
+#endif
+
 // Where the tiles win: rows wider than 128 columns (MLA's 576-wide latent), whose q and value sums outgrow L1, so
-// the one-head loop reloads them for every row (2-2.5x slower). At 64-128 columns the one-head loop with its
-// compile-time head size is as fast or faster (docs/performance.md, "Attention").
+// the one-head loop reloads them for every row (2-2.5x slower). At 64 and 128 columns the 8-row loop above wins
+// (docs/performance.md, "Attention").
 inline bool tiled_fits(const at::Tensor& q, const at::Tensor& k) {
   return (q.size(1) / k.size(2)) % 4 == 0 && q.size(2) % 16 == 0 && q.size(2) > 128;
 }
@@ -359,12 +513,21 @@ void dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
       return;
     }
     switch (q.size(2)) {
+#if defined(__AVX2__) && defined(__FMA__)
+      case 64:
+        decode_rows8<scalar_t, Rows, 64>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+        break;
+      case 128:
+        decode_rows8<scalar_t, Rows, 128>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
+        break;
+#else
       case 64:
         decode_kernel<scalar_t, Rows, 64>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
         break;
       case 128:
         decode_kernel<scalar_t, Rows, 128>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
         break;
+#endif
       default:
         decode_kernel<scalar_t, Rows, 0>(q, k, v, ks, vs, tables, ctx, window, scale, out, lse);
     }

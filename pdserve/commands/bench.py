@@ -53,6 +53,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve, interference: the conditional side's router threshold (default: auto, from the decode pod's "
         "measured step times; the JSON records what the router chose)",
     )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        metavar="DTYPE",
+        help="engine, peer: only these model dtypes (float32, bfloat16; peer also int8), default all of them",
+    )
     p.add_argument("--chaos", action="store_true", help="soak: inject faults (kills, freezes, KV path drops) in load")
     p.add_argument(
         "--int8-from-gguf",
@@ -92,8 +98,10 @@ def run_bench(args: argparse.Namespace) -> int:
         kw["device"] = args.device
     params = inspect.signature(module.run).parameters
     # only some benchmarks take these
-    for opt in ("out", "goodput", "endpoint", "rates", "local_prefill_max_tokens", "int8_from_gguf"):
+    for opt in ("out", "goodput", "endpoint", "rates", "local_prefill_max_tokens", "int8_from_gguf", "dtypes"):
         value = getattr(args, opt, None)
+        if opt == "dtypes" and value:
+            value = tuple(value)
         given = value is not None and value != []  # a threshold of 0 is given too
         if given and opt != "out" and opt not in params:
             print(f"benchmark {args.name!r} takes no --{opt.replace('_', '-')}")

@@ -399,33 +399,22 @@ def _ask_france(up: UpProcess) -> str:
 
 
 @pytest.mark.slow
-def test_default_model_answers_the_capital_of_france(tmp_path):
-    """`pdserve up` with no topology flags: SmolLM2-135M-Instruct, decode laid out as Topology chooses here."""
+def test_default_model_answers_and_a_dcp_decode_pod_gives_the_same_answer(tmp_path):
+    """`pdserve up` with no topology flags: SmolLM2-135M-Instruct, decode laid out as Topology chooses here (TP 1 on
+    small machines); then TP 9 x DCP 3 (each rank holds a third of the tokens): the same greedy text."""
     from pdserve.cluster.topology import Topology
 
-    want = Topology().resolve().decode[0]
-    with UpProcess(["--port", "0", "--http-port", "0"], log_dir=tmp_path / "logs", startup_timeout=900) as up:
-        pods = {p["name"]: p for p in up.info["pods"]}
-        got = pods["decode-0"]
-        assert (got["tensor_parallel_size"], got["decode_context_parallel_size"]) == (
-            want.tensor_parallel_size,
-            want.decode_context_parallel_size,
-        )
-        _ask_france(up)
-    assert up.wait_all_gone(10) == []
-
-
-@pytest.mark.slow
-def test_dcp_decode_pod_gives_the_same_answer(tmp_path):
-    """TP 9 x DCP 3 (each rank holds a third of the tokens) against a TP 1 decode pod: the same greedy text."""
+    default = Topology().resolve().decode[0]
+    layouts = [([], (default.tensor_parallel_size, default.decode_context_parallel_size))]
+    layouts.append((["--decode-tp", "9", "--decode-dcp", "3"], (9, 3)))
+    assert layouts[0][1] != layouts[1][1]
     texts = []
-    for tp, dcp in ((1, 1), (9, 3)):
+    for flags, (tp, dcp) in layouts:
         with UpProcess(
-            ["--port", "0", "--http-port", "0", "--decode-tp", str(tp), "--decode-dcp", str(dcp)],
-            log_dir=tmp_path / f"logs-{tp}",
-            startup_timeout=900,
+            ["--port", "0", "--http-port", "0", *flags], log_dir=tmp_path / f"logs-{tp}x{dcp}", startup_timeout=900
         ) as up:
-            assert {p["name"]: p for p in up.info["pods"]}["decode-0"]["decode_context_parallel_size"] == dcp
+            got = {p["name"]: p for p in up.info["pods"]}["decode-0"]
+            assert (got["tensor_parallel_size"], got["decode_context_parallel_size"]) == (tp, dcp)
             texts.append(_ask_france(up))
         assert up.wait_all_gone(10) == []
     assert texts[0] == texts[1]

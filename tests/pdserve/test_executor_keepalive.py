@@ -49,9 +49,9 @@ def _idle(ex: Executor, seconds: float, keepalive: bool) -> None:
 
 
 def test_idle_driver_keepalive_keeps_ranks_alive(executor):
-    """Idle for 3x the group's timeout while the driver's loop calls keepalive(): the rank is still alive and the
+    """Idle for twice the group's timeout while the driver's loop calls keepalive(): the rank is still alive and the
     next call on every rank works (each rank answers its own tp_rank)."""
-    _idle(executor, 3 * TIMEOUT_S, keepalive=True)
+    _idle(executor, 2 * TIMEOUT_S, keepalive=True)
     assert executor.workers_alive()
     assert executor.call_all_ranks(operator.attrgetter("ps.tp_rank")) == [0, 1]
 
@@ -61,7 +61,7 @@ def test_idle_driver_without_keepalive_loses_its_gloo_ranks_not_its_shm_ranks(ex
     the waiting rank's collective times out and the rank process exits (a decode / prefill pod with TP > 1 that
     sat idle for the timeout would be broken). Over shared memory the same idle period costs nothing: the ranks
     sleep until the next step and answer it."""
-    _idle(executor, 3 * TIMEOUT_S, keepalive=False)
+    _idle(executor, 2 * TIMEOUT_S, keepalive=False)
     if executor.collectives == "shm":
         assert executor.workers_alive()
         assert executor.call_all_ranks(operator.attrgetter("ps.tp_rank")) == [0, 1]

@@ -8,7 +8,7 @@ rank ever runs a request whose KV landed on only some of them. A load is
 
   landed   when every rank wrote its share and the checksums (when on) match: the request joins the batch;
   failed   as soon as one rank could not: the request fails at once with that rank's status, and the other ranks
-           are told to stop.
+           are told to stop (a rank that found the lease freed waits for the others: it may only echo their cause).
 
 A load given up (failed, or cancelled) leaves the engine at once (``LLMEngine.detach``: the request id is free
 again) but keeps its blocks until the transfer thread of every rank stopped writing into them ("draining"); only
@@ -22,6 +22,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import grpc
 
 from decode_svc.kv_source import (
     KVDeliveryError,
@@ -37,6 +39,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger("decode_svc.kv_loads")
+
+# The statuses a rank's pull ends with when another rank's failure ended the lease or the load (see _error_of).
+_ECHOES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED)
 
 
 @dataclass
@@ -143,10 +148,17 @@ class KVLoads:
 
     def _error_of(self, ld: Load) -> KVDeliveryError | None:
         """Why ld failed, as far as the shares in so far say (a rank that could not, or, once every rank is in,
-        checksums that differ); None when nothing failed yet."""
-        for rank, share in sorted(ld.shares.items()):
-            if isinstance(share, BaseException):
-                return rank_failure(rank, share)
+        checksums that differ); None when nothing failed yet.
+
+        A rank that found the lease freed or was told to stop (FAILED_PRECONDITION, CANCELLED) may only echo
+        another rank's failure: when one rank gives up, the prefill pod frees the lease under the others. So such a
+        failure decides only once every rank is in, and any other rank's failure is the request's status."""
+        failures = [rank_failure(r, s) for r, s in sorted(ld.shares.items()) if isinstance(s, BaseException)]
+        first_cause = next((e for e in failures if e.code not in _ECHOES), None)
+        if first_cause is not None:
+            return first_cause
+        if failures:
+            return failures[0] if len(ld.shares) == self.tp_size else None
         if len(ld.shares) == self.tp_size and getattr(ld.source, "checksums", None):
             try:
                 check_checksums(ld.source, [s[1] for s in ld.shares.values() if isinstance(s, tuple)])

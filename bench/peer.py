@@ -48,6 +48,7 @@ INT8_DTYPE = "float32"
 # pdserve's int8 sides and their tags in the rows and ratios: the W8A8 checkpoint vLLM loads, and Q8_0 at load.
 INT8_SIDES = {"pdserve": "int8", "pdserve_q8_0": "int8_q8_0"}
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
+DTYPES = ("float32", "bfloat16", "int8")  # the rows a run has, unless `--dtypes` picks some
 
 
 class PeerUnavailable(BenchUnavailable):
@@ -346,10 +347,10 @@ def _int8(
             side.close()
 
 
-def run(quick: bool = False, dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8")) -> dict[str, Any]:
-    unknown = sorted(set(dtypes) - {"float32", "bfloat16", "int8"})
+def run(quick: bool = False, dtypes: tuple[str, ...] = DTYPES) -> dict[str, Any]:
+    unknown = sorted(set(dtypes) - set(DTYPES))
     if unknown:
-        raise ValueError(f"unknown dtype(s) {unknown}: pass some of float32, bfloat16, int8")
+        raise ValueError(f"unknown dtype(s) {unknown}: pass some of {list(DTYPES)}")
     python = ensure_vllm()
     model = str(ensure_default_model())
     with open(Path(model) / "config.json") as f:

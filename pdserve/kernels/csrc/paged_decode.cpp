@@ -108,6 +108,23 @@ struct GroupIO {
 
   int64_t row(int64_t b, int64_t h, int64_t g) const { return b * Hq + h * G + g; }
 
+  // Task `item` = (sequence b, KV head h), Hkv tasks per sequence: its keys [start, ctx) (the window's), with the
+  // group's q rows loaded into qf times the softmax scale sc; or false, its outputs empty, where there are none.
+  struct Task {
+    int64_t b, h, start, ctx;
+  };
+  bool begin(int64_t item, int64_t Hkv, const int64_t* ctx_lens, int64_t window, float sc, float* qf,
+             Task& t) const {
+    t.b = item / Hkv, t.h = item % Hkv, t.ctx = ctx_lens[t.b];
+    t.start = window > 0 ? std::max<int64_t>(0, t.ctx - window) : 0;
+    if (t.ctx - t.start <= 0) {
+      empty(t.b, t.h);
+      return false;
+    }
+    load_q(t.b, t.h, sc, qf);
+    return true;
+  }
+
   // A rank that holds none of the sequence's keys contributes nothing: zeros, LSE -inf.
   void empty(int64_t b, int64_t h) const {
     for (int64_t g = 0; g < G; ++g) {
@@ -157,15 +174,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), s, row_buf(D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t ctx = cp[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      typename GroupIO<T>::Task task;
+      if (!io.begin(item, Hkv, cp, window, sc, qf.data(), task)) continue;
+      const auto [b, h, start, ctx] = task;
       const int64_t n = ctx - start;
-      if (n <= 0) {
-        io.empty(b, h);
-        continue;
-      }
-      io.load_q(b, h, sc, qf.data());
       s.resize(G * n);
       const int64_t* table = tp + b * W;
       std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
@@ -297,14 +309,9 @@ void decode_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     std::vector<float> mx(G), sum(G), kscl(CHUNK), vscl(CHUNK);
     std::vector<const float*> krow(CHUNK), vrow(CHUNK);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t ctx = cp[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      if (ctx - start <= 0) {
-        io.empty(b, h);
-        continue;
-      }
-      io.load_q(b, h, sc, qf.data());
+      typename GroupIO<T>::Task task;
+      if (!io.begin(item, Hkv, cp, window, sc, qf.data(), task)) continue;
+      const auto [b, h, start, ctx] = task;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(mx.begin(), mx.end(), NEG_INF);
       std::fill(sum.begin(), sum.end(), 0.f);
@@ -419,14 +426,9 @@ void decode_rows8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     std::vector<float> mx(G), sum(G), alpha(G), kscl(R + 8), vscl(R);
     std::vector<const float*> krow(R + 8), vrow(R);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t ctx = cp[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      if (ctx - start <= 0) {
-        io.empty(b, h);
-        continue;
-      }
-      io.load_q(b, h, sc, qf.data());
+      typename GroupIO<T>::Task task;
+      if (!io.begin(item, Hkv, cp, window, sc, qf.data(), task)) continue;
+      const auto [b, h, start, ctx] = task;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(mx.begin(), mx.end(), NEG_INF);
       std::fill(sum.begin(), sum.end(), 0.f);
